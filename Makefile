@@ -1,0 +1,30 @@
+# Both targets work from a fresh clone: they create .venv and install into it.
+PY ?= python3
+VENV := .venv
+PIP := $(VENV)/bin/pip
+# The CPU wheel of torch first: a plain `torch` requirement would pull a multi-GB CUDA build.
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: install demo test lint clean
+
+$(VENV)/.installed: pyproject.toml constraints.txt
+	$(PY) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q "$(TORCH_SPEC)"
+	$(PIP) install -q -c constraints.txt -e ".[dev]"
+	touch $@
+
+install: $(VENV)/.installed
+
+demo: install
+	$(VENV)/bin/moerl demo
+
+test: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/python -m pytest -q
+
+lint: install
+	$(VENV)/bin/ruff check .
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info
