@@ -1,0 +1,53 @@
+"""Validation of a Hugging Face format SFT checkpoint before it enters a run.
+
+Only config.json, the tokenizer and the safetensors headers are read, so a multi-hundred-GB
+checkpoint validates in seconds (steps.model.check_checkpoint does the tensor part).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tokenizers import Tokenizer
+
+from steps.errors import MoerlError
+from steps.model import PICKLE_WEIGHT_SUFFIXES, MoeConfig, check_checkpoint
+
+TOKENIZER_FILE = "tokenizer.json"
+
+
+def refuse_pickled(names: list[str], where: str) -> None:
+    """Weights that exist only as pickles are refused: unpickling can run arbitrary code."""
+    if any(n.endswith(".safetensors") for n in names):
+        return
+    pickled = sorted(n for n in names if Path(n).suffix in PICKLE_WEIGHT_SUFFIXES)
+    if pickled:
+        raise MoerlError(
+            f"{where}: weights are pickled ({', '.join(pickled[:3])}); moerl reads safetensors only — convert "
+            "them in an environment you trust: AutoModelForCausalLM.from_pretrained(dir).save_pretrained(out)"
+        )
+
+
+def check_tokenizer(directory: Path, config: MoeConfig) -> None:
+    path = Path(directory) / TOKENIZER_FILE
+    if not path.is_file():
+        raise MoerlError(
+            f"{directory}: missing {TOKENIZER_FILE}; save the tokenizer beside the weights "
+            "(tokenizer.save_pretrained(dir))"
+        )
+    try:
+        vocab = Tokenizer.from_file(str(path)).get_vocab_size(with_added_tokens=True)
+    except Exception as err:  # tokenizers raises a bare Exception on malformed JSON
+        raise MoerlError(f"{path}: unreadable tokenizer ({err}); save it again with save_pretrained") from err
+    if vocab > config.vocab_size:
+        raise MoerlError(
+            f"{path}: the tokenizer has {vocab} tokens but config.json has vocab_size {config.vocab_size}; "
+            "they must come from the same checkpoint"
+        )
+
+
+def validate_checkpoint_dir(directory: Path) -> MoeConfig:
+    """Check that `directory` is a complete Qwen3-MoE checkpoint moerl can train; return its config."""
+    config = check_checkpoint(directory)
+    check_tokenizer(directory, config)
+    return config

@@ -1,0 +1,81 @@
+"""Step import-sft: validate an SFT checkpoint and publish it as v000000 of the run.
+
+    python -m steps.import_sft --src URI --run URI [--run-config-json JSON]
+
+Idempotent: a second call with the same checkpoint changes nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+
+from steps import checkpoint
+from steps.errors import MoerlError, run_cli
+from steps.hf_format import refuse_pickled, validate_checkpoint_dir
+from steps.model import PICKLE_WEIGHT_SUFFIXES
+from steps.store import Store
+
+RUN_CONFIG = "run.json"
+
+
+def fetch_checkpoint(src: Store, local_dir: Path) -> None:
+    """Copy an HF checkpoint from any store URI, leaving pickled weight files behind."""
+    names = src.list()
+    if not names:
+        raise MoerlError(f"{src.uri}: no files there; point --src at an HF-format checkpoint directory")
+    if "config.json" not in names:
+        raise MoerlError(f"{src.uri}: missing config.json; an HF-format checkpoint directory is required")
+    refuse_pickled(names, src.uri)
+    for name in names:
+        if Path(name).suffix not in PICKLE_WEIGHT_SUFFIXES:
+            (local_dir / name).parent.mkdir(parents=True, exist_ok=True)
+            src.get_file(name, local_dir / name)
+
+
+def write_run_config(run: Store, config_json: str) -> None:
+    """run.json is written once; a different config for an existing run is refused, not overwritten."""
+    try:
+        config = json.loads(config_json)
+    except ValueError as err:
+        raise MoerlError(f"--run-config-json: not valid JSON ({err})") from err
+    text = json.dumps(config, indent=2, sort_keys=True) + "\n"
+    if run.exists(RUN_CONFIG):
+        if json.loads(run.get_bytes(RUN_CONFIG)) != config:
+            raise MoerlError(
+                f"{run.url(RUN_CONFIG)} already holds a different config; a run keeps its config — "
+                "use a new run store URI for a new config"
+            )
+        return
+    run.put_bytes(RUN_CONFIG, text.encode())
+
+
+def import_sft(src_uri: str, run_uri: str, run_config_json: str | None = None) -> checkpoint.Manifest:
+    src, run = Store.open(src_uri), Store.open(run_uri)
+    src.check_access()
+    run.check_access()
+    with tempfile.TemporaryDirectory(prefix="moerl-import-") as tmp:
+        local = Path(tmp)
+        fetch_checkpoint(src, local)
+        validate_checkpoint_dir(local)
+        if run_config_json is not None:
+            write_run_config(run, run_config_json)
+        return checkpoint.publish_dir(run, local, version=0, parent=None, iteration=0)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(prog="python -m steps.import_sft", description=__doc__.splitlines()[0])
+    parser.add_argument("--src", required=True, help="SFT checkpoint: local dir, file:// or s3:// URI (HF format)")
+    parser.add_argument("--run", required=True, help="run store URI (file://, plain path or s3://bucket/prefix)")
+    parser.add_argument("--run-config-json", help="resolved run config to store as <run>/run.json")
+    args = parser.parse_args()
+    manifest = import_sft(args.src, args.run, args.run_config_json)
+    print(f"imported {args.src} as {checkpoint.version_name(manifest.version)} of {args.run} "
+          f"({len(manifest.files)} files)")
+    return 0
+
+
+if __name__ == "__main__":
+    run_cli(main)

@@ -1,0 +1,814 @@
+"""The policy model: a Qwen3-MoE decoder in plain PyTorch, matching transformers' Qwen3MoeForCausalLM.
+
+Read top to bottom: config (MoeConfig), building blocks (RMSNorm, RoPE, attention, dense MLP), the decoder and
+the causal LM, the batched KV cache, then checkpoint I/O in Hugging Face format (config.json + safetensors,
+per-expert tensor names exactly as `Qwen3MoeForCausalLM.save_pretrained` writes them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from steps.errors import MoerlError
+from steps.moe import MoeBlock
+
+CONFIG_NAME = "config.json"
+GENERATION_CONFIG_NAME = "generation_config.json"
+SAFE_WEIGHTS_NAME = "model.safetensors"
+SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
+PICKLE_WEIGHT_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
+LOADABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+
+# ----------------------------------------------------------------------------------------------------
+# Config
+# ----------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class MoeConfig:
+    """Qwen3-MoE hyper-parameters, under the names config.json uses (Qwen3MoeConfig)."""
+
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    intermediate_size: int = 0  # the dense MLP of layers that are not sparse; 0 when every layer is MoE
+    head_dim: int | None = None  # None -> hidden_size // num_attention_heads, as transformers does
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: list[int] = field(default_factory=list)
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 32768
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    initializer_range: float = 0.02
+    router_aux_loss_coef: float = 0.001
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    pad_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if isinstance(self.mlp_only_layers, tuple):
+            self.mlp_only_layers = list(self.mlp_only_layers)
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """As Qwen3MoeDecoderLayer: sparse unless listed in mlp_only_layers or off the sparse step."""
+        return (
+            layer not in self.mlp_only_layers
+            and self.num_experts > 0
+            and (layer + 1) % self.decoder_sparse_step == 0
+        )
+
+    def to_hf_dict(self, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+        """config.json content that transformers (v4 and v5) and SGLang load as Qwen3MoeForCausalLM."""
+        dtype_name = str(dtype).removeprefix("torch.")
+        d: dict[str, Any] = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe"}
+        d.update(dataclasses.asdict(self))
+        d.update(
+            {
+                "hidden_act": "silu",
+                "attention_dropout": 0.0,
+                "use_sliding_window": False,
+                "sliding_window": None,
+                "max_window_layers": self.num_hidden_layers,
+                "rope_scaling": None,  # v4 readers (SGLang) read rope_theta + rope_scaling
+                "rope_parameters": {"rope_theta": self.rope_theta, "rope_type": "default"},  # v5 readers
+                "use_cache": True,
+                "output_router_logits": False,
+                "dtype": dtype_name,
+                "torch_dtype": dtype_name,
+            }
+        )
+        return d
+
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any], source: str = CONFIG_NAME) -> MoeConfig:
+        """Validate a Hugging Face config.json dict (`source` names it in errors) and build the config."""
+        model_type = d.get("model_type")
+        num_experts = d.get("num_experts", d.get("num_local_experts"))
+        if model_type != "qwen3_moe" or not num_experts:
+            what = f"model_type {model_type!r}" if model_type != "qwen3_moe" else "no experts (num_experts 0)"
+            raise MoerlError(
+                f"{source}: {what}, architectures {d.get('architectures')}: moerl needs a Qwen3-MoE "
+                "checkpoint (model_type 'qwen3_moe', Qwen3MoeForCausalLM with num_experts > 0); "
+                "dense models are not supported"
+            )
+
+        def unsupported(name: str, why: str) -> MoerlError:
+            return MoerlError(f"{source}: {name} = {d.get(name)!r} is not supported by moerl ({why})")
+
+        if d.get("quantization_config"):
+            raise unsupported("quantization_config", "use an unquantized F32/BF16/F16 checkpoint")
+        rope_scaling = d.get("rope_scaling")
+        if rope_scaling and _rope_type(rope_scaling) != "default":
+            raise unsupported("rope_scaling", "only default RoPE; set it to null")
+        rope_parameters = d.get("rope_parameters") or {}
+        if rope_parameters and _rope_type(rope_parameters) != "default":
+            raise MoerlError(
+                f"{source}: rope_parameters.rope_type {_rope_type(rope_parameters)!r} is not supported "
+                "by moerl (only default RoPE)"
+            )
+        if d.get("use_sliding_window"):
+            raise unsupported("use_sliding_window", "sliding-window attention is not implemented")
+        if d.get("hidden_act", "silu") != "silu":
+            raise unsupported("hidden_act", "Qwen3-MoE experts use silu")
+        if d.get("attention_dropout", 0.0):
+            raise unsupported("attention_dropout", "set it to 0.0")
+
+        required = [
+            "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+            "num_experts_per_tok", "moe_intermediate_size",
+        ]  # fmt: skip
+        missing = [name for name in required if d.get(name) is None]
+        if missing:
+            raise MoerlError(f"{source}: missing required Qwen3-MoE fields {missing}; fix config.json")
+
+        names = {f.name for f in dataclasses.fields(cls)}
+        kwargs = {k: v for k, v in d.items() if k in names and v is not None}
+        kwargs["num_experts"] = num_experts
+        kwargs["rope_theta"] = d.get("rope_theta") or rope_parameters.get("rope_theta") or 10000.0
+        for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            kwargs[name] = d.get(name)
+        cfg = cls(**kwargs)
+        cfg.validate(source)
+        return cfg
+
+    def validate(self, source: str = CONFIG_NAME) -> None:
+        """Check that the sizes are consistent; raise MoerlError naming the field otherwise."""
+
+        def bad(msg: str) -> MoerlError:
+            return MoerlError(f"{source}: {msg}; fix config.json")
+
+        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                     "head_dim", "decoder_sparse_step"):  # fmt: skip
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise bad(f"{name} = {value!r} must be a positive integer")
+        if self.num_experts_per_tok > self.num_experts:
+            raise bad(
+                f"num_experts_per_tok = {self.num_experts_per_tok} exceeds num_experts = {self.num_experts}"
+            )
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise bad(
+                f"num_attention_heads = {self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads = {self.num_key_value_heads}"
+            )
+        assert self.head_dim is not None
+        if self.head_dim % 2:
+            raise bad(f"head_dim = {self.head_dim} must be even for rotary embeddings")
+        if not isinstance(self.mlp_only_layers, list):
+            raise bad(f"mlp_only_layers = {self.mlp_only_layers!r} must be a list of layer indices")
+        layers = range(self.num_hidden_layers)
+        bad_layers = [i for i in self.mlp_only_layers if not (isinstance(i, int) and i in layers)]
+        if bad_layers:
+            raise bad(f"mlp_only_layers {bad_layers} outside [0, num_hidden_layers={self.num_hidden_layers})")
+        dense = [i for i in range(self.num_hidden_layers) if not self.is_moe_layer(i)]
+        if dense and self.intermediate_size < 1:
+            raise bad(
+                f"layers {dense} are dense (mlp_only_layers / decoder_sparse_step) but "
+                f"intermediate_size = {self.intermediate_size}"
+            )
+        for name in ("rms_norm_eps", "rope_theta"):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or isinstance(value, bool) or not value > 0:
+                raise bad(f"{name} = {value!r} must be a number > 0")
+        for name in ("norm_topk_prob", "tie_word_embeddings", "attention_bias"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(f"{name} = {getattr(self, name)!r} must be true or false")
+
+
+def _rope_type(rope: object) -> str:
+    if not isinstance(rope, dict):
+        return repr(rope)
+    return rope.get("rope_type", rope.get("type", "default"))
+
+
+def load_config(directory: str | os.PathLike) -> MoeConfig:
+    """Read and validate <directory>/config.json."""
+    path = Path(directory) / CONFIG_NAME
+    if not path.is_file():
+        raise MoerlError(
+            f"{directory}: no {CONFIG_NAME}; a model checkpoint is a Hugging Face model directory "
+            "(config.json + *.safetensors, as save_pretrained writes it)"
+        )
+    try:
+        d = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise MoerlError(f"{path}: not valid JSON ({err}); fix or re-export the config") from err
+    if not isinstance(d, dict):
+        raise MoerlError(f"{path}: expected a JSON object; fix or re-export the config")
+    return MoeConfig.from_hf_dict(d, source=str(path))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Building blocks
+# ----------------------------------------------------------------------------------------------------
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, computed in fp32 and cast back before the weight (as Qwen3MoeRMSNorm)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.to(torch.float32)
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rotary_cos_sin(
+    positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions [B, T] -> cos, sin [B, T, head_dim], computed in fp32 (both halves share the frequencies)."""
+    inv_freq = 1.0 / (
+        theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float() / head_dim)
+    )
+    freqs = positions[..., None].float() * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, heads, T, D]; cos/sin [B, T, D]."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return x * cos + rotate_half(x) * sin
+
+
+class Attention(nn.Module):
+    """Grouped-query attention with per-head RMSNorm on q and k (before RoPE), as Qwen3MoeAttention."""
+
+    def __init__(self, cfg: MoeConfig, layer_idx: int) -> None:
+        super().__init__()
+        assert cfg.head_dim is not None
+        self.layer_idx = layer_idx
+        self.head_dim = cfg.head_dim
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.scaling = self.head_dim**-0.5
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=bias)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor,
+        kv_cache: KVCache | None,
+    ) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(batch, seq, self.num_heads, self.head_dim)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(x).view(batch, seq, self.num_kv_heads, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if kv_cache is not None:
+            k, v = kv_cache.write(self.layer_idx, k, v)
+        # Expand the kv heads to the query heads: with a mask, SDPA's GQA mode falls back to the math kernel
+        # on CUDA, while expanded k/v run in the memory-efficient kernel.
+        groups = self.num_heads // self.num_kv_heads
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class DenseMLP(nn.Module):
+    """SwiGLU MLP of the layers that are not sparse (Qwen3MoeMLP)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: MoeConfig, layer_idx: int, expert_range: tuple[int, int] | None) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg, layer_idx)
+        self.mlp: nn.Module
+        if cfg.is_moe_layer(layer_idx):
+            self.mlp = MoeBlock(
+                cfg.hidden_size,
+                cfg.moe_intermediate_size,
+                cfg.num_experts,
+                cfg.num_experts_per_tok,
+                cfg.norm_topk_prob,
+                expert_range,
+            )
+        else:
+            self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor,
+        kv_cache: KVCache | None,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, kv_cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class MoeModel(nn.Module):
+    """The decoder stack; its attribute names give the `model.` prefix of the checkpoint tensor names."""
+
+    def __init__(self, cfg: MoeConfig, expert_range: tuple[int, int] | None) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, padding_idx=cfg.pad_token_id)
+        self.layers = nn.ModuleList(
+            [DecoderLayer(cfg, layer, expert_range) for layer in range(cfg.num_hidden_layers)]
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class MoeForCausalLM(nn.Module):
+    """Qwen3-MoE causal LM. state_dict() keys are the tensor names of a Hugging Face Qwen3-MoE checkpoint.
+
+    expert_range=(first, end) builds a model that holds only experts [first, end) of every MoE layer (one
+    expert-parallel rank); their names keep the global index, so its state_dict is a subset of the full one.
+    """
+
+    def __init__(self, config: MoeConfig, expert_range: tuple[int, int] | None = None) -> None:
+        super().__init__()
+        config.validate()
+        self.config = config
+        self.expert_range = expert_range
+        self.model = MoeModel(config, expert_range)
+        # Tied: logits use the embedding matrix and no lm_head.weight exists (save_pretrained omits it too).
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """As transformers: normal(0, initializer_range) for linear/embedding/router, ones for norms."""
+        std = self.config.initializer_range
+        for module in self.modules():
+            if isinstance(module, nn.Linear | nn.Embedding):
+                module.weight.normal_(0.0, std)
+                if isinstance(module, nn.Linear) and module.bias is not None:
+                    module.bias.zero_()
+                if isinstance(module, nn.Embedding) and module.padding_idx is not None:
+                    module.weight[module.padding_idx].zero_()
+            elif isinstance(module, RMSNorm):
+                module.weight.fill_(1.0)
+
+    def moe_blocks(self) -> list[MoeBlock]:
+        return [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, MoeBlock)]
+
+    def set_dispatch(self, dispatch: object) -> None:
+        """Use `dispatch` (an ExpertDispatch) for the experts of every MoE layer."""
+        for block in self.moe_blocks():
+            block.dispatch = dispatch  # type: ignore[assignment]
+
+    def new_kv_cache(self, batch_size: int, max_len: int) -> KVCache:
+        p = self.model.embed_tokens.weight
+        return KVCache(self.config, batch_size, max_len, dtype=p.dtype, device=p.device)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        kv_cache: KVCache | None = None,
+    ) -> torch.Tensor:
+        """input_ids [B, T] -> logits [B, T, V] in float32.
+
+        attention_mask [B, T] marks the real tokens (1) and the padding (0) of *these* T tokens; prompts are
+        left-padded, and positions count real tokens only. With a kv_cache the T tokens are appended after
+        the cached ones and attend to them; the cache remembers which cached slots were padding.
+        """
+        batch, seq = input_ids.shape
+        device = input_ids.device
+        if attention_mask is None:
+            new_valid = torch.ones(batch, seq, dtype=torch.bool, device=device)
+        else:
+            if attention_mask.shape != input_ids.shape:
+                raise ValueError(
+                    f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape {(batch, seq)}; "
+                    "with a kv_cache pass the mask of the new tokens only"
+                )
+            new_valid = attention_mask.to(torch.bool)
+
+        if kv_cache is None:
+            start = 0
+            past_positions = torch.zeros(batch, dtype=torch.long, device=device)
+            key_valid = new_valid
+        else:
+            start = kv_cache.length
+            past_positions = kv_cache.next_position
+            key_valid = kv_cache.append_valid(new_valid)
+        # Left padding: a row's first real token gets position 0; padding gets 0 too (it is masked anyway).
+        positions = (past_positions[:, None] + new_valid.long().cumsum(dim=1) - 1).clamp(min=0)
+        mask = attention_mask_for(key_valid, start, seq)
+
+        x = self.model.embed_tokens(input_ids)
+        assert self.config.head_dim is not None
+        cos, sin = rotary_cos_sin(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, mask, kv_cache)
+        x = self.model.norm(x)
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        if kv_cache is not None:
+            kv_cache.advance(new_valid)
+        return F.linear(x, weight).float()
+
+
+def attention_mask_for(key_valid: torch.Tensor, start: int, seq: int) -> torch.Tensor:
+    """Boolean SDPA mask [B, 1, seq, start+seq]: query i (slot start+i) sees the valid slots j <= start+i.
+
+    Every query also sees its own slot, so a padding query never has an empty row (softmax of nothing gives
+    NaN, and a NaN value, even at weight 0, would poison the real tokens that attend past it).
+    """
+    total = key_valid.shape[1]
+    query_slot = torch.arange(start, start + seq, device=key_valid.device)[:, None]
+    key_slot = torch.arange(total, device=key_valid.device)[None, :]
+    causal = key_slot <= query_slot
+    mask = (causal[None] & key_valid[:, None, :]) | (key_slot == query_slot)[None]
+    return mask[:, None]
+
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """log p(targets) under logits: logits [..., V], targets [...] -> [...] float32 (log_softmax in fp32)."""
+    logits = logits.float()
+    picked = logits.gather(-1, targets.unsqueeze(-1).long()).squeeze(-1)
+    return picked - torch.logsumexp(logits, dim=-1)
+
+
+def count_parameters(model: MoeForCausalLM) -> tuple[int, int]:
+    """(total, active per token) for the full model, even when `model` holds only a slice of the experts.
+
+    Active = everything except the experts a token does not use: embeddings, attention, norms, routers,
+    dense MLPs, lm_head and num_experts_per_tok experts per MoE layer (the usual "A3B" convention).
+    """
+    cfg = model.config
+    per_expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size
+    non_expert = sum(p.numel() for name, p in model.named_parameters() if ".mlp.experts." not in name)
+    num_moe_layers = len(model.moe_blocks())
+    total = non_expert + num_moe_layers * cfg.num_experts * per_expert
+    active = non_expert + num_moe_layers * cfg.num_experts_per_tok * per_expert
+    return total, active
+
+
+# ----------------------------------------------------------------------------------------------------
+# KV cache
+# ----------------------------------------------------------------------------------------------------
+
+
+class KVCache:
+    """Preallocated keys/values for batched incremental decoding: [layers, B, kv_heads, max_len, head_dim].
+
+    All rows advance together (one slot per step); `valid` [B, max_len] marks which slots hold real tokens
+    (left padding of the prompts, or rows that are done and feed padding), and `next_position` [B] is the
+    RoPE position of each row's next real token.
+    """
+
+    def __init__(
+        self,
+        config: MoeConfig,
+        batch_size: int,
+        max_len: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        assert config.head_dim is not None
+        shape = (config.num_hidden_layers, batch_size, config.num_key_value_heads, max_len, config.head_dim)
+        self.keys = torch.zeros(shape, dtype=dtype, device=device)
+        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        self.valid = torch.zeros(batch_size, max_len, dtype=torch.bool, device=device)
+        self.next_position = torch.zeros(batch_size, dtype=torch.long, device=device)
+        self.length = 0
+        self.max_len = max_len
+
+    @property
+    def batch_size(self) -> int:
+        return self.valid.shape[0]
+
+    def append_valid(self, new_valid: torch.Tensor) -> torch.Tensor:
+        """Record which of the next T slots are real; return the validity of slots [0, length + T)."""
+        end = self.length + new_valid.shape[1]
+        if end > self.max_len:
+            raise ValueError(f"KVCache full: {self.length} + {new_valid.shape[1]} > max_len {self.max_len}")
+        if new_valid.shape[0] != self.batch_size:
+            raise ValueError(f"batch of {new_valid.shape[0]} rows for a KVCache of {self.batch_size}")
+        self.valid[:, self.length : end] = new_valid
+        return self.valid[:, :end]
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store this step's k/v [B, kv_heads, T, D] of `layer`; return all of its keys/values so far."""
+        end = self.length + k.shape[2]
+        self.keys[layer, :, :, self.length : end] = k
+        self.values[layer, :, :, self.length : end] = v
+        return self.keys[layer, :, :, :end], self.values[layer, :, :, :end]
+
+    def advance(self, new_valid: torch.Tensor) -> None:
+        """Called once per forward, after every layer wrote its k/v."""
+        self.length += new_valid.shape[1]
+        self.next_position += new_valid.long().sum(dim=1)
+
+    def select(self, rows: torch.Tensor) -> KVCache:
+        """A cache holding only the given batch rows (e.g. to drop finished sequences)."""
+        new = object.__new__(KVCache)
+        new.keys, new.values = self.keys[:, rows], self.values[:, rows]
+        new.valid, new.next_position = self.valid[rows], self.next_position[rows]
+        new.length, new.max_len = self.length, self.max_len
+        return new
+
+
+# ----------------------------------------------------------------------------------------------------
+# Checkpoints: Hugging Face format, safetensors only
+# ----------------------------------------------------------------------------------------------------
+
+
+def expected_tensor_shapes(
+    cfg: MoeConfig, expert_range: tuple[int, int] | None = None
+) -> dict[str, tuple[int, ...]]:
+    """Every tensor name a checkpoint of `cfg` holds (only experts [first, end) if expert_range) -> shape."""
+    assert cfg.head_dim is not None
+    h, d = cfg.hidden_size, cfg.head_dim
+    first, end = expert_range if expert_range is not None else (0, cfg.num_experts)
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, h)}
+    for layer in range(cfg.num_hidden_layers):
+        p = f"model.layers.{layer}."
+        shapes[p + "input_layernorm.weight"] = (h,)
+        shapes[p + "post_attention_layernorm.weight"] = (h,)
+        for proj, out_dim in (("q", cfg.num_attention_heads * d), ("k", cfg.num_key_value_heads * d),
+                              ("v", cfg.num_key_value_heads * d)):  # fmt: skip
+            shapes[p + f"self_attn.{proj}_proj.weight"] = (out_dim, h)
+            if cfg.attention_bias:
+                shapes[p + f"self_attn.{proj}_proj.bias"] = (out_dim,)
+        shapes[p + "self_attn.o_proj.weight"] = (h, cfg.num_attention_heads * d)
+        if cfg.attention_bias:
+            shapes[p + "self_attn.o_proj.bias"] = (h,)
+        shapes[p + "self_attn.q_norm.weight"] = (d,)
+        shapes[p + "self_attn.k_norm.weight"] = (d,)
+        if cfg.is_moe_layer(layer):
+            shapes[p + "mlp.gate.weight"] = (cfg.num_experts, h)
+            for e in range(first, end):
+                shapes[p + f"mlp.experts.{e}.gate_proj.weight"] = (cfg.moe_intermediate_size, h)
+                shapes[p + f"mlp.experts.{e}.up_proj.weight"] = (cfg.moe_intermediate_size, h)
+                shapes[p + f"mlp.experts.{e}.down_proj.weight"] = (h, cfg.moe_intermediate_size)
+        else:
+            shapes[p + "mlp.gate_proj.weight"] = (cfg.intermediate_size, h)
+            shapes[p + "mlp.up_proj.weight"] = (cfg.intermediate_size, h)
+            shapes[p + "mlp.down_proj.weight"] = (h, cfg.intermediate_size)
+    shapes["model.norm.weight"] = (h,)
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, h)
+    return shapes
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """Where one tensor of a checkpoint lives, read from the safetensors headers only."""
+
+    file: Path
+    shape: tuple[int, ...]
+    dtype: str  # safetensors dtype code: F32, BF16, F16, ...
+
+
+def _weight_files(directory: Path) -> tuple[list[Path], dict[str, str] | None]:
+    """The safetensors files of a checkpoint dir, and the index's weight_map when it is sharded."""
+    if not directory.is_dir():
+        raise MoerlError(f"{directory}: checkpoint directory not found")
+    single, index = directory / SAFE_WEIGHTS_NAME, directory / SAFE_WEIGHTS_INDEX_NAME
+    if single.is_file():  # the same preference as transformers' from_pretrained
+        return [single], None
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text()).get("weight_map")
+        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+            weight_map = None
+        if not isinstance(weight_map, dict):
+            raise MoerlError(f"{index}: not a safetensors index (no 'weight_map' object); re-save it")
+        files = sorted({directory / name for name in weight_map.values()})
+        for f in files:
+            if not f.is_file():
+                raise MoerlError(f"{index} names shard {f.name}, which is missing; copy the whole checkpoint")
+        return files, weight_map
+    pickles = sorted(p.name for p in directory.iterdir() if p.suffix in PICKLE_WEIGHT_SUFFIXES)
+    if pickles:
+        raise MoerlError(
+            f"{directory} holds only pickle weights ({', '.join(pickles)}): moerl reads safetensors only; "
+            'convert with `python -c "from transformers import AutoModelForCausalLM as M; '
+            f"M.from_pretrained('{directory}').save_pretrained('OUT_DIR')\"` in an environment you trust "
+            "(unpickling can run code), then use OUT_DIR"
+        )
+    raise MoerlError(
+        f"{directory}: no {SAFE_WEIGHTS_NAME} or {SAFE_WEIGHTS_INDEX_NAME}; save the model with "
+        "save_pretrained"
+    )
+
+
+def tensor_index(directory: str | os.PathLike) -> dict[str, TensorEntry]:
+    """name -> TensorEntry for every tensor of the checkpoint in `directory` (reads headers only)."""
+    directory = Path(directory)
+    files, weight_map = _weight_files(directory)
+    entries: dict[str, TensorEntry] = {}
+    for path in files:
+        try:
+            with safe_open(path, framework="pt") as f:
+                for name in f.keys():
+                    if weight_map is not None and weight_map.get(name) != path.name:
+                        continue  # the index is authoritative, as in transformers
+                    info = f.get_slice(name)
+                    entries[name] = TensorEntry(path, tuple(info.get_shape()), info.get_dtype())
+        except (SafetensorError, OSError) as err:
+            raise MoerlError(f"{path}: not a readable safetensors file ({err}); re-save it") from err
+    if weight_map is not None:
+        for name, file_name in weight_map.items():
+            if name not in entries:
+                raise MoerlError(
+                    f"{directory / SAFE_WEIGHTS_INDEX_NAME} maps tensor {name} to {file_name}, which does "
+                    "not hold it; re-save the checkpoint"
+                )
+    return entries
+
+
+def check_tensors(cfg: MoeConfig, entries: dict[str, TensorEntry], directory: str | os.PathLike) -> None:
+    """Every expected tensor present with the config's shape and a float dtype; nothing unexpected."""
+    expected = expected_tensor_shapes(cfg)
+    for name, shape in expected.items():
+        entry = entries.get(name)
+        if entry is None:
+            raise MoerlError(
+                f"{directory}: tensor {name} is missing (expected shape {list(shape)} from config.json); "
+                "the weights do not match config.json: re-export the checkpoint"
+            )
+        if entry.shape != shape:
+            raise MoerlError(
+                f"{entry.file}: tensor {name} has shape {list(entry.shape)}, expected {list(shape)} from "
+                "config.json; the weights do not match config.json: re-export the checkpoint"
+            )
+        if entry.dtype not in _SAFETENSORS_DTYPES:
+            raise MoerlError(
+                f"{entry.file}: tensor {name} has dtype {entry.dtype}; moerl loads F32, BF16 or F16 weights "
+                "(dequantize the checkpoint first)"
+            )
+    unexpected = sorted(set(entries) - set(expected))
+    if unexpected:
+        name = unexpected[0]
+        raise MoerlError(
+            f"{entries[name].file}: unexpected tensor {name} ({len(unexpected)} unexpected in all) for a "
+            "Qwen3-MoE model of this config.json; remove it or fix config.json"
+        )
+
+
+def check_checkpoint(directory: str | os.PathLike) -> MoeConfig:
+    """Validate config.json and every tensor header of a checkpoint without reading the weights."""
+    cfg = load_config(directory)
+    check_tensors(cfg, tensor_index(directory), directory)
+    return cfg
+
+
+def load_state_dict_from_dir(
+    directory: str | os.PathLike, names: Iterable[str] | None = None
+) -> dict[str, torch.Tensor]:
+    """Read the checkpoint's tensors (all, or only `names`) from its safetensors file(s), as stored."""
+    entries = tensor_index(directory)
+    wanted = list(entries) if names is None else list(names)
+    by_file: dict[Path, list[str]] = {}
+    for name in wanted:
+        if name not in entries:
+            raise MoerlError(f"{directory}: tensor {name} is missing; re-export the checkpoint")
+        by_file.setdefault(entries[name].file, []).append(name)
+    state: dict[str, torch.Tensor] = {}
+    for path, file_names in by_file.items():
+        with safe_open(path, framework="pt") as f:
+            for name in file_names:
+                state[name] = f.get_tensor(name)
+    return state
+
+
+def load_pretrained(
+    directory: str | os.PathLike,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    expert_range: tuple[int, int] | None = None,
+) -> MoeForCausalLM:
+    """Build a MoeForCausalLM from a Hugging Face Qwen3-MoE checkpoint directory (safetensors only).
+
+    The whole checkpoint is validated first (config, every tensor's presence, shape and dtype, nothing
+    extra); with expert_range only that slice of each MoE layer's experts is then read from disk.
+    """
+    cfg = load_config(directory)
+    entries = tensor_index(directory)
+    check_tensors(cfg, entries, directory)
+    wanted = expected_tensor_shapes(cfg, expert_range)
+    state = load_state_dict_from_dir(directory, wanted)
+    state = {name: t.to(device=device, dtype=dtype) for name, t in state.items()}
+    with torch.device("meta"):  # no random init of weights about to be replaced
+        model = MoeForCausalLM(cfg, expert_range)
+    model.load_state_dict(state, strict=True, assign=True)
+    return model
+
+
+def save_pretrained(
+    model: MoeForCausalLM, directory: str | os.PathLike, max_shard_bytes: int | None = None
+) -> list[Path]:
+    """Write config.json, generation_config.json and the weights (model.safetensors, or
+    model-0000i-of-0000n.safetensors + model.safetensors.index.json above max_shard_bytes). Each file is
+    written to a temporary name and renamed into place. Returns the paths written."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    state = {name: t.detach().to("cpu").contiguous() for name, t in model.state_dict().items()}
+    dtype = next(iter(state.values())).dtype
+    written: list[Path] = []
+
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    shard_bytes = 0
+    for name, tensor in state.items():
+        size = tensor.numel() * tensor.element_size()
+        if max_shard_bytes is not None and shards[-1] and shard_bytes + size > max_shard_bytes:
+            shards.append({})
+            shard_bytes = 0
+        shards[-1][name] = tensor
+        shard_bytes += size
+
+    if len(shards) == 1:
+        written.append(_atomic_save(shards[0], directory / SAFE_WEIGHTS_NAME))
+    else:
+        weight_map: dict[str, str] = {}
+        for i, shard in enumerate(shards, start=1):
+            file_name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+            written.append(_atomic_save(shard, directory / file_name))
+            weight_map.update(dict.fromkeys(shard, file_name))
+        index = {
+            "metadata": {
+                "total_size": sum(t.numel() * t.element_size() for t in state.values()),
+                "total_parameters": sum(t.numel() for t in state.values()),
+            },
+            "weight_map": dict(sorted(weight_map.items())),
+        }
+        written.append(_atomic_write_text(directory / SAFE_WEIGHTS_INDEX_NAME, json.dumps(index, indent=2)))
+
+    cfg = model.config
+    written.append(_atomic_write_text(directory / CONFIG_NAME, json.dumps(cfg.to_hf_dict(dtype), indent=2)))
+    generation: dict[str, Any] = {"_from_model_config": True}
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if getattr(cfg, name) is not None:
+            generation[name] = getattr(cfg, name)
+    written.append(_atomic_write_text(directory / GENERATION_CONFIG_NAME, json.dumps(generation, indent=2)))
+
+    # Stale weight files of an earlier save would confuse loaders (a single file wins over an index).
+    keep = {p.name for p in written}
+    for stale in directory.glob("model*.safetensors*"):
+        if stale.name not in keep:
+            stale.unlink()
+    return written
+
+
+def _atomic_save(tensors: dict[str, torch.Tensor], path: Path) -> Path:
+    tmp = path.with_name(path.name + ".tmp")
+    save_file(tensors, str(tmp), metadata={"format": "pt"})
+    os.replace(tmp, path)
+    return path
+
+
+def _atomic_write_text(path: Path, text: str) -> Path:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text + "\n")
+    os.replace(tmp, path)
+    return path

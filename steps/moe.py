@@ -1,0 +1,146 @@
+"""The sparse Mixture-of-Experts block: a top-k softmax router, SwiGLU experts, and a swappable dispatcher.
+
+The block routes tokens itself (router -> top-k expert ids and weights) and hands the expert computation to a
+dispatcher object. `LocalDispatch` runs every expert on this process; an expert-parallel backend (all-to-all,
+DeepEP) implements the same `ExpertDispatch` contract while each rank holds only a contiguous slice of the
+experts. Experts live in an `nn.ModuleDict` keyed by their *global* index, so a rank holding experts [4, 8)
+has state_dict names `experts.4.gate_proj.weight` ... exactly as in the full checkpoint: a per-rank shard is a
+plain subset of the Hugging Face tensors, with no renaming.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Expert(nn.Module):
+    """One SwiGLU feed-forward expert: down(silu(gate(x)) * up(x)); names as Qwen3MoeMLP writes them."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class ExpertDispatch(Protocol):
+    """Runs the routed experts for a batch of tokens and combines their outputs.
+
+    Contract, for every backend:
+      hidden       [T, H]  this rank's tokens (T may be 0; expert-parallel backends are collective, so every
+                           rank calls dispatch once per MoE layer and step, even with no tokens).
+      topk_idx     [T, k]  int64 *global* expert ids in [0, num_experts).
+      topk_weight  [T, k]  combine weights, in hidden's dtype.
+      experts      the experts this rank holds: an nn.ModuleDict mapping str(global id) -> Expert, covering
+                   the contiguous range [expert_offset, expert_offset + num_local_experts). LocalDispatch
+                   needs them all; an expert-parallel backend with ep ranks holds E/ep of them on each rank
+                   and sends each token to the ranks owning its experts (owner of expert e: e // (E/ep)).
+      returns      [T, H]  out[t] = sum_j topk_weight[t, j] * expert_{topk_idx[t, j]}(hidden[t]), rows in the
+                   same order as hidden, in hidden's dtype; differentiable with respect to hidden, topk_weight
+                   and the expert parameters.
+    """
+
+    def __call__(
+        self,
+        hidden: torch.Tensor,
+        topk_idx: torch.Tensor,
+        topk_weight: torch.Tensor,
+        experts: nn.ModuleDict,
+    ) -> torch.Tensor: ...
+
+
+class LocalDispatch:
+    """All experts on this process. Tokens are grouped by expert with one sort, each expert runs once on its
+    contiguous slice, and the results are put back in token order by a gather.
+
+    Combining by gather + a sum over the k slots (instead of index_add_) keeps the result deterministic on
+    CUDA too, where index_add_ uses atomics; for k = 2 it is also bit-identical to transformers' loop.
+    """
+
+    def __call__(
+        self,
+        hidden: torch.Tensor,
+        topk_idx: torch.Tensor,
+        topk_weight: torch.Tensor,
+        experts: nn.ModuleDict,
+    ) -> torch.Tensor:
+        num_tokens, top_k = topk_idx.shape
+        if num_tokens == 0:
+            return hidden.new_zeros(hidden.shape)
+        flat_idx = topk_idx.reshape(-1)
+        order = torch.argsort(flat_idx, stable=True)  # slot order grouped by expert
+        expert_ids, counts = torch.unique_consecutive(flat_idx[order], return_counts=True)
+        tokens_in_expert_order = hidden[order // top_k]  # [T*k, H]
+
+        outputs = []
+        start = 0
+        for expert_id, count in zip(expert_ids.tolist(), counts.tolist(), strict=True):
+            key = str(expert_id)
+            if key not in experts:
+                raise RuntimeError(
+                    f"LocalDispatch: token routed to expert {expert_id}, which this process does not hold "
+                    f"(holds {len(experts)} experts); use an expert-parallel dispatcher for a partial shard"
+                )
+            outputs.append(experts[key](tokens_in_expert_order[start : start + count]))
+            start += count
+        expert_out = torch.cat(outputs)  # [T*k, H], slots in expert order
+
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.numel(), device=order.device)
+        per_slot = expert_out[inverse].view(num_tokens, top_k, -1)  # back to [T, k, H] token order
+        return (per_slot * topk_weight.unsqueeze(-1).to(per_slot.dtype)).sum(dim=1)
+
+
+class MoeBlock(nn.Module):
+    """Qwen3-MoE sparse block: `gate` (router) + `experts.{e}` for the held range of global expert ids."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        moe_intermediate_size: int,
+        num_experts: int,
+        num_experts_per_tok: int,
+        norm_topk_prob: bool,
+        expert_range: tuple[int, int] | None = None,
+    ) -> None:
+        super().__init__()
+        first, end = expert_range if expert_range is not None else (0, num_experts)
+        if not 0 <= first < end <= num_experts:
+            raise ValueError(f"expert_range {expert_range} is not a non-empty range in [0, {num_experts})")
+        self.hidden_size = hidden_size
+        self.num_experts = num_experts
+        self.top_k = num_experts_per_tok
+        self.norm_topk_prob = norm_topk_prob
+        self.expert_offset = first
+        self.num_local_experts = end - first
+        self.gate = nn.Linear(hidden_size, num_experts, bias=False)  # the router, replicated on every rank
+        self.experts = nn.ModuleDict(
+            {str(e): Expert(hidden_size, moe_intermediate_size) for e in range(first, end)}
+        )
+        self.dispatch: ExpertDispatch = LocalDispatch()
+
+    def route(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """hidden [T, H] -> (router_logits [T, E], topk_idx [T, k], topk_weight [T, k]).
+
+        Softmax over all experts in fp32, top-k, optional renormalisation of the k weights, then back to the
+        logits' dtype: the same arithmetic as transformers' Qwen3MoeTopKRouter.
+        """
+        router_logits = self.gate(hidden)
+        probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+        topk_weight, topk_idx = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            topk_weight = topk_weight / topk_weight.sum(dim=-1, keepdim=True)
+        return router_logits, topk_idx, topk_weight.to(router_logits.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        hidden = x.reshape(-1, self.hidden_size)
+        _, topk_idx, topk_weight = self.route(hidden)
+        return self.dispatch(hidden, topk_idx, topk_weight, self.experts).reshape(shape)
