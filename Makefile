@@ -5,7 +5,7 @@ PIP := $(VENV)/bin/pip
 # The CPU wheel of torch first: a plain `torch` requirement would pull a multi-GB CUDA build.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install demo test lint clean
+.PHONY: install demo test lint clean images
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
@@ -28,3 +28,8 @@ lint: install
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info
+
+# Container images with docker buildx; needs a running Docker engine (images/build.sh says so otherwise).
+# make images REGISTRY=<account>.dkr.ecr.<region>.amazonaws.com/moerl [IMAGE_TAG=..] [ROLES=..] [DRY_RUN=1]
+images:
+	bash images/build.sh

@@ -12,6 +12,8 @@ from steps.errors import run_cli
 # Modules that contribute subcommands, in the order `moerl --help` lists them.
 COMMAND_MODULES = [
     "pipelines.sft_demo",
+    "pipelines.render",
+    "pipelines.local.cli",
 ]
 
 

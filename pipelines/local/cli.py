@@ -1,0 +1,64 @@
+"""`moerl local MANIFEST [-p NAME=VALUE ...] [--chaos SPEC] [--status-out FILE] [--workdir DIR]`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from pipelines.local.run import DEFAULT_WORKDIR, run_workflow
+from steps.errors import MoerlError
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "local",
+        help="run an Argo Workflow manifest on this machine",
+        description="Run an Argo Workflow manifest on this machine with Argo's semantics: each container's "
+        "command runs here as a process (the image is recorded, not pulled). Exit code 0 iff the workflow "
+        "Succeeded. MOERL_LOCAL_TIME_SCALE scales retry backoffs, suspends and grace periods (default 1).",
+    )
+    parser.add_argument("manifest", type=Path, help="a YAML file with kind Workflow, WorkflowTemplate or CronWorkflow")
+    parser.add_argument(
+        "-p",
+        "--parameter",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="set a workflow argument (spec.arguments.parameters), as `argo submit -p`",
+    )
+    parser.add_argument("--chaos", metavar="SPEC", help="preempt=N,kill=M,seed=S: inject Spot preemptions and kills")
+    parser.add_argument("--status-out", type=Path, metavar="FILE", help="write the workflow's status (Argo's shape)")
+    parser.add_argument(
+        "--workdir",
+        type=Path,
+        metavar="DIR",
+        default=DEFAULT_WORKDIR,
+        help=f"where each run keeps its pods' logs and sandboxes (default {DEFAULT_WORKDIR})",
+    )
+    parser.set_defaults(func=main)
+
+
+def parse_parameters(items: list[str]) -> dict[str, str]:
+    parameters = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            raise MoerlError(f"-p {item!r}: expected NAME=VALUE, e.g. -p message=hello")
+        parameters[name] = value
+    return parameters
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        result = run_workflow(
+            args.manifest,
+            parameters=parse_parameters(args.parameter),
+            chaos=args.chaos,
+            status_out=args.status_out,
+            workdir=args.workdir,
+        )
+    except KeyboardInterrupt:  # the pods are stopped and the status says so; no traceback
+        print("moerl local: interrupted", file=sys.stderr)
+        return 130
+    return 0 if result.succeeded else 1

@@ -1,0 +1,756 @@
+"""The controller loop: Argo's workflow operator, run against processes on this machine.
+
+Each pass (`operate`) does what one reconciliation of Argo's controller does: read what the pods did
+(`reconcile_pods`: exits, deadlines, chaos), walk the workflow from its entrypoint
+(`execute_template`), creating the nodes and starting the pods whose turn has come, then run the exit
+handler and settle the workflow's phase. The walk is idempotent (a node that exists is looked at, not
+made again), so the code that starts a step is the code that later notices it finished, as in Argo.
+Steps and DAG templates are walked by steps_template.py and dag_template.py.
+
+Argo's wording is kept wherever a message reaches the status: "child 'ID' failed", "No more retries
+left", "Backoff for 2 seconds", "retryStrategy.expression evaluated to false", "Step exceeded its
+deadline", "when 'x == y' evaluated false", "omitted: depends condition not met".
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Protocol
+
+import yaml
+
+from pipelines.local import exprlang
+from pipelines.local.calls import Call, Opts, TemplateError, exit_hook_of
+from pipelines.local.chaos import ChaosMonkey, ChaosSpec, is_spot_placed, placement
+from pipelines.local.dag_template import execute_dag
+from pipelines.local.expressions import (
+    SubstitutionError,
+    expand,
+    humanize_duration,
+    parse_duration,
+    substitute,
+)
+from pipelines.local.functions import go_json
+from pipelines.local.manifest import LEAF_TYPES, Workflow, template_type
+from pipelines.local.pods import DEADLINE_MESSAGE, PlanError, Pod, PodOutcome, Termination, plan_pod
+from pipelines.local.scope import add_node_ref, last_attempt, result_referenced
+from pipelines.local.status import (
+    DAG,
+    ERROR,
+    FAILED,
+    OMITTED,
+    PENDING,
+    POD,
+    RETRY,
+    RUNNING,
+    SKIPPED,
+    SKIPPED_PHASE,
+    STEPS,
+    SUCCEEDED,
+    SUSPEND,
+    TASK_GROUP,
+    Node,
+    Nodes,
+    WorkflowStatus,
+    node_id,
+    pod_name,
+    timestamp,
+    write_json_atomic,
+)
+from pipelines.local.steps_template import execute_steps
+from steps.errors import MoerlError
+
+DEADLINE_EXCEEDED = "Step exceeded its deadline"
+TRANSIENT_MESSAGES = (
+    "etcdserver: leader changed", "etcdserver: request timed out", "etcdserver: too many requests",
+    "unexpected error when reading response body", "stream error when reading response body",
+    "Connection closed by foreign host", "net/http: TLS handshake timeout", "i/o timeout",
+    "connection timed out", "connection reset by peer", "http2: client connection lost",
+    "http2: server sent GOAWAY and closed the connection", "request did not complete within requested timeout",
+    "connect: connection refused", "invalid connection", "client rate limiter Wait returned an error",
+)  # fmt: skip
+
+
+def time_scale_from_env() -> float:
+    raw = os.environ.get("MOERL_LOCAL_TIME_SCALE", "1")
+    try:
+        scale = float(raw)
+    except ValueError:
+        scale = -1.0
+    if not scale > 0:
+        raise MoerlError(
+            f"MOERL_LOCAL_TIME_SCALE={raw!r}: expected a number above 0 (1 is real time, 0.01 is 100x faster backoffs)"
+        )
+    return scale
+
+
+class View(Protocol):
+    def update(self, controller: Controller) -> None: ...
+    def finish(self, controller: Controller) -> None: ...
+
+
+class Controller:
+    def __init__(
+        self,
+        workflow: Workflow,
+        workdir: Path,
+        chaos: ChaosSpec | None = None,
+        status_out: Path | None = None,
+        view: View | None = None,
+        time_scale: float | None = None,
+    ):
+        self.wf = workflow
+        self.nodes = Nodes(workflow.name)
+        self.status = WorkflowStatus()
+        self.run_dir = Path(workdir) / workflow.name
+        self.status_out = status_out
+        self.view = view
+        self.time_scale = time_scale_from_env() if time_scale is None else time_scale
+        self.chaos = ChaosMonkey(chaos) if chaos and chaos.enabled else None
+        self.pods: dict[str, Pod] = {}  # node ID -> the pod running it
+        self.pod_dirs: dict[str, Path] = {}  # node ID -> its pod's directory (logs, pod.json)
+        self.hit: set[str] = set()  # node IDs of attempts that chaos hit
+        self.exit_handler_pods: set[str] = set()  # node IDs of pods of exit handlers (no deadline, no chaos)
+        self.node_templates: dict[str, dict] = {}  # steps/DAG node ID -> its processed template
+        self.global_outputs: dict[str, str] = {}
+        self.exit_scope: dict[str, str] = {}  # workflow.status and workflow.failures, once main is done
+        self.deadline: float | None = None
+        self.now = time.time()
+        self._last_status_write = 0.0
+        self._globals: dict[str, Any] | None = None
+
+    # ------------------------------------------------------------------------- the loop
+
+    def run(self) -> dict[str, Any]:
+        """Run the workflow to its end; returns the Argo status object."""
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.now = time.time()
+        self.status.phase = RUNNING
+        self.status.started_at = self.now
+        seconds = self.wf.spec.get("activeDeadlineSeconds")
+        if seconds is not None:
+            self.deadline = float(int(self.now)) + float(int(seconds))
+        try:
+            while True:
+                self.now = time.time()
+                if self.operate():
+                    break
+                if self.view is not None:
+                    self.view.update(self)
+                self.write_status()
+                time.sleep(0.02 if self.pods else 0.05)
+        except BaseException:  # Ctrl-C, or a bug: stop the pods and leave a status that says so
+            self.abort("the local executor was interrupted")
+            raise
+        finally:
+            self.stop_all_pods()
+            self.write_status(force=True)
+            if self.view is not None:
+                self.view.finish(self)
+        return self.status.to_argo(self.nodes)
+
+    def operate(self) -> bool:
+        """One reconciliation; True once the workflow has finished."""
+        self._globals = None
+        self.reconcile_pods()
+        root = self.execute_template(
+            self.wf.name,
+            Call({"template": self.wf.spec["entrypoint"], "arguments": self.wf.spec.get("arguments") or {}}, "root"),
+            Opts(),
+        )
+        if root is None or not root.fulfilled:
+            return False
+        workflow_phase = {
+            SUCCEEDED: SUCCEEDED,
+            SKIPPED_PHASE: SUCCEEDED,
+            OMITTED: SUCCEEDED,
+            FAILED: FAILED,
+            ERROR: ERROR,
+        }[root.phase]
+        self.exit_scope = {
+            "workflow.status": workflow_phase,
+            "workflow.failures": json.dumps(json.dumps(self.nodes.failures(), separators=(",", ":"))),
+        }
+        self._globals = None
+        exit_node = None
+        hook = exit_hook_of(self.wf.spec)
+        if hook is not None:
+            exit_node = self.execute_template(
+                f"{self.wf.name}.onExit", Call(hook, "hook"), Opts(on_exit=True, hooked=True)
+            )
+            if exit_node is None or not exit_node.fulfilled:
+                return False
+        self.settle(workflow_phase, root, exit_node)
+        return True
+
+    def settle(self, phase: str, root: Node, exit_node: Node | None) -> None:
+        """The workflow's final phase and message, as Argo's operate() decides them."""
+        message = root.message
+        if phase == SUCCEEDED and exit_node is not None and exit_node.failed_or_error:
+            phase, message = exit_node.phase, exit_node.message
+        elif phase == SUCCEEDED:
+            message = ""
+        self.status.phase = phase
+        self.status.message = message
+        self.status.finished_at = time.time()
+        if self.global_outputs:
+            self.status.outputs = {"parameters": [{"name": k, "value": v} for k, v in self.global_outputs.items()]}
+
+    def abort(self, message: str) -> None:
+        for node in self.nodes:
+            if not node.fulfilled:
+                self.nodes.mark(node, FAILED, message)
+        self.status.phase = FAILED
+        self.status.message = message
+        self.status.finished_at = time.time()
+
+    def stop_all_pods(self) -> None:
+        for pod in self.pods.values():
+            pod.kill(Termination(FAILED, "stopped", keep_exit_code=True))
+        for pod in self.pods.values():
+            pod.wait(timeout=10)
+        self.pods.clear()
+
+    def write_status(self, force: bool = False) -> None:
+        if self.status_out is None or (not force and time.time() - self._last_status_write < 1.0):
+            return
+        self._last_status_write = time.time()
+        write_json_atomic(self.status_out, self.status.to_argo(self.nodes))
+
+    # ------------------------------------------------------------------------- pods
+
+    def reconcile_pods(self) -> None:
+        """What the kubelet and Argo's pod reconciliation would see: exits, deadlines, chaos."""
+        now = self.now
+        for id_, pod in list(self.pods.items()):
+            node = self.nodes.get(id_)
+            assert node is not None
+            if pod.running and not node.fulfilled:
+                self.enforce(node, pod, now)
+            outcome = pod.poll(now)
+            if outcome is None:
+                continue
+            del self.pods[id_]
+            if pod.injection is not None and self.chaos is not None:
+                if pod.injection.fired:
+                    self.hit.add(id_)
+                else:
+                    self.chaos.missed(pod.injection)
+            if not node.fulfilled:
+                self.apply_outcome(node, outcome)
+
+    def enforce(self, node: Node, pod: Pod, now: float) -> None:
+        past_workflow_deadline = self.deadline is not None and now > self.deadline
+        if past_workflow_deadline and node.id not in self.exit_handler_pods:
+            # Argo's execution control: the node fails at once, the pod is stopped behind it.
+            self.nodes.mark(node, FAILED, DEADLINE_EXCEEDED)
+            pod.terminate(Termination(FAILED, DEADLINE_EXCEEDED, keep_exit_code=True), pod.plan.grace_seconds)
+        elif pod.deadline is not None and now >= pod.deadline:
+            pod.terminate(Termination(FAILED, DEADLINE_MESSAGE, keep_exit_code=True), pod.plan.grace_seconds)
+        elif pod.injection is not None and not pod.injection.fired and now >= pod.started_at + pod.injection.delay:
+            injection = pod.injection
+            injection.fired = True
+            termination = Termination(
+                injection.phase,
+                injection.message,
+                keep_exit_code=injection.phase == FAILED,
+                override=pod.plan.job is None,
+            )
+            if injection.kind == "kill":
+                pod.kill(termination)
+            else:
+                pod.terminate(termination, pod.plan.grace_seconds)
+
+    def apply_outcome(self, node: Node, outcome: PodOutcome) -> None:
+        outputs: dict[str, Any] = {}
+        if outcome.parameters:
+            outputs["parameters"] = outcome.parameters
+        if outcome.result is not None:
+            outputs["result"] = outcome.result
+        if outcome.exit_code is not None:
+            outputs["exitCode"] = str(outcome.exit_code)
+        node.outputs = outputs or None
+        self.add_global_outputs(node.outputs)
+        self.nodes.mark(node, outcome.phase, outcome.message)
+
+    def add_global_outputs(self, outputs: dict | None) -> None:
+        for param in (outputs or {}).get("parameters") or []:
+            if param.get("globalName") and param.get("value") is not None:
+                self.global_outputs[param["globalName"]] = param["value"]
+                self._globals = None
+
+    def active_pods(self) -> int:
+        return sum(1 for n in self.nodes if n.type == POD and n.phase in (PENDING, RUNNING))
+
+    def active_children(self, boundary_id: str) -> int:
+        return sum(
+            1
+            for n in self.nodes
+            if n.boundary_id == boundary_id and n.type in (POD, STEPS, DAG) and n.phase in (PENDING, RUNNING)
+        )
+
+    # ------------------------------------------------------------------------- scopes
+
+    def globals(self) -> dict[str, Any]:
+        """The workflow.* variables (Argo's globalParams), computed once per pass."""
+        if self._globals is None:
+            self._globals = self._compute_globals()
+        return self._globals
+
+    def _compute_globals(self) -> dict[str, Any]:
+        wf = self.wf
+        created = time.gmtime(int(wf.created_at))
+        params = (wf.spec.get("arguments") or {}).get("parameters") or []
+        scope: dict[str, Any] = {
+            "workflow.name": wf.name,
+            "workflow.namespace": wf.namespace,
+            "workflow.uid": wf.uid,
+            "workflow.mainEntrypoint": wf.spec.get("entrypoint"),
+            "workflow.serviceAccountName": wf.spec.get("serviceAccountName") or "",
+            "workflow.creationTimestamp": timestamp(wf.created_at),
+            "workflow.creationTimestamp.RFC3339": timestamp(wf.created_at),
+            "workflow.parameters": go_json(params),
+            "workflow.parameters.json": go_json(params),
+            "workflow.annotations": go_json(wf.annotations),
+            "workflow.annotations.json": go_json(wf.annotations),
+            "workflow.labels": go_json(wf.labels),
+            "workflow.labels.json": go_json(wf.labels),
+            "workflow.status": self.status.phase,
+            "workflow.duration": f"{self.duration():f}",
+        }
+        for char in "aAbBcCdDeFgGhHIjklmMnpPrRsStTuUVwWxXyYzZ":
+            try:
+                scope[f"workflow.creationTimestamp.{char}"] = time.strftime("%" + char, created)
+            except ValueError:
+                pass
+        scope["workflow.creationTimestamp.s"] = str(int(wf.created_at))
+        if wf.spec.get("priority") is not None:
+            scope["workflow.priority"] = str(wf.spec["priority"])
+        for param in params:
+            scope[f"workflow.parameters.{param['name']}"] = text_of(param.get("value"))
+        scope.update({f"workflow.annotations.{k}": v for k, v in wf.annotations.items()})
+        scope.update({f"workflow.labels.{k}": v for k, v in wf.labels.items()})
+        scope.update({f"workflow.outputs.parameters.{k}": v for k, v in self.global_outputs.items()})
+        scope.update(self.exit_scope)
+        return scope
+
+    def duration(self) -> float:
+        now = time.time()
+        return max(0.0, (self.status.finished_at or now) - (self.status.started_at or now))
+
+    # ------------------------------------------------------------------------- templates
+
+    def templates_in(self, scope: tuple[bool, str] | None) -> dict[str, dict]:
+        return self.wf.templates if scope is None else self.wf.library[scope]
+
+    def resolve(self, call: Call) -> tuple[dict, tuple[bool, str] | None]:
+        """The template a call names, and the scope its own references resolve in."""
+        ref = call.holder.get("templateRef")
+        if ref:
+            scope = (bool(ref.get("clusterScope")), str(ref.get("name")))
+            templates = self.wf.library.get(scope, {})
+            name = ref.get("template")
+        else:
+            scope = call.scope
+            templates = self.templates_in(scope)
+            name = call.holder.get("template")
+        if name not in templates:
+            raise TemplateError(f"template name '{name}' undefined")
+        template = copy.deepcopy(templates[name])
+        defaults = self.wf.spec.get("templateDefaults")
+        if defaults:
+            template = merge_defaults(defaults, template)
+        return template, scope
+
+    def retry_strategy(self, template: dict) -> dict | None:
+        return template.get("retryStrategy") or self.wf.spec.get("retryStrategy")
+
+    def process_args(self, template: dict, arguments: dict | None, local: dict[str, Any]) -> dict:
+        """Argo's ProcessArgs: input values from arguments (or defaults), then substitution of the
+        workflow's and the node's variables, then of the inputs."""
+        supplied = {p.get("name"): p for p in (arguments or {}).get("parameters") or []}
+        for param in (template.get("inputs") or {}).get("parameters") or []:
+            value = param.get("value")
+            if value is None:
+                value = (param.get("valueFrom") or {}).get("default", param.get("default"))
+            argument = supplied.get(param["name"])
+            if argument is not None and argument.get("value") is not None:
+                value = argument["value"]
+            if value is None:
+                raise TemplateError(f"inputs.parameters.{param['name']} was not supplied")
+            param["value"] = text_of(value)
+        scope = {**self.globals(), **local}
+        template = substitute(template, scope)
+        inputs = (template.get("inputs") or {}).get("parameters") or []
+        for param in inputs:
+            scope[f"inputs.parameters.{param['name']}"] = param["value"]
+        scope["inputs.parameters"] = go_json(inputs)
+        for param in (template.get("outputs") or {}).get("parameters") or []:
+            if (param.get("valueFrom") or {}).get("path"):
+                scope[f"outputs.parameters.{param['name']}.path"] = param["valueFrom"]["path"]
+        return substitute(template, scope)
+
+    def execute_template(self, node_name: str, call: Call, opts: Opts) -> Node | None:
+        """Argo's executeTemplate: the node for `node_name`, created (and its pod started) if its
+        turn has come; None when parallelism holds it back."""
+        node = self.nodes.by_name(node_name)
+        if node is not None and node.fulfilled:
+            return node
+        try:
+            template, scope = self.resolve(call)
+            local: dict[str, Any] = {"node.name": node_name}
+            if call.kind == "step":
+                local["steps.name"] = call.holder.get("name")
+            if call.kind == "task":
+                local["tasks.name"] = call.holder.get("name")
+            if template_type(template) in LEAF_TYPES and not self.retry_strategy(template):
+                local["pod.name"] = pod_name(self.wf.name, node_name, template.get("name", ""))
+            processed = self.process_args(template, call.holder.get("arguments"), local)
+        except (TemplateError, SubstitutionError) as err:
+            return self.error_node(node, node_name, call, opts, str(err))
+        if node is None and self.boundary_parallelism_reached(opts.boundary_id):
+            return None
+        retry = self.retry_strategy(processed)
+        if retry is None:
+            return self.dispatch(node_name, processed, call, opts, scope)
+        return self.execute_retries(node, node_name, processed, call, opts, scope, retry)
+
+    def dispatch(self, node_name: str, template: dict, call: Call, opts: Opts, scope: Any) -> Node | None:
+        kind = template_type(template)
+        if kind in LEAF_TYPES:
+            return self.execute_pod(node_name, template, opts)
+        if kind == "steps":
+            return execute_steps(self, node_name, template, opts, scope)
+        if kind == "dag":
+            return execute_dag(self, node_name, template, opts, scope)
+        if kind == "suspend":
+            return self.execute_suspend(node_name, template, opts)
+        return self.error_node(None, node_name, call, opts, f"Template '{template.get('name')}' missing specification")
+
+    def create_node(self, name: str, type_: str, template: dict, opts: Opts, phase: str, message: str = "") -> Node:
+        node = self.nodes.create(
+            name,
+            type_,
+            str(template.get("name", "")),
+            opts.boundary_id,
+            phase,
+            message=message,
+            display_parent=opts.display_parent,
+            hooked=opts.hooked,
+        )
+        node.retried = opts.retried
+        inputs = (template.get("inputs") or {}).get("parameters")
+        if inputs:
+            kept = ("name", "value", "default", "enum", "description")
+            node.inputs = {"parameters": [{k: v for k, v in p.items() if k in kept} for p in inputs]}
+        return node
+
+    def error_node(self, node: Node | None, name: str, call: Call, opts: Opts, message: str) -> Node:
+        """Argo's initializeNodeOrMarkError: a new node of type Skipped in phase Error, or the
+        existing node marked Error."""
+        if node is not None:
+            return self.nodes.mark(node, ERROR, message)
+        template_name = str(call.holder.get("template") or (call.holder.get("templateRef") or {}).get("template", ""))
+        return self.nodes.create(
+            name, SKIPPED, template_name, opts.boundary_id, ERROR, message=message,
+            display_parent=opts.display_parent, hooked=opts.hooked,
+        )  # fmt: skip
+
+    def boundary_parallelism_reached(self, boundary_id: str) -> bool:
+        template = self.node_templates.get(boundary_id)
+        if template is None or template.get("parallelism") is None:
+            return False
+        return self.active_children(boundary_id) >= int(template["parallelism"])
+
+    # ------------------------------------------------------------------------- retries
+
+    def execute_retries(
+        self, node: Node | None, node_name: str, template: dict, call: Call, opts: Opts, scope: Any, retry: dict
+    ) -> Node | None:
+        """A Retry node whose children are the attempts `<name>(0)`, `<name>(1)`, ..."""
+        if node is None:
+            node = self.create_node(node_name, RETRY, template, opts, RUNNING)
+        attempt_opts = replace(opts, display_parent=node.id, retried=True, hooked=False)
+        try:
+            proceed = self.process_retries(node, retry, attempt_opts)
+        except (TemplateError, exprlang.ExprError, ValueError) as err:
+            return self.nodes.mark(node, ERROR, str(err))
+        last = last_attempt(node, self.nodes)
+        if node.fulfilled and last is not None:  # a Retry node shows its last attempt's outputs
+            node.outputs = copy.deepcopy(last.outputs)
+        if not proceed or node.fulfilled:
+            return node
+        attempts = [a for a in (self.nodes.get(c) for c in node.children) if a is not None and not a.hooked]
+        if last is not None and not last.fulfilled:
+            attempt_name, number = last.name, len(attempts) - 1
+        else:
+            attempt_name, number = f"{node_name}({len(attempts)})", len(attempts)
+        local = {
+            "retries": str(number),
+            "lastRetry.exitCode": ((last.outputs or {}).get("exitCode") if last else None) or "0",
+            "lastRetry.status": last.phase if last else "",
+            "lastRetry.duration": go_seconds(last.duration()) if last else "0",
+            "lastRetry.message": last.message if last else "",
+        }
+        if template_type(template) in LEAF_TYPES:
+            local["pod.name"] = pod_name(self.wf.name, attempt_name, template.get("name", ""))
+        attempt_template = substitute(template, {**self.globals(), **local})
+        attempt_template.pop("retryStrategy", None)  # the attempt itself is not retried again
+        if self.dispatch(attempt_name, attempt_template, call, attempt_opts, scope) is not None:
+            self.nodes.add_child(node_name, attempt_name)
+        return node  # an attempt that ended is settled by the next pass
+
+    def process_retries(self, node: Node, retry: dict, opts: Opts) -> bool:
+        """Argo's processNodeRetries: settle the Retry node from its last attempt, or decide that
+        another attempt may start (True) or must wait for its backoff (False)."""
+        attempts = [a for a in (self.nodes.get(c) for c in node.children) if a is not None and not a.hooked]
+        if not attempts or not attempts[-1].fulfilled:
+            return True
+        last = attempts[-1]
+        now = time.time()
+        if not last.failed_or_error:
+            self.nodes.mark(node, SUCCEEDED)
+            return True
+        if self.deadline is not None and now > self.deadline and not opts.on_exit:
+            self.nodes.mark(node, last.phase, f"retry exceeded workflow deadline {go_time(self.deadline)}")
+            return True
+        backoff = retry.get("backoff")
+        limit = retry.get("limit")
+        if backoff:
+            max_deadline = None
+            if backoff.get("maxDuration"):
+                # a budget for the whole retry, like a deadline: not scaled by MOERL_LOCAL_TIME_SCALE
+                max_deadline = attempts[0].started_at + parse_duration(backoff["maxDuration"])
+                if now > max_deadline:
+                    self.nodes.mark(node, last.phase, "Max duration limit exceeded")
+                    return True
+            wait = backoff_seconds(backoff, len(attempts))
+            waiting_deadline = (last.finished_at or now) + wait * self.time_scale
+            if max_deadline is not None and waiting_deadline > max_deadline:
+                self.nodes.mark(node, last.phase, "Backoff would exceed max duration limit")
+                return True
+            if now < waiting_deadline and limit is not None and len(attempts) <= int(limit):
+                node.message = f"Backoff for {humanize_duration(wait)}"
+                return False
+            opts.execution_deadline = max_deadline
+            node.message = ""
+        policy = retry.get("retryPolicy") or ("Always" if retry.get("expression") else "OnFailure")
+        retry_failed = policy in ("Always", "OnFailure")
+        retry_error = policy in ("Always", "OnError")
+        if policy == "OnTransientError":
+            retry_failed = retry_error = is_transient(last.message)
+        if (last.phase == FAILED and not retry_failed) or (last.phase == ERROR and not retry_error):
+            self.nodes.mark(node, last.phase, last.message)
+            return True
+        if limit is not None and len(attempts) > int(limit):
+            self.nodes.mark(node, last.phase, "No more retries left")
+            return True
+        if retry.get("expression"):
+            env = expand(retry_scope(attempts))
+            if not exprlang.evaluate_bool(retry["expression"], env):
+                self.nodes.mark(node, last.phase, "retryStrategy.expression evaluated to false")
+                return True
+        return True
+
+    # ------------------------------------------------------------------------- pods and suspends
+
+    def execute_pod(self, node_name: str, template: dict, opts: Opts) -> Node | None:
+        node = self.nodes.by_name(node_name)
+        if node is not None:
+            return node
+        parallelism = self.wf.spec.get("parallelism")
+        if parallelism is not None and self.active_pods() >= int(parallelism):
+            return None
+        node = self.create_node(node_name, POD, template, opts, PENDING)
+        if self.deadline is not None and time.time() > self.deadline and not opts.on_exit:
+            return self.nodes.mark(node, FAILED, DEADLINE_EXCEEDED)
+        self.start_pod(node, template, opts)
+        return node
+
+    def start_pod(self, node: Node, template: dict, opts: Opts) -> None:
+        where = placement(template, self.wf.spec)
+        spot = is_spot_placed(where["nodeSelector"], where["affinity"])
+        if template.get("resource"):  # a PyTorchJob's pods are placed by its own replica spec
+            spot = spot or self._job_is_spot(template)
+        name = pod_name(self.wf.name, node.name, node.template_name)
+        boundary_template = self.node_templates.get(node.boundary_id)
+        try:
+            plan = plan_pod(
+                template,
+                pod_name=name,
+                node_name=node.name,
+                workflow=self.wf,
+                run_dir=self.run_dir,
+                placement=where,
+                spot=spot,
+                capture_result=result_referenced(boundary_template, node.name),
+                time_scale=self.time_scale,
+            )
+        except (PlanError, KeyError, ValueError, TypeError, yaml.YAMLError) as err:
+            self.nodes.mark(node, ERROR, str(err))
+            return
+        deadlines = []
+        if template.get("activeDeadlineSeconds") is not None:
+            deadlines.append(node.started_at + float(template["activeDeadlineSeconds"]))
+        if opts.execution_deadline is not None:
+            deadlines.append(opts.execution_deadline)
+        injection = None
+        if self.chaos is not None:
+            eligible = not opts.on_exit and not self.previous_attempt_hit(node)
+            injection = self.chaos.target(name, node.name, spot, eligible)
+        pod = Pod(plan, min(deadlines) if deadlines else None, injection)
+        self.pod_dirs[node.id] = plan.pod_dir
+        if opts.on_exit:
+            self.exit_handler_pods.add(node.id)
+        if pod.outcome is not None:  # the program could not be started
+            self.apply_outcome(node, pod.outcome)
+            return
+        self.pods[node.id] = pod
+        self.nodes.mark(node, RUNNING)
+
+    def previous_attempt_hit(self, node: Node) -> bool:
+        """Whether chaos hit the attempt before this one (then this one is spared)."""
+        match = re.fullmatch(r"(.*)\((\d+)\)", node.name)
+        if not node.retried or match is None or match.group(2) == "0":
+            return False
+        return node_id(self.wf.name, f"{match.group(1)}({int(match.group(2)) - 1})") in self.hit
+
+    def _job_is_spot(self, template: dict) -> bool:
+        text = re.sub(r"\{\{[^}]*\}\}", "x", str(template["resource"].get("manifest", "")))
+        try:
+            master = yaml.safe_load(text)["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]
+        except (KeyError, TypeError, ValueError):
+            return False
+        return is_spot_placed(master.get("nodeSelector"), master.get("affinity"))
+
+    def execute_suspend(self, node_name: str, template: dict, opts: Opts) -> Node:
+        node = self.nodes.by_name(node_name) or self.create_node(node_name, SUSPEND, template, opts, RUNNING)
+        seconds = parse_duration(template["suspend"]["duration"]) * self.time_scale
+        if time.time() >= node.started_at + seconds:
+            self.nodes.mark(node, SUCCEEDED)
+        return node
+
+    # ------------------------------------------------------------------------- exit hooks
+
+    def run_exit_hook(
+        self,
+        hook: dict,
+        parent: Node,
+        boundary_id: str,
+        scope: dict,
+        prefix: str,
+        name: str,
+        call_scope: tuple[bool, str] | None,
+    ) -> Node | None:
+        """Argo's runOnExitNode: `<parent>.onExit`, run once the parent completed."""
+        outputs = (last_attempt(parent, self.nodes) or parent).outputs or {}
+        hook_scope = dict(scope)
+        for param in outputs.get("parameters") or []:
+            hook_scope[f"{prefix}.{name}.outputs.parameters.{param['name']}"] = str(param.get("value", ""))
+        add_node_ref(hook_scope, prefix, name, parent, self.nodes)
+        holder = dict(hook)
+        if holder.get("arguments"):
+            holder["arguments"] = substitute(holder["arguments"], {**self.globals(), **hook_scope})
+        hook_node = self.execute_template(
+            f"{parent.name}.onExit",
+            Call(holder, "hook", call_scope),
+            Opts(boundary_id=boundary_id, display_parent=parent.id, on_exit=True, hooked=True),
+        )
+        if hook_node is not None:
+            self.nodes.add_child(parent.name, hook_node.name)
+        return hook_node
+
+    # ------------------------------------------------------------------------- graph
+
+    def outbound_nodes(self, id_: str) -> list[str]:
+        """Argo's getOutboundNodes: the nodes the next step group or dependent task hangs from."""
+        node = self.nodes.get(id_)
+        if node is None:
+            return []
+        if node.type in (SKIPPED, SUSPEND, POD):
+            return [node.id]
+        if node.type == TASK_GROUP:
+            if not node.children:
+                return [node.id]
+            return [out for child in node.children for out in self.outbound_nodes(child)]
+        if node.type == RETRY:
+            return [node.children[-1]] if node.children else []
+        return [out for child in node.outbound_nodes for out in self.outbound_nodes(child)]
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def text_of(value: Any) -> str:
+    """An AnyString: YAML numbers and booleans become their JSON text."""
+    if value is None:
+        return ""
+    return value if isinstance(value, str) else go_json(value)
+
+
+def go_seconds(seconds: float) -> str:
+    """fmt.Sprint of a float64 number of seconds: "3", "0.5"."""
+    return str(int(seconds)) if seconds == int(seconds) else repr(seconds)
+
+
+def go_time(seconds: float) -> str:
+    """time.Time's String(): "2024-05-01 12:00:00 +0000 UTC"."""
+    return time.strftime("%Y-%m-%d %H:%M:%S +0000 UTC", time.gmtime(int(seconds)))
+
+
+def backoff_seconds(backoff: dict, attempts: int) -> float:
+    """duration * factor^(attempts-1), capped: the wait before the next attempt (unscaled)."""
+    wait = parse_duration(backoff["duration"])
+    factor = int(str(backoff.get("factor") or 0))
+    if factor > 0:
+        wait = wait * factor ** (attempts - 1)
+    if backoff.get("cap"):
+        wait = min(wait, parse_duration(backoff["cap"]))
+    return wait
+
+
+def retry_scope(attempts: list[Node]) -> dict[str, str]:
+    """Variables of retryStrategy.expression (Argo's buildRetryStrategyLocalScope)."""
+    last = attempts[-1]
+    return {
+        "retries": str(len(attempts) - 1),
+        "lastRetry.exitCode": (last.outputs or {}).get("exitCode") or "-1",
+        "lastRetry.status": last.phase,
+        "lastRetry.duration": go_seconds(last.duration()),
+        "lastRetry.message": last.message,
+    }
+
+
+def is_transient(message: str) -> bool:
+    """Argo's IsTransientErr on a node message: network and API-server hiccups, or the operator's
+    TRANSIENT_ERROR_PATTERN. A preemption ("pod deleted") is not transient unless the pattern says so."""
+    pattern = os.environ.get("TRANSIENT_ERROR_PATTERN")
+    if pattern and re.search(pattern, message):
+        return True
+    return any(text in message for text in TRANSIENT_MESSAGES) or message.endswith("EOF")
+
+
+def merge_defaults(defaults: dict, template: dict) -> dict:
+    """spec.templateDefaults under a template (a strategic merge, approximated as a deep merge in
+    which the template wins); defaults for another template type are dropped."""
+    kind = template_type(template)
+    merged = copy.deepcopy(
+        {k: v for k, v in defaults.items() if k not in LEAF_TYPES + ("steps", "dag", "suspend") or k == kind}
+    )
+    return _deep_merge(merged, template)
+
+
+def _deep_merge(base: dict, override: dict) -> dict:
+    out = dict(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _deep_merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out

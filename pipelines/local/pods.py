@@ -1,0 +1,441 @@
+"""Pods: each step's container runs on this machine as a process group.
+
+`plan_pod` turns a (substituted) container, script or resource template into a `PodPlan`: the host
+command (the image is recorded, not pulled; `python`/`python3` become this interpreter), the
+environment (this process's, plus the container's `env`), the working directory (workingDir where it
+exists on this host, else the directory `moerl local` was started in) and the pod's sandbox
+(sandbox.py). Everything the real pod spec would have held is written to the pod's `pod.json`.
+
+`Pod` runs a plan: stdout and stderr go to files in the pod's directory, the process gets its own
+process group so that a kill reaches all of its children (torchrun's workers included), and when it
+exits the outcome is read the way Argo's executor and controller read a finished pod: exit code 0
+is Succeeded, else Failed "main: Error (exit code N)" (a signal N counts as 128+N); `result` is stdout
+less one trailing newline; output parameters are read from their sandboxed paths, less one trailing
+newline, falling back to valueFrom.default; a missing one with no default is an Error.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pipelines.local import pytorchjob
+from pipelines.local.chaos import Injection
+from pipelines.local.sandbox import Sandbox
+from pipelines.local.status import ERROR, FAILED, SUCCEEDED, timestamp
+
+MAX_RESULT_BYTES = 256 * 1024
+PYTHON_RE = re.compile(r"python(\d+(\.\d+)?)?")
+DEADLINE_MESSAGE = "Pod was active on the node longer than the specified deadline"
+
+
+@dataclass
+class PodPlan:
+    name: str
+    node_name: str
+    template_name: str
+    kind: str  # container, script or resource
+    image: str
+    argv: list[str]
+    env: dict[str, str]
+    cwd: Path
+    pod_dir: Path
+    sandbox: Sandbox
+    output_parameters: list[dict]
+    output_paths: dict[str, Path]
+    capture_result: bool
+    grace_seconds: float
+    spot: bool
+    job: pytorchjob.PyTorchJob | None = None
+    script: str | None = None
+    recorded: dict = field(default_factory=dict)
+
+
+@dataclass
+class PodOutcome:
+    phase: str
+    message: str
+    exit_code: int | None
+    result: str | None
+    parameters: list[dict] | None
+
+
+@dataclass
+class Termination:
+    """Why we stopped a pod, and how its node is to be recorded."""
+
+    phase: str
+    message: str
+    keep_exit_code: bool
+    sigkill_at: float | None = None
+    override: bool = True  # False: let the outcome follow from how the process ended (PyTorchJob)
+
+
+class PlanError(Exception):
+    """A template that cannot be turned into a process here; the node errors with this message."""
+
+
+def host_program(program: str) -> str:
+    """The image's program on this machine: any python is this interpreter; a program installed
+    beside it (torchrun, moerl: this environment's console scripts) is taken from there; an absolute
+    path that does not exist here is looked up by its name on PATH."""
+    name = program.rsplit("/", 1)[-1]
+    if PYTHON_RE.fullmatch(name):
+        return sys.executable
+    beside = Path(sys.executable).parent / name
+    if ("/" not in program or not Path(program).exists()) and beside.is_file() and os.access(beside, os.X_OK):
+        return str(beside)
+    if program.startswith("/") and not Path(program).exists():
+        return shutil.which(name) or program
+    return program
+
+
+def plan_pod(
+    template: dict,
+    *,
+    pod_name: str,
+    node_name: str,
+    workflow: Any,
+    run_dir: Path,
+    placement: dict,
+    spot: bool,
+    capture_result: bool,
+    time_scale: float,
+) -> PodPlan:
+    kind = "script" if "script" in template else "resource" if "resource" in template else "container"
+    pod_dir = run_dir / "pods" / pod_name
+    job = None
+    if kind == "resource":
+        resource = template["resource"]
+        job = pytorchjob.parse_job(
+            resource["manifest"], resource.get("successCondition", ""), resource.get("failureCondition", "")
+        )
+        container = job.container
+    else:
+        container = template[kind]
+    outputs = (template.get("outputs") or {}).get("parameters") or []
+    declared = [p["valueFrom"]["path"] for p in outputs if (p.get("valueFrom") or {}).get("path")]
+    sandbox = Sandbox(pod_dir / "root", _mounts(container, template, workflow, run_dir, pod_dir), declared)
+
+    command = [str(c) for c in container.get("command") or []]
+    args = [str(a) for a in container.get("args") or []]
+    if not command:
+        raise PlanError(
+            f"container of template {template.get('name')!r} has no command; the image's entrypoint "
+            f"is not known here, so give container.command"
+        )
+    argv = [sandbox.rewrite(a) for a in command + args]
+    argv[0] = host_program(argv[0])
+    script = None
+    if kind == "script":
+        script = sandbox.rewrite(str(container.get("source") or ""))
+        argv.append(str(pod_dir / "script"))
+    if job is not None:
+        argv = pytorchjob.torchrun_argv(argv, job.world_size)
+
+    env = {"MOERL_LOCAL_SANDBOX": str(sandbox.root)}
+    for entry in container.get("env") or []:
+        env[entry["name"]] = sandbox.rewrite(_env_value(entry, pod_name, workflow))
+    working_dir = container.get("workingDir")
+    cwd = Path.cwd()
+    if working_dir:
+        mapped = Path(sandbox.rewrite(str(working_dir)))
+        cwd = mapped if mapped.is_dir() else Path(working_dir) if Path(working_dir).is_dir() else cwd
+    grace = placement.get("terminationGracePeriodSeconds")
+    grace_seconds = (30.0 if grace is None else float(grace)) * time_scale
+
+    recorded = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": pod_name,
+            "namespace": workflow.namespace,
+            "labels": {"workflows.argoproj.io/workflow": workflow.name},
+            "annotations": {"workflows.argoproj.io/node-name": node_name},
+        },
+        "spec": {
+            "containers": [{**container, "name": "main"}],
+            **{k: v for k, v in placement.items() if v not in (None, {}, [])},
+            **{
+                k: template[k]
+                for k in (
+                    "activeDeadlineSeconds",
+                    "schedulerName",
+                    "priorityClassName",
+                    "serviceAccountName",
+                    "securityContext",
+                    "metadata",
+                    "volumes",
+                )
+                if k in template
+            },
+        },
+        "local": {"argv": argv, "cwd": str(cwd), "sandbox": str(sandbox.root), "env": env, "spotPlaced": spot},
+    }
+    if job is not None:
+        recorded["local"]["pytorchJob"] = job.manifest
+    return PodPlan(
+        name=pod_name,
+        node_name=node_name,
+        template_name=str(template.get("name")),
+        kind=kind,
+        image=str(container.get("image", "")),
+        argv=argv,
+        env=env,
+        cwd=cwd,
+        pod_dir=pod_dir,
+        sandbox=sandbox,
+        output_parameters=outputs,
+        output_paths={
+            p["name"]: sandbox.host_path(p["valueFrom"]["path"])
+            for p in outputs
+            if (p.get("valueFrom") or {}).get("path")
+        },
+        capture_result=capture_result,
+        grace_seconds=grace_seconds,
+        spot=spot,
+        job=job,
+        script=script,
+        recorded=recorded,
+    )
+
+
+def _mounts(container: dict, template: dict, workflow: Any, run_dir: Path, pod_dir: Path) -> dict[str, Path]:
+    """container mountPath -> host directory, per the volume each mount names."""
+    volumes = {v["name"]: v for v in (workflow.spec.get("volumes") or []) + (template.get("volumes") or [])}
+    claims = {(c.get("metadata") or {}).get("name") for c in workflow.spec.get("volumeClaimTemplates") or []}
+    mounts = {}
+    for mount in container.get("volumeMounts") or []:
+        name = mount.get("name")
+        volume = volumes.get(name)
+        if volume is None and name in claims:
+            host = run_dir / "volumes" / name
+        elif volume is None:
+            raise PlanError(f"volumeMounts: volume {name!r} is not declared in volumes or volumeClaimTemplates")
+        elif "hostPath" in volume:
+            host = Path(volume["hostPath"]["path"])
+        elif "persistentVolumeClaim" in volume:
+            host = run_dir / "volumes" / str(volume["persistentVolumeClaim"].get("claimName") or name)
+        else:  # emptyDir lives and dies with the pod
+            host = pod_dir / "volumes" / name
+        mounts[mount["mountPath"]] = host / mount["subPath"] if mount.get("subPath") else host
+    return mounts
+
+
+def _env_value(entry: dict, pod_name: str, workflow: Any) -> str:
+    if "valueFrom" not in entry:
+        return str(entry.get("value", ""))
+    field_path = ((entry["valueFrom"] or {}).get("fieldRef") or {}).get("fieldPath", "")
+    known = {
+        "metadata.name": pod_name,
+        "metadata.namespace": workflow.namespace,
+        "spec.nodeName": socket.gethostname(),
+        "status.podIP": "127.0.0.1",
+        "status.hostIP": "127.0.0.1",
+        "spec.serviceAccountName": str(workflow.spec.get("serviceAccountName") or "default"),
+    }
+    if field_path not in known:
+        raise PlanError(
+            f"env {entry.get('name')}: fieldRef {field_path!r} has no value here (known: {', '.join(known)})"
+        )
+    return known[field_path]
+
+
+class Pod:
+    """One running attempt of a step."""
+
+    def __init__(self, plan: PodPlan, deadline: float | None, injection: Injection | None):
+        self.plan = plan
+        self.deadline = deadline
+        self.injection = injection
+        self.termination: Termination | None = None
+        self.outcome: PodOutcome | None = None
+        plan.pod_dir.mkdir(parents=True, exist_ok=True)
+        plan.sandbox.prepare(
+            [p["valueFrom"]["path"] for p in plan.output_parameters if (p.get("valueFrom") or {}).get("path")]
+        )
+        if plan.script is not None:
+            (plan.pod_dir / "script").write_text(plan.script)
+        (plan.pod_dir / "pod.json").write_text(json.dumps(plan.recorded, indent=2, default=str) + "\n")
+        self.stdout_path = plan.pod_dir / "stdout.log"
+        self.stderr_path = plan.pod_dir / "stderr.log"
+        self.started_at = time.time()
+        self.process: subprocess.Popen | None = None
+        with open(self.stdout_path, "wb") as stdout, open(self.stderr_path, "wb") as stderr:
+            try:
+                self.process = subprocess.Popen(
+                    plan.argv,
+                    cwd=plan.cwd,
+                    env={**os.environ, **plan.env},
+                    stdout=stdout,
+                    stderr=stderr,
+                    stdin=subprocess.DEVNULL,
+                    start_new_session=True,
+                )
+            except OSError as err:  # the container runtime's StartError
+                self.outcome = PodOutcome(
+                    FAILED, f"main: StartError (exit code 128): {_start_error(err)}", 128, None, None
+                )
+
+    @property
+    def running(self) -> bool:
+        return self.outcome is None
+
+    def poll(self, now: float) -> PodOutcome | None:
+        """Advance kills that are due; once the process has exited, the pod's outcome."""
+        if self.outcome is not None or self.process is None:
+            return self.outcome
+        if self.termination and self.termination.sigkill_at is not None and now >= self.termination.sigkill_at:
+            self._signal(signal.SIGKILL)
+            self.termination.sigkill_at = None
+        code = self.process.poll()
+        if code is None:
+            return None
+        try:  # a container ends with its main process: whatever it left running goes with it
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        self.outcome = self._finish(128 - code if code < 0 else code)
+        return self.outcome
+
+    def terminate(self, termination: Termination, grace_seconds: float) -> None:
+        """SIGTERM now, SIGKILL after the grace period (the kubelet's way of stopping a pod)."""
+        if self.termination is not None or self.outcome is not None:
+            return
+        self.termination = termination
+        termination.sigkill_at = time.time() + grace_seconds
+        self._signal(signal.SIGTERM)
+
+    def kill(self, termination: Termination) -> None:
+        if self.outcome is not None:
+            return
+        if self.termination is None:
+            self.termination = termination
+        self.termination.sigkill_at = None
+        self._signal(signal.SIGKILL)
+
+    def wait(self, timeout: float) -> None:
+        if self.process is not None:
+            try:
+                self.process.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self._signal(signal.SIGKILL)
+                self.process.wait()
+            self.poll(time.time())
+
+    def _signal(self, sig: int) -> None:
+        if self.process is None or self.process.returncode is not None:
+            return
+        try:
+            os.killpg(self.process.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def _finish(self, exit_code: int) -> PodOutcome:
+        plan = self.plan
+        parameters = self._output_parameters(exit_code)
+        result = self._result() if plan.capture_result else None
+        termination = self.termination
+        if plan.job is not None and (termination is None or not termination.override):
+            return self._job_outcome(exit_code, parameters)
+        if termination is not None:
+            code = exit_code if termination.keep_exit_code else None
+            return PodOutcome(termination.phase, termination.message, code, result, parameters)
+        if exit_code != 0:
+            return PodOutcome(FAILED, f"main: Error (exit code {exit_code})", exit_code, result, parameters)
+        missing = [
+            p
+            for p in plan.output_parameters
+            if (p.get("valueFrom") or {}).get("path") and p["name"] not in {q["name"] for q in parameters or []}
+        ]
+        if missing:
+            path = missing[0]["valueFrom"]["path"]
+            return PodOutcome(
+                ERROR,
+                f"wait: Error (exit code 1): open {path}: no such file or directory",
+                exit_code,
+                result,
+                parameters,
+            )
+        return PodOutcome(SUCCEEDED, "", exit_code, result, parameters)
+
+    def _job_outcome(self, exit_code: int, parameters: list[dict] | None) -> PodOutcome:
+        job = self.plan.job
+        assert job is not None
+        job_object = pytorchjob.job_status(
+            job, exit_code, timestamp(self.started_at) or "", timestamp(time.time()) or ""
+        )
+        (self.plan.pod_dir / "pytorchjob.json").write_text(json.dumps(job_object, indent=2) + "\n")
+        try:
+            ok, message = pytorchjob.match_conditions(job_object, job.success_condition, job.failure_condition)
+        except ValueError as err:
+            return PodOutcome(ERROR, f"main: Error (exit code 1): {err}", 1, None, None)
+        params = _resource_parameters(self.plan.output_parameters, job_object)
+        if ok:
+            return PodOutcome(SUCCEEDED, "", 0, None, params)
+        if ok is None:
+            message = (
+                f"PyTorchJob {job.name} ended (torchrun exit code {exit_code}) but {message[0].lower()}{message[1:]}"
+            )
+        return PodOutcome(FAILED, f"main: Error (exit code 1): {message}", 1, None, params)
+
+    def _result(self) -> str:
+        data = self.stdout_path.read_bytes()[-MAX_RESULT_BYTES - 1 :]
+        text = data.decode(errors="replace")
+        return text[:-1] if text.endswith("\n") else text
+
+    def _output_parameters(self, exit_code: int) -> list[dict] | None:
+        if not self.plan.output_parameters or self.plan.job is not None:
+            return None
+        found = []
+        for param in self.plan.output_parameters:
+            source = param.get("valueFrom") or {}
+            path = self.plan.output_paths.get(param["name"])
+            value = None
+            if path is not None and path.is_file():
+                value = path.read_text(errors="replace")
+                value = value[:-1] if value.endswith("\n") else value
+            elif "default" in source:
+                value = str(source["default"])
+            if value is not None:
+                found.append({**param, "value": value})
+        return found
+
+
+def _resource_parameters(parameters: list[dict], job_object: dict) -> list[dict] | None:
+    if not parameters:
+        return None
+    found = []
+    for param in parameters:
+        source = param.get("valueFrom") or {}
+        path = str(source.get("jsonPath", "")).strip("{}").lstrip(".")
+        ok, value = pytorchjob.gjson_get(job_object, path) if path else (False, "")
+        if ok:
+            found.append({**param, "value": value})
+        elif "default" in source:
+            found.append({**param, "value": str(source["default"])})
+    return found
+
+
+def _start_error(err: OSError) -> str:
+    if isinstance(err, FileNotFoundError):
+        return f'exec: "{err.filename}": executable file not found in $PATH'
+    return str(err)
+
+
+def tail(path: Path, lines: int = 12) -> list[str]:
+    try:
+        data = path.read_bytes()[-16384:]
+    except OSError:
+        return []
+    return data.decode(errors="replace").splitlines()[-lines:]

@@ -1,0 +1,65 @@
+"""Run an Argo manifest on this machine: the entry point for the CLI and for Python callers.
+
+from pipelines.local import run_workflow
+result = run_workflow("workflow.yaml", parameters={"iterations": "2"}, chaos="preempt=1,kill=0,seed=3")
+result.succeeded, result.status["nodes"]
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pipelines.local.chaos import parse_chaos
+from pipelines.local.executor import Controller, View
+from pipelines.local.manifest import load_workflow
+from pipelines.local.status import SUCCEEDED
+from pipelines.local.view import LiveView, PlainView
+
+DEFAULT_WORKDIR = Path(tempfile.gettempdir()) / "moerl-local"
+
+
+@dataclass
+class RunResult:
+    name: str
+    phase: str
+    message: str
+    status: dict[str, Any]  # Argo's Workflow.status
+    run_dir: Path  # <workdir>/<workflow name>: pods/<pod>/{stdout.log,stderr.log,pod.json,root/}
+
+    @property
+    def succeeded(self) -> bool:
+        return self.phase == SUCCEEDED
+
+
+def run_workflow(
+    manifest: str | Path | dict,
+    parameters: dict[str, str] | None = None,
+    chaos: str | None = None,
+    status_out: str | Path | None = None,
+    workdir: str | Path | None = None,
+    view: View | str | None = "auto",
+    name: str | None = None,
+) -> RunResult:
+    """Load, validate and run a workflow manifest (a path, or an already-loaded mapping).
+
+    view: "auto" (a live tree on a terminal, log lines otherwise), "plain", None (silent), or a View.
+    Raises MoerlError, before anything runs, for a manifest this executor cannot run."""
+    spec = parse_chaos(chaos)
+    workflow = load_workflow(manifest, parameters or {}, name=name)
+    if view == "auto":
+        view = LiveView() if sys.stdout.isatty() else PlainView()
+    elif view == "plain":
+        view = PlainView()
+    controller = Controller(
+        workflow,
+        Path(workdir) if workdir else DEFAULT_WORKDIR,
+        chaos=spec,
+        status_out=Path(status_out) if status_out else None,
+        view=view,  # type: ignore[arg-type]
+    )
+    status = controller.run()
+    return RunResult(workflow.name, status["phase"], status.get("message", ""), status, controller.run_dir)
