@@ -45,7 +45,7 @@ def demo_model_config() -> MoeConfig:
 class SftSettings:
     task: str = "addition"
     seed: int = 0
-    steps: int = 300
+    steps: int = 400
     batch_size: int = 64
     lr: float = 3e-3
     weight_decay: float = 0.01
@@ -61,7 +61,9 @@ def train_sft(
     model = MoeForCausalLM(demo_model_config())
     task = get_task(settings.task)
     examples = [encode_example(p) for p in task.prompts("train", settings.train_prompts, settings.seed)]
-    optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr, weight_decay=settings.weight_decay)
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=settings.lr, weight_decay=settings.weight_decay, foreach=True
+    )
     schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=settings.lr, total_steps=settings.steps)
     order = random.Random(settings.seed)
     model.train()

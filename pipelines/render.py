@@ -1,0 +1,196 @@
+"""`moerl render | submit | schedule`: a run config as Argo and KFP manifests, or straight onto an Argo server.
+
+`moerl render CONFIG --out DIR` writes
+
+    workflow-template.yaml        the WorkflowTemplate(s): one per segment of at most segment_size iterations
+    workflow-from-template.yaml   a Workflow that references the first template (what `moerl submit` creates)
+    workflow.yaml                 the whole run as one self-contained Workflow: `moerl local` and `moerl run`
+                                  execute it on this machine; on a cluster it suits runs that fit one object
+    cron-workflow.yaml            the CronWorkflow that continues the run from LATEST on a schedule
+    kfp-pipeline.yaml             the same run as a Kubeflow Pipelines IR (see docs/kfp.md)
+
+`moerl submit` and `moerl schedule` create or update the templates and then a Workflow or the CronWorkflow
+through Hera's WorkflowsService. The server and token come from --argo-server / --argo-token or the Argo CLI's
+variables ARGO_SERVER, ARGO_TOKEN, ARGO_SECURE, ARGO_INSECURE_SKIP_VERIFY and ARGO_NAMESPACE; the token goes
+into the request header only and never into a manifest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from pipelines.config import RunConfig, cron_problem, load_config
+from pipelines.workflow import argo_objects, cron_workflow, workflow, workflow_from_template, workflow_templates
+from steps.errors import MoerlError
+
+WORKFLOW_TEMPLATE = "workflow-template.yaml"
+WORKFLOW = "workflow.yaml"
+WORKFLOW_FROM_TEMPLATE = "workflow-from-template.yaml"
+CRON_WORKFLOW = "cron-workflow.yaml"
+KFP_PIPELINE = "kfp-pipeline.yaml"
+
+
+def render(cfg: RunConfig, out_dir: str | Path) -> dict[str, Path]:
+    """Write every manifest of the run to out_dir; returns file name -> path."""
+    from pipelines.kfp_pipeline import compile_pipeline  # kfp is slow to import; only render needs it
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    texts = {
+        WORKFLOW_TEMPLATE: "---\n".join(t.to_yaml() for t in workflow_templates(cfg)),
+        WORKFLOW_FROM_TEMPLATE: workflow_from_template(cfg).to_yaml(),
+        WORKFLOW: workflow(cfg).to_yaml(),
+        CRON_WORKFLOW: cron_workflow(cfg).to_yaml(),
+    }
+    paths = {}
+    for name, text in texts.items():
+        paths[name] = out / name
+        paths[name].write_text(text)
+    paths[KFP_PIPELINE] = compile_pipeline(cfg, out / KFP_PIPELINE)
+    return paths
+
+
+def _overrides(pairs: list[str]) -> dict[str, Any]:
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise MoerlError(f"--set {pair!r}: write FIELD=VALUE, e.g. --set rollout.num_shards=3")
+        out[key] = yaml.safe_load(value)
+    return out
+
+
+def _server(args: argparse.Namespace) -> tuple[str, str | None, bool]:
+    """(URL, token, verify_ssl) from the flags, else from the Argo CLI's environment variables."""
+    host = args.argo_server or os.environ.get("ARGO_SERVER")
+    if not host:
+        raise MoerlError(
+            "no Argo server given: pass --argo-server https://HOST:2746 or set ARGO_SERVER "
+            "(for a cluster: kubectl -n argo port-forward svc/argo-server 2746)"
+        )
+    if "://" not in host:  # the Argo CLI's form, host:port
+        secure = os.environ.get("ARGO_SECURE", "true").lower() != "false"
+        host = f"{'https' if secure else 'http'}://{host}"
+    token = args.argo_token or os.environ.get("ARGO_TOKEN") or None
+    verify = not (args.insecure_skip_verify or os.environ.get("ARGO_INSECURE_SKIP_VERIFY", "").lower() == "true")
+    return host, token, verify
+
+
+def _talk(host: str, action: Any) -> Any:
+    """Run a call to the Argo server; connection and API errors become one clear MoerlError."""
+    import requests
+    from hera.exceptions import HeraException, Unauthorized
+
+    try:
+        return action()
+    except Unauthorized as err:
+        raise MoerlError(
+            f"{host}: the Argo server refused the token ({err}); set ARGO_TOKEN to a valid one (argo auth token)"
+        ) from None
+    except HeraException as err:
+        raise MoerlError(f"{host}: the Argo server said {type(err).__name__}: {err}") from None
+    except requests.exceptions.RequestException as err:
+        raise MoerlError(
+            f"cannot reach the Argo server at {host} ({type(err).__name__}); check "
+            "--argo-server / ARGO_SERVER and that the server is up"
+        ) from None
+
+
+def cmd_render(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config, _overrides(args.set))
+    for path in render(cfg, args.out).values():
+        print(f"wrote {path}")
+    return 0
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config, _overrides(args.set))
+    host, token, verify = _server(args)
+    namespace = args.namespace or os.environ.get("ARGO_NAMESPACE") or None
+    objects = argo_objects(cfg, host=host, token=token, namespace=namespace, verify_ssl=verify)
+    submitted = _talk(host, lambda: objects.create(wait=args.wait))
+    name = submitted.metadata.name
+    print(f"submitted Workflow {objects.workflow.namespace}/{name} from template {objects.templates[0].name}")
+    if args.wait:
+        phase = submitted.status.phase if submitted.status else "unknown"
+        print(f"Workflow {name} ended {phase}")
+        return 0 if phase == "Succeeded" else 1
+    return 0
+
+
+def cmd_schedule(args: argparse.Namespace) -> int:
+    overrides = _overrides(args.set)
+    if args.timezone:
+        overrides["schedule.timezone"] = args.timezone
+    for expr in args.cron or []:
+        problem = cron_problem(expr)
+        if problem:
+            raise MoerlError(f"--cron {expr!r}: {problem}")
+    cfg = load_config(args.config, overrides)
+    host, token, verify = _server(args)
+    namespace = args.namespace or os.environ.get("ARGO_NAMESPACE") or None
+    objects = argo_objects(cfg, host=host, token=token, namespace=namespace, verify_ssl=verify, schedules=args.cron)
+    cron = _talk(host, objects.schedule)
+    print(
+        f"scheduled CronWorkflow {objects.cron.namespace}/{cron.metadata.name}: "
+        f"{', '.join(objects.cron.schedules or [])} ({objects.cron.timezone}), continuing from LATEST"
+    )
+    return 0
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", type=Path, help="run config YAML (e.g. configs/demo.yaml)")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="override a config field, e.g. --set iterations=3 (repeatable)",
+    )
+
+
+def _server_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--argo-server", metavar="URL", help="Argo server URL (default: $ARGO_SERVER)")
+    parser.add_argument(
+        "--argo-token",
+        metavar="TOKEN",
+        help="bearer token (default: $ARGO_TOKEN, preferred: a flag shows in the process list)",
+    )
+    parser.add_argument("--namespace", metavar="NS", help="namespace (default: $ARGO_NAMESPACE, else the config's)")
+    parser.add_argument("--insecure-skip-verify", action="store_true", help="do not verify the server's TLS cert")
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    files = __doc__[__doc__.index("`moerl render CONFIG") : __doc__.index("`moerl submit` and")].strip()
+    p = subparsers.add_parser(
+        "render",
+        help="write the run's Argo and KFP manifests",
+        description=files,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _common(p)
+    p.add_argument("--out", required=True, type=Path, metavar="DIR", help="directory for the manifests")
+    p.set_defaults(func=cmd_render)
+
+    p = subparsers.add_parser("submit", help="create/update the WorkflowTemplate and submit a Workflow")
+    _common(p)
+    _server_flags(p)
+    p.add_argument("--wait", action="store_true", help="wait for the Workflow to end; exit 0 iff it Succeeded")
+    p.set_defaults(func=cmd_submit)
+
+    p = subparsers.add_parser("schedule", help="create/update the CronWorkflow that continues the run from LATEST")
+    _common(p)
+    _server_flags(p)
+    p.add_argument(
+        "--cron",
+        action="append",
+        metavar="EXPR",
+        help="cron schedule, e.g. '0 */6 * * *' (repeatable; default: the config's schedule)",
+    )
+    p.add_argument("--timezone", help="IANA timezone of the schedule (default: the config's)")
+    p.set_defaults(func=cmd_schedule)

@@ -1,0 +1,109 @@
+"""The shape of a run: segments of unrolled iterations and the dependencies between their tasks.
+
+Pure data, no Hera: the builders turn it into an Argo DAG and the KFP pipeline into `.after()` calls, and the
+tests read it directly.
+
+Per iteration i there are four tasks: rollout-i (fanned out over shards), score-i, update-i, publish-i.
+rollout-i samples from policy v(i-1-staleness) and so waits for publish-(i-1-staleness):
+
+    staleness 0:  publish-(i-1) -> rollout-i -> score-i -> update-i -> publish-i       (synchronous)
+    staleness 1:  publish-(i-2) -> rollout-i -> score-i ─┐
+                                      publish-(i-1) ─────┴-> update-i -> publish-i
+                  so rollout-(i+1) runs while update-i trains.
+
+A run longer than `segment_size` iterations is split into segments, one Workflow each (Argo keeps a whole
+Workflow, status included, in one etcd object of about 1 MB). Every segment starts with `plan`, which reads
+LATEST; tasks of iterations already published are skipped, so any segment resumes where the run stopped.
+The first segment also imports the SFT checkpoint (when there is no LATEST yet); every segment but the last
+ends by submitting the next one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PLAN = "plan"
+IMPORT_SFT = "import-sft"
+NEXT_SEGMENT = "next-segment"
+REPORT = "report"
+STEPS = ("rollout", "score", "update", "publish")
+
+
+@dataclass(frozen=True)
+class Segment:
+    index: int  # 0-based
+    count: int  # segments in the run
+    first: int  # first iteration (1-based)
+    last: int  # last iteration, inclusive
+
+    @property
+    def is_first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.index == self.count - 1
+
+    @property
+    def iterations(self) -> range:
+        return range(self.first, self.last + 1)
+
+
+def segments(iterations: int, segment_size: int) -> list[Segment]:
+    count = -(-iterations // segment_size)
+    return [Segment(k, count, k * segment_size + 1, min((k + 1) * segment_size, iterations)) for k in range(count)]
+
+
+def whole_run(iterations: int) -> Segment:
+    """All iterations as one segment: the self-contained Workflow that the local executor runs."""
+    return Segment(0, 1, 1, iterations)
+
+
+def task_name(step: str, iteration: int) -> str:
+    return f"{step}-{iteration}"
+
+
+def policy_version(iteration: int, staleness: int) -> int:
+    """The policy version that rollout-`iteration` samples from."""
+    return max(0, iteration - 1 - staleness)
+
+
+def dependencies(segment: Segment, staleness: int) -> dict[str, list[str]]:
+    """Task name -> the tasks it waits for, in topological order; only edges not implied by others are kept."""
+    deps: dict[str, list[str]] = {PLAN: []}
+    start = PLAN
+    if segment.is_first:
+        deps[IMPORT_SFT] = [PLAN]
+        start = IMPORT_SFT
+    ancestors: dict[str, set[str]] = {}
+
+    def add(task: str, wanted: list[str]) -> None:
+        # Drop a dependency that another dependency already implies: the graph reads as intended.
+        needed = [d for d in wanted if not any(d in _closure(o, deps, ancestors) for o in wanted if o != d)]
+        deps[task] = needed
+
+    for i in segment.iterations:
+        source = i - 1 - staleness
+        add(task_name("rollout", i), [task_name("publish", source)] if source >= segment.first else [start])
+        add(task_name("score", i), [task_name("rollout", i)])
+        previous = [task_name("publish", i - 1)] if i - 1 >= segment.first else []
+        add(task_name("update", i), [task_name("score", i), *previous])
+        add(task_name("publish", i), [task_name("update", i)])
+    if not segment.is_last:
+        deps[NEXT_SEGMENT] = [task_name("publish", segment.last)]
+    return deps
+
+
+def _closure(task: str, deps: dict[str, list[str]], memo: dict[str, set[str]]) -> set[str]:
+    """All ancestors of `task`."""
+    if task not in memo:
+        found: set[str] = set()
+        for parent in deps.get(task, []):
+            found.add(parent)
+            found |= _closure(parent, deps, memo)
+        memo[task] = found
+    return memo[task]
+
+
+def ancestors(task: str, deps: dict[str, list[str]]) -> set[str]:
+    return _closure(task, deps, {})

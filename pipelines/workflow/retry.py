@@ -1,0 +1,54 @@
+"""Retry strategies: Spot pods retry preemptions and nothing else; on-demand pods retry Argo errors only.
+
+When EC2 reclaims a Spot node, Argo records the attempt in one of a few ways, depending on how far the
+node got before it went away:
+
+    Error   "pod deleted"                                         the node vanished with the pod
+    Failed  "Pod was terminated in response to imminent node shutdown."   kubelet's graceful node shutdown
+    Failed  "The node was low on resource: memory. ..."           kubelet eviction while the node drains
+    Failed  exit code 143 (SIGTERM) or 137 (SIGKILL)              the container was stopped mid-run
+
+A step that fails by itself (a bug, a bad input: exit 1, or 2 for a MoerlError) fails the same way on any
+node, so retrying it only burns the retry budget and hides the message: it is not retried.
+`retryPolicy: Always` lets the expression see Failed as well as Error attempts; `nodeAntiAffinity` sends
+the retry to another node than the one that was reclaimed.
+"""
+
+from __future__ import annotations
+
+from hera.workflows import RetryStrategy
+from hera.workflows.models import Backoff, RetryAffinity, RetryNodeAntiAffinity
+
+from pipelines.config import Retry
+
+# Argo evaluates this with expr-lang over lastRetry.{status,exitCode,message,duration}; exitCode is a string.
+SPOT_RETRY_EXPRESSION = (
+    'lastRetry.status == "Error" || (lastRetry.status == "Failed" && ('
+    'lastRetry.message matches "imminent node shutdown|low on resource" || '
+    'lastRetry.exitCode in ["137", "143"]))'
+)
+
+
+def _backoff(retry: Retry) -> Backoff:
+    b = retry.backoff
+    return Backoff(duration=b.duration, factor=b.factor, max_duration=b.max_duration, cap=b.cap)
+
+
+def spot_retry(retry: Retry) -> RetryStrategy:
+    """Retry preemptions of a Spot pod on another node, with exponential backoff."""
+    return RetryStrategy(
+        limit=retry.limit,
+        retry_policy="Always",
+        expression=SPOT_RETRY_EXPRESSION,
+        backoff=_backoff(retry),
+        affinity=RetryAffinity(node_anti_affinity=RetryNodeAntiAffinity()),
+    )
+
+
+def on_demand_retry(retry: Retry) -> RetryStrategy:
+    """Retry only what Argo calls an error (pod deleted, init or wait container failure), never a failure."""
+    return RetryStrategy(limit=retry.limit, retry_policy="OnError", backoff=_backoff(retry))
+
+
+def retry_for(retry: Retry, spot: bool) -> RetryStrategy:
+    return spot_retry(retry) if spot else on_demand_retry(retry)

@@ -1,0 +1,197 @@
+"""Step report: the run's per-iteration metrics as a table, a Markdown page and a reward/accuracy plot.
+
+    python -m steps.report --run URI --out DIR [--status PHASE]
+
+Reads <run>/metrics/iter-*.json, prints the table, and writes report.md and report.png to DIR and to
+<run>/report/. It is the workflow's exit handler, so it runs however the run ended: iterations that wrote no
+metrics, and metrics that lack a field, show as '-'. Metrics files may nest their fields ({"update": {"kl":
+...}}); a field is found by its name at any depth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from steps.errors import MoerlError, run_cli
+from steps.store import Store
+
+METRICS_PREFIX = "metrics"
+REPORT_PREFIX = "report"
+_ITER_KEY = re.compile(r"^metrics/iter-(\d+)\.json$")
+# Column -> field names that hold it, most specific first.
+COLUMNS: dict[str, tuple[str, ...]] = {
+    "reward": ("reward_mean", "mean_reward", "reward"),
+    "accuracy": ("heldout_accuracy", "held_out_accuracy", "eval_accuracy", "accuracy"),
+    "kl": ("kl_mean", "kl", "kl_ref"),
+}
+# Step times: any numeric field whose name says it is a duration.
+_TIME_FIELD = re.compile(r"(seconds|_secs?|_s|_time|duration)$")
+
+
+@dataclass
+class Report:
+    columns: list[str]
+    rows: list[dict[str, float | None]]  # one per iteration, with "iteration"
+    notes: list[str] = field(default_factory=list)
+    latest: str | None = None
+    status: str | None = None
+
+    def series(self, column: str) -> tuple[list[int], list[float]]:
+        points = [(int(r["iteration"]), r[column]) for r in self.rows if r.get(column) is not None]
+        return [p[0] for p in points], [float(p[1]) for p in points]
+
+    def table(self, markdown: bool = False) -> str:
+        header = ["iteration", *self.columns]
+        cells = [[_cell(row.get(c), c) for c in header] for row in self.rows]
+        if markdown:
+            lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+            return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in cells])
+        widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(header)]
+        lines = ["  ".join(h.rjust(w) for h, w in zip(header, widths, strict=True))]
+        lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in cells]
+        return "\n".join(lines)
+
+
+def _cell(value: float | None, column: str) -> str:
+    if value is None:
+        return "-"
+    if column == "iteration":
+        return str(int(value))
+    return f"{value:.3f}" if abs(value) >= 1e-3 or value == 0 else f"{value:.2e}"
+
+
+def flatten(obj: Any, prefix: str = "") -> dict[str, Any]:
+    """{"a": {"b": 1}} -> {"a.b": 1}."""
+    if not isinstance(obj, dict):
+        return {prefix: obj} if prefix else {}
+    out: dict[str, Any] = {}
+    for key, value in obj.items():
+        out.update(flatten(value, f"{prefix}.{key}" if prefix else str(key)))
+    return out
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value) if math.isfinite(value) else None
+
+
+def find_field(flat: dict[str, Any], names: tuple[str, ...]) -> float | None:
+    """The first of `names` present as a whole key or as a key's last part, at any depth."""
+    for name in names:
+        for key, value in flat.items():
+            if (key == name or key.endswith("." + name)) and _number(value) is not None:
+                return _number(value)
+    return None
+
+
+def time_fields(flat: dict[str, Any]) -> dict[str, float]:
+    return {k: v for k, v in ((k, _number(v)) for k, v in flat.items()) if v is not None and _TIME_FIELD.search(k)}
+
+
+def collect(run: Store) -> Report:
+    rows: list[dict[str, float | None]] = []
+    notes: list[str] = []
+    time_columns: list[str] = []
+    for key in run.list(METRICS_PREFIX):
+        match = _ITER_KEY.match(key)
+        if match is None:
+            continue
+        try:
+            flat = flatten(run.get_json(key))
+        except MoerlError as err:
+            notes.append(f"{key}: left out ({err})")
+            continue
+        row: dict[str, float | None] = {"iteration": float(int(match.group(1)))}
+        for column, names in COLUMNS.items():
+            row[column] = find_field(flat, names)
+        for name, seconds in time_fields(flat).items():
+            row[name] = seconds
+            if name not in time_columns:
+                time_columns.append(name)
+        rows.append(row)
+    rows.sort(key=lambda r: r["iteration"] or 0)
+    from steps.checkpoint import read_latest  # after the listing: an unreadable store fails there first
+
+    return Report(columns=[*COLUMNS, *time_columns], rows=rows, notes=notes, latest=read_latest(run))
+
+
+def plot_png(report: Report) -> bytes:
+    """Held-out accuracy and mean reward by iteration, side by side."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, column, title in ((axes[0], "accuracy", "held-out accuracy"), (axes[1], "reward", "mean reward")):
+        xs, ys = report.series(column)
+        if xs:
+            ax.plot(xs, ys, marker="o")
+        else:
+            ax.text(0.5, 0.5, "no data yet", ha="center", va="center", transform=ax.transAxes)
+        ax.set_title(title)
+        ax.set_xlabel("iteration")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=100)
+    plt.close(fig)
+    return buffer.getvalue()
+
+
+def markdown(report: Report, run_uri: str) -> str:
+    lines = [f"# moerl run report: {run_uri}", ""]
+    if report.status:
+        lines.append(f"Workflow status: **{report.status}**  ")
+    lines.append(
+        f"Latest checkpoint: `{run_uri}/checkpoints/{report.latest}`"
+        if report.latest
+        else "No checkpoint published yet."
+    )
+    lines += ["", report.table(markdown=True) if report.rows else "No iteration has written metrics yet.", ""]
+    lines += [f"- {note}" for note in report.notes]
+    lines += ["", "![held-out accuracy and mean reward by iteration](report.png)", ""]
+    return "\n".join(lines)
+
+
+def write_report(run_uri: str, out_dir: str | Path, status: str | None = None) -> Report:
+    """Collect the run's metrics and write report.md and report.png to out_dir and <run>/report/."""
+    run = Store.open(run_uri)
+    report = collect(run)
+    report.status = status
+    png, md = plot_png(report), markdown(report, run.uri).encode()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.png").write_bytes(png)
+    (out / "report.md").write_bytes(md)
+    run.put_bytes(f"{REPORT_PREFIX}/report.png", png)
+    run.put_bytes(f"{REPORT_PREFIX}/report.md", md)
+    return report
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(prog="python -m steps.report", description=__doc__.splitlines()[0])
+    parser.add_argument("--run", required=True, help="run store URI")
+    parser.add_argument("--out", required=True, type=Path, help="directory for report.md and report.png")
+    parser.add_argument("--status", help="the workflow's phase, shown in the report")
+    args = parser.parse_args()
+    report = write_report(args.run, args.out, args.status)
+    print(report.table() if report.rows else "no iteration has written metrics yet")
+    for note in report.notes:
+        print(note)
+    where = f"{args.out}/report.png and {Store.open(args.run).url(REPORT_PREFIX)}/"
+    print(f"latest checkpoint: {report.latest or 'none'}; report written to {where}")
+    return 0
+
+
+if __name__ == "__main__":
+    run_cli(main)

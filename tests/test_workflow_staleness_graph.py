@@ -1,0 +1,89 @@
+"""Staleness 0 and 1 give the intended dependency graphs, in the pure graph and in the rendered DAG."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipelines.config import validate_config
+from pipelines.workflow import graph, workflow, workflow_templates
+
+BASE = {"sft_checkpoint": "file:///tmp/sft", "run_store": "file:///tmp/run"}
+
+
+def dag_of(manifest: dict) -> dict[str, dict]:
+    main = next(t for t in manifest["spec"]["templates"] if t["name"] == manifest["spec"]["entrypoint"])
+    return {task["name"]: task for task in main["dag"]["tasks"]}
+
+
+def depends(task: dict) -> set[str]:
+    return set(task["depends"].split(" && ")) if task.get("depends") else set()
+
+
+def test_staleness_0_is_a_chain_of_iterations():
+    deps = graph.dependencies(graph.whole_run(3), staleness=0)
+    assert deps == {
+        "plan": [],
+        "import-sft": ["plan"],
+        "rollout-1": ["import-sft"], "score-1": ["rollout-1"], "update-1": ["score-1"], "publish-1": ["update-1"],
+        "rollout-2": ["publish-1"], "score-2": ["rollout-2"], "update-2": ["score-2"], "publish-2": ["update-2"],
+        "rollout-3": ["publish-2"], "score-3": ["rollout-3"], "update-3": ["score-3"], "publish-3": ["update-3"],
+    }  # fmt: skip
+    # Nothing of iteration i+1 can run before iteration i is published.
+    for i in (1, 2):
+        assert f"publish-{i}" in graph.ancestors(f"rollout-{i + 1}", deps)
+
+
+def test_staleness_1_overlaps_the_next_rollout_with_the_update():
+    deps = graph.dependencies(graph.whole_run(4), staleness=1)
+    assert deps["rollout-1"] == ["import-sft"] and deps["rollout-2"] == ["import-sft"]
+    assert deps["rollout-3"] == ["publish-1"] and deps["rollout-4"] == ["publish-2"]
+    assert deps["update-3"] == ["score-3", "publish-2"]  # trains from v2, so waits for it
+    for i in (1, 2, 3):
+        # rollout-(i+1) and update-i wait for neither: they run at the same time.
+        assert f"update-{i}" not in graph.ancestors(f"rollout-{i + 1}", deps)
+        assert f"rollout-{i + 1}" not in graph.ancestors(f"update-{i}", deps)
+        # ...but at most one version behind: rollout-(i+1) still waits for publish-(i-1).
+        if i >= 2:
+            assert f"publish-{i - 1}" in graph.ancestors(f"rollout-{i + 1}", deps)
+
+
+@pytest.mark.parametrize(("staleness", "expected"), [(0, [0, 1, 2, 3]), (1, [0, 0, 1, 2])])
+def test_rollouts_sample_from_the_policy_the_staleness_allows(staleness, expected):
+    assert [graph.policy_version(i, staleness) for i in (1, 2, 3, 4)] == expected
+
+
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_the_rendered_dag_is_the_graph(staleness):
+    cfg = validate_config({**BASE, "iterations": 4, "staleness": staleness})
+    tasks = dag_of(workflow(cfg).to_dict())
+    expected = graph.dependencies(graph.whole_run(4), staleness)
+    assert {name: depends(task) for name, task in tasks.items()} == {k: set(v) for k, v in expected.items()}
+    for i in range(1, 5):
+        rollout = tasks[f"rollout-{i}"]
+        assert rollout["withSequence"] == {"count": "2"}
+        params = {p["name"]: p["value"] for p in rollout["arguments"]["parameters"]}
+        assert params == {"iteration": str(i), "shard": "{{item}}",
+                          "policy-version": str(graph.policy_version(i, staleness))}  # fmt: skip
+        for step in graph.STEPS:  # tasks of published iterations are skipped: that is how a run resumes
+            assert tasks[f"{step}-{i}"]["when"] == f"{{{{tasks.plan.outputs.parameters.latest}}}} < {i}"
+    assert tasks["import-sft"]["when"] == "{{tasks.plan.outputs.parameters.latest}} < 0"
+
+
+def test_long_runs_split_into_segments_that_hand_on():
+    assert [(s.first, s.last) for s in graph.segments(10, 4)] == [(1, 4), (5, 8), (9, 10)]
+    cfg = validate_config({**BASE, "iterations": 10, "segment_size": 4, "staleness": 1})
+    templates = [t.to_dict() for t in workflow_templates(cfg)]
+    assert [t["metadata"]["name"] for t in templates] == ["demo-seg-000", "demo-seg-001", "demo-seg-002"]
+    first, middle, last = (dag_of(t) for t in templates)
+    assert "import-sft" in first and "import-sft" not in middle
+    assert set(middle) >= {"rollout-5", "publish-8"} and "rollout-4" not in middle
+    # Iterations whose sources lie in an earlier segment start from the plan (that segment is done).
+    assert depends(middle["rollout-5"]) == {"plan"} and depends(middle["rollout-6"]) == {"plan"}
+    assert depends(middle["rollout-7"]) == {"publish-5"}
+    # Every segment but the last submits the next one once its last iteration is published.
+    assert depends(first["next-segment"]) == {"publish-4"} and "next-segment" not in last
+    next_template = next(t for t in templates[1]["spec"]["templates"] if t["name"] == "next-segment")
+    assert "name: demo-seg-002" in next_template["resource"]["manifest"]
+    plan = next(t for t in templates[1]["spec"]["templates"] if t["name"] == "plan")
+    args = plan["container"]["args"]
+    assert args[args.index("--first") + 1] == "5" and args[args.index("--last") + 1] == "8"
