@@ -1,6 +1,7 @@
-"""The `moerl` command line. Each subcommand lives in its own module that exposes
-`register(subparsers)`; that function adds the parser and sets `func` to the handler,
-which takes the parsed args and returns an exit code."""
+"""moerl: RL after SFT for sparse MoE models, as Argo Workflows on Kubernetes or on this machine.
+
+Each subcommand lives in its own module that exposes `register(subparsers)`; that function adds the
+parser and sets `func` to the handler, which takes the parsed args and returns an exit code."""
 
 from __future__ import annotations
 
@@ -11,9 +12,11 @@ from steps.errors import run_cli
 
 # Modules that contribute subcommands, in the order `moerl --help` lists them.
 COMMAND_MODULES = [
+    "pipelines.demo",
     "pipelines.sft_demo",
     "pipelines.render",
     "pipelines.local.cli",
+    "pipelines.simulate",
 ]
 
 

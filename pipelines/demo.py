@@ -1,0 +1,126 @@
+"""`moerl demo` and `moerl run`: the whole workflow on this machine, with the local executor.
+
+`moerl run CONFIG` renders a run config and runs its self-contained workflow.yaml here.
+`moerl demo` is the embedded default: it builds the demo SFT checkpoint when missing, runs
+configs/demo.yaml on a file:// store under --workdir, and prints the report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections import defaultdict
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from pipelines.config import RunConfig, load_config
+from pipelines.local import RunResult, run_workflow
+from pipelines.render import WORKFLOW, render
+from pipelines.sft_demo import sft_demo
+from steps.errors import MoerlError
+from steps.sft import SftSettings
+from steps.store import Store
+
+DEMO_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
+STEP_KINDS = ("rollout", "score", "update", "publish")
+
+
+def run_config(cfg: RunConfig, workdir: Path, chaos: str | None = None) -> RunResult:
+    """Render cfg into workdir/rendered and run its workflow.yaml with the local executor."""
+    paths = render(cfg, workdir / "rendered")
+    return run_workflow(paths[WORKFLOW], chaos=chaos, status_out=workdir / "status.json", workdir=workdir / "pods")
+
+
+def step_seconds(status: dict[str, Any]) -> dict[int, dict[str, float]]:
+    """iteration -> step kind -> wall seconds, from Argo-shaped node status (a kind's span across shards)."""
+    spans: dict[int, dict[str, list[datetime]]] = defaultdict(lambda: defaultdict(list))
+    for node in status.get("nodes", {}).values():
+        kind, _, iteration = node.get("displayName", "").partition("-")
+        if kind not in STEP_KINDS or node.get("type") == "Pod" and "(" in node["displayName"]:
+            continue
+        if not iteration.split("(")[0].isdigit() or not node.get("finishedAt"):
+            continue
+        stamps = spans[int(iteration.split("(")[0])][kind]
+        stamps += [datetime.fromisoformat(node[k].replace("Z", "+00:00")) for k in ("startedAt", "finishedAt")]
+    return {
+        i: {kind: (max(s) - min(s)).total_seconds() for kind, s in kinds.items()} for i, kinds in sorted(spans.items())
+    }
+
+
+def print_summary(cfg: RunConfig, result: RunResult, seconds: float) -> None:
+    run = Store.open(cfg.run_store)
+    print()
+    if run.exists("report/report.md"):
+        print(run.get_bytes("report/report.md").decode())
+    times = step_seconds(result.status)
+    if times:
+        print("step wall times (s): " + "  ".join(f"{k:>8}" for k in STEP_KINDS))
+        for i, kinds in times.items():
+            print(f"  iteration {i:>3}        " + "  ".join(f"{kinds.get(k, 0.0):8.1f}" for k in STEP_KINDS))
+    latest = run.get_bytes("checkpoints/LATEST").decode().strip() if run.exists("checkpoints/LATEST") else None
+    print(f"workflow {result.name}: {result.phase} in {seconds:.0f}s {result.message}".rstrip())
+    if latest:
+        print(f"checkpoints: {run.url('checkpoints')}/ (LATEST = {latest})")
+    print(f"report: {run.url('report/report.md')} and {run.url('report/report.png')}")
+    print(f"step logs: {result.run_dir}/pods/")
+
+
+def demo(
+    workdir: Path, iterations: int | None, seed: int | None, chaos: str | None, shards: int | None = None
+) -> RunResult:
+    workdir = workdir.resolve()
+    sft_dir = workdir / "sft-demo"
+    if not (sft_dir / "config.json").is_file():
+        sft_demo(str(sft_dir), SftSettings(seed=seed or 0))
+    overrides: dict[str, Any] = {"sft_checkpoint": str(sft_dir), "run_store": str(workdir / "run")}
+    if iterations is not None:
+        overrides["iterations"] = iterations
+    if seed is not None:
+        overrides["seed"] = seed
+    if shards is not None:
+        overrides["rollout.num_shards"] = shards
+    cfg = load_config(DEMO_CONFIG, overrides)
+    if Store.open(cfg.run_store).exists("run.json"):
+        stored = Store.open(cfg.run_store).get_json("run.json")
+        if stored != json.loads(cfg.model_dump_json()):
+            raise MoerlError(
+                f"{workdir}/run holds a run with other settings; pass a new --workdir or delete {workdir}/run"
+            )
+    start = time.monotonic()
+    result = run_config(cfg, workdir, chaos)
+    print_summary(cfg, result, time.monotonic() - start)
+    return result
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    result = demo(Path(args.workdir), args.iterations, args.seed, args.chaos, args.shards)
+    return 0 if result.succeeded else 1
+
+
+def run_run(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config)
+    start = time.monotonic()
+    result = run_config(cfg, Path(args.workdir).resolve(), args.chaos)
+    print_summary(cfg, result, time.monotonic() - start)
+    return 0 if result.succeeded else 1
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    chaos_help = "inject faults: preempt=N,kill=M,seed=S (Spot preemptions and hard kills, see DESIGN.md)"
+    parser = subparsers.add_parser(
+        "demo", help="run the RL workflow on this machine (CPU, file:// store)", description=__doc__
+    )
+    parser.add_argument("--workdir", default="work/demo", help="where the SFT checkpoint, run store and logs go")
+    parser.add_argument("--iterations", type=int, help="RL iterations (default: configs/demo.yaml)")
+    parser.add_argument("--seed", type=int, help="seed of the SFT checkpoint and the run (default 0)")
+    parser.add_argument("--shards", type=int, help="rollout shards (default: configs/demo.yaml)")
+    parser.add_argument("--chaos", help=chaos_help)
+    parser.set_defaults(func=run_demo)
+
+    parser = subparsers.add_parser("run", help="render a run config and run it here with the local executor")
+    parser.add_argument("config", help="run config YAML")
+    parser.add_argument("--workdir", default="work/run", help="where rendered manifests and step logs go")
+    parser.add_argument("--chaos", help=chaos_help)
+    parser.set_defaults(func=run_run)
