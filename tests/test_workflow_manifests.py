@@ -116,7 +116,8 @@ def test_score_reports_prometheus_gauges_per_iteration(rendered):
     assert score["outputs"]["parameters"] == [
         {"name": "metrics", "valueFrom": {"path": "/tmp/metrics.json", "default": "{}"}}
     ]
-    assert {"name": "MOERL_METRICS_OUT", "value": "/tmp/metrics.json"} in score["container"]["env"]
+    args = score["container"]["args"]
+    assert args[args.index("--metrics-out") + 1] == "/tmp/metrics.json"
     gauges = {m["name"]: m for m in score["metrics"]["prometheus"]}
     assert set(gauges) == {"moerl_reward_mean", "moerl_accuracy"}
     reward = gauges["moerl_reward_mean"]

@@ -42,7 +42,9 @@ def torchrun_args(cfg: RunConfig, iteration: str) -> list[str]:
         args += ["--standalone", "--nnodes", "1"]
     else:
         args += ["--nnodes", str(t.nodes)]
-    return [*args, "-m", "steps.update", "--run", cfg.run_store, "--iteration", iteration]
+    # "--" ends torchrun's own options: its argparse would take the step's --run for an abbreviation of
+    # --run-path ("ambiguous option"). torchrun drops the "--" before starting the script.
+    return [*args, "-m", "steps.update", "--", "--run", cfg.run_store, "--iteration", iteration]
 
 
 def manifest(cfg: RunConfig, iteration: str) -> dict[str, Any]:

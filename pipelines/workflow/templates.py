@@ -33,7 +33,6 @@ ITERATION = "{{inputs.parameters.iteration}}"
 PLAN_OUT = "/tmp/plan"
 # The score step writes its metrics JSON here; the workflow reads it back as an output parameter.
 SCORE_METRICS_PATH = "/tmp/metrics.json"
-METRICS_ENV = "MOERL_METRICS_OUT"
 SCORE_METRIC_KEYS = {"reward_mean": "moerl_reward_mean", "accuracy": "moerl_accuracy"}
 REPORT_OUT = "/tmp/report"
 MAIN = "main"
@@ -141,7 +140,7 @@ def score_metrics(cfg: RunConfig) -> Metrics:
 
 
 def score_template(cfg: RunConfig) -> Container:
-    args = flags(run=cfg.run_store, iteration=ITERATION)
+    args = flags(run=cfg.run_store, iteration=ITERATION, metrics_out=SCORE_METRICS_PATH)
     # The metrics feed only the Prometheus gauges (the store has them too): a missing file is no failure.
     metrics_json = Parameter(name="metrics", value_from=ValueFrom(path=SCORE_METRICS_PATH, default="{}"))
     return _step_container(
@@ -155,8 +154,6 @@ def score_template(cfg: RunConfig) -> Container:
         iteration=ITERATION,
         outputs=[metrics_json],
         metrics=score_metrics(cfg),
-        # Where score writes its metrics JSON; named here so that a local run maps it into the pod's sandbox.
-        env=[*(EnvVar(**e) for e in pl.env()), EnvVar(name=METRICS_ENV, value=SCORE_METRICS_PATH)],
     )
 
 
