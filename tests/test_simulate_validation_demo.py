@@ -1,0 +1,75 @@
+"""The simulator against a real local run of the demo config: configs/demo.yaml rendered by the workflow
+builders with tiny settings, run by the local executor with its real steps (rollout, score, update over
+torchrun, publish); step times fitted from the run's status and simulated on this machine (one node that
+runs every ready step at once, as the executor does) give the measured mean iteration time within 20%.
+
+It skips, naming them, only while step modules that the workflow runs are not written yet."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipelines import simulate as sim
+from pipelines.config import load_config
+from pipelines.local import run_workflow
+from pipelines.sft_demo import sft_demo
+from pipelines.workflow import workflow
+from steps.sft import SftSettings
+
+REPO = Path(__file__).resolve().parents[1]
+FAST_RETRY = {"limit": 1, "backoff": {"duration": "1s", "factor": 1, "max_duration": "1m"}}
+
+
+def step_modules(manifest: dict) -> list[str]:
+    """Every `steps.X` module that the workflow's containers run (python -m / torchrun -m)."""
+    found = set()
+    for template in manifest["spec"]["templates"]:
+        container = template.get("container") or {}
+        for word in [*container.get("command", []), *container.get("args", [])]:
+            if re.fullmatch(r"steps\.\w+", str(word)):
+                found.add(word)
+    return sorted(found)
+
+
+def test_simulated_iteration_time_matches_a_real_demo_run(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    cfg = load_config(
+        REPO / "configs" / "demo.yaml",
+        {
+            "sft_checkpoint": (tmp_path / "sft").as_uri(),
+            "run_store": (tmp_path / "run").as_uri(),
+            "iterations": 1,  # each step is a process that imports torch: ~30 s an iteration here
+            "prompts_per_iteration": 16,
+            "group_size": 4,
+            "rollout.chunk_size": 8,
+            "heldout_size": 8,
+            "trainer.micro_batch_size": 16,
+            "trainer.steps_per_epoch": 1,
+            "retries": {role: FAST_RETRY for role in ("rollout", "score", "trainer", "control")},
+        },
+    )
+    manifest = workflow(cfg).to_dict()
+    modules = step_modules(manifest)
+    assert {"steps.rollout", "steps.score", "steps.update", "steps.publish"} <= set(modules)
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if missing:
+        pytest.skip(f"the workflow's steps {', '.join(missing)} are not written yet; this validation needs them")
+
+    sft_demo((tmp_path / "sft").as_uri(), SftSettings(steps=2, train_prompts=64, eval_prompts=8, batch_size=16))
+    status = tmp_path / "status.json"
+    result = run_workflow(manifest, view=None, workdir=tmp_path / "work", status_out=status)
+    assert result.succeeded, f"{result.message}; logs under {result.run_dir}/pods"
+
+    measured = sim.iteration_times_from_status(status)
+    assert len(measured) == 1
+    steps = sim.measured_step_model(cfg, sim.CPU_ASSUMPTIONS, sim.step_times_from_status(status), "status.json")
+    simulated = sim.simulate(cfg, steps, sim.local_cluster(cfg), sim.CPU_ASSUMPTIONS)
+    mean_measured = sum(measured) / len(measured)
+    error = abs(simulated.mean_iteration_s - mean_measured) / mean_measured
+    print(f"measured {measured}, simulated {simulated.iteration_times}, error {error:.1%}", file=sys.stderr)
+    assert error <= 0.20, (simulated.iteration_times, measured, sim.step_times_from_status(status))
