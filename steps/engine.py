@@ -1,0 +1,616 @@
+"""Generation engines: one interface, a torch engine (CPU or one GPU) and SGLang (steps/sglang_engine.py).
+
+    engine = TorchEngine.from_checkpoint(model_dir)
+    requests = sample_requests(prompts, SamplingParams(n=8), seed_of=lambda pid, k: sample_seed(0, 1, pid, k))
+    generations = engine.generate(requests, SamplingParams(n=8))
+
+A `GenerationRequest` is one sample: a prompt's token ids, the sample's index within its group and the seed
+of its randomness. `SamplingParams.n` is the group size that `sample_requests` expands each prompt into; an
+engine only ever sees single samples, so every sample's randomness is its own.
+
+What `Generation.logprobs` holds (both engines): for each sampled token, log_softmax(logits) of the *policy*
+at temperature 1 — the raw model distribution, before temperature, top-k or top-p reshape it for sampling.
+That is exactly what the trainer recomputes (steps.model.token_logprobs), so the importance ratio between
+behaviour and trainer policy is 1 up to numerics when nothing is stale. With the default sampling settings
+(temperature 1, top_p 1, top_k 0) it is also the log-probability of the distribution the token was drawn from.
+
+Determinism of the torch engine. A sample's token at step t is the inverse CDF of the (temperature/top-k/
+top-p) sampling distribution at the uniform u[t] of the sample's own counter-based random stream, keyed by the
+request's seed alone (sample_uniforms): no other row's randomness ever enters. Logits of a row depend on the
+other rows only through floating-point noise of the batch shape (matmul blocking, expert grouping), and on
+the number of CPU threads; so the rollout step always generates the same chunk as one batch
+(steps/experience.py) with a fixed thread count, and the same chunk then gives bit-identical samples in any
+shard and after any restart.
+
+Greedy evaluation: `evaluate_accuracy(engine_or_model, task, prompts)` (temperature 0, exact match).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from steps.errors import MoerlError
+from steps.model import (
+    KVCache,
+    MoeForCausalLM,
+    load_pretrained,
+    rotary_cos_sin,
+    token_logprobs,
+)
+from steps.moe import MoeBlock
+from steps.tasks import Prompt, Task, get_task, verify_ids
+from steps.tokenizer import EOS_ID, PAD_ID, build_tokenizer, encode_prompt
+
+# PyTorch's CPU bmm runs matrices of fewer multiply-adds than this with a plain loop, several times slower
+# per multiply-add than its blocked kernels; the decoder keeps its per-row products above it.
+SMALL_PRODUCT = 400
+
+FINISH_STOP = "stop"  # the sample ended with one of the stop tokens (kept as its last response token)
+FINISH_LENGTH = "length"  # max_new_tokens reached without a stop token
+
+
+class GenerationInterrupted(Exception):
+    """Raised by Engine.generate when should_stop() said so between two decode steps (e.g. on SIGTERM)."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0  # 0: greedy (argmax); > 0: sample from softmax(logits / temperature)
+    top_p: float = 1.0  # keep the smallest set of most likely tokens whose probability reaches top_p
+    top_k: int = 0  # keep the k most likely tokens; 0 keeps all
+    max_new_tokens: int = 8
+    stop_token_ids: tuple[int, ...] = (EOS_ID,)  # a sampled stop token ends the sample and is kept
+    n: int = 1  # samples per prompt (the GRPO group); see sample_requests
+
+    def __post_init__(self) -> None:
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature={self.temperature}: must be >= 0 (0 is greedy)")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p={self.top_p}: must be in (0, 1]")
+        if self.top_k < 0 or self.max_new_tokens < 1 or self.n < 1:
+            raise ValueError(f"{self}: top_k must be >= 0, max_new_tokens and n >= 1")
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    prompt_id: str
+    prompt_ids: tuple[int, ...]
+    sample_index: int
+    seed: int  # the only source of this sample's randomness (see sample_seed)
+
+
+@dataclass
+class Generation:
+    prompt_id: str
+    sample_index: int
+    response_ids: list[int]  # sampled tokens, the stop token included when finish_reason is "stop"
+    logprobs: list[float]  # one per response token: policy log-prob at temperature 1 (module docstring)
+    finish_reason: str  # FINISH_STOP or FINISH_LENGTH
+
+
+class Engine(Protocol):
+    """What the rollout step and the evaluation need from a generation engine."""
+
+    name: str
+
+    def generate(
+        self,
+        requests: Sequence[GenerationRequest],
+        params: SamplingParams,
+        should_stop: Callable[[], bool] | None = None,
+    ) -> list[Generation]:
+        """One Generation per request, in request order. Raises GenerationInterrupted when should_stop()
+        returns True (polled between decode steps); nothing is returned then."""
+        ...
+
+    def close(self) -> None: ...
+
+
+def sample_seed(seed: int, iteration: int, prompt_id: str, sample_index: int) -> int:
+    """The seed of one sample: a stable 63-bit hash of (run seed, iteration, prompt id, sample index).
+
+    hashlib, not hash(): the same on every machine and under any PYTHONHASHSEED.
+    """
+    key = f"{seed}\x1f{iteration}\x1f{prompt_id}\x1f{sample_index}".encode()
+    digest = hashlib.blake2b(key, digest_size=8, person=b"moerl-sample").digest()
+    return int.from_bytes(digest, "big") >> 1
+
+
+def sample_requests(
+    prompts: Sequence[tuple[str, Sequence[int]]],
+    params: SamplingParams,
+    seed_of: Callable[[str, int], int],
+) -> list[GenerationRequest]:
+    """params.n requests per (prompt_id, prompt_ids), prompt by prompt, sample indices 0..n-1."""
+    return [
+        GenerationRequest(prompt_id, tuple(int(t) for t in ids), k, seed_of(prompt_id, k))
+        for prompt_id, ids in prompts
+        for k in range(params.n)
+    ]
+
+
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_MIX1, _MIX2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+
+
+def sample_uniforms(seeds: Sequence[int], steps: int) -> torch.Tensor:
+    """[len(seeds), steps] float64 uniforms in [0, 1): row r, step t is SplitMix64 of seeds[r] at counter t.
+
+    A counter-based generator: each sample's stream depends on its own seed only (like a torch.Generator
+    seeded with it), is computed for all rows at once, and is the same on every machine (unsigned 64-bit
+    arithmetic, which numpy defines to wrap around).
+    """
+    seeds_u64 = np.array([s % 2**64 for s in seeds], dtype=np.uint64)[:, None]
+    with np.errstate(over="ignore"):
+        z = seeds_u64 + _GOLDEN * np.arange(1, steps + 1, dtype=np.uint64)[None, :]
+        z = (z ^ (z >> np.uint64(30))) * _MIX1
+        z = (z ^ (z >> np.uint64(27))) * _MIX2
+        z = z ^ (z >> np.uint64(31))
+    return torch.from_numpy((z >> np.uint64(11)).astype(np.float64) * 2.0**-53)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Sampling one step for a batch of rows
+# ----------------------------------------------------------------------------------------------------
+
+
+def sample_next(
+    logits: torch.Tensor, uniforms: torch.Tensor, params: SamplingParams
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [B, V], uniforms [B] in [0, 1) -> (tokens [B] int64, policy log-probs [B] float32).
+
+    Sampling is the inverse CDF at each row's uniform, so a row's token depends on its own logits and
+    uniform only. Top-k/top-p work on the tokens sorted by probability (stable sort: ties keep vocabulary
+    order); without them the CDF runs in vocabulary order and nothing is sorted.
+    """
+    if params.greedy:
+        tokens = logits.argmax(dim=-1)
+    else:
+        scaled = logits.double() / params.temperature
+        order = None
+        if params.top_k or params.top_p < 1:
+            scaled, order = scaled.sort(dim=-1, descending=True, stable=True)
+        probs = torch.softmax(scaled, dim=-1)
+        if order is not None:
+            keep = torch.ones_like(probs, dtype=torch.bool)
+            if params.top_k:
+                keep[:, params.top_k :] = False
+            if params.top_p < 1:
+                # A token stays if the mass of the tokens before it is still below top_p (the first always).
+                keep &= (probs.cumsum(dim=-1) - probs) < params.top_p
+            probs = probs * keep
+        cdf = probs.cumsum(dim=-1)
+        target = (uniforms.to(cdf.dtype) * cdf[:, -1]).unsqueeze(1)
+        picked = torch.searchsorted(cdf, target, right=True).clamp_(max=cdf.shape[1] - 1)
+        tokens = (picked if order is None else order.gather(1, picked)).squeeze(1)
+    return tokens, token_logprobs(logits, tokens)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The torch engine
+# ----------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class TorchEngine:
+    """Batched sampling over steps.model.MoeForCausalLM on CPU (or one GPU).
+
+    One generate() call is one batch. The distinct prompts are prefilled once, left-padded, through
+    MoeForCausalLM.forward into its KVCache; the samples of a prompt then share those prompt keys/values
+    (never copied per sample).
+
+    Decoding runs over *states*, not samples: samples of one prompt that have drawn the same tokens so far
+    are in the same state (same keys, values and next-token logits), so they share one row of the batch and
+    one computation; a state splits into new rows when its samples draw different tokens. Each sample still
+    draws its own token, with its own uniforms, from its state's logits. Rows whose samples have all finished
+    stop costing compute: they are dropped when the batch is rebuilt for a split, or once a quarter of it
+    is finished. All of this is decided by the batch alone, so a batch always decodes the same way.
+
+    The engine serves the weights the model had when the engine was built (the decoder keeps a fused copy of
+    the expert weights): build a new engine after changing the model.
+    """
+
+    model: MoeForCausalLM
+    name: str = "torch"
+    compact_below: float = 0.75  # drop finished rows when the live ones are at most this share of the batch
+    device: torch.device = field(init=False)
+    decoder: Decoder = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.device = self.model.model.embed_tokens.weight.device
+        self.decoder = Decoder(self.model)
+
+    @classmethod
+    def from_checkpoint(
+        cls, directory: str | os.PathLike, device: str = "cpu", dtype: torch.dtype = torch.float32
+    ) -> TorchEngine:
+        return cls(load_pretrained(directory, dtype=dtype, device=device).eval())
+
+    def close(self) -> None:
+        pass
+
+    @torch.inference_mode()
+    def generate(
+        self,
+        requests: Sequence[GenerationRequest],
+        params: SamplingParams,
+        should_stop: Callable[[], bool] | None = None,
+    ) -> list[Generation]:
+        if not requests:
+            return []
+        device, steps, vocab = self.device, params.max_new_tokens, self.model.config.vocab_size
+        batch, logits, state = self._prefill(requests, steps)  # state: each sample's row in the batch
+
+        uniforms = sample_uniforms([r.seed for r in requests], steps).to(device)
+        out_tokens = torch.full((len(requests), steps), PAD_ID, dtype=torch.long, device=device)
+        out_logprobs = torch.zeros(len(requests), steps, dtype=torch.float32, device=device)
+        lengths = torch.zeros(len(requests), dtype=torch.long, device=device)
+        stopped = torch.zeros(len(requests), dtype=torch.bool, device=device)
+        stop_ids = torch.tensor(params.stop_token_ids, dtype=torch.long, device=device)
+
+        live = torch.arange(len(requests), device=device)  # the samples still generating
+        for step in range(steps):
+            tokens, logprobs = sample_next(logits.index_select(0, state[live]), uniforms[live, step], params)
+            out_tokens[live, step] = tokens
+            out_logprobs[live, step] = logprobs
+            lengths[live] += 1
+            ended = torch.isin(tokens, stop_ids)
+            stopped[live[ended]] = True
+            live, tokens = live[~ended], tokens[~ended]
+            if live.numel() == 0 or step == steps - 1:
+                break
+            if should_stop is not None and should_stop():
+                raise GenerationInterrupted(f"stopped after {step + 1} of {steps} decode steps")
+            # The live samples' next states: one per distinct (state, token), ordered by (state, token).
+            keys, inverse = torch.unique(state[live] * vocab + tokens, return_inverse=True)
+            rows, row_tokens = keys // vocab, keys % vocab
+            rows_kept = len(logits)
+            if len(rows) == len(torch.unique(rows)) and len(rows) > self.compact_below * rows_kept:
+                # No state split and few finished: keep the rows; finished ones feed padding, unread.
+                next_tokens = torch.full((rows_kept,), PAD_ID, dtype=torch.long, device=device)
+                next_tokens[rows] = row_tokens
+            else:
+                batch, next_tokens = batch.select(rows), row_tokens
+                state[live] = inverse
+            logits = self.decoder.step(next_tokens, batch)
+
+        token_lists, logprob_lists = out_tokens.tolist(), out_logprobs.tolist()
+        return [
+            Generation(
+                prompt_id=request.prompt_id,
+                sample_index=request.sample_index,
+                response_ids=token_lists[row][:n],
+                logprobs=logprob_lists[row][:n],
+                finish_reason=FINISH_STOP if done else FINISH_LENGTH,
+            )
+            for row, (request, n, done) in enumerate(zip(requests, lengths.tolist(), stopped.tolist(), strict=True))
+        ]
+
+    def _prefill(
+        self, requests: Sequence[GenerationRequest], steps: int
+    ) -> tuple[DecodeBatch, torch.Tensor, torch.Tensor]:
+        """Left-padded prefill of the distinct prompts through MoeForCausalLM.forward. Returns the decode
+        batch (one row per distinct prompt), its next-token logits [P, V] and each request's row [R]."""
+        distinct: dict[tuple[int, ...], int] = {}
+        parent = [distinct.setdefault(tuple(r.prompt_ids), len(distinct)) for r in requests]
+        prompts = list(distinct)
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("a GenerationRequest has no prompt tokens; every prompt starts with BOS")
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), PAD_ID, dtype=torch.long)
+        mask = torch.zeros(len(prompts), width, dtype=torch.long)
+        for row, prompt in enumerate(prompts):
+            ids[row, width - len(prompt) :] = torch.tensor(prompt)
+            mask[row, width - len(prompt) :] = 1
+        cache = self.model.new_kv_cache(len(prompts), width)
+        logits = self.model(ids.to(self.device), mask.to(self.device), kv_cache=cache)[:, -1]
+        batch = DecodeBatch.start(cache, capacity=self.decoder.initial_capacity(steps))
+        return batch, logits, torch.tensor(parent, device=self.device)
+
+
+class DecodeBatch:
+    """The decode state of one batch: shared prompt keys/values and each row's generated ones.
+
+        prompt_keys         [layers, P, kv, D, W]  the prefill keys of the P distinct prompts (left-padded),
+                                    transposed for the query-key product
+        prompt_values       [layers, P, kv, W, D]
+        prompt_bias         [P, W]   0 for a real prompt token, -inf for padding
+        parent              [B]      the prompt of each row
+        keys                [layers, B, kv, D, capacity]  the keys of the tokens the rows generated (transposed),
+                                    `length` of them; zeros beyond
+        values              [layers, B, kv, capacity, D]
+        position            [B]      RoPE position of each row's next token
+
+    For attention over the prompt, the query rows are laid out by prompt in a grid [P, slots] (slot: the
+    row's rank among its prompt's rows; empty slots repeat row 0, and their results are never read), so that
+    each prompt's keys are read once for all of its samples, as one matrix product.
+    """
+
+    def __init__(
+        self,
+        prompt_keys: torch.Tensor,
+        prompt_values: torch.Tensor,
+        prompt_bias: torch.Tensor,
+        parent: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        position: torch.Tensor,
+        length: int,
+    ) -> None:
+        self.prompt_keys, self.prompt_values, self.prompt_bias = prompt_keys, prompt_values, prompt_bias
+        self.parent, self.keys, self.values, self.position, self.length = parent, keys, values, position, length
+        rows = parent.shape[0]
+        counts = torch.bincount(parent, minlength=prompt_keys.shape[1])
+        order = torch.argsort(parent, stable=True)
+        first_of_prompt = counts.cumsum(0) - counts
+        slot = torch.empty_like(parent)
+        slot[order] = torch.arange(rows, device=parent.device) - first_of_prompt[parent[order]]
+        self.slots = int(counts.max())
+        self.grid = torch.zeros((prompt_keys.shape[1], self.slots), dtype=torch.long, device=parent.device)
+        self.grid[parent, slot] = torch.arange(rows, device=parent.device)
+        self.row_in_grid = parent * self.slots + slot
+        self.row_bias = prompt_bias[parent]  # [B, W]
+
+    @classmethod
+    def start(cls, cache: KVCache, capacity: int) -> DecodeBatch:
+        """The batch right after prefill: one row per prompt, nothing generated yet."""
+        layers, prompts, kv_heads, _, head_dim = cache.keys.shape
+        parent = torch.arange(prompts, device=cache.keys.device)
+        bias = torch.zeros(cache.valid.shape, dtype=torch.float32, device=parent.device)
+        bias.masked_fill_(~cache.valid, float("-inf"))
+        shape = (layers, parent.shape[0], kv_heads, capacity, head_dim)
+        values = torch.zeros(shape, dtype=cache.values.dtype, device=parent.device)
+        return cls(
+            cache.keys.transpose(3, 4).contiguous(), cache.values, bias, parent,
+            values.transpose(3, 4).contiguous(), values, cache.next_position[parent].clone(), 0,
+        )  # fmt: skip
+
+    def select(self, rows: torch.Tensor) -> DecodeBatch:
+        """Only these rows (and only the prompts they still use)."""
+        prompts, parent = torch.unique(self.parent[rows], return_inverse=True)
+        return DecodeBatch(
+            self.prompt_keys.index_select(1, prompts),
+            self.prompt_values.index_select(1, prompts),
+            self.prompt_bias.index_select(0, prompts),
+            parent,
+            self.keys.index_select(1, rows),
+            self.values.index_select(1, rows),
+            self.position.index_select(0, rows),
+            self.length,
+        )
+
+    def make_room(self) -> None:
+        """Double the capacity for generated tokens when it is full."""
+        capacity = self.values.shape[3]
+        if self.length < capacity:
+            return
+        self.keys = torch.cat([self.keys, torch.zeros_like(self.keys)], dim=4)
+        self.values = torch.cat([self.values, torch.zeros_like(self.values)], dim=3)
+
+    def to_grid(self, per_row: torch.Tensor) -> torch.Tensor:
+        """[B, kv, g, X] -> [P * kv, slots * g, X]: rows laid out by prompt."""
+        _, kv, g, x = per_row.shape
+        grid = per_row.index_select(0, self.grid.view(-1)).view(-1, self.slots, kv, g, x)  # [P, slots, kv, g, X]
+        return grid.transpose(1, 2).reshape(-1, self.slots * g, x)
+
+    def from_grid(self, grid: torch.Tensor, kv_heads: int) -> torch.Tensor:
+        """[P * kv, slots * g, X] -> [B, kv, g, X]."""
+        total, slots_g, x = grid.shape
+        prompts, g = total // kv_heads, slots_g // self.slots
+        per_slot = grid.view(prompts, kv_heads, self.slots, g, x).transpose(1, 2).reshape(-1, kv_heads, g, x)
+        return per_slot.index_select(0, self.row_in_grid)
+
+
+class Decoder:
+    """One decode step (one new token per row) of a MoeForCausalLM over a DecodeBatch.
+
+    The same layers and arithmetic as MoeForCausalLM.forward, specialised to one query per row:
+      - RoPE from a precomputed table, rotate_half folded into one roll against a sign-folded sine;
+      - attention in two parts under one softmax: against the shared prompt keys, one matrix product per
+        prompt and kv head for all of its samples' query heads; against the row's own generated keys, one
+        small product per row and kv head. No kv head is ever expanded to its query heads (that copy of the
+        whole cache per layer and step dominated decoding on CPU);
+      - experts with gate and up projections fused into one matmul, each expert run once on its tokens.
+    Both paths give the same logits up to float rounding; tests/test_engine_torch.py checks the log-probs
+    against transformers.
+    """
+
+    def __init__(self, model: MoeForCausalLM) -> None:
+        cfg = model.config
+        assert cfg.head_dim is not None
+        self.model, self.cfg = model, cfg
+        self.head_dim, self.kv_heads = cfg.head_dim, cfg.num_key_value_heads
+        self.groups = cfg.num_attention_heads // cfg.num_key_value_heads
+        self.cos = self.sin = torch.empty(0, cfg.head_dim)
+        # Per layer: q, k and v projections as one matrix (and bias). Per MoE layer: [gate; up] of each expert
+        # as one [H, 2I] matrix, and down as [I, H] (x @ W layout).
+        self.qkv: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        self.experts: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        with torch.no_grad():
+            for index, layer in enumerate(model.model.layers):
+                attn = layer.self_attn
+                projections = (attn.q_proj, attn.k_proj, attn.v_proj)
+                bias = torch.cat([p.bias for p in projections]) if attn.q_proj.bias is not None else None
+                self.qkv.append((torch.cat([p.weight for p in projections]), bias))
+                if not isinstance(layer.mlp, MoeBlock):
+                    continue
+                block = layer.mlp
+                if block.num_local_experts != block.num_experts:
+                    raise ValueError("TorchEngine needs every expert on this process (a full model)")
+                experts = [block.experts[str(e)] for e in range(block.num_experts)]
+                gate_up = [torch.cat([e.gate_proj.weight, e.up_proj.weight]).t().contiguous() for e in experts]
+                down = [e.down_proj.weight.t().contiguous() for e in experts]
+                self.experts[index] = (gate_up, down)
+
+    def initial_capacity(self, steps: int) -> int:
+        """Room for generated tokens to start with (it doubles when full): at least 8, and enough that the
+        per-row attention products stay above SMALL_PRODUCT multiply-adds."""
+        capacity = 8
+        while capacity < steps and self.groups * self.head_dim * capacity <= SMALL_PRODUCT:
+            capacity *= 2
+        return capacity
+
+    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sign-folded sin [B, 1, D] at positions [B]: rotate_half(x) * sin equals
+        roll(x, D/2) * sin_folded, with sin_folded = (-sin[:D/2], sin[D/2:])."""
+        needed = int(positions.max()) + 1
+        if needed > self.cos.shape[0]:
+            weight = self.model.model.embed_tokens.weight
+            length = max(needed, 2 * self.cos.shape[0], 64)
+            table = torch.arange(length, device=weight.device)[None]
+            cos, sin = rotary_cos_sin(table, self.head_dim, self.cfg.rope_theta, weight.dtype)
+            half = self.head_dim // 2
+            self.cos, self.sin = cos[0], torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1)
+        return self.cos.index_select(0, positions).unsqueeze(1), self.sin.index_select(0, positions).unsqueeze(1)
+
+    def step(self, tokens: torch.Tensor, batch: DecodeBatch) -> torch.Tensor:
+        """tokens [B] -> next-token logits [B, V] float32; appends the tokens to the batch."""
+        model, cfg = self.model, self.cfg
+        rows, head_dim, kv_heads, groups = tokens.shape[0], self.head_dim, self.kv_heads, self.groups
+        batch.make_room()
+        slot, seen = batch.length, batch.length + 1
+        prompts, width = batch.prompt_bias.shape
+        cos, sin = self._rope(batch.position)
+        half = head_dim // 2
+        q_size, kv_size = cfg.num_attention_heads * head_dim, kv_heads * head_dim
+
+        x = model.model.embed_tokens(tokens)  # [B, H]
+        for index, layer in enumerate(model.model.layers):
+            attn = layer.self_attn
+            qkv = F.linear(layer.input_layernorm(x), *self.qkv[index])
+            q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+            q = attn.q_norm(q.view(rows, cfg.num_attention_heads, head_dim))
+            k = attn.k_norm(k.view(rows, kv_heads, head_dim))
+            v = v.view(rows, kv_heads, head_dim)
+            q = torch.addcmul(q * cos, q.roll(half, dims=-1), sin).mul_(attn.scaling)
+            q = q.view(rows, kv_heads, groups, head_dim)
+            k = torch.addcmul(k * cos, k.roll(half, dims=-1), sin)
+            batch.keys[index, :, :, :, slot] = k
+            batch.values[index, :, :, slot] = v
+            capacity = batch.values.shape[3]
+            own_keys = batch.keys[index].view(rows * kv_heads, head_dim, capacity)  # zeros beyond `seen`
+            own_values = batch.values[index].view(rows * kv_heads, capacity, head_dim)
+            prompt_keys = batch.prompt_keys[index].view(prompts * kv_heads, head_dim, width)
+            prompt_values = batch.prompt_values[index].view(prompts * kv_heads, width, head_dim)
+
+            # Scores [B, kv, g, W + seen] against the prompt (via the grid) and the row's own tokens.
+            # (q carries the 1/sqrt(D) scale.)
+            to_prompt = batch.from_grid(torch.bmm(batch.to_grid(q), prompt_keys), kv_heads)
+            to_own = torch.bmm(q.view(rows * kv_heads, groups, head_dim), own_keys)[:, :, :seen]
+            to_prompt = to_prompt.add_(batch.row_bias[:, None, None, :])
+            weights = torch.softmax(torch.cat([to_prompt, to_own.view(rows, kv_heads, groups, seen)], dim=-1), dim=-1)
+            from_prompt = torch.bmm(batch.to_grid(weights[..., :width]), prompt_values)
+            # Own keys and values are used up to the capacity (zero scores and weights beyond `seen`): whole
+            # contiguous blocks, and products too big for PyTorch's slow path for tiny matrices (SMALL_PRODUCT).
+            own_weights = F.pad(weights[..., width:], (0, capacity - seen)).view(rows * kv_heads, groups, capacity)
+            from_own = torch.bmm(own_weights, own_values)
+            out = batch.from_grid(from_prompt, kv_heads).view(rows, -1) + from_own.view(rows, -1)
+            x = x + attn.o_proj(out)
+            h = layer.post_attention_layernorm(x)
+            x = x + (self._experts(layer.mlp, index, h) if index in self.experts else layer.mlp(h))
+        x = model.model.norm(x)
+        weight = model.model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+        batch.length += 1
+        batch.position += 1
+        return F.linear(x, weight).float()
+
+    def _experts(self, block: MoeBlock, index: int, hidden: torch.Tensor) -> torch.Tensor:
+        """The MoE block on hidden [T, H]: route, run each expert once on its tokens, combine the top-k."""
+        gate_up, down = self.experts[index]
+        _, topk_idx, topk_weight = block.route(hidden)
+        num_tokens, top_k = topk_idx.shape
+        flat = topk_idx.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # slots grouped by expert
+        counts = torch.bincount(flat, minlength=block.num_experts).tolist()
+        routed = hidden.index_select(0, order // top_k)
+        out = torch.empty_like(routed)
+        inner = down[0].shape[0]
+        start = 0
+        for expert, count in enumerate(counts):
+            if count:
+                act = torch.mm(routed[start : start + count], gate_up[expert])
+                torch.mm(F.silu(act[:, :inner]).mul_(act[:, inner:]), down[expert], out=out[start : start + count])
+                start += count
+        # Back to token order [T, k, H], then the weighted sum over the k slots (no atomics: deterministic).
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.numel(), device=order.device)
+        per_slot = out.index_select(0, inverse).view(num_tokens, top_k, -1)
+        weight = topk_weight.to(per_slot.dtype)
+        combined = per_slot[:, 0] * weight[:, :1]
+        for j in range(1, top_k):
+            combined = torch.addcmul(combined, per_slot[:, j], weight[:, j : j + 1])
+        return combined
+
+
+# ----------------------------------------------------------------------------------------------------
+# Opening an engine, greedy evaluation
+# ----------------------------------------------------------------------------------------------------
+
+
+def open_engine(
+    kind: str,
+    model_dir: str | os.PathLike,
+    device: str = "cpu",
+    sglang_settings: SGLangSettings | None = None,
+) -> Engine:
+    """The engine `kind` ("torch" or "sglang", as rollout.engine in the run config) on a checkpoint dir."""
+    if kind == "torch":
+        return TorchEngine.from_checkpoint(model_dir, device=device)
+    if kind == "sglang":
+        from steps.sglang_engine import SGLangEngine  # lazy: sglang is a GPU-image dependency only
+
+        return SGLangEngine(model_dir, sglang_settings or SGLangSettings())
+    raise MoerlError(f"rollout.engine {kind!r} is not an engine; use 'torch' or 'sglang'")
+
+
+@dataclass(frozen=True)
+class SGLangSettings:
+    """SGLang serving settings (rollout.sglang in the run config)."""
+
+    tp_size: int = 1
+    ep_size: int = 1
+    moe_a2a_backend: str = "none"  # "deepep": DeepEP all-to-all between the expert-parallel ranks
+    mem_fraction: float = 0.85
+    deterministic: bool = True  # enable_deterministic_inference: batch-invariant kernels
+    random_seed: int = 0
+
+
+def evaluate_accuracy(
+    engine_or_model: Engine | MoeForCausalLM,
+    task: Task | str | None,
+    prompts: Sequence[Prompt],
+    max_new_tokens: int = 16,
+    batch_size: int = 256,
+) -> float:
+    """Share of prompts whose greedy (temperature 0) response is exactly right.
+
+    task=None checks each prompt with its own task (prompt files mix tasks). A MoeForCausalLM is wrapped in a
+    TorchEngine for the call.
+    """
+    if not prompts:
+        raise ValueError("evaluate_accuracy needs at least one prompt")
+    engine = TorchEngine(engine_or_model) if isinstance(engine_or_model, MoeForCausalLM) else engine_or_model
+    fixed = get_task(task) if isinstance(task, str) else task
+    tok = build_tokenizer()
+    params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens)
+    correct = 0
+    for start in range(0, len(prompts), batch_size):
+        batch = prompts[start : start + batch_size]
+        requests = [GenerationRequest(p.prompt_id, tuple(encode_prompt(tok, p.text)), 0, 0) for p in batch]
+        for prompt, generation in zip(batch, engine.generate(requests, params), strict=True):
+            verdict = verify_ids(fixed or get_task(prompt.task), tok, generation.response_ids, prompt.answer)
+            correct += verdict.correct
+    return correct / len(prompts)

@@ -1,0 +1,336 @@
+"""Experience on the run store: which prompts an iteration samples, how they are cut into chunks, and the
+Parquet files that rollout writes and score reads.
+
+    <run>/experience/iter-000001/rollout/chunk-000003.parquet    one finished chunk, written atomically
+    <run>/experience/iter-000001/scored.parquet                  all chunks, canonical order, with rewards
+    <run>/metrics/iter-000001.json                               the score step's metrics
+
+The plan. An iteration's prompts are fixed by (run seed, iteration): `prompts_per_iteration` problems of the
+task's train split, or of the prompt file. They are cut, in that order, into chunks of `rollout.chunk_size`
+prompts; a chunk is all `group_size` samples of each of its prompts and is always generated as one batch.
+Shard K of S generates chunks K, K+S, K+2S, ...: the chunks never depend on the shard count, so neither
+does any sample. A chunk file carries the digest of everything that determines its samples (plan_digest);
+a resumed shard skips the chunks whose file is there with the right digest, and score refuses a chunk with
+another digest.
+
+Parquet columns (DESIGN.md): prompt_id string, sample_index int32, prompt_ids / response_ids list<int32>,
+behavior_logprobs list<float32> (one per response token; see steps/engine.py for what they are),
+policy_version int64; plus task, answer, finish_reason (strings). Scored files add reward and advantage
+(float32), correct and well_formed (bool) and rm_score (float32, null without a reward model). Readers use
+the canonical order: sorted by (prompt_id, sample_index).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cached_property
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from pipelines.config import RunConfig, validate_config
+from steps.engine import Generation, SamplingParams
+from steps.errors import MoerlError
+from steps.store import Store
+from steps.tasks import Prompt, Task, get_task, read_prompt_file
+
+RUN_CONFIG = "run.json"
+
+ROLLOUT_SCHEMA = pa.schema(
+    [
+        ("prompt_id", pa.string()),
+        ("sample_index", pa.int32()),
+        ("task", pa.string()),
+        ("answer", pa.string()),
+        ("prompt_ids", pa.list_(pa.int32())),
+        ("response_ids", pa.list_(pa.int32())),
+        ("behavior_logprobs", pa.list_(pa.float32())),
+        ("finish_reason", pa.string()),
+        ("policy_version", pa.int64()),
+    ]
+)
+SCORED_SCHEMA = ROLLOUT_SCHEMA.append(pa.field("correct", pa.bool_()))
+for _name, _type in (("well_formed", pa.bool_()), ("rm_score", pa.float32()), ("reward", pa.float32()),
+                     ("advantage", pa.float32())):  # fmt: skip
+    SCORED_SCHEMA = SCORED_SCHEMA.append(pa.field(_name, _type))
+CANONICAL_ORDER = [("prompt_id", "ascending"), ("sample_index", "ascending")]
+
+META_PLAN = b"moerl.plan_digest"
+META_CHUNK = b"moerl.chunk"
+META_NUM_CHUNKS = b"moerl.num_chunks"
+
+
+# ----------------------------------------------------------------------------------------------------
+# Keys
+# ----------------------------------------------------------------------------------------------------
+
+
+def experience_prefix(iteration: int) -> str:
+    return f"experience/iter-{iteration:06d}"
+
+
+def rollout_prefix(iteration: int) -> str:
+    return f"{experience_prefix(iteration)}/rollout"
+
+
+def chunk_key(iteration: int, chunk: int) -> str:
+    return f"{rollout_prefix(iteration)}/chunk-{chunk:06d}.parquet"
+
+
+def scored_key(iteration: int) -> str:
+    return f"{experience_prefix(iteration)}/scored.parquet"
+
+
+def metrics_key(iteration: int) -> str:
+    return f"metrics/iter-{iteration:06d}.json"
+
+
+# ----------------------------------------------------------------------------------------------------
+# The run config and an iteration's prompts
+# ----------------------------------------------------------------------------------------------------
+
+
+def load_run_config(run: Store) -> RunConfig:
+    """<run>/run.json, validated as a RunConfig (import-sft writes it)."""
+    if not run.exists(RUN_CONFIG):
+        raise MoerlError(
+            f"{run.url(RUN_CONFIG)}: no run config; the run has not been imported yet — run "
+            "`python -m steps.import_sft --src SFT_URI --run RUN_URI --run-config-json ...` (the workflow's "
+            "import-sft step) first, or check the --run URI"
+        )
+    return validate_config(run.get_json(RUN_CONFIG), run.url(RUN_CONFIG))
+
+
+def behaviour_version(iteration: int, staleness: int) -> int:
+    """The policy version that rollout[iteration] samples from: v(iteration - 1 - staleness), at least v0."""
+    return max(0, iteration - 1 - staleness)
+
+
+def iteration_seed(seed: int, iteration: int) -> int:
+    digest = hashlib.blake2b(f"{seed}/{iteration}".encode(), digest_size=8, person=b"moerl-prompts").digest()
+    return int.from_bytes(digest, "big") >> 1
+
+
+def run_task(cfg: RunConfig) -> Task | None:
+    """The built-in task of the run (None when the run trains on a prompt file)."""
+    if cfg.task is None:
+        return None
+    params = {k: v for k, v in cfg.task.params.items()}
+    return get_task(cfg.task.name, **params) if params else get_task(cfg.task.name)
+
+
+def read_prompt_file_uri(uri: str) -> list[Prompt]:
+    """The prompts of a JSONL prompt file named by a store URI (file://..., s3://..., or a path)."""
+    parent, _, name = uri.rstrip("/").rpartition("/")
+    if not name or not parent:
+        raise MoerlError(f"prompt_file {uri!r}: name a file, e.g. s3://bucket/prompts/train.jsonl")
+    return read_prompt_file(Store.open(parent), name)
+
+
+def iteration_prompts(cfg: RunConfig, iteration: int) -> list[Prompt]:
+    """The prompts of `iteration`, in plan order: the same for the same (config, iteration) on any machine."""
+    seed = iteration_seed(cfg.seed, iteration)
+    task = run_task(cfg)
+    if task is not None:
+        return task.prompts("train", cfg.prompts_per_iteration, seed)
+    assert cfg.prompt_file is not None
+    prompts = read_prompt_file_uri(cfg.prompt_file)
+    # A prompt file smaller than prompts_per_iteration is used whole, in a fresh order each iteration.
+    return random.Random(seed).sample(prompts, min(cfg.prompts_per_iteration, len(prompts)))
+
+
+def heldout_prompts(cfg: RunConfig) -> list[Prompt]:
+    """The held-out prompts of the run's task (the same every iteration); none for a prompt file."""
+    task = run_task(cfg)
+    if task is None or cfg.heldout_size == 0:
+        return []
+    return task.prompts("heldout", cfg.heldout_size, cfg.seed)
+
+
+def sampling_params(cfg: RunConfig, stop_token_ids: Sequence[int]) -> SamplingParams:
+    s = cfg.sampling
+    return SamplingParams(
+        temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_new_tokens=s.max_new_tokens,
+        stop_token_ids=tuple(stop_token_ids), n=cfg.group_size,
+    )  # fmt: skip
+
+
+# ----------------------------------------------------------------------------------------------------
+# The chunk plan
+# ----------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RolloutPlan:
+    """Everything that determines an iteration's samples, and how they are cut into chunks."""
+
+    iteration: int
+    policy_version: int
+    prompts: tuple[Prompt, ...]
+    chunk_size: int
+    sampling: SamplingParams
+    seed: int
+    engine: str
+
+    @classmethod
+    def for_iteration(
+        cls, cfg: RunConfig, iteration: int, policy_version: int, stop_token_ids: Sequence[int]
+    ) -> RolloutPlan:
+        return cls(
+            iteration=iteration,
+            policy_version=policy_version,
+            prompts=tuple(iteration_prompts(cfg, iteration)),
+            chunk_size=cfg.rollout.chunk_size,
+            sampling=sampling_params(cfg, stop_token_ids),
+            seed=cfg.seed,
+            engine=cfg.rollout.engine,
+        )
+
+    @property
+    def group_size(self) -> int:
+        return self.sampling.n
+
+    @property
+    def num_chunks(self) -> int:
+        return -(-len(self.prompts) // self.chunk_size)
+
+    def chunk_prompts(self, chunk: int) -> tuple[Prompt, ...]:
+        return self.prompts[chunk * self.chunk_size : (chunk + 1) * self.chunk_size]
+
+    def shard_chunks(self, shard: int, num_shards: int) -> list[int]:
+        """Chunks shard, shard + num_shards, ...: round robin, so shards get near-equal work."""
+        return list(range(shard, self.num_chunks, num_shards))
+
+    @cached_property
+    def digest(self) -> str:
+        """sha256 of everything that determines the samples (not the shard count: it changes none)."""
+        content = {
+            "iteration": self.iteration,
+            "policy_version": self.policy_version,
+            "seed": self.seed,
+            "engine": self.engine,
+            "chunk_size": self.chunk_size,
+            "sampling": [self.sampling.temperature, self.sampling.top_p, self.sampling.top_k,
+                         self.sampling.max_new_tokens, list(self.sampling.stop_token_ids), self.sampling.n],
+            "prompts": [[p.prompt_id, p.task, p.text, p.answer] for p in self.prompts],
+        }  # fmt: skip
+        return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()
+
+
+# ----------------------------------------------------------------------------------------------------
+# Chunk files
+# ----------------------------------------------------------------------------------------------------
+
+
+def chunk_table(
+    plan: RolloutPlan, chunk: int, prompt_ids: dict[str, list[int]], generations: Sequence[Generation]
+) -> pa.Table:
+    """The Parquet table of one chunk, rows in canonical order."""
+    by_id = {p.prompt_id: p for p in plan.chunk_prompts(chunk)}
+    rows = sorted(generations, key=lambda g: (g.prompt_id, g.sample_index))
+    columns = {
+        "prompt_id": [g.prompt_id for g in rows],
+        "sample_index": [g.sample_index for g in rows],
+        "task": [by_id[g.prompt_id].task for g in rows],
+        "answer": [by_id[g.prompt_id].answer for g in rows],
+        "prompt_ids": [prompt_ids[g.prompt_id] for g in rows],
+        "response_ids": [g.response_ids for g in rows],
+        "behavior_logprobs": [g.logprobs for g in rows],
+        "finish_reason": [g.finish_reason for g in rows],
+        "policy_version": [plan.policy_version] * len(rows),
+    }
+    metadata = {META_PLAN: plan.digest.encode(), META_CHUNK: str(chunk).encode(),
+                META_NUM_CHUNKS: str(plan.num_chunks).encode()}  # fmt: skip
+    return pa.table(columns, schema=ROLLOUT_SCHEMA.with_metadata(metadata))
+
+
+def table_bytes(table: pa.Table) -> bytes:
+    buffer = io.BytesIO()
+    pq.write_table(table, buffer, compression="zstd")
+    return buffer.getvalue()
+
+
+def write_chunk(run: Store, plan: RolloutPlan, chunk: int, table: pa.Table) -> str:
+    """Publish one finished chunk atomically (the store writes a temp object and renames it)."""
+    key = chunk_key(plan.iteration, chunk)
+    run.put_bytes(key, table_bytes(table))
+    return key
+
+
+def read_table(run: Store, key: str) -> pa.Table:
+    try:
+        return pq.read_table(io.BytesIO(run.get_bytes(key)))
+    except (pa.ArrowException, OSError) as err:
+        raise MoerlError(f"{run.url(key)}: not a readable Parquet file ({err}); delete it and rerun its step") from err
+
+
+def chunk_problem(plan: RolloutPlan, chunk: int, table: pa.Table) -> str | None:
+    """What makes `table` not the chunk `chunk` of `plan` (None when it is exactly that chunk)."""
+    meta = table.schema.metadata or {}
+    if meta.get(META_PLAN) != plan.digest.encode():
+        return (
+            "it was generated under another plan (different config, prompts, policy version or sampling "
+            "settings than this iteration's)"
+        )
+    if meta.get(META_CHUNK) != str(chunk).encode():
+        return f"its metadata says chunk {meta.get(META_CHUNK, b'?').decode()}"
+    expected = [(p.prompt_id, k) for p in sorted(plan.chunk_prompts(chunk), key=lambda p: p.prompt_id)
+                for k in range(plan.group_size)]  # fmt: skip
+    got = list(zip(table.column("prompt_id").to_pylist(), table.column("sample_index").to_pylist(), strict=True))
+    if got != expected:
+        return f"it holds {len(got)} samples, not exactly the {len(expected)} of its prompts x group size"
+    return None
+
+
+def finished_chunks(run: Store, plan: RolloutPlan) -> set[int]:
+    """The chunks of the plan whose file is on the store (validity is checked when they are read)."""
+    found = set()
+    for key in run.list(rollout_prefix(plan.iteration)):
+        name = key.rsplit("/", 1)[-1]
+        if name.startswith("chunk-") and name.endswith(".parquet") and name[6:-8].isdigit():
+            found.add(int(name[6:-8]))
+    return found
+
+
+def read_rollout(run: Store, plan: RolloutPlan, num_shards: int) -> pa.Table:
+    """All chunks of the plan, each checked to be exactly its chunk, concatenated in canonical order.
+
+    Missing, surplus or mismatched chunks end in one MoerlError that names them and the shard that writes
+    them (shard = chunk mod num_shards).
+    """
+    present = finished_chunks(run, plan)
+    expected = set(range(plan.num_chunks))
+
+    def who(chunk: int) -> str:
+        return f"chunk {chunk:06d} (rollout shard {chunk % num_shards} of {num_shards})"
+
+    missing, surplus = sorted(expected - present), sorted(present - expected)
+    if missing:
+        listed = ", ".join(who(c) for c in missing[:10]) + (" ..." if len(missing) > 10 else "")
+        raise MoerlError(
+            f"{run.url(rollout_prefix(plan.iteration))}: {len(missing)} of {plan.num_chunks} chunks missing: "
+            f"{listed}; rerun those rollout shards of iteration {plan.iteration} (they resume where they stopped)"
+        )
+    if surplus:
+        raise MoerlError(
+            f"{run.url(chunk_key(plan.iteration, surplus[0]))}: chunk {surplus[0]} is not in this iteration's "
+            f"plan of {plan.num_chunks} chunks (rollout.chunk_size or prompts_per_iteration changed?); delete "
+            f"{run.url(rollout_prefix(plan.iteration))}/ and rerun the rollout of iteration {plan.iteration}"
+        )
+    tables = []
+    for chunk in range(plan.num_chunks):
+        key = chunk_key(plan.iteration, chunk)
+        table = read_table(run, key)
+        problem = chunk_problem(plan, chunk, table)
+        if problem:
+            raise MoerlError(
+                f"{run.url(key)}: {who(chunk)} does not match this iteration: {problem}; delete the file and "
+                f"rerun rollout shard {chunk % num_shards} of iteration {plan.iteration}"
+            )
+        tables.append(table.replace_schema_metadata(None))
+    return pa.concat_tables(tables).sort_by(CANONICAL_ORDER)

@@ -1,0 +1,234 @@
+"""Step publish: verify iteration I's candidate and publish it as checkpoint v(I) with parent v(I-1).
+
+    python -m steps.publish --run URI --iteration I
+
+1. Verify <run>/candidates/iter-I/: CANDIDATE.json present (the update finished), every file it lists
+   present with its size and sha256, candidate.index.json consistent with the shards' headers, every tensor
+   of the model exactly once with the shape config.json implies, the optimizer state matching the weights.
+2. Assemble a Hugging Face checkpoint dir as transformers writes it: config.json, generation_config.json,
+   tokenizer files and model.safetensors (one shard) or model-0000k-of-0000n.safetensors +
+   model.safetensors.index.json (one shard per EP rank), loadable by transformers and SGLang.
+3. Store the optimizer state at <run>/optimizer/v(I)/ (the next update resumes AdamW from it), then publish
+   the dir with steps.checkpoint.publish_dir: files, MANIFEST.json last, LATEST moved.
+4. Apply retention (checkpoint.keep_last; v000000 is kept as the KL reference), drop the optimizer state
+   of deleted versions, and delete the candidate.
+
+Idempotent: if v(I) is already published, only steps 3's LATEST move and 4 run again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from safetensors import SafetensorError, safe_open
+
+from steps import checkpoint
+from steps.errors import MoerlError, run_cli
+from steps.experience import load_run_config
+from steps.hf_format import validate_checkpoint_dir
+from steps.model import (
+    CONFIG_NAME,
+    SAFE_WEIGHTS_INDEX_NAME,
+    SAFE_WEIGHTS_NAME,
+    TensorEntry,
+    check_tensors,
+    expected_tensor_shapes,
+    load_config,
+)
+from steps.store import Store
+from steps.trainer import OPTIMIZER_FIELDS
+from steps.update import (
+    CANDIDATE_INDEX,
+    MARKER,
+    OPTIMIZER_INDEX,
+    candidate_prefix,
+    optimizer_prefix,
+    read_marker,
+)
+
+
+def download_candidate(run: Store, iteration: int, marker: dict[str, Any], local_dir: Path) -> None:
+    """Every file the marker lists, checked against its recorded size and sha256."""
+    prefix = candidate_prefix(iteration)
+    for name, meta in marker["files"].items():
+        key = f"{prefix}/{name}"
+        if not run.exists(key):
+            raise MoerlError(
+                f"{run.url(key)}: listed in {MARKER} but missing; the candidate is incomplete — rerun update "
+                f"for iteration {iteration} with --force"
+            )
+        target = local_dir / name
+        run.get_file(key, target)
+        if checkpoint.file_digest(target) != (meta["size"], meta["sha256"]):
+            raise MoerlError(
+                f"{run.url(key)}: size or sha256 differs from {MARKER}; the candidate is corrupted — rerun "
+                f"update for iteration {iteration} with --force"
+            )
+
+
+def _headers(path: Path) -> dict[str, TensorEntry]:
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return {
+                name: TensorEntry(path, tuple(f.get_slice(name).get_shape()), f.get_slice(name).get_dtype())
+                for name in f.keys()
+            }
+    except (SafetensorError, OSError) as err:
+        raise MoerlError(f"{path.name}: not a readable safetensors file ({err}); rerun update with --force") from err
+
+
+def _check_map(kind: str, mapping: dict[str, str], local_dir: Path, where: str) -> dict[str, TensorEntry]:
+    """Each file of the map holds exactly the tensors mapped to it; returns name -> TensorEntry."""
+    entries: dict[str, TensorEntry] = {}
+    for file_name in sorted(set(mapping.values())):
+        path = local_dir / file_name
+        if not path.is_file():
+            raise MoerlError(f"{where}: {kind} shard {file_name} is in the index but not in {MARKER}")
+        headers = _headers(path)
+        expected = {n for n, f in mapping.items() if f == file_name}
+        if set(headers) != expected:
+            extra, missing = sorted(set(headers) - expected), sorted(expected - set(headers))
+            raise MoerlError(
+                f"{where}: {kind} shard {file_name} does not match the index (unlisted tensors {extra[:3]}, "
+                f"missing tensors {missing[:3]}); rerun update with --force"
+            )
+        entries.update(headers)
+    return entries
+
+
+def verify_candidate(local_dir: Path, where: str) -> tuple[dict[str, Any], list[str], list[str]]:
+    """Check the downloaded candidate; returns (index, model shard files, optimizer shard files)."""
+    cfg = load_config(local_dir)
+    index_path = local_dir / CANDIDATE_INDEX
+    if not index_path.is_file():
+        raise MoerlError(f"{where}: no {CANDIDATE_INDEX} in the candidate; rerun update with --force")
+    index = json.loads(index_path.read_text())
+    weight_map, optimizer_map = index.get("weight_map", {}), index.get("optimizer_map", {})
+    weights = _check_map("weight", weight_map, local_dir, where)
+    check_tensors(cfg, weights, where)  # every tensor once, with the config's shape, nothing unexpected
+    shapes = expected_tensor_shapes(cfg)
+    state = _check_map("optimizer", optimizer_map, local_dir, where)
+    for name, entry in state.items():
+        param, _, field = name.rpartition(".")
+        if param not in shapes or field not in OPTIMIZER_FIELDS:
+            raise MoerlError(f"{where}: optimizer state {name} names no parameter of the model")
+        if field != "step" and entry.shape != shapes[param]:
+            raise MoerlError(
+                f"{where}: optimizer state {name} has shape {list(entry.shape)}, the weight {list(shapes[param])}"
+            )
+    return index, sorted(set(weight_map.values())), sorted(set(optimizer_map.values()))
+
+
+def assemble_hf_dir(
+    candidate_dir: Path, index: dict[str, Any], model_files: list[str], optimizer_files: list[str], out_dir: Path
+) -> None:
+    """Move the candidate's files into a Hugging Face checkpoint layout in out_dir."""
+    skip = {CANDIDATE_INDEX, MARKER, *model_files, *optimizer_files}
+    for path in sorted(candidate_dir.iterdir()):
+        if path.is_file() and path.name not in skip:
+            path.rename(out_dir / path.name)
+    if len(model_files) == 1:
+        (candidate_dir / model_files[0]).rename(out_dir / SAFE_WEIGHTS_NAME)
+        return
+    renamed = {old: f"model-{k:05d}-of-{len(model_files):05d}.safetensors" for k, old in enumerate(model_files, 1)}
+    total_size, total_parameters = 0, 0
+    for old, new in renamed.items():
+        for entry in _headers(candidate_dir / old).values():
+            numel = 1
+            for d in entry.shape:
+                numel *= d
+            total_parameters += numel
+            total_size += numel * {"F32": 4, "BF16": 2, "F16": 2}[entry.dtype]
+        (candidate_dir / old).rename(out_dir / new)
+    hf_index = {
+        "metadata": {"total_parameters": total_parameters, "total_size": total_size},
+        "weight_map": {name: renamed[f] for name, f in sorted(index["weight_map"].items())},
+    }
+    (out_dir / SAFE_WEIGHTS_INDEX_NAME).write_text(json.dumps(hf_index, indent=2) + "\n")
+
+
+def store_optimizer_state(
+    run: Store, version: int, candidate_dir: Path, index: dict[str, Any], optimizer_files: list[str]
+) -> None:
+    """<run>/optimizer/v(version)/: the shards, then optimizer.index.json (its presence means complete)."""
+    prefix = optimizer_prefix(version)
+    for name in optimizer_files:
+        run.put_file(f"{prefix}/{name}", candidate_dir / name)
+    run.put_json(f"{prefix}/{OPTIMIZER_INDEX}", {"weight_map": index["optimizer_map"]})
+
+
+def clean_up(run: Store, iteration: int, keep_last: int) -> list[int]:
+    """Retention, the optimizer state of versions no longer published, and the published candidate."""
+    doomed = checkpoint.apply_retention(run, keep_last)
+    published = set(checkpoint.published_versions(run))
+    stale = {key.split("/")[1] for key in run.list("optimizer/") if len(key.split("/")) == 3}
+    for name in sorted(stale):
+        if checkpoint.parse_version(name) not in published:
+            run.delete_prefix(f"optimizer/{name}/")
+    run.delete_prefix(candidate_prefix(iteration))
+    return doomed
+
+
+def publish(run_uri: str, iteration: int) -> checkpoint.Manifest:
+    """Publish iteration `iteration`'s candidate as v(iteration); see the module docstring."""
+    if iteration < 1:
+        raise MoerlError(f"--iteration {iteration}: iterations start at 1 (v000000 is published by import-sft)")
+    run = Store.open(run_uri)
+    cfg = load_run_config(run)
+    keep_last = cfg.checkpoint.keep_last
+    existing = checkpoint.read_manifest(run, iteration)
+    if existing is not None:
+        checkpoint.move_latest(run, iteration)
+        clean_up(run, iteration, keep_last)
+        print(f"{checkpoint.version_name(iteration)} was already published; LATEST and retention checked")
+        return existing
+
+    where = run.url(candidate_prefix(iteration))
+    marker = read_marker(run, iteration)
+    if marker is None:
+        raise MoerlError(
+            f"{where}: no complete candidate ({MARKER} missing); the update of iteration {iteration} did not "
+            f"finish — run it first (torchrun -m steps.update --run {run.uri} --iteration {iteration})"
+        )
+    if marker.get("iteration") != iteration or marker.get("parent") != iteration - 1:
+        raise MoerlError(
+            f"{where}/{MARKER}: describes iteration {marker.get('iteration')} with parent "
+            f"{marker.get('parent')}, expected iteration {iteration} with parent {iteration - 1}; rerun update"
+        )
+    checkpoint.require_manifest(run, iteration - 1)
+    with tempfile.TemporaryDirectory(prefix="moerl-publish-") as tmp:
+        candidate_dir, hf_dir = Path(tmp) / "candidate", Path(tmp) / "checkpoint"
+        candidate_dir.mkdir()
+        hf_dir.mkdir()
+        download_candidate(run, iteration, marker, candidate_dir)
+        if not (candidate_dir / CONFIG_NAME).is_file():
+            raise MoerlError(f"{where}: the candidate has no {CONFIG_NAME}; rerun update with --force")
+        index, model_files, optimizer_files = verify_candidate(candidate_dir, where)
+        store_optimizer_state(run, iteration, candidate_dir, index, optimizer_files)
+        assemble_hf_dir(candidate_dir, index, model_files, optimizer_files, hf_dir)
+        validate_checkpoint_dir(hf_dir)
+        manifest = checkpoint.publish_dir(run, hf_dir, iteration, parent=iteration - 1, iteration=iteration)
+    doomed = clean_up(run, iteration, keep_last)
+    print(
+        f"published {checkpoint.version_name(iteration)} (parent {checkpoint.version_name(iteration - 1)}, "
+        f"{len(manifest.files)} files) to {run.url(checkpoint.version_prefix(iteration))}"
+        + (f"; retention deleted {', '.join(checkpoint.version_name(v) for v in doomed)}" if doomed else "")
+    )
+    return manifest
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(prog="python -m steps.publish", description=__doc__.splitlines()[0])
+    parser.add_argument("--run", required=True, help="run store URI (file://, plain path or s3://bucket/prefix)")
+    parser.add_argument("--iteration", required=True, type=int, help="the iteration whose candidate to publish")
+    args = parser.parse_args()
+    publish(args.run, args.iteration)
+    return 0
+
+
+if __name__ == "__main__":
+    run_cli(main)

@@ -1,0 +1,188 @@
+"""Step score: rewards and GRPO advantages for one iteration's experience, on CPU.
+
+    python -m steps.score --run URI --iteration I [--metrics-out PATH] [--skip-heldout]
+
+Reads every rollout chunk of the iteration's plan (each must be there exactly once and match the plan; a
+missing or mismatched one is named with the shard that writes it), in canonical order (prompt_id,
+sample_index); scores each sample (steps/rewards.py); writes
+
+    <run>/experience/iter-I/scored.parquet   the rollout columns + correct, well_formed, rm_score, reward,
+                                             advantage
+    <run>/metrics/iter-I.json                reward mean/std, accuracy and format rate of the samples,
+                                             response length, truncated share, share of groups whose rewards
+                                             all tie, and held-out greedy accuracy of the behaviour policy
+    PATH (default /tmp/metrics.json)         the same metrics, for the workflow's output parameter
+
+Held-out accuracy (heldout_accuracy) is greedy exact match of the behaviour policy v(I-1-staleness) on
+`heldout_size` prompts of the task's held-out split, run with the torch engine when its weights are small
+enough to be cheap on CPU (at most HELDOUT_EVAL_MAX_BYTES); for bigger models it is left out.
+
+Any bad input (missing chunks, a reward model that does not load, a NaN or infinite reward) ends in one
+error and nothing is written. A rerun writes the same bytes again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+from tokenizers import Tokenizer
+
+from pipelines.config import RunConfig
+from steps import checkpoint
+from steps.engine import TorchEngine, evaluate_accuracy
+from steps.errors import MoerlError, run_cli
+from steps.experience import (
+    SCORED_SCHEMA,
+    RolloutPlan,
+    behaviour_version,
+    heldout_prompts,
+    load_run_config,
+    metrics_key,
+    read_rollout,
+    scored_key,
+    table_bytes,
+)
+from steps.rewards import (
+    RewardModel,
+    RewardWeights,
+    check_finite,
+    combine,
+    group_advantages,
+    reward_model_texts,
+    verify_samples,
+)
+from steps.store import Store
+from steps.tokenizer import EOS_ID, TOKENIZER_FILE, decode, load_tokenizer
+
+DEFAULT_METRICS_OUT = "/tmp/metrics.json"
+HELDOUT_EVAL_MAX_BYTES = 512 << 20
+
+
+def policy_tokenizer(run: Store, version: int) -> Tokenizer:
+    """The tokenizer of a published version (only tokenizer.json is downloaded, not the weights)."""
+    with tempfile.TemporaryDirectory(prefix="moerl-score-") as tmp:
+        run.get_file(f"{checkpoint.version_prefix(version)}/{TOKENIZER_FILE}", Path(tmp) / TOKENIZER_FILE)
+        return load_tokenizer(tmp)
+
+
+def heldout_accuracy(run: Store, cfg: RunConfig, version: int, log: Any) -> float | None:
+    """Greedy held-out accuracy of `version`, or None when there is no held-out set or the model is big."""
+    prompts = heldout_prompts(cfg)
+    if not prompts:
+        return None
+    manifest = checkpoint.require_manifest(run, version)
+    weight_bytes = sum(int(m["size"]) for name, m in manifest.files.items() if name.endswith(".safetensors"))
+    if weight_bytes > HELDOUT_EVAL_MAX_BYTES:
+        log(f"held-out accuracy skipped: {weight_bytes / 2**30:.1f} GiB of weights is too big to evaluate on CPU")
+        return None
+    engine = TorchEngine.from_checkpoint(checkpoint.fetch(run, version))
+    return evaluate_accuracy(engine, None, prompts, max_new_tokens=cfg.sampling.max_new_tokens)
+
+
+def score_iteration(
+    run_uri: str,
+    iteration: int,
+    metrics_out: str | None = DEFAULT_METRICS_OUT,
+    heldout: bool = True,
+    log: Any = print,
+) -> dict[str, Any]:
+    """Score one iteration; returns its metrics. Everything is checked before the first write."""
+    started = time.monotonic()
+    if iteration < 1:
+        raise MoerlError(f"--iteration {iteration}: iterations count from 1")
+    run = Store.open(run_uri)
+    cfg = load_run_config(run)
+    version = behaviour_version(iteration, cfg.staleness)
+    plan = RolloutPlan.for_iteration(cfg, iteration, version, stop_token_ids=(EOS_ID,))
+    table = read_rollout(run, plan, cfg.rollout.num_shards)
+    tok = policy_tokenizer(run, version)
+
+    responses = table.column("response_ids").to_pylist()
+    prompt_ids = table.column("prompt_id").to_pylist()
+    where = [f"prompt {p!r} sample {k}" for p, k in zip(prompt_ids, table.column("sample_index").to_pylist(),
+                                                        strict=True)]  # fmt: skip
+    correct, well_formed = verify_samples(
+        tok, table.column("task").to_pylist(), table.column("answer").to_pylist(), responses
+    )
+    rm_scores = None
+    if cfg.rewards.reward_model:
+        reward_model = RewardModel.load(cfg.rewards.reward_model)
+        prompt_texts = [decode(tok, ids) for ids in table.column("prompt_ids").to_pylist()]
+        rm_scores = reward_model.score(reward_model_texts(tok, prompt_texts, responses))
+        check_finite(
+            np.asarray(rm_scores, dtype=np.float64), where, what=f"reward model score ({cfg.rewards.reward_model})"
+        )
+    weights = RewardWeights(cfg.rewards.exact_match_weight, cfg.rewards.format_weight, cfg.rewards.reward_model_weight)
+    rewards = combine(correct, well_formed, rm_scores, weights)
+    check_finite(rewards, where)
+    advantages, tied = group_advantages(prompt_ids, rewards, cfg.rewards.normalize_std)
+
+    scored = table
+    for name, values in (
+        ("correct", correct),
+        ("well_formed", well_formed),
+        ("rm_score", rm_scores if rm_scores is not None else [None] * table.num_rows),
+        ("reward", rewards),
+        ("advantage", advantages),
+    ):
+        field = SCORED_SCHEMA.field(name)
+        scored = scored.append_column(field, pa.array(values, type=field.type, from_pandas=False))
+    scored = scored.cast(SCORED_SCHEMA)
+
+    lengths = np.array([len(r) for r in responses], dtype=np.float64)
+    metrics: dict[str, Any] = {
+        "iteration": iteration,
+        "policy_version": version,
+        "samples": table.num_rows,
+        "prompts": len(plan.prompts),
+        "group_size": plan.group_size,
+        "reward_mean": float(rewards.mean()),
+        "reward_std": float(rewards.std()),
+        "accuracy": float(np.mean(correct)),
+        "format_rate": float(np.mean(well_formed)),
+        "response_length_mean": float(lengths.mean()),
+        "truncated_fraction": float(np.mean([f == "length" for f in table.column("finish_reason").to_pylist()])),
+        "tied_group_fraction": tied,
+    }
+    if rm_scores is not None:
+        metrics["rm_score_mean"] = float(np.mean(rm_scores))
+    if heldout:
+        accuracy = heldout_accuracy(run, cfg, version, log)
+        if accuracy is not None:
+            metrics["heldout_accuracy"] = accuracy
+    metrics["score_seconds"] = round(time.monotonic() - started, 3)
+
+    run.put_bytes(scored_key(iteration), table_bytes(scored))
+    run.put_json(metrics_key(iteration), metrics)
+    if metrics_out:
+        out = Path(metrics_out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(metrics, sort_keys=True) + "\n")
+    summary = ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items())
+    log(f"score iteration {iteration}: {summary}")
+    return metrics
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(prog="python -m steps.score", description=__doc__.splitlines()[0])
+    parser.add_argument("--run", required=True, help="run store URI (file://, plain path or s3://bucket/prefix)")
+    parser.add_argument("--iteration", type=int, required=True, help="RL iteration, from 1")
+    parser.add_argument(
+        "--metrics-out", default=DEFAULT_METRICS_OUT, help=f"local copy of the metrics (default {DEFAULT_METRICS_OUT})"
+    )
+    parser.add_argument("--skip-heldout", action="store_true", help="do not evaluate held-out accuracy")
+    args = parser.parse_args()
+    score_iteration(args.run, args.iteration, args.metrics_out, heldout=not args.skip_heldout,
+                    log=lambda line: print(line, flush=True))  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    run_cli(main)

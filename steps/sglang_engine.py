@@ -1,0 +1,159 @@
+"""The SGLang engine: offline generation with `sglang.Engine` on GPUs, behind the same interface as TorchEngine.
+
+Supported SGLang: 0.5.17 or newer (the rollout image pins it; see images/). It is imported lazily, so nothing
+else in moerl needs it installed.
+
+How the interface maps onto SGLang (names as in SGLang's ServerArgs, SamplingParams and GenerateReqInput):
+    checkpoint dir          Engine(model_path=dir, skip_tokenizer_init=True): we pass token ids and read token
+                            ids back, so SGLang never tokenizes (our tokenizer travels with the checkpoint)
+    expert parallelism      Engine(tp_size, ep_size, moe_a2a_backend="deepep" | "none", mem_fraction_static)
+    determinism             Engine(enable_deterministic_inference=True, random_seed): batch-invariant kernels,
+                            so a sample does not depend on what else is in the batch
+    one sample's seed       sampling_params["sampling_seed"] (per request)
+    temperature, top_p,     sampling_params["temperature"] (0 is greedy), ["top_p"], ["top_k"] (-1 is off),
+    top_k, max_new_tokens,  ["max_new_tokens"], ["stop_token_ids"]; ["no_stop_trim"]=True keeps the stop token in
+    stop tokens             the output, as the torch engine does
+    behaviour log-probs     generate(return_logprob=True): meta_info["output_token_logprobs"], one
+                            (logprob, token_id, text) per generated token. SGLANG_RETURN_ORIGINAL_LOGPROB=1 (set
+                            before the engine starts; its scheduler processes read it) makes those the raw policy
+                            log_softmax(logits) before temperature, which is what the torch engine records and the
+                            trainer recomputes (steps/engine.py)
+    finish reason           meta_info["finish_reason"]["type"]: "stop" or "length" ("abort" is an error)
+
+SGLang draws its own random numbers, so its samples differ from the torch engine's for the same seeds; what
+both guarantee is that a sample depends only on its request (prompt, seed, sampling settings, weights).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from steps.engine import (
+    FINISH_LENGTH,
+    FINISH_STOP,
+    Generation,
+    GenerationInterrupted,
+    GenerationRequest,
+    SamplingParams,
+    SGLangSettings,
+)
+from steps.errors import MoerlError
+
+MIN_SGLANG_VERSION = (0, 5, 17)
+SGLANG_SEED_MODULUS = 2**63  # sampling_seed is a signed 64-bit integer on SGLang's side
+
+
+def sglang_unavailable_reason() -> str | None:
+    """Why the SGLang engine cannot run here (for skips and error messages), or None when it can."""
+    if importlib.util.find_spec("sglang") is None:
+        return "SGLang not installed (pip install 'sglang>=0.5.17' in the GPU rollout image)"
+    import torch
+
+    if not torch.cuda.is_available():
+        return "no CUDA GPU (the SGLang engine needs one)"
+    return None
+
+
+def _version_tuple(version: str) -> tuple[int, ...]:
+    parts = []
+    for piece in version.split(".")[:3]:
+        digits = "".join(c for c in piece if c.isdigit())
+        parts.append(int(digits) if digits else 0)
+    return tuple(parts)
+
+
+def sampling_params_for(request: GenerationRequest, params: SamplingParams) -> dict[str, Any]:
+    """SGLang's per-request sampling_params for one of our requests."""
+    return {
+        "temperature": float(params.temperature),
+        "top_p": float(params.top_p),
+        "top_k": int(params.top_k) if params.top_k else -1,
+        "max_new_tokens": int(params.max_new_tokens),
+        "stop_token_ids": list(params.stop_token_ids),
+        "ignore_eos": not params.stop_token_ids,  # no stop tokens: do not stop at the model's EOS either
+        "no_stop_trim": True,
+        "skip_special_tokens": False,
+        "sampling_seed": int(request.seed % SGLANG_SEED_MODULUS),
+    }
+
+
+def generation_from_output(request: GenerationRequest, output: dict[str, Any]) -> Generation:
+    """Our Generation from one SGLang output dict (token ids and log-probs from output_token_logprobs)."""
+    meta = output.get("meta_info", {})
+    finish = (meta.get("finish_reason") or {}).get("type")
+    if finish not in (FINISH_STOP, FINISH_LENGTH):
+        raise MoerlError(
+            f"SGLang did not finish prompt {request.prompt_id} sample {request.sample_index} "
+            f"(finish_reason {meta.get('finish_reason')!r}); check the rollout pod's SGLang log"
+        )
+    entries = meta.get("output_token_logprobs") or []
+    tokens = [int(entry[1]) for entry in entries]
+    logprobs = [float(entry[0]) for entry in entries]
+    if "output_ids" in output and list(output["output_ids"]) != tokens:
+        raise MoerlError(
+            f"SGLang returned {len(output['output_ids'])} output ids but {len(tokens)} token log-probs for prompt "
+            f"{request.prompt_id}; use SGLang {'.'.join(map(str, MIN_SGLANG_VERSION))} or newer"
+        )
+    return Generation(request.prompt_id, request.sample_index, tokens, logprobs, finish)
+
+
+class SGLangEngine:
+    """sglang.Engine over one checkpoint dir, in this process (offline: no HTTP server)."""
+
+    name = "sglang"
+
+    def __init__(self, model_dir: str | os.PathLike, settings: SGLangSettings) -> None:
+        reason = sglang_unavailable_reason()
+        if reason is not None:
+            raise MoerlError(f"rollout.engine 'sglang': {reason}; or set rollout.engine: torch")
+        # Read by SGLang's scheduler processes at start-up: log-probs before temperature (see module docstring).
+        os.environ["SGLANG_RETURN_ORIGINAL_LOGPROB"] = "1"
+        import sglang
+
+        version = getattr(sglang, "__version__", "0")
+        if _version_tuple(version) < MIN_SGLANG_VERSION:
+            raise MoerlError(
+                f"SGLang {version} is too old; moerl needs {'.'.join(map(str, MIN_SGLANG_VERSION))} or newer"
+            )
+        kwargs: dict[str, Any] = {
+            "model_path": str(model_dir),
+            "skip_tokenizer_init": True,
+            "tp_size": settings.tp_size,
+            "ep_size": settings.ep_size,
+            "mem_fraction_static": settings.mem_fraction,
+            "enable_deterministic_inference": settings.deterministic,
+            "random_seed": settings.random_seed,
+            "log_level": "error",
+        }
+        if settings.moe_a2a_backend != "none":
+            kwargs["moe_a2a_backend"] = settings.moe_a2a_backend
+        self.engine = sglang.Engine(**kwargs)
+
+    def generate(
+        self,
+        requests: Sequence[GenerationRequest],
+        params: SamplingParams,
+        should_stop: Callable[[], bool] | None = None,
+    ) -> list[Generation]:
+        """One offline batch. SGLang schedules it internally, so should_stop is checked before it starts:
+        a SIGTERM during the batch ends the process through the step's signal handling instead."""
+        if not requests:
+            return []
+        if should_stop is not None and should_stop():
+            raise GenerationInterrupted("stopped before the batch started")
+        outputs = self.engine.generate(
+            input_ids=[list(r.prompt_ids) for r in requests],
+            sampling_params=[sampling_params_for(r, params) for r in requests],
+            return_logprob=True,
+        )
+        if isinstance(outputs, dict):
+            outputs = [outputs]
+        if len(outputs) != len(requests):
+            raise MoerlError(f"SGLang returned {len(outputs)} outputs for {len(requests)} requests")
+        return [generation_from_output(r, o) for r, o in zip(requests, outputs, strict=True)]
+
+    def close(self) -> None:
+        self.engine.shutdown()

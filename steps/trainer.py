@@ -1,0 +1,507 @@
+"""The policy-update loop: scored experience -> mini-batches -> PPO steps over the dp x ep mesh.
+
+Read top to bottom: the experience (one Sample per scored response), the settings, the deterministic batch
+plan (which samples each optimizer step sees, which rank gets which, in which micro-batch), micro-batch
+tensors, the trainer itself, and the optimizer state as plain tensors for safetensors.
+
+Determinism: the plan depends only on the experience, the run seed and the iteration (never on timing or
+the number of rollout shards); every reduction has a fixed order; so a restarted update repeats the same
+arithmetic and produces the same bits.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from steps.errors import MoerlError
+from steps.experience import read_table, scored_key
+from steps.expert_parallel import Mesh, all_reduce_sum, clip_grad_norm, sync_gradients
+from steps.model import MoeForCausalLM, token_logprobs
+from steps.rl_loss import LossSettings, aggregate, token_entropy, token_terms
+from steps.store import Store
+
+# ----------------------------------------------------------------------------------------------------
+# Experience
+# ----------------------------------------------------------------------------------------------------
+
+# The columns the trainer reads (DESIGN.md; steps/experience.py writes them with more).
+SCORED_COLUMNS = (
+    "prompt_id", "sample_index", "prompt_ids", "response_ids", "behavior_logprobs", "policy_version",
+    "reward", "advantage",
+)  # fmt: skip
+
+
+@dataclass
+class Sample:
+    """One scored response: the tokens the model is trained on and what the rollout recorded."""
+
+    prompt_id: str
+    sample_index: int
+    prompt_ids: list[int]
+    response_ids: list[int]
+    behavior_logprobs: list[float]
+    advantage: float
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.response_ids)
+
+
+def read_scored_experience(run: Store, iteration: int, expected_version: int) -> list[Sample]:
+    """The scored experience of `iteration`, validated, sorted by (prompt_id, sample_index).
+
+    Sorting makes the order independent of how many rollout shards wrote the rows.
+    """
+    key = scored_key(iteration)
+    url = run.url(key)
+    if not run.exists(key):
+        raise MoerlError(
+            f"{url}: no scored experience for iteration {iteration}; run the rollout and score steps of "
+            f"iteration {iteration} first (python -m steps.score --run {run.uri} --iteration {iteration})"
+        )
+    table = read_table(run, key)
+    missing = [c for c in SCORED_COLUMNS if c not in table.column_names]
+    if missing:
+        raise MoerlError(f"{url}: missing columns {missing}; scored experience needs {list(SCORED_COLUMNS)}")
+    if table.num_rows == 0:
+        raise MoerlError(f"{url}: no rows; iteration {iteration} produced no experience to train on")
+    cols = {c: table.column(c).to_pylist() for c in SCORED_COLUMNS}
+
+    versions = sorted({int(v) for v in cols["policy_version"]})
+    if versions != [expected_version]:
+        raise MoerlError(
+            f"{url}: experience from policy version(s) {versions}, but iteration {iteration} trains on "
+            f"samples of v{expected_version:06d} (staleness of the run config); the experience is stale or "
+            "from another run — regenerate it with the rollout and score steps of this iteration"
+        )
+    samples = []
+    for i in range(table.num_rows):
+        response, logprobs = cols["response_ids"][i], cols["behavior_logprobs"][i]
+        where = f"{url} row {i} (prompt_id {cols['prompt_id'][i]!r}, sample_index {cols['sample_index'][i]})"
+        if not response or len(logprobs) != len(response):
+            raise MoerlError(
+                f"{where}: {len(response or [])} response tokens but {len(logprobs or [])} behavior_logprobs; "
+                "the rollout must record one log-prob per response token"
+            )
+        values = [cols["advantage"][i], cols["reward"][i], *logprobs]
+        if any(v is None or not math.isfinite(v) for v in values):
+            raise MoerlError(f"{where}: reward, advantage or behavior_logprobs is NaN/inf/null; rerun score")
+        samples.append(
+            Sample(
+                prompt_id=str(cols["prompt_id"][i]),
+                sample_index=int(cols["sample_index"][i]),
+                prompt_ids=[int(t) for t in cols["prompt_ids"][i]],
+                response_ids=[int(t) for t in response],
+                behavior_logprobs=[float(x) for x in logprobs],
+                advantage=float(cols["advantage"][i]),
+            )
+        )
+    samples.sort(key=lambda s: (s.prompt_id, s.sample_index))
+    return samples
+
+
+# ----------------------------------------------------------------------------------------------------
+# Settings
+# ----------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    loss: LossSettings = field(default_factory=LossSettings)
+    micro_batch_size: int = 32
+    epochs: int = 1
+    steps_per_epoch: int = 1
+    lr: float = 2e-4
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    grad_clip: float = 1.0
+    seed: int = 0
+
+    @classmethod
+    def from_run_config(cls, cfg: Any) -> TrainSettings:
+        """From a pipelines.config.RunConfig (its `trainer` section and seed)."""
+        t = cfg.trainer
+        return cls(
+            loss=LossSettings(
+                clip_low=t.clip_low, clip_high=t.clip_high, loss_agg=t.loss_agg, kl_coef=t.kl_coef,
+                is_cap=t.is_cap,
+            ),
+            micro_batch_size=t.micro_batch_size, epochs=t.epochs, steps_per_epoch=t.steps_per_epoch,
+            lr=t.lr, weight_decay=t.weight_decay, betas=tuple(t.betas), grad_clip=t.grad_clip, seed=cfg.seed,
+        )  # fmt: skip
+
+    @property
+    def total_steps(self) -> int:
+        return self.epochs * self.steps_per_epoch
+
+
+# ----------------------------------------------------------------------------------------------------
+# The batch plan
+# ----------------------------------------------------------------------------------------------------
+
+
+def plan_steps(num_samples: int, settings: TrainSettings, iteration: int) -> list[list[int]]:
+    """Sample indices of each optimizer step, in order: per epoch a shuffle seeded by (seed, iteration,
+    epoch), cut into steps_per_epoch contiguous mini-batches."""
+    if num_samples < settings.steps_per_epoch:
+        raise MoerlError(
+            f"{num_samples} samples cannot fill trainer.steps_per_epoch={settings.steps_per_epoch} mini-batches; "
+            "lower steps_per_epoch or generate more samples per iteration"
+        )
+    steps = []
+    for epoch in range(settings.epochs):
+        order = list(range(num_samples))
+        random.Random(f"moerl-update/{settings.seed}/{iteration}/{epoch}").shuffle(order)
+        steps += [chunk.tolist() for chunk in np.array_split(np.array(order), settings.steps_per_epoch)]
+    return steps
+
+
+def rank_micro_batches(step_indices: list[int], mesh: Mesh, micro_batch_size: int) -> list[list[int]]:
+    """This rank's micro-batches of one step. Ranks take contiguous, near-equal slices of the mini-batch;
+    every rank runs the same number of micro-batches (the MoE exchanges are collective), so a rank with too
+    few samples gets empty micro-batches, which `collate` fills with a fully masked padding row."""
+    shares = np.array_split(np.array(step_indices, dtype=np.int64), mesh.world_size)
+    count = max(1, math.ceil(max(len(s) for s in shares) / micro_batch_size))
+    return [chunk.tolist() for chunk in np.array_split(shares[mesh.rank], count)]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Micro-batches
+# ----------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class MicroBatch:
+    """Right-padded sequences prompt + response, shifted for next-token targets.
+
+    Position p predicts targets[p] = token p+1; loss_mask marks the positions whose target is a response
+    token, where behavior_logp holds the engine's log-prob of that token.
+    """
+
+    sample_ids: list[int]
+    input_ids: torch.Tensor  # [B, L] long
+    attention_mask: torch.Tensor  # [B, L] long
+    targets: torch.Tensor  # [B, L] long
+    loss_mask: torch.Tensor  # [B, L] bool
+    behavior_logp: torch.Tensor  # [B, L] float32
+    advantages: torch.Tensor  # [B] float32
+    old_logp: torch.Tensor | None = None  # [B, L], set when the update has more than one optimizer step
+
+    @property
+    def num_response_tokens(self) -> int:
+        return int(self.loss_mask.sum())
+
+    @property
+    def num_real_tokens(self) -> int:
+        return int(self.attention_mask.sum())
+
+
+def collate(
+    samples: list[Sample],
+    ids: list[int],
+    device: torch.device,
+    pad_id: int = 0,
+    old_logps: dict[int, torch.Tensor] | None = None,
+) -> MicroBatch:
+    if not ids:  # see rank_micro_batches: one padding token, no loss, still takes part in the exchanges
+        zero_long = torch.full((1, 1), pad_id, dtype=torch.long, device=device)
+        zero = torch.zeros((1, 1), device=device)
+        return MicroBatch(
+            [], zero_long, torch.ones_like(zero_long), zero_long, torch.zeros_like(zero, dtype=torch.bool),
+            zero, torch.zeros(1, device=device), zero if old_logps is not None else None,
+        )  # fmt: skip
+    length = max(samples[i].num_tokens for i in ids) - 1
+    batch = len(ids)
+    input_ids = torch.full((batch, length), pad_id, dtype=torch.long)
+    targets = torch.full((batch, length), pad_id, dtype=torch.long)
+    attention = torch.zeros((batch, length), dtype=torch.long)
+    loss_mask = torch.zeros((batch, length), dtype=torch.bool)
+    behavior = torch.zeros((batch, length), dtype=torch.float32)
+    old = torch.zeros((batch, length), dtype=torch.float32) if old_logps is not None else None
+    for row, i in enumerate(ids):
+        s = samples[i]
+        seq = torch.tensor(s.prompt_ids + s.response_ids, dtype=torch.long)
+        n, start = len(seq) - 1, len(s.prompt_ids) - 1  # the first response token is predicted at start
+        input_ids[row, :n] = seq[:-1]
+        targets[row, :n] = seq[1:]
+        attention[row, :n] = 1
+        loss_mask[row, start:n] = True
+        behavior[row, start:n] = torch.tensor(s.behavior_logprobs, dtype=torch.float32)
+        if old is not None:
+            old[row, start:n] = old_logps[i]  # type: ignore[index]
+    advantages = torch.tensor([samples[i].advantage for i in ids], dtype=torch.float32)
+    to = {"device": device}
+    return MicroBatch(
+        list(ids), input_ids.to(**to), attention.to(**to), targets.to(**to), loss_mask.to(**to),
+        behavior.to(**to), advantages.to(**to), None if old is None else old.to(**to),
+    )  # fmt: skip
+
+
+# ----------------------------------------------------------------------------------------------------
+# The trainer
+# ----------------------------------------------------------------------------------------------------
+
+# Statistics summed over micro-batches and ranks each step, in this order (one all-reduce per step).
+_SUMS = ("loss", "pg_loss", "kl_sum", "clip_count", "is_weight_sum", "is_capped_count", "entropy_sum",
+         "response_tokens", "real_tokens", "sequences")  # fmt: skip
+
+
+@dataclass
+class StepResult:
+    loss: float
+    pg_loss: float
+    kl: float
+    clip_fraction: float
+    is_weight_mean: float
+    is_weight_max: float
+    is_weight_min: float
+    is_capped_fraction: float
+    entropy: float
+    grad_norm: float
+    response_tokens: int
+    real_tokens: int
+    sequences: int
+
+
+class PolicyTrainer:
+    """Runs PPO steps on this rank's share of the batch; every rank calls the same methods in lockstep.
+
+    optimizer: AdamW by default (settings.lr, betas, weight_decay); tests pass plain SGD.
+    ref_model: the reference policy (v000000) with the same expert slice, needed when kl_coef > 0.
+    """
+
+    def __init__(
+        self,
+        model: MoeForCausalLM,
+        mesh: Mesh,
+        settings: TrainSettings,
+        optimizer: torch.optim.Optimizer | None = None,
+        ref_model: MoeForCausalLM | None = None,
+        pad_id: int = 0,
+    ) -> None:
+        if settings.loss.kl_coef > 0 and ref_model is None:
+            raise ValueError("kl_coef > 0 needs the reference model")
+        self.model = model
+        self.mesh = mesh
+        self.settings = settings
+        self.ref_model = ref_model
+        self.pad_id = pad_id if pad_id is not None else 0
+        self.optimizer = optimizer or new_adamw(model, settings)
+
+    # -- forward pieces ------------------------------------------------------------------------------
+
+    def forward_logprobs(self, model: nn.Module, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(log p(target) [B, L], logits [B, L, V]) of `model` on the micro-batch."""
+        logits = model(mb.input_ids, mb.attention_mask)
+        return token_logprobs(logits, mb.targets), logits
+
+    @torch.no_grad()
+    def reference_logprobs(self, model: nn.Module, mb: MicroBatch) -> torch.Tensor:
+        return self.forward_logprobs(model, mb)[0]
+
+    # -- one optimizer step --------------------------------------------------------------------------
+
+    def backward_step(self, micro_batches: list[MicroBatch], normalizer: float) -> torch.Tensor:
+        """Forward + backward of every micro-batch (gradients accumulate); returns the local sums of _SUMS.
+
+        normalizer: the global count the loss is averaged over (response tokens for token-mean, sequences
+        for seq-mean). Each micro-batch's loss is scaled by the world size, see steps.expert_parallel.
+        """
+        s = self.settings.loss
+        sums = torch.zeros(len(_SUMS), dtype=torch.float64)
+        is_max = torch.tensor(-math.inf, dtype=torch.float64)
+        is_min = torch.tensor(math.inf, dtype=torch.float64)
+        self.model.train()
+        for mb in micro_batches:
+            logp, logits = self.forward_logprobs(self.model, mb)
+            old = mb.old_logp if mb.old_logp is not None else logp.detach()
+            ref = self.reference_logprobs(self.ref_model, mb) if s.kl_coef > 0 else None
+            terms = token_terms(logp, old, mb.behavior_logp, mb.advantages, mb.loss_mask, s, ref)
+            loss = aggregate(terms.loss, terms.mask, s.loss_agg, normalizer)
+            (loss * self.mesh.world_size).backward()
+            with torch.no_grad():
+                mask = terms.mask
+                entropy = torch.where(mask, token_entropy(logits.detach()), torch.zeros_like(logp))
+                weights = terms.is_weight[mask].double()
+                sums += torch.stack([
+                    loss.detach().double(),
+                    aggregate(terms.pg, mask, s.loss_agg, normalizer).detach().double(),
+                    terms.kl.sum().double(),
+                    terms.clip_active.sum().double(),
+                    weights.sum(),
+                    (weights >= s.is_cap).sum().double(),
+                    entropy.sum().double(),
+                    mask.sum().double(),
+                    torch.tensor(float(mb.num_real_tokens if mb.sample_ids else 0), dtype=torch.float64),
+                    torch.tensor(float(len(mb.sample_ids)), dtype=torch.float64),
+                ]).cpu()  # fmt: skip
+                if weights.numel():
+                    is_max = torch.maximum(is_max, weights.max().cpu())
+                    is_min = torch.minimum(is_min, weights.min().cpu())
+        return torch.cat([sums, is_max.view(1), -is_min.view(1)])
+
+    def step(self, micro_batches: list[MicroBatch], normalizer: float) -> StepResult:
+        """One optimizer step: accumulate, reduce the statistics, stop on a non-finite loss, sync and clip
+        the gradients, update the weights."""
+        local = self.backward_step(micro_batches, normalizer)
+        n = len(_SUMS)
+        device = self.mesh.device
+        summed = all_reduce_sum(local[:n].to(device), self.mesh).cpu()
+        extremes = local[n:].to(device)
+        if self.mesh.world_group is not None:
+            torch.distributed.all_reduce(extremes, op=torch.distributed.ReduceOp.MAX)
+        extremes = extremes.cpu()
+        stats = dict(zip(_SUMS, summed.tolist(), strict=True))
+        if not math.isfinite(stats["loss"]):
+            self.optimizer.zero_grad(set_to_none=True)
+            raise MoerlError(
+                f"the policy loss is {stats['loss']} (not finite); nothing was written. Check the experience "
+                "(advantages, behavior_logprobs) and the input checkpoint for inf/NaN, or lower trainer.lr"
+            )
+        sync_gradients(self.model, self.mesh)
+        grad_norm = clip_grad_norm(self.model, self.mesh, self.settings.grad_clip)
+        if not math.isfinite(grad_norm):
+            self.optimizer.zero_grad(set_to_none=True)
+            raise MoerlError(
+                f"the gradient norm is {grad_norm} (not finite); nothing was written. Lower trainer.lr or "
+                "check the input checkpoint"
+            )
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        tokens = max(stats["response_tokens"], 1.0)
+        return StepResult(
+            loss=stats["loss"], pg_loss=stats["pg_loss"], kl=stats["kl_sum"] / tokens,
+            clip_fraction=stats["clip_count"] / tokens, is_weight_mean=stats["is_weight_sum"] / tokens,
+            is_weight_max=float(extremes[0]), is_weight_min=float(-extremes[1]),
+            is_capped_fraction=stats["is_capped_count"] / tokens, entropy=stats["entropy_sum"] / tokens,
+            grad_norm=grad_norm, response_tokens=int(stats["response_tokens"]),
+            real_tokens=int(stats["real_tokens"]), sequences=int(stats["sequences"]),
+        )  # fmt: skip
+
+    # -- a whole iteration ---------------------------------------------------------------------------
+
+    def normalizer(self, samples: list[Sample], step_indices: list[int]) -> float:
+        """Global count for the loss mean of one step; every rank computes it from the same experience."""
+        if self.settings.loss.loss_agg == "seq-mean":
+            return float(len(step_indices))
+        return float(sum(len(samples[i].response_ids) for i in step_indices))
+
+    @torch.no_grad()
+    def old_logprobs(self, samples: list[Sample], plan: list[list[int]]) -> dict[int, torch.Tensor]:
+        """log p(response) of this rank's samples under the weights before the update (for updates with
+        more than one optimizer step). Runs the same micro-batches as training, so the exchanges match."""
+        self.model.eval()
+        out: dict[int, torch.Tensor] = {}
+        for step_indices in plan:
+            for ids in rank_micro_batches(step_indices, self.mesh, self.settings.micro_batch_size):
+                mb = collate(samples, ids, self.mesh.device, self.pad_id)
+                logp, _ = self.forward_logprobs(self.model, mb)
+                for row, i in enumerate(mb.sample_ids):
+                    out[i] = logp[row][mb.loss_mask[row]].cpu()
+        return out
+
+    def train(self, samples: list[Sample], iteration: int) -> dict[str, Any]:
+        """All optimizer steps of one iteration; returns the iteration's metrics (same on every rank)."""
+        start = time.perf_counter()
+        plan = plan_steps(len(samples), self.settings, iteration)
+        old = self.old_logprobs(samples, plan) if len(plan) > 1 else None
+        results = []
+        for step_indices in plan:
+            micro = [
+                collate(samples, ids, self.mesh.device, self.pad_id, old)
+                for ids in rank_micro_batches(step_indices, self.mesh, self.settings.micro_batch_size)
+            ]
+            results.append(self.step(micro, self.normalizer(samples, step_indices)))
+        seconds = time.perf_counter() - start
+        return iteration_metrics(results, seconds)
+
+
+def iteration_metrics(results: list[StepResult], seconds: float) -> dict[str, Any]:
+    """Per-iteration metrics: token-weighted means over the steps, the last grad norm, throughput."""
+    tokens = sum(r.response_tokens for r in results) or 1
+
+    def mean(attr: str) -> float:
+        return sum(getattr(r, attr) * r.response_tokens for r in results) / tokens
+
+    real_tokens = sum(r.real_tokens for r in results)
+    return {
+        "loss": sum(r.loss for r in results) / len(results),
+        "pg_loss": sum(r.pg_loss for r in results) / len(results),
+        "kl": mean("kl"),
+        "clip_fraction": mean("clip_fraction"),
+        "entropy": mean("entropy"),
+        "is_weight": {
+            "mean": mean("is_weight_mean"),
+            "min": min(r.is_weight_min for r in results),
+            "max": max(r.is_weight_max for r in results),
+            "capped_fraction": mean("is_capped_fraction"),
+        },
+        "grad_norm": results[-1].grad_norm,
+        "grad_norms": [r.grad_norm for r in results],
+        "steps": len(results),
+        "sequences": sum(r.sequences for r in results),
+        "response_tokens": sum(r.response_tokens for r in results),
+        "tokens": real_tokens,
+        "seconds": seconds,
+        "tokens_per_s": real_tokens / seconds if seconds > 0 else 0.0,
+    }
+
+
+# ----------------------------------------------------------------------------------------------------
+# Optimizer and its state as tensors
+# ----------------------------------------------------------------------------------------------------
+
+
+def new_adamw(model: nn.Module, settings: TrainSettings) -> torch.optim.Optimizer:
+    # foreach=False: one parameter at a time, the same arithmetic whatever the parameter grouping
+    return torch.optim.AdamW(
+        model.parameters(), lr=settings.lr, betas=settings.betas, weight_decay=settings.weight_decay,
+        foreach=False,
+    )  # fmt: skip
+
+
+OPTIMIZER_FIELDS = ("exp_avg", "exp_avg_sq", "step")
+
+
+def optimizer_state_tensors(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """AdamW state of this rank's parameters as flat tensors: `<param name>.<field>` (named like the
+    weights, so that each expert's state lives with the rank that holds the expert)."""
+    out = {}
+    for name, p in model.named_parameters():
+        state = optimizer.state.get(p, {})
+        for f in OPTIMIZER_FIELDS:
+            if f in state:
+                t = state[f] if torch.is_tensor(state[f]) else torch.tensor(float(state[f]))
+                out[f"{name}.{f}"] = t.detach().to("cpu").contiguous()
+    return out
+
+
+def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor]) -> int:
+    """Restore AdamW state written by optimizer_state_tensors (for this rank's parameters); returns how
+    many parameters got state."""
+    restored = 0
+    for name, p in model.named_parameters():
+        keys = [f"{name}.{f}" for f in OPTIMIZER_FIELDS]
+        if not all(k in tensors for k in keys):
+            continue
+        exp_avg, exp_avg_sq, step = (tensors[k] for k in keys)
+        if exp_avg.shape != p.shape or exp_avg_sq.shape != p.shape:
+            raise MoerlError(
+                f"optimizer state of {name} has shape {list(exp_avg.shape)}, the parameter {list(p.shape)}; "
+                "the optimizer state belongs to another model"
+            )
+        optimizer.state[p] = {
+            "step": step.to(torch.float32).reshape(()).clone(),
+            "exp_avg": exp_avg.to(device=p.device, dtype=p.dtype).clone(),
+            "exp_avg_sq": exp_avg_sq.to(device=p.device, dtype=p.dtype).clone(),
+        }
+        restored += 1
+    return restored

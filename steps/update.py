@@ -1,0 +1,414 @@
+"""Step update: train the policy on one iteration's scored experience and write an unpublished candidate.
+
+    torchrun --nproc-per-node P [--nnodes N ...] -m steps.update -- --run URI --iteration I
+    python -m steps.update --run URI --iteration I          (one process)
+
+(The `--` matters under torchrun: its own parser would take --run for an abbreviation of its --run-path.)
+
+Inputs, all published: the run config (<run>/run.json), checkpoint v(I-1) with its optimizer state
+(<run>/optimizer/v(I-1)/, absent for v000000), the reference policy v000000 when kl_coef > 0, and
+<run>/experience/iter-I/scored.parquet, whose policy_version must be v(I-1-staleness).
+
+Output: <run>/candidates/iter-I/
+    model-rank0000r-of-0000n.safetensors       the weights EP rank r holds (rank 0 also the replicated ones)
+    optimizer-rank0000r-of-0000n.safetensors   AdamW state of the same parameters
+    config.json, generation_config.json, tokenizer files
+    candidate.index.json                       tensor name -> file, for weights and optimizer state
+    CANDIDATE.json                             written LAST: every file with size + sha256
+and <run>/metrics/iter-I.update.json (loss, clip fraction, KL, importance weights, grad norm, entropy,
+tokens/s; a separate file so that score's metrics/iter-I.json is never rewritten).
+
+Each EP rank of the first dp row uploads its own shards; nothing is gathered to rank 0 but the file names
+and digests. A crash leaves no CANDIDATE.json, and a restart deletes the partial candidate and trains again
+from the same published inputs: same plan, same arithmetic, same bits. A complete candidate, or an already
+published version I, makes the step a no-op (--force retrains a complete candidate).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from steps import checkpoint
+from steps.errors import MoerlError, run_cli
+from steps.experience import behaviour_version, load_run_config
+from steps.expert_parallel import (
+    CommTimer,
+    Mesh,
+    build_mesh,
+    is_expert_param,
+    make_dispatch,
+    resolve_ep_size,
+)
+from steps.model import (
+    CONFIG_NAME,
+    GENERATION_CONFIG_NAME,
+    SAFE_WEIGHTS_INDEX_NAME,
+    MoeForCausalLM,
+    load_config,
+    load_pretrained,
+)
+from steps.store import Store
+from steps.trainer import (
+    PolicyTrainer,
+    TrainSettings,
+    load_optimizer_state,
+    new_adamw,
+    optimizer_state_tensors,
+    read_scored_experience,
+)
+
+MARKER = "CANDIDATE.json"
+CANDIDATE_INDEX = "candidate.index.json"
+OPTIMIZER_INDEX = "optimizer.index.json"
+T = TypeVar("T")
+
+
+def candidate_prefix(iteration: int) -> str:
+    return f"candidates/iter-{iteration:06d}"
+
+
+def optimizer_prefix(version: int) -> str:
+    return f"optimizer/{checkpoint.version_name(version)}"
+
+
+def update_metrics_key(iteration: int) -> str:
+    return f"metrics/iter-{iteration:06d}.update.json"
+
+
+def model_shard_name(ep_rank: int, ep_size: int) -> str:
+    return f"model-rank{ep_rank:05d}-of-{ep_size:05d}.safetensors"
+
+
+def optimizer_shard_name(ep_rank: int, ep_size: int) -> str:
+    return f"optimizer-rank{ep_rank:05d}-of-{ep_size:05d}.safetensors"
+
+
+def read_marker(run: Store, iteration: int) -> dict[str, Any] | None:
+    key = f"{candidate_prefix(iteration)}/{MARKER}"
+    return run.get_json(key) if run.exists(key) else None
+
+
+# ----------------------------------------------------------------------------------------------------
+# Running the same thing on every rank, with one outcome
+# ----------------------------------------------------------------------------------------------------
+
+
+def agreed(mesh: Mesh, fn: Callable[[], T]) -> T:
+    """Run fn on this rank; if it fails on any rank, fail on every rank (no rank left waiting in a
+    collective). The failing rank raises its own error, the others say which rank failed."""
+    error: BaseException | None = None
+    result: Any = None
+    try:
+        result = fn()
+    except Exception as err:  # re-raised below, after the ranks agreed
+        error = err
+    if mesh.world_group is not None:
+        flag = torch.tensor([float(mesh.rank + 1) if error else 0.0], device=mesh.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        failed_rank = int(flag.item()) - 1
+        if error is None and failed_rank >= 0:
+            raise MoerlError(f"trainer rank {failed_rank} failed (its error is above); rank {mesh.rank} stops too")
+    if error is not None:
+        raise error
+    return result
+
+
+# ----------------------------------------------------------------------------------------------------
+# Inputs
+# ----------------------------------------------------------------------------------------------------
+
+
+def fetch_checkpoint(run: Store, version: int, mesh: Mesh, local_rank: int) -> Path:
+    """Download a published version once per node (local rank 0), then let the other ranks verify it."""
+    checkpoint.require_manifest(run, version)
+    agreed(mesh, lambda: checkpoint.fetch(run, version) if local_rank == 0 else None)
+    return agreed(mesh, lambda: checkpoint.fetch(run, version))  # verifies the digests of what is there
+
+
+def read_optimizer_state(run: Store, version: int, names: list[str], workdir: Path) -> dict[str, torch.Tensor]:
+    """The AdamW state tensors named `names` from <run>/optimizer/v(version)/ (only the files holding them)."""
+    prefix = optimizer_prefix(version)
+    index_key = f"{prefix}/{OPTIMIZER_INDEX}"
+    if not run.exists(index_key):
+        raise MoerlError(
+            f"{run.url(index_key)}: missing; checkpoint {checkpoint.version_name(version)} was published "
+            "without its optimizer state — republish it (python -m steps.publish) or start a new run"
+        )
+    weight_map: dict[str, str] = run.get_json(index_key)["weight_map"]
+    wanted: dict[str, list[str]] = {}
+    for name in names:
+        if name in weight_map:
+            wanted.setdefault(weight_map[name], []).append(name)
+    tensors: dict[str, torch.Tensor] = {}
+    for file_name, file_names in sorted(wanted.items()):
+        local = workdir / file_name
+        run.get_file(f"{prefix}/{file_name}", local)
+        with safe_open(str(local), framework="pt") as f:
+            for name in file_names:
+                tensors[name] = f.get_tensor(name)
+        local.unlink()
+    return tensors
+
+
+# ----------------------------------------------------------------------------------------------------
+# Output: the candidate
+# ----------------------------------------------------------------------------------------------------
+
+
+def _save(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+def write_shards(
+    run: Store, iteration: int, mesh: Mesh, model: MoeForCausalLM, optimizer: torch.optim.Optimizer, workdir: Path
+) -> dict[str, Any]:
+    """Upload this rank's weight and optimizer shards (ranks of the first dp row only; the other rows hold
+    copies). Returns {"files": {name: {size, sha256}}, "weights": {tensor: file}, "optimizer": {..}}."""
+    out: dict[str, Any] = {"files": {}, "weights": {}, "optimizer": {}}
+    if mesh.dp_rank != 0:
+        return out
+    keep_shared = mesh.ep_rank == 0  # replicated tensors are written once, with EP rank 0's experts
+
+    def mine(name: str) -> bool:
+        return keep_shared or is_expert_param(name)
+
+    weights = {n: t.detach().to("cpu").contiguous() for n, t in model.state_dict().items() if mine(n)}
+    opt_state = {n: t for n, t in optimizer_state_tensors(model, optimizer).items() if mine(n.rsplit(".", 1)[0])}
+    prefix = candidate_prefix(iteration)
+    for kind, file_name, tensors in (
+        ("weights", model_shard_name(mesh.ep_rank, mesh.ep_size), weights),
+        ("optimizer", optimizer_shard_name(mesh.ep_rank, mesh.ep_size), opt_state),
+    ):
+        local = workdir / file_name
+        _save(tensors, local)
+        sha = run.put_file(f"{prefix}/{file_name}", local)
+        out["files"][file_name] = {"size": local.stat().st_size, "sha256": sha}
+        out[kind] = dict.fromkeys(tensors, file_name)
+        local.unlink()
+    return out
+
+
+def write_candidate_metadata(
+    run: Store,
+    iteration: int,
+    parent_dir: Path,
+    model: MoeForCausalLM,
+    shards: list[dict[str, Any]],
+    info: dict[str, Any],
+    metrics: dict[str, Any],
+) -> dict[str, Any]:
+    """Rank 0: config, tokenizer, the index, the metrics, then CANDIDATE.json last."""
+    prefix = candidate_prefix(iteration)
+    files: dict[str, dict[str, Any]] = {}
+    weight_map: dict[str, str] = {}
+    optimizer_map: dict[str, str] = {}
+    for shard in shards:
+        files.update(shard["files"])
+        weight_map.update(shard["weights"])
+        optimizer_map.update(shard["optimizer"])
+
+    def put(name: str, data: bytes) -> None:
+        files[name] = {"size": len(data), "sha256": run.put_bytes(f"{prefix}/{name}", data)}
+
+    def put_text(name: str, text: str) -> None:
+        put(name, text.encode())
+
+    # Weights are trained and written in fp32, whatever the parent's dtype: the config says so.
+    put_text(CONFIG_NAME, json.dumps(model.config.to_hf_dict(torch.float32), indent=2) + "\n")
+    # The parent's other files (generation config, tokenizer files, ...), as its manifest lists them: the
+    # local cache may hold files of an earlier run that had the same URI.
+    skip = {CONFIG_NAME, SAFE_WEIGHTS_INDEX_NAME}
+    for name in sorted(checkpoint.require_manifest(run, iteration - 1).files):
+        if "/" not in name and name not in skip and not name.endswith(".safetensors"):
+            put(name, (parent_dir / name).read_bytes())
+    if GENERATION_CONFIG_NAME not in files:
+        put_text(GENERATION_CONFIG_NAME, json.dumps({"_from_model_config": True}, indent=2) + "\n")
+    index = {
+        "metadata": {"iteration": iteration, "parent": iteration - 1, **info},
+        "weight_map": dict(sorted(weight_map.items())),
+        "optimizer_map": dict(sorted(optimizer_map.items())),
+    }
+    put_text(CANDIDATE_INDEX, json.dumps(index, indent=2) + "\n")
+    run.put_json(update_metrics_key(iteration), {"update": metrics, "iteration": iteration})
+    marker = {
+        "iteration": iteration,
+        "parent": iteration - 1,
+        **info,
+        "files": dict(sorted(files.items())),
+        "created_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    }
+    run.put_json(f"{prefix}/{MARKER}", marker)
+    return marker
+
+
+# ----------------------------------------------------------------------------------------------------
+# The step
+# ----------------------------------------------------------------------------------------------------
+
+
+def init_distributed() -> tuple[int, int, int, torch.device]:
+    """(rank, world size, local rank, device) from torchrun's environment; starts the process group."""
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        # Deterministic kernels where torch has them; warn_only: a kernel without one warns instead of failing.
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    else:
+        device = torch.device("cpu")
+    if world > 1 and not dist.is_initialized():
+        if device.type == "cuda":
+            dist.init_process_group("nccl", device_id=device)
+        else:
+            dist.init_process_group("gloo")
+    return rank, world, local_rank, device
+
+
+def run_update(
+    run_uri: str,
+    iteration: int,
+    ep_size: int | None = None,
+    force: bool = False,
+    timer: CommTimer | None = None,
+) -> dict[str, Any] | None:
+    """Train iteration `iteration` and write its candidate; returns the marker (None when nothing to do)."""
+    if iteration < 1:
+        raise MoerlError(f"--iteration {iteration}: iterations start at 1 (v000000 is the SFT checkpoint)")
+    rank, world, local_rank, device = init_distributed()
+    try:
+        return _update(run_uri, iteration, ep_size, force, timer, rank, world, local_rank, device)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _update(
+    run_uri: str,
+    iteration: int,
+    ep_size: int | None,
+    force: bool,
+    timer: CommTimer | None,
+    rank: int,
+    world: int,
+    local_rank: int,
+    device: torch.device,
+) -> dict[str, Any] | None:
+    run = Store.open(run_uri)
+    cfg = load_run_config(run)
+    parent = iteration - 1
+    if checkpoint.read_manifest(run, iteration) is not None:
+        _say(rank, f"{checkpoint.version_name(iteration)} is already published; nothing to do")
+        return None
+    marker = read_marker(run, iteration)
+    if marker is not None and not force:
+        _say(rank, f"candidate of iteration {iteration} is complete; nothing to do (--force retrains it)")
+        return None
+    checkpoint.require_manifest(run, parent)
+    version = behaviour_version(iteration, cfg.staleness)
+    samples = read_scored_experience(run, iteration, version)
+    settings = TrainSettings.from_run_config(cfg)
+
+    # Model config first (cheap) to size the mesh; then the mesh; then the weights of this rank's slice.
+    mesh = Mesh(rank=rank, world_size=world, device=device)
+    mesh.world_group = dist.group.WORLD if world > 1 else None
+    parent_dir = fetch_checkpoint(run, parent, mesh, local_rank)
+    num_experts = load_config(parent_dir).num_experts
+    requested = ep_size or getattr(cfg.trainer, "ep_size", None)
+    mesh = build_mesh(rank, world, resolve_ep_size(world, num_experts, requested), device)
+    expert_range = mesh.expert_range(num_experts)
+    model = load_pretrained(parent_dir, dtype=torch.float32, device=device, expert_range=expert_range)
+    ref_model = None
+    if settings.loss.kl_coef > 0:
+        ref_dir = parent_dir if parent == 0 else fetch_checkpoint(run, 0, mesh, local_rank)
+        ref_model = load_pretrained(ref_dir, dtype=torch.float32, device=device, expert_range=expert_range)
+        ref_model.requires_grad_(False)
+    cfg_model = model.config
+    max_tokens = settings.micro_batch_size * max(s.num_tokens for s in samples)
+    dispatch = make_dispatch(
+        cfg.trainer.ep_backend, mesh, num_experts, cfg_model.hidden_size, cfg_model.num_experts_per_tok,
+        max_tokens, timer,
+    )  # fmt: skip
+    model.set_dispatch(dispatch)
+    if ref_model is not None:
+        ref_model.set_dispatch(dispatch)
+
+    torch.manual_seed(cfg.seed * 1_000_003 + iteration)
+    optimizer = new_adamw(model, settings)
+    workdir = Path(tempfile.mkdtemp(prefix=f"moerl-update-{rank}-"))
+    try:
+        if parent > 0:
+            names = [f"{n}.{f}" for n, _ in model.named_parameters() for f in ("exp_avg", "exp_avg_sq", "step")]
+            state = agreed(mesh, lambda: read_optimizer_state(run, parent, names, workdir))
+            load_optimizer_state(model, optimizer, state)
+        # A crashed attempt may have left part of a candidate: remove it before anything new is written.
+        agreed(mesh, lambda: run.delete_prefix(candidate_prefix(iteration)) if rank == 0 else None)
+
+        trainer = PolicyTrainer(model, mesh, settings, optimizer, ref_model, pad_id=cfg_model.pad_token_id or 0)
+        metrics = trainer.train(samples, iteration)
+        info = {"policy_version": version, "world_size": world, "ep_size": mesh.ep_size,
+                "ep_backend": cfg.trainer.ep_backend}  # fmt: skip
+        metrics.update(info)
+        if timer is not None and timer.enabled:
+            metrics["dispatch_seconds"] = timer.seconds
+
+        shard = agreed(mesh, lambda: write_shards(run, iteration, mesh, model, optimizer, workdir))
+        shards = [shard]
+        if world > 1:
+            shards = [None] * world  # type: ignore[list-item]
+            dist.all_gather_object(shards, shard)  # names and digests only, never tensors
+        marker = agreed(
+            mesh,
+            lambda: write_candidate_metadata(run, iteration, parent_dir, model, shards, info, metrics)
+            if rank == 0 else None,
+        )  # fmt: skip
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    _say(
+        rank,
+        f"iteration {iteration}: loss {metrics['loss']:.6f}, clip fraction {metrics['clip_fraction']:.4f}, "
+        f"grad norm {metrics['grad_norm']:.4f}, {metrics['tokens_per_s']:.0f} tokens/s on {world} rank(s) "
+        f"(ep {mesh.ep_size}); candidate {run.url(candidate_prefix(iteration))}",
+    )
+    return marker
+
+
+def _say(rank: int, text: str) -> None:
+    if rank == 0:
+        print(text, flush=True)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(prog="python -m steps.update", description=__doc__.splitlines()[0])
+    parser.add_argument("--run", required=True, help="run store URI (file://, plain path or s3://bucket/prefix)")
+    parser.add_argument("--iteration", required=True, type=int, help="the iteration to train (>= 1)")
+    parser.add_argument(
+        "--ep-size", type=int, default=None,
+        help="expert-parallel group size (default: the largest that divides both the ranks and num_experts)",
+    )  # fmt: skip
+    parser.add_argument("--force", action="store_true", help="retrain even if the candidate is complete")
+    argv = sys.argv[1:]
+    args = parser.parse_args(argv[1:] if argv[:1] == ["--"] else argv)
+    # cuBLAS needs this before CUDA starts for deterministic GEMMs (torch.use_deterministic_algorithms).
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    run_update(args.run, args.iteration, args.ep_size, args.force)
+    return 0
+
+
+if __name__ == "__main__":
+    run_cli(main)

@@ -1,0 +1,113 @@
+"""The generation-engine contract, the same for every engine: where an engine cannot run here (SGLang without
+SGLang or a CUDA GPU) its tests skip with that reason."""
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import math
+
+import pytest
+import torch
+from experience_helpers import tiny_model, write_checkpoint
+
+from steps.engine import (
+    FINISH_LENGTH,
+    FINISH_STOP,
+    SamplingParams,
+    SGLangSettings,
+    TorchEngine,
+    sample_requests,
+    sample_seed,
+)
+from steps.model import load_pretrained, token_logprobs
+from steps.sglang_engine import sglang_unavailable_reason
+from steps.tasks import get_task
+from steps.tokenizer import EOS_ID, build_tokenizer, encode_prompt
+
+TOK = build_tokenizer()
+PROMPTS = get_task("addition").prompts("train", 6, 1) + get_task("sort").prompts("train", 2, 1)
+PROMPT_IDS = [(p.prompt_id, encode_prompt(TOK, p.text)) for p in PROMPTS]
+# How close each engine's log-probs come to the policy recomputed in fp32 by steps.model.
+LOGPROB_ATOL = {"torch": 1e-4, "sglang": 2e-2}
+
+
+def seeds(prompt_id, k):
+    return sample_seed(11, 1, prompt_id, k)
+
+
+@pytest.fixture(scope="module")
+def checkpoint_dir(tmp_path_factory):
+    return write_checkpoint(tiny_model(seed=5), tmp_path_factory.mktemp("contract") / "policy")
+
+
+@pytest.fixture(scope="module")
+def policy(checkpoint_dir):
+    return load_pretrained(checkpoint_dir).eval()
+
+
+@pytest.fixture(scope="module", params=["torch", pytest.param("sglang", marks=pytest.mark.gpu)])
+def engine(request, checkpoint_dir):
+    if request.param == "torch":
+        engine = TorchEngine.from_checkpoint(checkpoint_dir)
+    else:
+        reason = sglang_unavailable_reason()
+        if reason:
+            pytest.skip(reason)
+        from steps.sglang_engine import SGLangEngine
+
+        engine = SGLangEngine(checkpoint_dir, SGLangSettings(mem_fraction=0.3))
+    yield engine
+    engine.close()
+
+
+def policy_logprobs(policy, prompt_ids, response_ids):
+    ids = torch.tensor([list(prompt_ids) + list(response_ids)])
+    with torch.no_grad():
+        logits = policy(ids)[0]
+    start = len(prompt_ids) - 1
+    return token_logprobs(logits[start : start + len(response_ids)], torch.tensor(response_ids))
+
+
+def test_one_generation_per_request_in_order_with_policy_logprobs(engine, policy):
+    params = SamplingParams(n=3, max_new_tokens=8)
+    requests = sample_requests(PROMPT_IDS, params, seeds)
+    generations = engine.generate(requests, params)
+    assert [(g.prompt_id, g.sample_index) for g in generations] == [(r.prompt_id, r.sample_index) for r in requests]
+    for request, g in zip(requests, generations, strict=True):
+        assert 1 <= len(g.response_ids) <= 8 and len(g.logprobs) == len(g.response_ids)
+        assert all(math.isfinite(x) and x <= 0 for x in g.logprobs)
+        assert g.finish_reason in (FINISH_STOP, FINISH_LENGTH)
+        assert (g.finish_reason == FINISH_STOP) == (g.response_ids[-1] == EOS_ID)
+        assert EOS_ID not in g.response_ids[:-1]
+        expected = policy_logprobs(policy, request.prompt_ids, g.response_ids)
+        torch.testing.assert_close(torch.tensor(g.logprobs), expected, atol=LOGPROB_ATOL[engine.name], rtol=0)
+    assert engine.generate([], params) == []
+
+
+def test_same_request_same_sample_whatever_the_batch(engine):
+    params = SamplingParams(n=2, max_new_tokens=8)
+    requests = sample_requests(PROMPT_IDS, params, seeds)
+    first = engine.generate(requests, params)
+    alone = [engine.generate([r], params)[0] for r in requests[::3]]
+    assert [g.response_ids for g in first[::3]] == [g.response_ids for g in alone]
+    assert [g.response_ids for g in engine.generate(requests, params)] == [g.response_ids for g in first]
+
+
+def test_greedy_follows_the_policy_argmax(engine, policy):
+    params = SamplingParams(n=1, max_new_tokens=6, temperature=0.0)
+    requests = sample_requests(PROMPT_IDS, params, seeds)
+    for request, g in zip(requests, engine.generate(requests, params), strict=True):
+        ids = torch.tensor([list(request.prompt_ids) + g.response_ids])
+        with torch.no_grad():
+            logprobs = torch.log_softmax(policy(ids)[0], dim=-1)
+        start = len(request.prompt_ids) - 1
+        for step, token in enumerate(g.response_ids):
+            best = logprobs[start + step].max()
+            assert logprobs[start + step, token] >= best - LOGPROB_ATOL[engine.name]
+
+
+def test_no_stop_tokens_runs_to_max_new_tokens(engine):
+    params = SamplingParams(n=2, max_new_tokens=5, stop_token_ids=())
+    generations = engine.generate(sample_requests(PROMPT_IDS, params, seeds), params)
+    assert all(len(g.response_ids) == 5 and g.finish_reason == FINISH_LENGTH for g in generations)

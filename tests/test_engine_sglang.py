@@ -1,0 +1,72 @@
+"""How the SGLang engine talks to SGLang: the per-request sampling_params it sends and how it reads SGLang's
+output dicts back. These run everywhere; generation itself is in test_engine_contract.py (GPU only)."""
+
+import pytest
+
+from steps.engine import FINISH_LENGTH, FINISH_STOP, GenerationRequest, SamplingParams, SGLangSettings
+from steps.errors import MoerlError
+from steps.sglang_engine import (
+    SGLANG_SEED_MODULUS,
+    SGLangEngine,
+    generation_from_output,
+    sampling_params_for,
+    sglang_unavailable_reason,
+)
+
+REQUEST = GenerationRequest("addition3/012345", (1, 5, 6), 3, seed=2**63 + 5)
+
+
+def test_sampling_params_carry_the_seed_and_keep_the_stop_token():
+    params = SamplingParams(temperature=0.8, top_p=0.9, top_k=0, max_new_tokens=12, stop_token_ids=(2,), n=8)
+    sent = sampling_params_for(REQUEST, params)
+    assert sent == {
+        "temperature": 0.8,
+        "top_p": 0.9,
+        "top_k": -1,  # SGLang's "off"
+        "max_new_tokens": 12,
+        "stop_token_ids": [2],
+        "ignore_eos": False,
+        "no_stop_trim": True,
+        "skip_special_tokens": False,
+        "sampling_seed": 5,  # reduced into SGLang's signed 64-bit range
+    }
+    assert 0 <= sent["sampling_seed"] < SGLANG_SEED_MODULUS
+    no_stop = sampling_params_for(REQUEST, SamplingParams(top_k=4, stop_token_ids=()))
+    assert no_stop["ignore_eos"] is True and no_stop["stop_token_ids"] == [] and no_stop["top_k"] == 4
+
+
+def test_outputs_become_generations_with_one_logprob_per_token():
+    output = {
+        "output_ids": [7, 8, 2],
+        "meta_info": {
+            "finish_reason": {"type": "stop", "matched": 2},
+            "output_token_logprobs": [(-0.5, 7, None), (-1.25, 8, None), (-0.125, 2, None)],
+        },
+    }
+    g = generation_from_output(REQUEST, output)
+    assert (g.prompt_id, g.sample_index, g.response_ids, g.logprobs, g.finish_reason) == (
+        "addition3/012345", 3, [7, 8, 2], [-0.5, -1.25, -0.125], FINISH_STOP,
+    )  # fmt: skip
+    output["meta_info"]["finish_reason"] = {"type": "length", "length": 3}
+    assert generation_from_output(REQUEST, output).finish_reason == FINISH_LENGTH
+
+
+def test_aborted_or_inconsistent_outputs_are_clear_errors():
+    aborted = {"meta_info": {"finish_reason": {"type": "abort", "message": "oom"}, "output_token_logprobs": []}}
+    with pytest.raises(MoerlError, match="SGLang did not finish prompt addition3/012345 sample 3"):
+        generation_from_output(REQUEST, aborted)
+    mismatched = {
+        "output_ids": [7, 8],
+        "meta_info": {"finish_reason": {"type": "length"}, "output_token_logprobs": [(-0.5, 7, None)]},
+    }
+    with pytest.raises(MoerlError, match="2 output ids but 1 token log-probs"):
+        generation_from_output(REQUEST, mismatched)
+
+
+def test_without_sglang_or_a_gpu_the_engine_says_why():
+    reason = sglang_unavailable_reason()
+    if reason is None:
+        pytest.skip("SGLang and a CUDA GPU are present: the engine runs in test_engine_contract.py")
+    assert reason.startswith(("SGLang not installed", "no CUDA GPU"))
+    with pytest.raises(MoerlError, match="rollout.engine 'sglang': .*set rollout.engine: torch"):
+        SGLangEngine("/nonexistent", SGLangSettings())
