@@ -22,6 +22,9 @@ the number of CPU threads; so the rollout step always generates the same chunk a
 (steps/experience.py) with a fixed thread count, and the same chunk then gives bit-identical samples in any
 shard and after any restart.
 
+Speed of the torch engine (bench/rollout.py): a prompt is prefilled once for its whole group, its keys and
+values are shared by the group's samples, and samples that drew the same tokens so far are decoded once.
+
 Greedy evaluation: `evaluate_accuracy(engine_or_model, task, prompts)` (temperature 0, exact match).
 """
 
@@ -322,7 +325,8 @@ class TorchEngine:
 
 
 class DecodeBatch:
-    """The decode state of one batch: shared prompt keys/values and each row's generated ones.
+    """The decode state of one batch: shared prompt keys/values and each row's generated ones. A row is a
+    state (TorchEngine): the samples of one prompt that drew the same tokens so far.
 
         prompt_keys         [layers, P, kv, D, W]  the prefill keys of the P distinct prompts (left-padded),
                                     transposed for the query-key product
@@ -379,7 +383,7 @@ class DecodeBatch:
         )  # fmt: skip
 
     def select(self, rows: torch.Tensor) -> DecodeBatch:
-        """Only these rows (and only the prompts they still use)."""
+        """Only these rows, in this order (a row may repeat: a state that splits), and the prompts they use."""
         prompts, parent = torch.unique(self.parent[rows], return_inverse=True)
         return DecodeBatch(
             self.prompt_keys.index_select(1, prompts),

@@ -238,3 +238,19 @@ def test_requests_without_prompt_tokens_are_refused(checkpoints):
     engine = TorchEngine.from_checkpoint(checkpoints["dense_layer"])
     with pytest.raises(ValueError, match="no prompt tokens"):
         engine.generate([GenerationRequest("p", (), 0, 1)], SamplingParams())
+
+
+def test_samples_that_drew_the_same_tokens_share_a_state(checkpoints):
+    """Greedy samples of a prompt never split: four of them decode as one row and equal a single sample."""
+    engine = TorchEngine.from_checkpoint(checkpoints["dense_layer"])
+    group = SamplingParams(n=4, max_new_tokens=9, temperature=0.0)
+    single = SamplingParams(n=1, max_new_tokens=9, temperature=0.0)
+    rows_per_step = []
+    real_step = engine.decoder.step
+    engine.decoder.step = lambda tokens, batch: rows_per_step.append(len(tokens)) or real_step(tokens, batch)
+    grouped = engine.generate(sample_requests(PROMPT_IDS, group, seeds()), group)
+    assert max(rows_per_step) <= len(PROMPT_IDS)  # one row per prompt, not per sample
+    alone = engine.generate(sample_requests(PROMPT_IDS, single, seeds()), single)
+    for index, one in enumerate(alone):
+        for g in grouped[4 * index : 4 * index + 4]:
+            assert (g.response_ids, g.logprobs, g.finish_reason) == (one.response_ids, one.logprobs, one.finish_reason)
