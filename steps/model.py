@@ -7,6 +7,7 @@ per-expert tensor names exactly as `Qwen3MoeForCausalLM.save_pretrained` writes 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -28,6 +29,7 @@ CONFIG_NAME = "config.json"
 GENERATION_CONFIG_NAME = "generation_config.json"
 SAFE_WEIGHTS_NAME = "model.safetensors"
 SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
+META_BUILD_MIN_PARAMS = 50_000_000  # see load_pretrained
 PICKLE_WEIGHT_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 LOADABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
@@ -385,6 +387,8 @@ class MoeForCausalLM(nn.Module):
     @torch.no_grad()
     def init_weights(self) -> None:
         """As transformers: normal(0, initializer_range) for linear/embedding/router, ones for norms."""
+        if self.model.norm.weight.is_meta:
+            return  # built on the meta device to receive loaded weights: nothing to initialise
         std = self.config.initializer_range
         for module in self.modules():
             if isinstance(module, nn.Linear | nn.Embedding):
@@ -739,7 +743,10 @@ def load_pretrained(
     wanted = expected_tensor_shapes(cfg, expert_range)
     state = load_state_dict_from_dir(directory, wanted)
     state = {name: t.to(device=device, dtype=dtype) for name, t in state.items()}
-    with torch.device("meta"):  # no random init of weights about to be replaced
+    # The meta device skips allocating and initialising weights that are about to be replaced, but its
+    # first use imports torch's reference ops (~2 s per process); a small model is cheaper to build plainly.
+    numel = sum(t.numel() for t in state.values())
+    with torch.device("meta") if numel > META_BUILD_MIN_PARAMS else contextlib.nullcontext():
         model = MoeForCausalLM(cfg, expert_range)
     model.load_state_dict(state, strict=True, assign=True)
     return model
