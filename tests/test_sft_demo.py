@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from pipelines.sft_demo import sft_demo
 from steps.hf_format import validate_checkpoint_dir
 from steps.sft import SftSettings
-from pipelines.sft_demo import sft_demo
 
 REPO = Path(__file__).resolve().parents[1]
 
