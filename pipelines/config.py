@@ -552,6 +552,17 @@ def validate_config(data: Any, source: str = "run config") -> RunConfig:
     return cfg
 
 
+def parse_overrides(pairs: list[str]) -> dict[str, Any]:
+    """--set FIELD=VALUE flags as {dotted field: YAML value}, for load_config's `overrides`."""
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise MoerlError(f"--set {pair!r}: write FIELD=VALUE, e.g. --set rollout.num_shards=3")
+        out[key] = yaml.safe_load(value)
+    return out
+
+
 def apply_overrides(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
     """Set dotted keys ({"rollout.num_shards": 3}) in a parsed config, creating sections as needed."""
     out = yaml.safe_load(yaml.safe_dump(data))  # deep copy of plain data

@@ -22,9 +22,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from pipelines.config import RunConfig, cron_problem, load_config
+from pipelines.config import RunConfig, cron_problem, load_config, parse_overrides
 from pipelines.workflow import argo_objects, cron_workflow, workflow, workflow_from_template, workflow_templates
 from steps.errors import MoerlError
 
@@ -53,16 +51,6 @@ def render(cfg: RunConfig, out_dir: str | Path) -> dict[str, Path]:
         paths[name].write_text(text)
     paths[KFP_PIPELINE] = compile_pipeline(cfg, out / KFP_PIPELINE)
     return paths
-
-
-def _overrides(pairs: list[str]) -> dict[str, Any]:
-    out = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise MoerlError(f"--set {pair!r}: write FIELD=VALUE, e.g. --set rollout.num_shards=3")
-        out[key] = yaml.safe_load(value)
-    return out
 
 
 def _server(args: argparse.Namespace) -> tuple[str, str | None, bool]:
@@ -102,14 +90,14 @@ def _talk(host: str, action: Any) -> Any:
 
 
 def cmd_render(args: argparse.Namespace) -> int:
-    cfg = load_config(args.config, _overrides(args.set))
+    cfg = load_config(args.config, parse_overrides(args.set))
     for path in render(cfg, args.out).values():
         print(f"wrote {path}")
     return 0
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
-    cfg = load_config(args.config, _overrides(args.set))
+    cfg = load_config(args.config, parse_overrides(args.set))
     host, token, verify = _server(args)
     namespace = args.namespace or os.environ.get("ARGO_NAMESPACE") or None
     objects = argo_objects(cfg, host=host, token=token, namespace=namespace, verify_ssl=verify)
@@ -124,7 +112,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
 
 def cmd_schedule(args: argparse.Namespace) -> int:
-    overrides = _overrides(args.set)
+    overrides = parse_overrides(args.set)
     if args.timezone:
         overrides["schedule.timezone"] = args.timezone
     for expr in args.cron or []:

@@ -47,9 +47,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from pipelines.config import RunConfig, load_config
+from pipelines.config import RunConfig, load_config, parse_overrides
 from pipelines.local.executor import backoff_seconds
 from pipelines.local.expressions import parse_duration
 from pipelines.workflow import graph
@@ -989,18 +987,8 @@ def parse_assumptions(pairs: list[str], base: Assumptions) -> Assumptions:
     return base.override(values)
 
 
-def _overrides(pairs: list[str]) -> dict[str, Any]:
-    out = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise MoerlError(f"--set {pair!r}: write FIELD=VALUE, e.g. --set trainer.nodes=8")
-        out[key] = yaml.safe_load(value)
-    return out
-
-
 def main(args: argparse.Namespace) -> int:
-    cfg = load_config(args.config, _overrides(args.set))
+    cfg = load_config(args.config, parse_overrides(args.set))
     base = CPU_ASSUMPTIONS if is_local(cfg) else GPU_ASSUMPTIONS
     a = parse_assumptions(args.assume, base)
     cluster = cluster_for(cfg, a)
