@@ -487,9 +487,12 @@ def _explain(err: Any) -> tuple[str, str]:
     # a bad dict key with '[key]': keep only the user's own path.
     raw = err["loc"]
     bad_key = "[key]" in raw
-    loc = tuple(p for p in raw if not (isinstance(p, str) and ("[" in p or p in ("int", "str", "float", "bool"))))
-    path = ".".join(str(p) for p in loc) or "(top level)"
     kind = err["type"]
+    # The last part of an unknown field's path is the user's own key, whatever it looks like ('a[0]', 'int').
+    head, tail = (raw[:-1], raw[-1:]) if kind == "extra_forbidden" else (raw, ())
+    is_tag = lambda p: isinstance(p, str) and ("[" in p or p in ("int", "str", "float", "bool"))  # noqa: E731
+    loc = tuple(p for p in head if not is_tag(p)) + tuple(tail)
+    path = ".".join(str(p) for p in loc) or "(top level)"
     if kind == "extra_forbidden":
         model = _model_at(loc[:-1])
         known = sorted(model.model_fields) if model else []
@@ -533,6 +536,8 @@ def resolve_paths(data: dict[str, Any], base: Path) -> dict[str, Any]:
     out = dict(data)
     for key in ("sft_checkpoint", "run_store", "prompt_file"):
         value = out.get(key)
+        if isinstance(value, str) and "\x00" in value:
+            raise MoerlError(f"{key}: {value!r} holds a NUL character; write a plain path or a file:// or s3:// URI")
         if isinstance(value, str) and value.strip() and "://" not in value:
             out[key] = (base / value).resolve().as_uri()
     return out
@@ -587,6 +592,8 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> Ru
         text = path.read_text()
     except OSError as err:
         raise MoerlError(f"{path}: cannot read the run config ({err.strerror}); check the path") from None
+    except UnicodeDecodeError as err:
+        raise MoerlError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start}); save it as UTF-8") from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as err:

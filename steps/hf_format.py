@@ -8,10 +8,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+from safetensors import safe_open
 from tokenizers import Tokenizer
 
 from steps.errors import MoerlError
-from steps.model import PICKLE_WEIGHT_SUFFIXES, MoeConfig, check_checkpoint
+from steps.model import PICKLE_WEIGHT_SUFFIXES, MoeConfig, check_checkpoint, tensor_index
 
 TOKENIZER_FILE = "tokenizer.json"
 
@@ -46,8 +48,22 @@ def check_tokenizer(directory: Path, config: MoeConfig) -> None:
         )
 
 
+def check_finite(directory: Path) -> None:
+    """Every weight is finite: a NaN or inf in the SFT policy would poison every rollout and update.
+
+    Reads one tensor at a time, so memory stays at the largest tensor whatever the checkpoint's size."""
+    for name, entry in tensor_index(directory).items():
+        with safe_open(entry.file, framework="pt") as f:
+            if not torch.isfinite(f.get_tensor(name)).all():
+                raise MoerlError(
+                    f"{entry.file}: tensor {name} holds NaN or inf values; re-export the SFT checkpoint from a "
+                    "healthy training run"
+                )
+
+
 def validate_checkpoint_dir(directory: Path) -> MoeConfig:
     """Check that `directory` is a complete Qwen3-MoE checkpoint moerl can train; return its config."""
     config = check_checkpoint(directory)
     check_tokenizer(directory, config)
+    check_finite(directory)
     return config

@@ -59,7 +59,10 @@ def import_sft(src_uri: str, run_uri: str, run_config_json: str | None = None) -
     with tempfile.TemporaryDirectory(prefix="moerl-import-") as tmp:
         local = Path(tmp)
         fetch_checkpoint(src, local)
-        validate_checkpoint_dir(local)
+        try:
+            validate_checkpoint_dir(local)
+        except MoerlError as err:  # name the user's --src, not the temporary copy
+            raise MoerlError(str(err).replace(str(local), src.uri)) from None
         if run_config_json is not None:
             write_run_config(run, run_config_json)
         return checkpoint.publish_dir(run, local, version=0, parent=None, iteration=0)

@@ -108,3 +108,29 @@ def s3_env(s3_server: S3Server, monkeypatch: pytest.MonkeyPatch, tmp_path_factor
     monkeypatch.setenv("AWS_REGION", s3_server.region)
     monkeypatch.setenv("AWS_DEFAULT_REGION", s3_server.region)
     return s3_server
+
+
+# --- Fault injection ------------------------------------------------------------------------------------
+# The fault-free run of the tiny fault-test config (tests/faults_helpers.py), made once per session: the
+# fault tests compare what a run left after faults with it, and the security tests grep its outputs.
+
+
+@pytest.fixture(scope="session")
+def fault_free_run(tmp_path_factory: pytest.TempPathFactory):
+    from faults_helpers import run_reference
+
+    return run_reference(tmp_path_factory.mktemp("fault-free"))
+
+
+@pytest.fixture
+def s3_fault_proxy(s3_env, monkeypatch: pytest.MonkeyPatch):
+    """A fault-injecting proxy (tests/s3_fault_proxy.py) in front of the loopback S3 server; the AWS
+    environment points at the proxy. Returns the proxy; s3_env's admin clients still reach the server."""
+    from s3_fault_proxy import S3FaultProxy
+
+    proxy = S3FaultProxy(s3_env.endpoint_url).start()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    try:
+        yield proxy
+    finally:
+        proxy.stop()

@@ -273,6 +273,8 @@ def generate_name(prefix: str) -> str:
 
 
 def _read_documents(path: Path) -> list[dict]:
+    if path.is_dir():
+        raise MoerlError(f"manifest {path} is a directory; give the path of an Argo Workflow YAML file in it")
     if not path.is_file():
         raise MoerlError(f"manifest {path} does not exist; give the path of an Argo Workflow YAML file")
     try:
