@@ -17,6 +17,7 @@ from typing import Any
 
 from pipelines.config import RunConfig, load_config
 from pipelines.local import RunResult, run_workflow
+from pipelines.local.chaos import parse_chaos
 from pipelines.render import WORKFLOW, render
 from pipelines.sft_demo import sft_demo
 from steps.errors import MoerlError
@@ -72,8 +73,6 @@ def demo(
 ) -> RunResult:
     workdir = workdir.resolve()
     sft_dir = workdir / "sft-demo"
-    if not (sft_dir / "config.json").is_file():
-        sft_demo(str(sft_dir), SftSettings(seed=seed or 0))
     overrides: dict[str, Any] = {"sft_checkpoint": str(sft_dir), "run_store": str(workdir / "run")}
     if iterations is not None:
         overrides["iterations"] = iterations
@@ -81,7 +80,11 @@ def demo(
         overrides["seed"] = seed
     if shards is not None:
         overrides["rollout.num_shards"] = shards
+    # Check every flag before the SFT checkpoint is built: that takes minutes.
     cfg = load_config(DEMO_CONFIG, overrides)
+    parse_chaos(chaos)
+    if not (sft_dir / "config.json").is_file():
+        sft_demo(str(sft_dir), SftSettings(seed=seed or 0))
     if Store.open(cfg.run_store).exists("run.json"):
         stored = Store.open(cfg.run_store).get_json("run.json")
         if stored != json.loads(cfg.model_dump_json()):

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from pipelines.config import RunConfig, validate_config
@@ -271,6 +272,14 @@ def read_table(run: Store, key: str) -> pa.Table:
 
 def chunk_problem(plan: RolloutPlan, chunk: int, table: pa.Table) -> str | None:
     """What makes `table` not the chunk `chunk` of `plan` (None when it is exactly that chunk)."""
+    for field in ROLLOUT_SCHEMA:
+        if field.name not in table.column_names:
+            return f"it has no column {field.name!r}"
+        if table.schema.field(field.name).type != field.type:
+            return f"its column {field.name!r} is {table.schema.field(field.name).type}, not {field.type}"
+    logprobs = pc.list_flatten(table.column("behavior_logprobs"))
+    if len(logprobs) and not pc.all(pc.is_finite(logprobs)).as_py():
+        return "its behavior_logprobs hold NaN or inf (the engine that sampled it is broken)"
     meta = table.schema.metadata or {}
     if meta.get(META_PLAN) != plan.digest.encode():
         return (

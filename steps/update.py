@@ -44,7 +44,7 @@ from safetensors.torch import save_file
 
 from steps import checkpoint
 from steps.errors import MoerlError, run_cli
-from steps.experience import behaviour_version, load_run_config
+from steps.experience import behaviour_version, load_run_config, scored_key
 from steps.expert_parallel import (
     CommTimer,
     Mesh,
@@ -75,6 +75,18 @@ MARKER = "CANDIDATE.json"
 CANDIDATE_INDEX = "candidate.index.json"
 OPTIMIZER_INDEX = "optimizer.index.json"
 T = TypeVar("T")
+
+
+def check_token_ids(samples: list, vocab_size: int, where: str) -> None:
+    """Token ids outside the policy's vocabulary mean experience from another model or tokenizer."""
+    for s in samples:
+        bad = [t for t in (*s.prompt_ids, *s.response_ids) if not 0 <= t < vocab_size]
+        if bad:
+            raise MoerlError(
+                f"{where}: prompt_id {s.prompt_id!r} sample {s.sample_index} holds token id {bad[0]} outside the "
+                f"policy's vocabulary of {vocab_size}; the experience comes from another model or tokenizer — "
+                "regenerate it with this run's rollout"
+            )
 
 
 def candidate_prefix(iteration: int) -> str:
@@ -328,7 +340,9 @@ def _update(
     mesh = Mesh(rank=rank, world_size=world, device=device)
     mesh.world_group = dist.group.WORLD if world > 1 else None
     parent_dir = fetch_checkpoint(run, parent, mesh, local_rank)
-    num_experts = load_config(parent_dir).num_experts
+    model_config = load_config(parent_dir)
+    num_experts = model_config.num_experts
+    check_token_ids(samples, model_config.vocab_size, run.url(scored_key(iteration)))
     requested = ep_size or getattr(cfg.trainer, "ep_size", None)
     mesh = build_mesh(rank, world, resolve_ep_size(world, num_experts, requested), device)
     expert_range = mesh.expert_range(num_experts)

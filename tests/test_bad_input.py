@@ -193,11 +193,6 @@ def test_bad_moerl_flags(args, message, tmp_path, sft, monkeypatch, capsys):
     assert not (tmp_path / "r").exists()
 
 
-@pytest.mark.xfail(
-    reason="bug: pipelines/demo.py demo() trains the demo SFT checkpoint (minutes) before it validates "
-    "--iterations/--seed/--shards (load_config) and --chaos (parse_chaos)",
-    strict=True,
-)
 @pytest.mark.parametrize(
     ("args", "message"),
     [(["--iterations", "0"], "iterations: Input should be greater than or equal to 1"),
@@ -299,7 +294,7 @@ def test_an_sft_checkpoint_with_nan_weights_is_refused(sft, tmp_path, monkeypatc
 
     src = broken_sft(sft, tmp_path, edit_tensors(nan))
     result = step(import_sft, ["--src", str(src), "--run", str(tmp_path / "run")], monkeypatch, capsys)
-    assert_refused(result, "model.norm.weight")
+    assert_refused(result, f"{src.as_uri()}/model.safetensors: tensor model.norm.weight holds NaN or inf values")
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
@@ -359,26 +354,17 @@ def int_answers(table: pa.Table) -> pa.Table:
     return table.set_column(i, pa.field("answer", pa.int64()), pa.array([1] * table.num_rows, pa.int64()))
 
 
-CHUNK_BUG = pytest.mark.xfail(
-    reason="bug: steps/experience.py read_rollout/chunk_problem do not check a chunk's columns: a chunk without "
-    "a column or with a column of another type ends in an ArrowInvalid/KeyError traceback",
-    strict=True,
-)
 SCORE_CASES = [
     pytest.param(lambda run: run.put_bytes(chunk_key(1, 1), b"not parquet"),
                  "chunk-000001.parquet: not a readable Parquet file (", id="chunk-not-parquet"),
     pytest.param(lambda run: run.delete(chunk_key(1, 1)),
                  "1 of 2 chunks missing: chunk 000001 (rollout shard 1 of 2)", id="chunk-missing"),
     pytest.param(chunk_edit(lambda t: t.drop_columns(["response_ids"])),
-                 "chunk-000001.parquet: ", id="chunk-without-a-column", marks=CHUNK_BUG),
+                 "chunk-000001.parquet: ", id="chunk-without-a-column"),
     pytest.param(chunk_edit(lambda t: t.drop_columns(["prompt_id"])),
-                 "chunk-000001.parquet: ", id="chunk-without-prompt-id", marks=CHUNK_BUG),
-    pytest.param(chunk_edit(int_answers), "chunk-000001.parquet: ", id="chunk-column-of-another-type",
-                 marks=CHUNK_BUG),
-    pytest.param(chunk_edit(nan_logprobs), "chunk-000001.parquet: ", id="chunk-nan-logprobs",
-                 marks=pytest.mark.xfail(
-                     reason="bug: steps/score.py scores a chunk whose behavior_logprobs are NaN; update refuses "
-                     "it later with 'rerun score', which cannot help", strict=True)),
+                 "chunk-000001.parquet: ", id="chunk-without-prompt-id"),
+    pytest.param(chunk_edit(int_answers), "chunk-000001.parquet: ", id="chunk-column-of-another-type"),
+    pytest.param(chunk_edit(nan_logprobs), "chunk-000001.parquet: ", id="chunk-nan-logprobs"),
 ]  # fmt: skip
 
 
@@ -414,9 +400,8 @@ UPDATE_CASES = [
                  "one log-prob per response token", id="logprobs-per-token"),
     pytest.param(scored_column("response_ids", [[999999]] * ROWS).set_column(
                      4, "behavior_logprobs", pa.array([[-1.0]] * ROWS, pa.list_(pa.float32()))),
-                 "scored.parquet", id="token-outside-vocabulary",
-                 marks=pytest.mark.xfail(reason="bug: steps/update.py trains on token ids outside the model's "
-                                         "vocabulary: an IndexError traceback from the embedding", strict=True)),
+                 "scored.parquet: prompt_id 'p000' sample 0 holds token id 999999 outside the policy's vocabulary",
+                 id="token-outside-vocabulary"),
 ]  # fmt: skip
 
 
