@@ -1,0 +1,82 @@
+"""SIGKILL of the update (torchrun and its worker, as the workflow runs it) and of publish, at a random moment
+and at chosen points between their writes; each rerun ends in the fault-free run's checkpoint, bit for bit,
+and at no point is a version half published or LATEST ahead of a complete version.
+
+(A two-rank update killed and restarted is tests/test_update_restart.py.)"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from faults_helpers import (
+    ITERATION,
+    assert_nothing_half_published,
+    kill_after,
+    kill_at,
+    manifest_files,
+    published,
+    run,
+    start,
+    step_argv,
+    step_env,
+)
+
+from steps import checkpoint
+from steps.update import MARKER, candidate_prefix, optimizer_prefix
+
+pytestmark = pytest.mark.faults
+
+# Where publish is killed, in the order of its writes: the optimizer state (1st), some checkpoint files (4th),
+# just before MANIFEST.json, just after it (LATEST not moved yet), and just after LATEST (before clean-up).
+PUBLISH_KILLS = [
+    kill_at("put", r".", nth=1),
+    kill_at("put", r".", nth=4),
+    kill_at("put", r"/v000001/MANIFEST\.json$", when="before"),
+    kill_at("put", r"/v000001/MANIFEST\.json$"),
+    kill_at("put", r"^checkpoints/LATEST$"),
+]
+
+
+def test_killed_update_and_publish_rerun_to_the_fault_free_checkpoint(fault_free_run, tmp_path):
+    run_uri = (tmp_path / "run").as_uri()
+    cfg = fault_free_run.config_for(run_uri)
+    run_store = fault_free_run.copy_stage(run_uri, "update")
+    marker = f"{candidate_prefix(ITERATION)}/{MARKER}"
+    update, publish = step_argv("update", run_uri, cfg), step_argv("publish", run_uri, cfg)
+
+    # update: a hard kill of torchrun's process group at a random moment, then of the worker right after it
+    # uploaded its weight shard (a partial candidate: no CANDIDATE.json).
+    killed = kill_after(start(update, step_env()), random.Random(3).uniform(1.0, 6.0))
+    assert killed.returncode != 0 or run_store.exists(marker), killed.stderr
+    killed = run(update, step_env(kill_at("put", r"^candidates/iter-\d+/model-")))
+    assert killed.returncode != 0
+    assert not run_store.exists(marker)
+    assert run_store.list(candidate_prefix(ITERATION)), "the kill should have left part of a candidate"
+    assert published(run_store) == ("v000000", [0])
+    done = run(update, step_env())
+    assert done.returncode == 0, done.stderr
+    assert run_store.exists(marker)
+
+    # publish, killed at each point in turn: every state in between is "v0 only" or "v1 complete".
+    for fault in PUBLISH_KILLS:
+        killed = run(publish, step_env(fault))
+        assert killed.returncode == -9, (fault, killed.stderr)
+        assert_nothing_half_published(run_store)
+        latest, versions = published(run_store)
+        assert (latest, versions) in [("v000000", [0]), ("v000000", [0, 1]), ("v000001", [0, 1])], fault
+    assert published(run_store) == ("v000001", [0, 1])
+    assert run_store.list(candidate_prefix(ITERATION)), "killed before its clean-up: the candidate is still there"
+
+    done = run(publish, step_env())
+    assert done.returncode == 0, done.stderr
+    assert "v000001 was already published; LATEST and retention checked" in done.stdout
+    assert published(run_store) == published(fault_free_run.store) == ("v000001", [0, 1])
+    for version in (0, 1):
+        assert manifest_files(run_store, version) == manifest_files(fault_free_run.store, version)
+    reference = fault_free_run.store
+    optimizer_state = {k: run_store.sha256(k) for k in run_store.list(optimizer_prefix(1))}
+    assert optimizer_state == {k: reference.sha256(k) for k in reference.list(optimizer_prefix(1))}
+    assert not run_store.list(candidate_prefix(ITERATION))
+    assert checkpoint.latest_version(run_store) == 1
+    assert_nothing_half_published(run_store)
