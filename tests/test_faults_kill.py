@@ -47,16 +47,18 @@ def test_killed_update_and_publish_rerun_to_the_fault_free_checkpoint(fault_free
     update, publish = step_argv("update", run_uri, cfg), step_argv("publish", run_uri, cfg)
 
     # update: SIGKILL of the worker right after it uploaded its weight shard (a partial candidate, no marker).
-    started = time.monotonic()
     killed = run(update, step_env(kill_at("put", r"^candidates/iter-\d+/model-")))
-    lifetime = time.monotonic() - started  # about an update's whole run: start-up, loading, training, upload
     assert killed.returncode != 0
     assert not run_store.exists(marker)
     assert run_store.list(candidate_prefix(ITERATION)), "the kill should have left part of a candidate"
     assert published(run_store) == ("v000000", [0])
-    # Then a hard kill of torchrun's process group at a random moment of the retry's run.
-    killed = kill_after(start(update, step_env()), random.Random(3).uniform(0.2, 0.9) * lifetime)
-    assert killed.returncode != 0 or run_store.exists(marker), killed.stderr
+    # Then a hard kill of torchrun's process group at a random moment of the retry's start-up and loading, or at
+    # the latest when it starts to train (it has removed the partial candidate by then).
+    retry, delay, began = start(update, step_env()), random.Random(3).uniform(0.5, 4.0), time.monotonic()
+    while time.monotonic() - began < delay and retry.poll() is None and run_store.list(candidate_prefix(ITERATION)):
+        time.sleep(0.02)
+    killed = kill_after(retry, 0)
+    assert killed.returncode == -9 and not run_store.exists(marker), killed.stderr
     done = run(update, step_env())
     assert done.returncode == 0, done.stderr
     assert run_store.exists(marker)
