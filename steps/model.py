@@ -23,7 +23,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from steps.errors import MoerlError
-from steps.moe import MoeBlock
+from steps.moe import Expert, MoeBlock
 
 CONFIG_NAME = "config.json"
 GENERATION_CONFIG_NAME = "generation_config.json"
@@ -307,19 +307,6 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
-class DenseMLP(nn.Module):
-    """SwiGLU MLP of the layers that are not sparse (Qwen3MoeMLP)."""
-
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: MoeConfig, layer_idx: int, expert_range: tuple[int, int] | None) -> None:
         super().__init__()
@@ -335,7 +322,7 @@ class DecoderLayer(nn.Module):
                 expert_range,
             )
         else:
-            self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size)
+            self.mlp = Expert(cfg.hidden_size, cfg.intermediate_size)  # Qwen3MoeMLP: the same SwiGLU block
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
