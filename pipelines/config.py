@@ -320,7 +320,9 @@ def semantic_problems(cfg: RunConfig) -> list[tuple[str, str]]:
         )
     for path in ("sft_checkpoint", "run_store", "prompt_file", "rewards.reward_model"):
         value = _get(cfg, path)
-        if value is not None and (not value.strip() or not _is_uri(value)):
+        if value is not None and "\x00" in value:
+            bad(path, f"{value!r} holds a NUL character; write a plain path or a file:// or s3:// URI")
+        elif value is not None and (not value.strip() or not _is_uri(value)):
             bad(
                 path,
                 f"{value!r} is not a store URI; use file:///abs/path, s3://bucket/prefix or a plain path",
@@ -536,9 +538,8 @@ def resolve_paths(data: dict[str, Any], base: Path) -> dict[str, Any]:
     out = dict(data)
     for key in ("sft_checkpoint", "run_store", "prompt_file"):
         value = out.get(key)
-        if isinstance(value, str) and "\x00" in value:
-            raise MoerlError(f"{key}: {value!r} holds a NUL character; write a plain path or a file:// or s3:// URI")
-        if isinstance(value, str) and value.strip() and "://" not in value:
+        # A NUL cannot be in a path (resolve() would raise): left as is for semantic_problems to report.
+        if isinstance(value, str) and value.strip() and "://" not in value and "\x00" not in value:
             out[key] = (base / value).resolve().as_uri()
     return out
 

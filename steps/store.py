@@ -55,8 +55,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, TypeVar
 
-import aiohttp
-import fsspec.asyn
 from botocore.exceptions import (
     BotoCoreError,
     ClientError,
@@ -64,6 +62,7 @@ from botocore.exceptions import (
     ConnectTimeoutError,
     CredentialRetrievalError,
     EndpointConnectionError,
+    FlexibleChecksumError,
     IncompleteReadError,
     NoCredentialsError,
     PartialCredentialsError,
@@ -185,6 +184,8 @@ def _could_not_connect(err: BaseException) -> bool:
     if isinstance(err, EndpointConnectionError):
         # aiobotocore raises EndpointConnectionError both when it cannot connect at all and when an
         # established connection is reset; only the first means the endpoint is wrong or down.
+        import aiohttp  # S3 only: aiohttp and fsspec take ~1 s to import, which file:// runs never need
+
         cause = err.kwargs.get("error")
         return cause is None or isinstance(cause, (aiohttp.ClientConnectorError, socket.gaierror))
     return False
@@ -203,6 +204,8 @@ def is_transient_s3_error(exc: BaseException) -> bool:
         return not _could_not_connect(err)
     if err is not None:
         return False
+    import aiohttp
+
     dropped = (ConnectionResetError, ConnectionAbortedError, BrokenPipeError, TimeoutError)
     return isinstance(exc, (*dropped, aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError))
 
@@ -477,6 +480,8 @@ class _S3Backend:
 
     def _run(self, key: str, coroutine_fn: Callable[..., Any], *args: Any) -> Any:
         """Run an async S3 operation on s3fs's event loop, under our retry policy, with errors explained."""
+        import fsspec.asyn  # loaded with s3fs already; not at the top, so that file:// runs skip it
+
         try:
             return self.retry.call(lambda: fsspec.asyn.sync(self.fs.loop, coroutine_fn, *args))
         except MoerlError:
@@ -643,6 +648,13 @@ def _explain_s3_error(url: str, bucket: str, exc: BaseException, retry: RetryPol
             f"{url}: no usable AWS credentials ({err}) — set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, "
             "choose a profile with AWS_PROFILE (~/.aws/credentials, ~/.aws/config), or run with an IAM role "
             "(IRSA / EKS Pod Identity / instance profile)"
+        )
+    if isinstance(err, FlexibleChecksumError):
+        # The bytes S3 sent do not match the checksum it stored with the object: the object itself is torn
+        # (reading it again gives the same bytes), so only a rewrite mends it.
+        return MoerlError(
+            f"{url}: corrupted: the stored bytes do not match the object's checksum (FlexibleChecksumError: "
+            f"{err}) — rewrite the object from its source"
         )
     if err is not None and _could_not_connect(err):
         return MoerlError(

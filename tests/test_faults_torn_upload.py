@@ -102,11 +102,6 @@ def test_a_torn_object_kept_by_the_service_is_refused_by_its_next_reader(
     assert "FlexibleChecksumError" in str(refused.value)  # the response checksum did not match the bytes
 
 
-@pytest.mark.xfail(
-    reason="bug: steps/store.py reports a checksum mismatch on read (botocore FlexibleChecksumError) as 'S3 "
-    "request failed ... — check the AWS configuration' instead of naming the object as corrupted and the fix",
-    strict=True,
-)
 def test_a_torn_object_is_reported_as_corrupted(fault_free_run, s3_fault_proxy, s3_env, monkeypatch, capsys):
     bucket = s3_env.create_bucket()
     run_uri = f"s3://{bucket}/run"

@@ -198,6 +198,16 @@ def test_final_stage_runs_as_the_unprivileged_moerl_user(role):
     assert creates_user and '--uid "${MOERL_UID}"' in creates_user[0].args, f"{role}: the user is not created"
 
 
+def test_pods_run_as_the_images_user():
+    """The pods' securityContext names the user by number (runAsNonRoot needs a numeric one): the images' own."""
+    from pipelines.workflow import placement
+
+    versions = read_versions()
+    assert (str(placement.RUN_AS_UID), str(placement.RUN_AS_GID)) == (versions["MOERL_UID"], versions["MOERL_GID"])
+    context = placement.pod_security_context()
+    assert (context["runAsUser"], context["runAsGroup"]) == (placement.RUN_AS_UID, placement.RUN_AS_GID)
+
+
 @pytest.mark.parametrize("role", ROLES)
 def test_variables_are_declared_before_use(role):
     preamble, stages = load(role)

@@ -342,11 +342,6 @@ def writable_tmp(container: dict, template: dict) -> bool:
     return any(m.get("mountPath") == "/tmp" for m in container.get("volumeMounts") or [])
 
 
-@pytest.mark.xfail(
-    reason="bug: pipelines/workflow/templates.py (_step_container) and pytorchjob.py set no securityContext: the "
-    "pods may run as root with a writable root filesystem",
-    strict=True,
-)
 def test_pods_run_as_non_root_with_a_read_only_root_filesystem():
     cfg = validate_config({"sft_checkpoint": "s3://moerl-bucket/sft", "run_store": "s3://moerl-bucket/runs/r1"})
     specs = pod_specs(cfg)
@@ -364,4 +359,13 @@ def test_pods_run_as_non_root_with_a_read_only_root_filesystem():
             problems.append(f"{name}: allowPrivilegeEscalation is not false")
         if "ALL" not in ((context.get("capabilities") or {}).get("drop") or []):
             problems.append(f"{name}: capabilities are not dropped")
+        user = context.get("runAsUser", pod_context.get("runAsUser"))
+        if not isinstance(user, int) or user == 0:
+            problems.append(f"{name}: runAsUser {user!r} is not a numeric non-root user")
+        seccomp = context.get("seccompProfile") or pod_context.get("seccompProfile") or {}
+        if seccomp.get("type") != "RuntimeDefault":
+            problems.append(f"{name}: no RuntimeDefault seccomp profile")
+        env = {e["name"]: e.get("value") for e in container.get("env") or []}
+        if env.get("HOME") != "/tmp":
+            problems.append(f"{name}: HOME is not in the /tmp volume (the image's home is read-only)")
     assert problems == []

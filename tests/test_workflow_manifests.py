@@ -147,7 +147,8 @@ def test_trainer_pods_are_not_disrupted_and_get_shared_memory(rendered):
         args = update["container"]["args"]
         assert args[args.index("--nproc-per-node") + 1] == ("8" if variant == "eks-p5en" else "2")
         assert {"name": "dshm", "mountPath": "/dev/shm"} in update["container"]["volumeMounts"]
-        assert update["volumes"][0]["emptyDir"]["medium"] == "Memory"
+        volumes = {v["name"]: v for v in update["volumes"]}
+        assert volumes["dshm"]["emptyDir"]["medium"] == "Memory"
         pod = None
     else:
         job = yaml.safe_load(update["resource"]["manifest"])

@@ -20,11 +20,9 @@ from pipelines.local.depends import evaluate_depends, task_dependencies, task_re
 from pipelines.local.expressions import SubstitutionError, WhenError, evaluate_when
 from pipelines.local.loops import ExpandError, expand, loops
 from pipelines.local.scope import (
-    UnresolvedOutput,
     add_aggregate,
     add_node_ref,
     add_skipped_outputs,
-    template_outputs,
 )
 from pipelines.local.status import (
     DAG,
@@ -39,7 +37,7 @@ from pipelines.local.status import (
     Node,
     failed_or_error,
 )
-from pipelines.local.steps_template import resolve_step
+from pipelines.local.steps_template import resolve_step, succeed_with_outputs
 
 if TYPE_CHECKING:
     from pipelines.local.executor import Controller
@@ -64,14 +62,7 @@ def execute_dag(ctl: Controller, node_name: str, template: dict, opts: Opts, sco
         if task_node is not None:
             dag.add_task_scope(scope, name, task_node)
             ctl.add_global_outputs(task_node.outputs)
-    try:
-        outputs = template_outputs(template, {**ctl.globals(), **scope})
-    except UnresolvedOutput as err:
-        return ctl.nodes.mark(node, ERROR, str(err))
-    if outputs is not None:
-        node.outputs = outputs
-        ctl.add_global_outputs(outputs)
-    return ctl.nodes.mark(node, SUCCEEDED)
+    return succeed_with_outputs(ctl, node, template, scope)
 
 
 class DagWalk:

@@ -124,8 +124,10 @@ def plan_pod(
     else:
         container = template[kind]
     outputs = (template.get("outputs") or {}).get("parameters") or []
-    declared = [p["valueFrom"]["path"] for p in outputs if (p.get("valueFrom") or {}).get("path")]
-    sandbox = Sandbox(pod_dir / "root", _mounts(container, template, workflow, run_dir, pod_dir), declared)
+    # output parameter -> the container file it is read from
+    from_files = {p["name"]: p["valueFrom"]["path"] for p in outputs if (p.get("valueFrom") or {}).get("path")}
+    mounts = _mounts(container, job.volumes if job else template.get("volumes") or [], workflow, run_dir, pod_dir)
+    sandbox = Sandbox(pod_dir / "root", mounts, list(from_files.values()))
 
     command = [str(c) for c in container.get("command") or []]
     args = [str(a) for a in container.get("args") or []]
@@ -196,11 +198,7 @@ def plan_pod(
         pod_dir=pod_dir,
         sandbox=sandbox,
         output_parameters=outputs,
-        output_paths={
-            p["name"]: sandbox.host_path(p["valueFrom"]["path"])
-            for p in outputs
-            if (p.get("valueFrom") or {}).get("path")
-        },
+        output_paths={name: sandbox.host_path(path) for name, path in from_files.items()},
         capture_result=capture_result,
         grace_seconds=grace_seconds,
         spot=spot,
@@ -210,9 +208,9 @@ def plan_pod(
     )
 
 
-def _mounts(container: dict, template: dict, workflow: Any, run_dir: Path, pod_dir: Path) -> dict[str, Path]:
-    """container mountPath -> host directory, per the volume each mount names."""
-    volumes = {v["name"]: v for v in (workflow.spec.get("volumes") or []) + (template.get("volumes") or [])}
+def _mounts(container: dict, pod_volumes: list[dict], workflow: Any, run_dir: Path, pod_dir: Path) -> dict[str, Path]:
+    """container mountPath -> host directory, per the volume each mount names (the workflow's or the pod's)."""
+    volumes = {v["name"]: v for v in (workflow.spec.get("volumes") or []) + pod_volumes}
     claims = {(c.get("metadata") or {}).get("name") for c in workflow.spec.get("volumeClaimTemplates") or []}
     mounts = {}
     for mount in container.get("volumeMounts") or []:
@@ -261,9 +259,7 @@ class Pod:
         self.termination: Termination | None = None
         self.outcome: PodOutcome | None = None
         plan.pod_dir.mkdir(parents=True, exist_ok=True)
-        plan.sandbox.prepare(
-            [p["valueFrom"]["path"] for p in plan.output_parameters if (p.get("valueFrom") or {}).get("path")]
-        )
+        plan.sandbox.prepare()
         if plan.script is not None:
             (plan.pod_dir / "script").write_text(plan.script)
         (plan.pod_dir / "pod.json").write_text(json.dumps(plan.recorded, indent=2, default=str) + "\n")
@@ -353,11 +349,8 @@ class Pod:
             return PodOutcome(termination.phase, termination.message, code, result, parameters)
         if exit_code != 0:
             return PodOutcome(FAILED, f"main: Error (exit code {exit_code})", exit_code, result, parameters)
-        missing = [
-            p
-            for p in plan.output_parameters
-            if (p.get("valueFrom") or {}).get("path") and p["name"] not in {q["name"] for q in parameters or []}
-        ]
+        found = {q["name"] for q in parameters or []}
+        missing = [p for p in plan.output_parameters if p["name"] in plan.output_paths and p["name"] not in found]
         if missing:
             path = missing[0]["valueFrom"]["path"]
             return PodOutcome(

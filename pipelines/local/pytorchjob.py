@@ -40,6 +40,7 @@ class PyTorchJob:
     name: str
     manifest: dict
     container: dict  # the Master replica's container
+    volumes: list[dict]  # the Master replica's pod volumes, which its container mounts
     world_size: int
     success_condition: str
     failure_condition: str
@@ -56,11 +57,12 @@ def parse_job(manifest_text: str, success: str, failure: str) -> PyTorchJob:
     replicas = {role: int((specs[role] or {}).get("replicas", 1)) for role in ("Master", "Worker") if role in specs}
     per_node = spec.get("nprocPerNode") or (spec.get("elasticPolicy") or {}).get("nProcPerNode") or 1
     per_node = int(per_node) if str(per_node).isdigit() else 1
-    container = specs["Master"]["template"]["spec"]["containers"][0]
+    pod_spec = specs["Master"]["template"]["spec"]
     return PyTorchJob(
         name=metadata["name"],
         manifest=manifest,
-        container=container,
+        container=pod_spec["containers"][0],
+        volumes=pod_spec.get("volumes") or [],
         world_size=sum(replicas.values()) * per_node,
         success_condition=success or "",
         failure_condition=failure or "",

@@ -11,10 +11,16 @@ its own root directory, `<pod dir>/root`, and the container paths that matter ar
   persistentVolumeClaim or volumeClaimTemplate to one directory of the run shared by all its pods,
   a hostPath to that host path itself.
 
-These paths are rewritten wherever they appear as a whole path (or as the leading directories of a
-longer one) in the command, args, script source, env values and workingDir. Paths a program builds
-at run time without naming them in its arguments are not seen: such a program writes to the host
-path, as it would to a shared disk. The pod sees its root in $MOERL_LOCAL_SANDBOX.
+A mount on a directory that this machine shares with every container (`/tmp`, `/var/tmp`,
+`/dev/shm`: SHARED_DIRS) is the exception to the last rule, because run stores, checkpoints and test
+directories live there too: only the mount path itself (`HOME=/tmp`) and the declared output paths
+under it (with the directories between them and the mount) map to the volume; every other path under
+it, such as a `file:///tmp/...` run store or a host path given as a workflow argument, stays the host's.
+
+These paths are rewritten wherever they appear as a whole path (or, except a shared mount path, as the
+leading directories of a longer one) in the command, args, script source, env values and workingDir.
+Paths a program builds at run time without naming them in its arguments are not seen: such a program
+writes to the host path, as it would to a shared disk. The pod sees its root in $MOERL_LOCAL_SANDBOX.
 """
 
 from __future__ import annotations
@@ -22,26 +28,39 @@ from __future__ import annotations
 import re
 from pathlib import Path, PurePosixPath
 
+# Directories that hold the host's own files as well as a container's (see the module docstring).
+SHARED_DIRS = ("/tmp", "/var/tmp", "/dev/shm")
+
 
 class Sandbox:
     def __init__(self, root: Path, mounts: dict[str, Path], declared_files: list[str]):
         """mounts: container mountPath -> host directory; declared_files: container file paths."""
         self.root = root
         self.mounts = {_normal(path): host for path, host in mounts.items()}
-        self.paths: dict[str, Path] = {}
+        self.declared_files = [_normal(path) for path in declared_files]
+        self.paths: dict[str, Path] = {}  # rewritten as whole paths and as leading directories
+        self.whole_paths: dict[str, Path] = {}  # rewritten as whole paths only
         for mount, host in self.mounts.items():
-            self.paths[mount] = host
-        for file_path in declared_files:
-            normal = _normal(file_path)
-            self.paths.setdefault(normal, self.host_path(normal))
+            (self.whole_paths if mount in SHARED_DIRS else self.paths)[mount] = host
+        for normal in self.declared_files:
+            if normal not in self.whole_paths:
+                self.paths.setdefault(normal, self.host_path(normal))
             for parent in map(str, PurePosixPath(normal).parents):
-                if parent != "/" and not (parent.count("/") == 1 and Path(parent).exists()):
-                    self.paths.setdefault(parent, self.host_path(parent))
-        if self.paths:
-            alternatives = "|".join(re.escape(p) for p in sorted(self.paths, key=len, reverse=True))
-            self._pattern: re.Pattern | None = re.compile(rf"(?<![\w.~/-])({alternatives})(?=$|[^\w.-])")
-        else:
-            self._pattern = None
+                if self._host_owns(parent):
+                    break
+                self.paths.setdefault(parent, self.host_path(parent))
+        self._pattern: re.Pattern | None = None
+        if self.paths or self.whole_paths:
+            prefix = rf"(?P<prefix>{_alternatives(self.paths)})(?=$|[^\w.-])"
+            whole = rf"(?P<whole>{_alternatives(self.whole_paths)})(?=$|[^\w./-])"
+            self._pattern = re.compile(rf"(?<![\w.~/-])(?:{prefix}|{whole})")
+
+    def _host_owns(self, path: str) -> bool:
+        """Whether a directory above a declared file is the host's: `/`, a top-level directory this
+        machine has, a shared mount point or a directory above one."""
+        if path == "/" or (path.count("/") == 1 and Path(path).exists()):
+            return True
+        return any(mount == path or mount.startswith(path + "/") for mount in self.whole_paths)
 
     def host_path(self, container_path: str) -> Path:
         """The host path of a container path: inside a mount if one holds it, else under the root."""
@@ -54,18 +73,28 @@ class Sandbox:
     def rewrite(self, text: str) -> str:
         if self._pattern is None:
             return text
-        return self._pattern.sub(lambda m: str(self.paths[m.group(1)]), text)
 
-    def prepare(self, declared_files: list[str]) -> None:
+        def host(match: re.Match) -> str:
+            prefix = match["prefix"]
+            return str(self.paths[prefix] if prefix is not None else self.whole_paths[match["whole"]])
+
+        return self._pattern.sub(host, text)
+
+    def prepare(self) -> None:
         """Create the root and the mount directories, and the top-level directories of declared
         paths that every image has (those this host has too, such as /tmp), as a container has them."""
         self.root.mkdir(parents=True, exist_ok=True)
         for host in self.mounts.values():
             host.mkdir(parents=True, exist_ok=True)
-        for file_path in declared_files:
-            top = "/" + _normal(file_path).split("/")[1]
-            if top != _normal(file_path) and Path(top).is_dir():
+        for normal in self.declared_files:
+            top = "/" + normal.split("/")[1]
+            if top != normal and Path(top).is_dir():
                 self.host_path(top).mkdir(parents=True, exist_ok=True)
+
+
+def _alternatives(paths: dict[str, Path]) -> str:
+    """Longest first, so that /tmp/plan/latest wins over /tmp/plan; none: a pattern that never matches."""
+    return "|".join(re.escape(p) for p in sorted(paths, key=len, reverse=True)) or "(?!)"
 
 
 def _normal(path: str) -> str:

@@ -54,6 +54,12 @@ def execute_steps(ctl: Controller, node_name: str, template: dict, opts: Opts, s
             return ctl.nodes.mark(node, FAILED, group_node.message)
         add_group_outputs(ctl, group or [], group_node, node, scope, scope_key)
     update_outbound(ctl, node, len(template["steps"]))
+    return succeed_with_outputs(ctl, node, template, scope)
+
+
+def succeed_with_outputs(ctl: Controller, node: Node, template: dict, scope: dict[str, Any]) -> Node:
+    """A steps or DAG node whose children all succeeded: its outputs resolved from their scope, then
+    Succeeded, or Error when an output cannot be resolved."""
     try:
         outputs = template_outputs(template, {**ctl.globals(), **scope})
     except UnresolvedOutput as err:

@@ -14,8 +14,16 @@ SEGMENT_LABEL = "moerl.io/segment"
 # holds state that only a finished update publishes, so losing it costs the whole step.
 DO_NOT_DISRUPT = {"karpenter.sh/do-not-disrupt": "true"}
 SHM_VOLUME = "dshm"
+TMP_VOLUME = "tmp"
 # Every step: logs unbuffered (Argo shows them live) and never a download from the Hugging Face hub.
 STEP_ENV = {"PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
+# The images' own user and group (ARG MOERL_UID / MOERL_GID in images/*/Dockerfile; tests/test_images.py keeps
+# them equal). Numeric, so that the kubelet can check runAsNonRoot without reading /etc/passwd in the image.
+RUN_AS_UID = 10001
+RUN_AS_GID = 10001
+# The root filesystem is read-only, so the image's home is too: HOME points into the /tmp volume, where the
+# images already keep their caches (XDG_CACHE_HOME, TRITON_CACHE_DIR, EP_JIT_CACHE_DIR under /tmp/cache).
+READ_ONLY_ROOT_ENV = {"HOME": "/tmp"}
 
 
 def node_selector(cfg: RunConfig, role: str) -> dict[str, str]:
@@ -40,15 +48,42 @@ def resources(p: Placement) -> dict[str, dict[str, str]]:
     return out
 
 
-def shm_volumes(p: Placement) -> list[dict[str, Any]]:
-    """/dev/shm as a memory-backed emptyDir: the container runtime's 64 MB default stalls NCCL and torchrun."""
-    if p.shm_size is None:
-        return []
-    return [{"name": SHM_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": p.shm_size}}]
+def volumes(p: Placement) -> list[dict[str, Any]]:
+    """/tmp, the one writable place under a read-only root filesystem (temp files, the checkpoint cache, step
+    outputs that Argo reads back), and /dev/shm as a memory-backed emptyDir where the role asks for one: the
+    container runtime's 64 MB default stalls NCCL and torchrun."""
+    out: list[dict[str, Any]] = [{"name": TMP_VOLUME, "emptyDir": {}}]
+    if p.shm_size is not None:
+        out.append({"name": SHM_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": p.shm_size}})
+    return out
 
 
-def shm_mounts(p: Placement) -> list[dict[str, Any]]:
-    return [{"name": SHM_VOLUME, "mountPath": "/dev/shm"}] if p.shm_size is not None else []
+def volume_mounts(p: Placement) -> list[dict[str, Any]]:
+    out = [{"name": TMP_VOLUME, "mountPath": "/tmp"}]
+    if p.shm_size is not None:
+        out.append({"name": SHM_VOLUME, "mountPath": "/dev/shm"})
+    return out
+
+
+def pod_security_context() -> dict[str, Any]:
+    """Every step pod runs as the images' non-root user under the runtime's default seccomp profile."""
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": RUN_AS_UID,
+        "runAsGroup": RUN_AS_GID,
+        "fsGroup": RUN_AS_GID,  # the emptyDir volumes belong to the step's group
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def container_security_context() -> dict[str, Any]:
+    """No writes outside the volumes, no setuid escalation, no Linux capabilities (the GPUs and EFA devices
+    come from device plugins, which need none in the container)."""
+    return {
+        "readOnlyRootFilesystem": True,
+        "allowPrivilegeEscalation": False,
+        "capabilities": {"drop": ["ALL"]},
+    }
 
 
 def labels(cfg: RunConfig, step: str, iteration: str | None = None) -> dict[str, str]:
@@ -63,4 +98,5 @@ def annotations(role: str) -> dict[str, str]:
 
 
 def env() -> list[dict[str, str]]:
-    return [{"name": k, "value": v} for k, v in STEP_ENV.items()]
+    """The environment of every step pod with a read-only root filesystem (Argo templates, PyTorchJob pods)."""
+    return [{"name": k, "value": v} for k, v in (STEP_ENV | READ_ONLY_ROOT_ENV).items()]

@@ -59,7 +59,8 @@ def manifest(cfg: RunConfig, iteration: str) -> dict[str, Any]:
             "args": torchrun_args(cfg, iteration),
             "env": pl.env(),
             "resources": pl.resources(p),
-            "volumeMounts": pl.shm_mounts(p),
+            "volumeMounts": pl.volume_mounts(p),
+            "securityContext": pl.container_security_context(),
         }
     )
     pod_spec = _without_empty(
@@ -68,8 +69,9 @@ def manifest(cfg: RunConfig, iteration: str) -> dict[str, Any]:
             "priorityClassName": p.priority_class,
             "nodeSelector": pl.node_selector(cfg, "trainer"),
             "tolerations": pl.tolerations(p),
+            "securityContext": pl.pod_security_context(),
             "containers": [container],
-            "volumes": pl.shm_volumes(p),
+            "volumes": pl.volumes(p),
         }
     )
 

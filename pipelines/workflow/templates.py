@@ -1,7 +1,10 @@
 """The Argo templates of one run: one per step, shared by every iteration, plus the DAG that unrolls them.
 
 Steps get everything else from <run>/run.json, so a template passes only the run store, the iteration, the
-shard and the policy version. Each container's pod carries the run, step and iteration as labels.
+shard and the policy version. Each container's pod carries the run, step and iteration as labels, and runs
+as the images' non-root user with a read-only root filesystem and /tmp as an emptyDir (placement.py): the
+outputs Argo reads back (/tmp/plan, /tmp/metrics.json, /tmp/report) are on that volume, which is where Argo's
+executor can read them under a security context.
 """
 
 from __future__ import annotations
@@ -15,8 +18,10 @@ from hera.workflows.models import (
     Gauge,
     MetricLabel,
     Metrics,
+    PodSecurityContext,
     Prometheus,
     ResourceRequirements,
+    SecurityContext,
     Sequence,
     Toleration,
     ValueFrom,
@@ -72,10 +77,20 @@ def _step_container(
         retry_strategy=retry_for(cfg.retries[role], p.spot),
         labels=pl.labels(cfg, name, iteration),
         annotations=pl.annotations(role) or None,
-        volumes=[Volume.model_validate(v) for v in pl.shm_volumes(p)] or None,
-        volume_mounts=[VolumeMount.model_validate(m) for m in pl.shm_mounts(p)] or None,
+        volumes=[Volume.model_validate(v) for v in pl.volumes(p)],
+        volume_mounts=[VolumeMount.model_validate(m) for m in pl.volume_mounts(p)],
+        pod_security_context=PodSecurityContext.model_validate(pl.pod_security_context()),
+        security_context=SecurityContext.model_validate(pl.container_security_context()),
         **extra,
     )
+
+
+def _iteration_step(
+    cfg: RunConfig, name: str, role: str, image: str, command: list[str], args: list[str], **extra: object
+) -> Container:
+    """A step that runs once per iteration: the iteration is its one input, and a label of its pod."""
+    inputs = [Parameter(name="iteration")]
+    return _step_container(cfg, name, role, image, command, args, inputs=inputs, iteration=ITERATION, **extra)
 
 
 def config_json(cfg: RunConfig) -> str:
@@ -143,15 +158,13 @@ def score_template(cfg: RunConfig) -> Container:
     args = flags(run=cfg.run_store, iteration=ITERATION, metrics_out=SCORE_METRICS_PATH)
     # The metrics feed only the Prometheus gauges (the store has them too): a missing file is no failure.
     metrics_json = Parameter(name="metrics", value_from=ValueFrom(path=SCORE_METRICS_PATH, default="{}"))
-    return _step_container(
+    return _iteration_step(
         cfg,
         "score",
         "score",
         cfg.images.cpu,
         python_step("steps.score"),
         args,
-        inputs=[Parameter(name="iteration")],
-        iteration=ITERATION,
         outputs=[metrics_json],
         metrics=score_metrics(cfg),
     )
@@ -159,12 +172,9 @@ def score_template(cfg: RunConfig) -> Container:
 
 def update_template(cfg: RunConfig) -> Container | Resource:
     """torchrun in one pod, or a PyTorchJob over trainer.nodes nodes that Argo creates and waits on."""
-    inputs = [Parameter(name="iteration")]
     if cfg.trainer.nodes == 1:
         args = pytorchjob.torchrun_args(cfg, ITERATION)
-        return _step_container(
-            cfg, "update", "trainer", cfg.images.trainer, ["torchrun"], args, inputs=inputs, iteration=ITERATION
-        )
+        return _iteration_step(cfg, "update", "trainer", cfg.images.trainer, ["torchrun"], args)
     return Resource(
         name="update",
         action="create",
@@ -172,7 +182,7 @@ def update_template(cfg: RunConfig) -> Container | Resource:
         manifest=pytorchjob.manifest_yaml(cfg, ITERATION),
         success_condition=pytorchjob.SUCCESS_CONDITION,
         failure_condition=pytorchjob.FAILURE_CONDITION,
-        inputs=inputs,
+        inputs=[Parameter(name="iteration")],
         retry_strategy=retry_for(cfg.retries["trainer"], spot=False),
         labels=pl.labels(cfg, "update", ITERATION),
     )
@@ -180,16 +190,7 @@ def update_template(cfg: RunConfig) -> Container | Resource:
 
 def publish_template(cfg: RunConfig) -> Container:
     args = flags(run=cfg.run_store, iteration=ITERATION)
-    return _step_container(
-        cfg,
-        "publish",
-        "control",
-        cfg.images.cpu,
-        python_step("steps.publish"),
-        args,
-        inputs=[Parameter(name="iteration")],
-        iteration=ITERATION,
-    )
+    return _iteration_step(cfg, "publish", "control", cfg.images.cpu, python_step("steps.publish"), args)
 
 
 def report_template(cfg: RunConfig) -> Container:
