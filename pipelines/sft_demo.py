@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from steps.evaluation import greedy_accuracy
+from steps.engine import evaluate_accuracy
 from steps.hf_format import validate_checkpoint_dir
 from steps.model import count_parameters
 from steps.sft import SftSettings, train_sft, write_checkpoint
@@ -36,7 +36,7 @@ def sft_demo(out_uri: str, settings: SftSettings) -> float:
     print(f"sft-demo: task {task.name}, {settings.steps} steps of {settings.batch_size}, seed {settings.seed}")
     model = train_sft(settings, progress_printer(settings.steps, start))
     total, active = count_parameters(model)
-    accuracy = greedy_accuracy(model, task.prompts("heldout", settings.eval_prompts, settings.seed))
+    accuracy = evaluate_accuracy(model, task, task.prompts("heldout", settings.eval_prompts, settings.seed))
     with tempfile.TemporaryDirectory(prefix="moerl-sft-") as tmp:
         local = write_checkpoint(model, Path(tmp))
         validate_checkpoint_dir(local)

@@ -25,7 +25,8 @@ shard and after any restart.
 Speed of the torch engine (bench/rollout.py): a prompt is prefilled once for its whole group, its keys and
 values are shared by the group's samples, and samples that drew the same tokens so far are decoded once.
 
-Greedy evaluation: `evaluate_accuracy(engine_or_model, task, prompts)` (temperature 0, exact match).
+Held-out accuracy: `evaluate_accuracy(engine_or_model, task, prompts)`, greedy (temperature 0) generation checked by
+the task's verifier; the one way to measure it, for every engine and for a bare MoeForCausalLM.
 """
 
 from __future__ import annotations
@@ -599,10 +600,11 @@ def evaluate_accuracy(
     max_new_tokens: int = 16,
     batch_size: int = 256,
 ) -> float:
-    """Share of prompts whose greedy (temperature 0) response is exactly right.
+    """Share of prompts whose greedy (temperature 0) response the verifier accepts: the answer, then <eos>,
+    within max_new_tokens.
 
     task=None checks each prompt with its own task (prompt files mix tasks). A MoeForCausalLM is wrapped in a
-    TorchEngine for the call.
+    TorchEngine for the call (built from its current weights).
     """
     if not prompts:
         raise ValueError("evaluate_accuracy needs at least one prompt")

@@ -1,23 +1,21 @@
-"""Held-out accuracy of a policy under greedy decoding, computed in one teacher-forced forward.
+"""Teacher-forced examples of the SFT step: prompt + target answer as one sequence, and right-padded batches.
 
-Greedy decoding writes the target answer exactly when, at every answer position (and the <eos> after
-it), the argmax given the correct prefix is the correct token: the two are the same event, by
-induction over positions. So exact-match accuracy of greedy decoding needs no generation loop.
+Held-out accuracy is not computed here: `steps.engine.evaluate_accuracy` is the one way to measure it, for
+every engine (greedy generation, checked by the task's verifier).
 """
 
 from __future__ import annotations
 
 import torch
 
-from steps.model import MoeForCausalLM
 from steps.tasks import Prompt, sft_target
-from steps.tokenizer import BOS_ID, EOS_ID, PAD_ID, build_tokenizer, encode
+from steps.tokenizer import EOS_ID, PAD_ID, build_tokenizer, encode, encode_prompt
 
 
 def encode_example(prompt: Prompt) -> tuple[list[int], int]:
     """Token ids of <bos> + prompt + target answer + <eos>, and the index where the response starts."""
     tok = build_tokenizer()
-    prompt_ids = [BOS_ID, *encode(tok, prompt.text)]
+    prompt_ids = encode_prompt(tok, prompt.text)
     return prompt_ids + [*encode(tok, sft_target(prompt)), EOS_ID], len(prompt_ids)
 
 
@@ -33,15 +31,3 @@ def teacher_forced_batch(examples: list[tuple[list[int], int]]) -> tuple[torch.T
         targets[row, : len(ids) - 1] = seq[1:]
         response_mask[row, response_start - 1 : len(ids) - 1] = True
     return inputs, targets, response_mask
-
-
-@torch.inference_mode()
-def greedy_accuracy(model: MoeForCausalLM, prompts: list[Prompt], batch_size: int = 256) -> float:
-    """Share of prompts whose greedy response is exactly the answer."""
-    correct = 0
-    for start in range(0, len(prompts), batch_size):
-        inputs, targets, mask = teacher_forced_batch([encode_example(p) for p in prompts[start : start + batch_size]])
-        # Right padding never reaches a real token under causal attention, so no mask is needed.
-        hits = (model(inputs).argmax(-1) == targets) | ~mask
-        correct += int(hits.all(dim=1).sum())
-    return correct / max(len(prompts), 1)

@@ -266,6 +266,18 @@ def _short(value: object) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
+def _text_problem(field: str, text: str) -> str | None:
+    """What is wrong with the text of a prompt or answer field, or None: empty, or not tokenizable."""
+    if not text.strip():
+        return f"empty {field}"
+    if bad := unknown_chars(text):
+        return (
+            f"{field} has characters outside the tokenizer vocabulary: {', '.join(map(_short, bad[:5]))} "
+            f"(use only {describe_vocab()})"
+        )
+    return None
+
+
 def _line_problems(line: str, seen_ids: dict[str, int], lineno: int) -> tuple[Prompt | None, list[str]]:
     try:
         obj = json.loads(line, object_pairs_hook=_Pairs)
@@ -300,14 +312,8 @@ def _line_problems(line: str, seen_ids: dict[str, int], lineno: int) -> tuple[Pr
         else:
             seen_ids[prompt_id] = lineno
     text = strings.get("prompt")
-    if text is not None:
-        if not text.strip():
-            problems.append("empty prompt")
-        elif bad := unknown_chars(text):
-            problems.append(
-                f"prompt has characters outside the tokenizer vocabulary: {', '.join(map(_short, bad[:5]))} "
-                f"(use only {describe_vocab()})"
-            )
+    if text is not None and (problem := _text_problem("prompt", text)):
+        problems.append(problem)
     task = None
     if "task" in strings:
         task = TASKS.get(strings["task"])
@@ -315,12 +321,8 @@ def _line_problems(line: str, seen_ids: dict[str, int], lineno: int) -> tuple[Pr
             problems.append(f"unknown task {_short(strings['task'])} (known: {', '.join(TASKS)})")
     answer = strings.get("answer")
     if answer is not None:
-        if not answer.strip():
-            problems.append("empty answer")
-        elif bad := unknown_chars(answer):
-            problems.append(
-                f"answer has characters outside the tokenizer vocabulary: {', '.join(map(_short, bad[:5]))}"
-            )
+        if problem := _text_problem("answer", answer):
+            problems.append(problem)
         elif task is not None and not task.verify(answer, answer).well_formed:
             problems.append(
                 f"answer {_short(answer)} can never be matched by task {task.name} ({task.answer_rule})"

@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 from experience_helpers import tiny_model, write_checkpoint
+from model_helpers import response_logits, response_logprobs
 
 from steps.engine import (
     FINISH_LENGTH,
@@ -20,7 +21,7 @@ from steps.engine import (
     sample_requests,
     sample_seed,
 )
-from steps.model import load_pretrained, token_logprobs
+from steps.model import load_pretrained
 from steps.sglang_engine import sglang_unavailable_reason
 from steps.tasks import get_task
 from steps.tokenizer import EOS_ID, build_tokenizer, encode_prompt
@@ -61,14 +62,6 @@ def engine(request, checkpoint_dir):
     engine.close()
 
 
-def policy_logprobs(policy, prompt_ids, response_ids):
-    ids = torch.tensor([list(prompt_ids) + list(response_ids)])
-    with torch.no_grad():
-        logits = policy(ids)[0]
-    start = len(prompt_ids) - 1
-    return token_logprobs(logits[start : start + len(response_ids)], torch.tensor(response_ids))
-
-
 def test_one_generation_per_request_in_order_with_policy_logprobs(engine, policy):
     params = SamplingParams(n=3, max_new_tokens=8)
     requests = sample_requests(PROMPT_IDS, params, seeds)
@@ -80,7 +73,7 @@ def test_one_generation_per_request_in_order_with_policy_logprobs(engine, policy
         assert g.finish_reason in (FINISH_STOP, FINISH_LENGTH)
         assert (g.finish_reason == FINISH_STOP) == (g.response_ids[-1] == EOS_ID)
         assert EOS_ID not in g.response_ids[:-1]
-        expected = policy_logprobs(policy, request.prompt_ids, g.response_ids)
+        expected = response_logprobs(policy, request.prompt_ids, g.response_ids)
         torch.testing.assert_close(torch.tensor(g.logprobs), expected, atol=LOGPROB_ATOL[engine.name], rtol=0)
     assert engine.generate([], params) == []
 
@@ -98,13 +91,9 @@ def test_greedy_follows_the_policy_argmax(engine, policy):
     params = SamplingParams(n=1, max_new_tokens=6, temperature=0.0)
     requests = sample_requests(PROMPT_IDS, params, seeds)
     for request, g in zip(requests, engine.generate(requests, params), strict=True):
-        ids = torch.tensor([list(request.prompt_ids) + g.response_ids])
-        with torch.no_grad():
-            logprobs = torch.log_softmax(policy(ids)[0], dim=-1)
-        start = len(request.prompt_ids) - 1
+        logprobs = torch.log_softmax(response_logits(policy, request.prompt_ids, g.response_ids), dim=-1)
         for step, token in enumerate(g.response_ids):
-            best = logprobs[start + step].max()
-            assert logprobs[start + step, token] >= best - LOGPROB_ATOL[engine.name]
+            assert logprobs[step, token] >= logprobs[step].max() - LOGPROB_ATOL[engine.name]
 
 
 def test_no_stop_tokens_runs_to_max_new_tokens(engine):

@@ -8,6 +8,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest
 import torch
 from experience_helpers import tiny_model, write_checkpoint
+from model_helpers import response_logits, response_logprobs
 from transformers import AutoModelForCausalLM
 
 from steps.engine import (
@@ -52,16 +53,6 @@ def checkpoints(tmp_path_factory):
     }
 
 
-def transformers_logprobs(hf, prompt_ids, response_ids):
-    """log p(response token | prefix) under transformers' model, one full forward without padding."""
-    ids = torch.tensor([list(prompt_ids) + list(response_ids)])
-    with torch.no_grad():
-        logprobs = torch.log_softmax(hf(input_ids=ids).logits[0].float(), dim=-1)
-    start = len(prompt_ids) - 1
-    positions = torch.arange(start, start + len(response_ids))
-    return logprobs[positions, torch.tensor(response_ids)]
-
-
 @pytest.mark.parametrize("name", ["dense_layer", "tied_bias_top3"])
 @pytest.mark.parametrize(
     "params",
@@ -81,14 +72,11 @@ def test_behaviour_logprobs_equal_transformers(checkpoints, name, params):
     lengths = {len(g.response_ids) for g in generations}
     assert max(lengths) > 1  # real decoding, not just the prefill's token
     for request, generation in zip(requests, generations, strict=True):
-        expected = transformers_logprobs(hf, request.prompt_ids, generation.response_ids)
+        expected = response_logprobs(hf, request.prompt_ids, generation.response_ids)
         torch.testing.assert_close(torch.tensor(generation.logprobs), expected, atol=1e-4, rtol=0)
         if params.greedy:  # each token is the policy's argmax at its position
-            ids = torch.tensor([list(request.prompt_ids) + generation.response_ids])
-            with torch.no_grad():
-                argmax = hf(input_ids=ids).logits[0].argmax(-1)
-            start = len(request.prompt_ids) - 1
-            assert argmax[start : start + len(generation.response_ids)].tolist() == generation.response_ids
+            argmax = response_logits(hf, request.prompt_ids, generation.response_ids).argmax(-1)
+            assert argmax.tolist() == generation.response_ids
 
 
 def test_inverse_cdf_sampling_is_exactly_the_sampling_distribution():

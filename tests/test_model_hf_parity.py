@@ -8,6 +8,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
 import torch
+from model_helpers import randomize_
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
@@ -41,17 +42,6 @@ CONFIGS = {
         rms_norm_eps=1e-5, max_position_embeddings=64,
     ),
 }  # fmt: skip
-
-
-def randomize_(model: torch.nn.Module, seed: int) -> None:
-    """Weights far from the tiny default init, so routing and attention patterns are not trivial."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(torch.rand(p.shape, generator=gen) + 0.5)
-            else:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
 
 
 def left_padded_batch(vocab: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -268,43 +258,30 @@ def test_missing_config_json(good_checkpoint):
         load_pretrained(good_checkpoint)
 
 
-@pytest.mark.parametrize("model_type", ["qwen3", "llama"])
-def test_dense_model_type_is_refused(good_checkpoint, model_type):
-    edit_config(good_checkpoint, model_type=model_type, architectures=["Qwen3ForCausalLM"])
-    with pytest.raises(MoerlError, match=f"model_type '{model_type}'.*moerl needs a Qwen3-MoE checkpoint"):
-        load_pretrained(good_checkpoint)
-
-
-def test_zero_experts_is_refused(good_checkpoint):
-    edit_config(good_checkpoint, num_experts=0)
-    with pytest.raises(MoerlError, match="no experts.*moerl needs a Qwen3-MoE checkpoint"):
-        load_pretrained(good_checkpoint)
-
-
-def test_missing_moe_field_is_named(good_checkpoint):
-    edit_config(good_checkpoint, moe_intermediate_size=None)
-    with pytest.raises(MoerlError, match=r"missing required Qwen3-MoE fields \['moe_intermediate_size'\]"):
-        load_pretrained(good_checkpoint)
-
-
-def test_more_experts_per_token_than_experts(good_checkpoint):
-    edit_config(good_checkpoint, num_experts_per_tok=9)
-    with pytest.raises(MoerlError, match="num_experts_per_tok = 9 exceeds num_experts = 8"):
-        load_pretrained(good_checkpoint)
+DENSE_ARCH = ["Qwen3ForCausalLM"]
 
 
 @pytest.mark.parametrize(
-    "field, value, message",
+    "changes, message",
     [
-        ("rope_scaling", {"rope_type": "yarn", "factor": 4.0}, "rope_scaling = .* is not supported"),
-        ("rope_parameters", {"rope_type": "yarn", "rope_theta": 1e4}, "rope_parameters.rope_type 'yarn'"),
-        ("use_sliding_window", True, "use_sliding_window = True is not supported"),
-        ("quantization_config", {"quant_method": "fp8"}, "quantization_config = .* is not supported"),
-        ("num_attention_heads", 3, "num_attention_heads = 3 is not a multiple of num_key_value_heads = 2"),
+        (dict(model_type="qwen3", architectures=DENSE_ARCH), "model_type 'qwen3'.*moerl needs a Qwen3-MoE checkpoint"),
+        (dict(model_type="llama", architectures=DENSE_ARCH), "model_type 'llama'.*moerl needs a Qwen3-MoE checkpoint"),
+        (dict(num_experts=0), "no experts.*moerl needs a Qwen3-MoE checkpoint"),
+        (dict(moe_intermediate_size=None), r"missing required Qwen3-MoE fields \['moe_intermediate_size'\]"),
+        (dict(num_experts_per_tok=9), "num_experts_per_tok = 9 exceeds num_experts = 8"),
+        (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "rope_scaling = .* is not supported"),
+        (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4}), "rope_parameters.rope_type 'yarn'"),
+        (dict(use_sliding_window=True), "use_sliding_window = True is not supported"),
+        (dict(quantization_config={"quant_method": "fp8"}), "quantization_config = .* is not supported"),
+        (dict(num_attention_heads=3), "num_attention_heads = 3 is not a multiple of num_key_value_heads = 2"),
     ],
-)
-def test_unsupported_config_field_is_named(good_checkpoint, field, value, message):
-    edit_config(good_checkpoint, **{field: value})
+    ids=[
+        "dense_qwen3", "dense_llama", "zero_experts", "missing_moe_field", "more_experts_per_token_than_experts",
+        "rope_scaling", "rope_parameters", "sliding_window", "quantization", "heads_not_a_multiple_of_kv_heads",
+    ],
+)  # fmt: skip
+def test_unsupported_config_is_refused_with_the_reason(good_checkpoint, changes, message):
+    edit_config(good_checkpoint, **changes)
     with pytest.raises(MoerlError, match=message):
         load_pretrained(good_checkpoint)
 

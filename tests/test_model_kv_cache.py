@@ -4,6 +4,7 @@ import copy
 
 import pytest
 import torch
+from model_helpers import randomize_
 
 from steps.model import MoeConfig, MoeForCausalLM
 
@@ -18,13 +19,7 @@ CONFIG = MoeConfig(
 def model():
     torch.manual_seed(0)
     m = MoeForCausalLM(CONFIG)
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in m.named_parameters():
-            if "norm" in name:
-                p.copy_(torch.rand(p.shape, generator=gen) + 0.5)
-            else:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    randomize_(m, seed=1)
     return m.eval()
 
 

@@ -1,3 +1,5 @@
+import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +16,7 @@ from steps.tasks import (
     Sort,
     Verdict,
     get_task,
+    parse_prompt_jsonl,
     sft_target,
     split_of,
     verify_ids,
@@ -218,3 +221,13 @@ def test_verify_ids_ends_at_eos_and_refuses_special_tokens_inside():
     assert verify_ids(task, TOK, [EOS_ID], "357") == Verdict(False, False)
     for special in [UNK_ID, BOS_ID, PAD_ID]:
         assert verify_ids(task, TOK, ids[:1] + [special] + ids[1:] + [EOS_ID], "357") == Verdict(False, False)
+
+
+@pytest.mark.parametrize("field", ["prompt", "answer"])
+def test_prompt_file_text_is_checked_the_same_way_for_prompt_and_answer(field):
+    """Empty or untokenizable prompt and answer text get the same messages, the latter naming the vocabulary."""
+    good = {"prompt_id": "p1", "prompt": "1+2=", "answer": "3", "task": "addition1"}
+    outside = f"line 1: {field} has characters outside the tokenizer vocabulary: 'é' (use only digits"
+    for value, message in [("  ", f"line 1: empty {field}"), ("3é", outside)]:
+        with pytest.raises(MoerlError, match=re.escape(message)):
+            parse_prompt_jsonl(json.dumps({**good, field: value}), "prompts.jsonl")
