@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch import nn
 
 from steps.errors import MoerlError
-from steps.moe import ExpertDispatch, LocalDispatch
+from steps.moe import ExpertDispatch, LocalDispatch, group_by_expert, run_experts
 
 BACKENDS = ("local", "alltoall", "deepep")
 _EXPERT_PARAM = re.compile(r"(^|\.)experts\.\d+\.")
@@ -201,12 +201,6 @@ def _exchange(
     return out
 
 
-def _inverse_permutation(order: torch.Tensor) -> torch.Tensor:
-    inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(order.numel(), device=order.device)
-    return inverse
-
-
 class _PermuteRows(torch.autograd.Function):
     """x[perm] for a permutation of the rows. The backward is a gather with the inverse permutation, where
     plain indexing would zero-fill and scatter-add (slower, and atomics on CUDA)."""
@@ -250,13 +244,15 @@ class _TokensToSlots(torch.autograd.Function):
 class AllToAllDispatch:
     """Expert parallelism over all_to_all_single (gloo or NCCL).
 
-    Per MoE layer and call: (1) the T*k slots are sorted by global expert id, which also groups them by
-    owner rank; (2) one small exchange of per-expert counts tells every owner how many rows to expect from
-    each rank for each of its experts; (3) the slots' hidden rows go to their owners; (4) each owner regroups
-    what it received by local expert, runs each expert once, and restores the received order; (5) the
-    outputs go back, are put back in slot order and summed over the k slots with the router weights (a
-    gather + sum, so the result is deterministic). Every reordering is a permutation whose backward is the
-    inverse gather, so the backward has no scatter-add either.
+    Per MoE layer and call, three exchanges forward and two backward: (1) the T*k slots are grouped by
+    global expert id, which also groups them by owner rank; (2) one small exchange of per-expert counts tells
+    every owner how many rows to expect from each rank for each of its experts (it runs while the slots'
+    rows are gathered); (3) the slots' hidden rows go to their owners; (4) each owner regroups what it
+    received by local expert, runs each expert once, and restores the received order; (5) the outputs go
+    back, are put back in slot order and summed over the k slots with the router weights (a gather + sum, so
+    the result is deterministic). Every reordering is a permutation whose backward is the inverse gather, so
+    the backward has no scatter-add either. The number of exchanges does not depend on the number of
+    experts: few, large messages, which is what a latency-bound transport (gloo on loopback) needs.
     """
 
     def __init__(
@@ -288,38 +284,33 @@ class AllToAllDispatch:
         num_tokens, top_k = topk_idx.shape
         local = self.num_local_experts
 
-        # (1) slots grouped by expert, hence by owner rank
-        flat_idx = topk_idx.reshape(-1)
-        order = torch.argsort(flat_idx, stable=True)
-        inverse_order = _inverse_permutation(order)
-        per_expert = torch.bincount(flat_idx, minlength=self.num_experts)  # rows this rank sends per expert
+        # (1) slots grouped by expert, hence by owner rank; per_expert: rows this rank sends to each expert
+        order, inverse_order, per_expert = group_by_expert(topk_idx.reshape(-1), self.num_experts)
 
-        # (2) recv_counts[s * local + j]: rows rank s sends to this rank's local expert j
+        # (2) recv_counts[s * local + j]: rows rank s sends to this rank's local expert j. Asynchronous: the
+        # gather of the slots' rows below runs while the counts travel.
         recv_counts = torch.empty_like(per_expert)
         with self.timer.measure(hidden.device):
-            dist.all_to_all_single(recv_counts, per_expert, group=self.group)
+            counts_sent = dist.all_to_all_single(recv_counts, per_expert, group=self.group, async_op=True)
+        routed = _TokensToSlots.apply(hidden, order, inverse_order, top_k)
+        with self.timer.measure(hidden.device):
+            counts_sent.wait()
         counts = torch.stack([per_expert, recv_counts]).cpu()  # one device->host copy for all the sizes
         send_splits = counts[0].view(self.ep_size, local).sum(1).tolist()
         recv_matrix = counts[1].view(self.ep_size, local)
         recv_splits = recv_matrix.sum(1).tolist()
 
         # (3) send each slot's hidden row to the owner of its expert
-        routed = _TokensToSlots.apply(hidden, order, inverse_order, top_k)
         received = _AllToAll.apply(routed, recv_splits, send_splits, self.group, self.timer)
 
         # (4) regroup by local expert, run each expert once on its rows, restore the received order
         local_ids = torch.arange(local, device=hidden.device).repeat(self.ep_size)
         expert_of_row = torch.repeat_interleave(local_ids, counts[1].to(hidden.device))
-        by_expert = torch.argsort(expert_of_row, stable=True)
-        inverse_by_expert = _inverse_permutation(by_expert)
-        rows_per_expert = recv_matrix.sum(0).tolist()
+        by_expert, inverse_by_expert, _ = group_by_expert(expert_of_row, local)
         grouped = _PermuteRows.apply(received, by_expert, inverse_by_expert)
-        outputs = [
-            experts[str(self.expert_offset + j)](rows) if count else rows  # an expert without rows: empty
-            for j, (count, rows) in enumerate(zip(rows_per_expert, torch.split(grouped, rows_per_expert), strict=True))
-        ]
         # an owner that received nothing still takes part in both exchanges (they are collective)
-        expert_out = _PermuteRows.apply(torch.cat(outputs), inverse_by_expert, by_expert)
+        expert_out = run_experts(experts, grouped, recv_matrix.sum(0).tolist(), self.expert_offset)
+        expert_out = _PermuteRows.apply(expert_out, inverse_by_expert, by_expert)
 
         # (5) back to the sending ranks, in slot order, weighted and summed over the k slots
         returned = _AllToAll.apply(expert_out, send_splits, recv_splits, self.group, self.timer)
@@ -485,21 +476,13 @@ class DeepEPDispatch:
         x = recv_x[:num_recv].to(hidden.dtype)
         ids = recv_idx[:num_recv]
         rows, slots = (ids >= 0).nonzero(as_tuple=True)
-        local_ids = ids[rows, slots]
-        order = torch.argsort(local_ids, stable=True)
-        rows, slots = rows[order], slots[order]
-        counts = torch.bincount(local_ids, minlength=self.num_local_experts).tolist()
-        weighted, start = [], 0
-        for j, count in enumerate(counts):
-            if count:
-                r, s = rows[start : start + count], slots[start : start + count]
-                out = experts[str(self.expert_offset + j)](x[r])
-                weighted.append(out * recv_weights[:num_recv][r, s].unsqueeze(-1).to(out.dtype))
-            start += count
-        partial = x.new_zeros(recv_x.shape[0], x.shape[1])
-        if weighted:
-            # each (row, expert) pair occurs once; index_add is deterministic in torch's deterministic mode
-            partial = partial.index_add(0, rows, torch.cat(weighted))
+        by_expert, _, counts = group_by_expert(ids[rows, slots], self.num_local_experts)
+        rows, slots = rows[by_expert], slots[by_expert]
+        # With no rows the (empty) outputs still hang off recv_x, so this rank takes part in the backward.
+        out = run_experts(experts, x[rows], counts.tolist(), self.expert_offset)
+        weighted = out * recv_weights[:num_recv][rows, slots].unsqueeze(-1).to(out.dtype)
+        # each (row, expert) pair occurs once; index_add is deterministic in torch's deterministic mode
+        partial = x.new_zeros(recv_x.shape[0], x.shape[1]).index_add(0, rows, weighted)
         combined = _DeepEPCombineFn.apply(partial.to(torch.bfloat16).contiguous(), self, handle)
         return combined.to(hidden.dtype)
 

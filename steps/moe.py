@@ -56,9 +56,40 @@ class ExpertDispatch(Protocol):
     ) -> torch.Tensor: ...
 
 
+def inverse_permutation(order: torch.Tensor) -> torch.Tensor:
+    """The permutation that undoes `order`: x[order][inverse] == x."""
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
+    return inverse
+
+
+def group_by_expert(expert_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Group routed rows by expert: expert_ids [N] (ids in [0, num_experts)) ->
+    (order, inverse, counts): rows[order] lists expert 0's rows first, then expert 1's, ..., each expert's in
+    their original order (a stable sort, so the grouping is deterministic); inverse undoes order; counts [E]
+    is how many rows each expert got. Every dispatcher groups this way (LocalDispatch, both sides of the
+    all-to-all, the DeepEP owner)."""
+    order = torch.argsort(expert_ids, stable=True)
+    counts = torch.bincount(expert_ids, minlength=num_experts)
+    return order, inverse_permutation(order), counts
+
+
+def run_experts(experts: nn.ModuleDict, grouped: torch.Tensor, counts: list[int], first: int) -> torch.Tensor:
+    """Run expert first+j on its counts[j] contiguous rows of `grouped`, each expert once; returns the
+    outputs in the same row order. torch.split (whose backward is one cat) rather than slicing (whose
+    backward zero-fills a full-size gradient per expert). An expert without rows contributes its empty
+    slice, so the result stays connected to `grouped` even when no expert has rows (the all-to-all backward
+    is collective and must run on every rank)."""
+    outputs = [
+        experts[str(first + j)](rows) if count else rows
+        for j, (count, rows) in enumerate(zip(counts, torch.split(grouped, counts), strict=True))
+    ]
+    return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
+
+
 class LocalDispatch:
-    """All experts on this process. Tokens are grouped by expert with one sort, each expert runs once on its
-    contiguous slice, and the results are put back in token order by a gather.
+    """All experts on this process. Slots are grouped by expert with one stable sort, each expert runs once
+    on its contiguous rows, and the results are put back in token order by a gather.
 
     Combining by gather + a sum over the k slots (instead of index_add_) keeps the result deterministic on
     CUDA too, where index_add_ uses atomics; for k = 2 it is also bit-identical to transformers' loop.
@@ -75,25 +106,16 @@ class LocalDispatch:
         if num_tokens == 0:
             return hidden.new_zeros(hidden.shape)
         flat_idx = topk_idx.reshape(-1)
-        order = torch.argsort(flat_idx, stable=True)  # slot order grouped by expert
-        expert_ids, counts = torch.unique_consecutive(flat_idx[order], return_counts=True)
-        tokens_in_expert_order = hidden[order // top_k]  # [T*k, H]
-
-        outputs = []
-        start = 0
-        for expert_id, count in zip(expert_ids.tolist(), counts.tolist(), strict=True):
-            key = str(expert_id)
-            if key not in experts:
-                raise RuntimeError(
-                    f"LocalDispatch: token routed to expert {expert_id}, which this process does not hold "
-                    f"(holds {len(experts)} experts); use an expert-parallel dispatcher for a partial shard"
-                )
-            outputs.append(experts[key](tokens_in_expert_order[start : start + count]))
-            start += count
-        expert_out = torch.cat(outputs)  # [T*k, H], slots in expert order
-
-        inverse = torch.empty_like(order)
-        inverse[order] = torch.arange(order.numel(), device=order.device)
+        num_experts = max(int(flat_idx.max()) + 1, len(experts))
+        order, inverse, counts = group_by_expert(flat_idx, num_experts)
+        counts_list = counts.tolist()
+        missing = [e for e, c in enumerate(counts_list) if c and str(e) not in experts]
+        if missing:
+            raise RuntimeError(
+                f"LocalDispatch: token routed to expert {missing[0]}, which this process does not hold "
+                f"(holds {len(experts)} experts); use an expert-parallel dispatcher for a partial shard"
+            )
+        expert_out = run_experts(experts, hidden[order // top_k], counts_list, 0)  # [T*k, H], expert order
         per_slot = expert_out[inverse].view(num_tokens, top_k, -1)  # back to [T, k, H] token order
         return (per_slot * topk_weight.unsqueeze(-1).to(per_slot.dtype)).sum(dim=1)
 

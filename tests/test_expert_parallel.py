@@ -27,7 +27,7 @@ from steps.expert_parallel import (
     resolve_ep_size,
     sync_gradients,
 )
-from steps.moe import LocalDispatch, MoeBlock
+from steps.moe import LocalDispatch, MoeBlock, group_by_expert, run_experts
 
 HIDDEN, INTER, EXPERTS, TOP_K, TOKENS = 8, 6, 4, 2, 12
 
@@ -210,6 +210,30 @@ def test_clipping_scales_to_the_max_norm():
     assert clip_grad_norm(block, Mesh(), before / 4) == pytest.approx(before)
     assert float(global_grad_norm(block, Mesh())) == pytest.approx(before / 4, rel=1e-5)
     assert clip_grad_norm(block, Mesh(), 0.0) == pytest.approx(before / 4, rel=1e-5)  # 0: no clipping
+
+
+def test_group_by_expert_is_a_stable_grouping():
+    """The one grouping every dispatcher uses: rows by expert id, ties in their original order."""
+    ids = torch.tensor([3, 0, 3, 1, 0, 3])
+    order, inverse, counts = group_by_expert(ids, 5)
+    assert order.tolist() == [1, 4, 3, 0, 2, 5]
+    assert counts.tolist() == [2, 1, 0, 3, 0]
+    assert torch.equal(ids[order][inverse], ids)
+
+
+def test_run_experts_keeps_rows_without_experts_in_the_graph():
+    """An owner that received no rows must still reach its all-to-all backward: the empty output is
+    connected to its input."""
+    block = make_block(0)
+    rows = torch.randn(5, HIDDEN, requires_grad=True)
+    out = run_experts(block.experts, rows, [2, 0, 3, 0], 0)
+    want = torch.cat([block.experts["0"](rows[:2]), block.experts["2"](rows[2:])])
+    torch.testing.assert_close(out, want, atol=0, rtol=0)
+    empty = rows[:0]
+    out = run_experts(block.experts, empty, [0, 0, 0, 0], 0)
+    assert out.shape == (0, HIDDEN) and out.grad_fn is not None
+    out.sum().backward()  # reaches `rows` through the empty slice
+    assert rows.grad is not None
 
 
 def test_alltoall_rejects_experts_not_divisible_by_ep():
