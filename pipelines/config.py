@@ -119,6 +119,9 @@ class TrainerConfig(_Section):
         1, "optimizer steps per pass (the experience is split into this many mini-batches)", ge=1
     )
     lr: float = _field(2e-4, "AdamW learning rate", gt=0)
+    warmup_steps: int = _field(
+        0, "optimizer steps of the run over which the learning rate ramps linearly up to lr (0: none)", ge=0
+    )
     weight_decay: float = _field(0.0, "AdamW weight decay", ge=0)
     betas: tuple[float, float] = _field((0.9, 0.999), "AdamW betas, two numbers in [0, 1)")
     grad_clip: float = _field(1.0, "clip the global gradient norm to this; 0 turns clipping off", ge=0)
@@ -305,6 +308,26 @@ def _is_uri(text: str) -> bool:
     return bool(_URI.match(text)) or "://" not in text
 
 
+def _check_task_fits(cfg: RunConfig, bad: typing.Callable[[str, str], None]) -> None:
+    """The task's parameters build a task, and a response of max_new_tokens holds its longest answer + <eos>."""
+    from steps.tasks import get_task  # here: the config module is read by tools that never build a task
+
+    try:
+        task = get_task(cfg.task.name, **cfg.task.params) if cfg.task.params else get_task(cfg.task.name)
+    except MoerlError as err:
+        bad("task", str(err))
+        return
+    needed = task.longest_answer + 1
+    if cfg.sampling.max_new_tokens < needed:
+        # A response cut short never ends, so it is never correct; worse, the format reward then favours the
+        # answers short enough to end, and RL learns to drop characters.
+        bad(
+            "sampling.max_new_tokens",
+            f"{cfg.sampling.max_new_tokens} cannot hold {task.name}'s longest answer ({task.longest_answer} "
+            f"characters) and its <eos>; use at least {needed}",
+        )
+
+
 def semantic_problems(cfg: RunConfig) -> list[tuple[str, str]]:
     """Checks that span fields. Returns (field path, 'what is wrong; the fix') pairs."""
     problems: list[tuple[str, str]] = []
@@ -341,6 +364,8 @@ def semantic_problems(cfg: RunConfig) -> list[tuple[str, str]]:
             f"unknown task {cfg.task.name!r}; use 'addition' or 'sort'"
             + (f" (did you mean {hint[0]!r}?)" if hint else ""),
         )
+    elif cfg.task is not None:
+        _check_task_fits(cfg, bad)
     chunks = -(-cfg.prompts_per_iteration // cfg.rollout.chunk_size)
     if cfg.rollout.num_shards > chunks:
         bad(

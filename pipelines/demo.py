@@ -19,9 +19,7 @@ from pipelines.config import RunConfig, load_config
 from pipelines.local import RunResult, run_workflow
 from pipelines.local.chaos import parse_chaos
 from pipelines.render import WORKFLOW, render
-from pipelines.sft_demo import sft_demo
 from steps.errors import MoerlError
-from steps.sft import SftSettings
 from steps.store import Store
 
 DEMO_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
@@ -84,7 +82,13 @@ def demo(
     cfg = load_config(DEMO_CONFIG, overrides)
     parse_chaos(chaos)
     if not (sft_dir / "config.json").is_file():
-        sft_demo(str(sft_dir), SftSettings(seed=seed or 0))
+        # Imported here: they load torch (6-12 s on a busy machine), which a demo with its SFT checkpoint skips.
+        from pipelines.sft_demo import sft_demo
+        from steps.experience import run_task
+        from steps.sft import SftSettings
+
+        task = run_task(cfg)
+        sft_demo(str(sft_dir), SftSettings(task=task.name if task else SftSettings().task, seed=seed or 0))
     if Store.open(cfg.run_store).exists("run.json"):
         stored = Store.open(cfg.run_store).get_json("run.json")
         if stored != json.loads(cfg.model_dump_json()):

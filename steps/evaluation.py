@@ -1,33 +1,32 @@
-"""Teacher-forced examples of the SFT step: prompt + target answer as one sequence, and right-padded batches.
+"""Held-out accuracy of a published policy version: greedy exact match on the run's held-out prompts.
 
-Held-out accuracy is not computed here: `steps.engine.evaluate_accuracy` is the one way to measure it, for
-every engine (greedy generation, checked by the task's verifier).
+The score step records it for the behaviour policy of each iteration, and the report step for the final
+version, so that a run shows where it started and where it ended. `steps.engine.evaluate_accuracy` does the
+measuring (greedy generation checked by the task's verifier), the same for every engine.
 """
 
 from __future__ import annotations
 
-import torch
+from typing import Any
 
-from steps.tasks import Prompt, sft_target
-from steps.tokenizer import EOS_ID, PAD_ID, build_tokenizer, encode, encode_prompt
+from pipelines.config import RunConfig
+from steps import checkpoint
+from steps.engine import TorchEngine, evaluate_accuracy
+from steps.experience import heldout_prompts
+from steps.store import Store
 
-
-def encode_example(prompt: Prompt) -> tuple[list[int], int]:
-    """Token ids of <bos> + prompt + target answer + <eos>, and the index where the response starts."""
-    tok = build_tokenizer()
-    prompt_ids = encode_prompt(tok, prompt.text)
-    return prompt_ids + [*encode(tok, sft_target(prompt)), EOS_ID], len(prompt_ids)
+HELDOUT_EVAL_MAX_BYTES = 512 << 20
 
 
-def teacher_forced_batch(examples: list[tuple[list[int], int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-padded inputs, next-token targets, and the mask of targets that belong to the response."""
-    length = max(len(ids) for ids, _ in examples)
-    inputs = torch.full((len(examples), length - 1), PAD_ID, dtype=torch.long)
-    targets = torch.full_like(inputs, PAD_ID)
-    response_mask = torch.zeros_like(inputs, dtype=torch.bool)
-    for row, (ids, response_start) in enumerate(examples):
-        seq = torch.tensor(ids)
-        inputs[row, : len(ids) - 1] = seq[:-1]
-        targets[row, : len(ids) - 1] = seq[1:]
-        response_mask[row, response_start - 1 : len(ids) - 1] = True
-    return inputs, targets, response_mask
+def heldout_accuracy(run: Store, cfg: RunConfig, version: int, log: Any) -> float | None:
+    """Greedy held-out accuracy of `version`, or None when there is no held-out set or the model is big."""
+    prompts = heldout_prompts(cfg)
+    if not prompts:
+        return None
+    manifest = checkpoint.require_manifest(run, version)
+    weight_bytes = sum(int(m["size"]) for name, m in manifest.files.items() if name.endswith(".safetensors"))
+    if weight_bytes > HELDOUT_EVAL_MAX_BYTES:
+        log(f"held-out accuracy skipped: {weight_bytes / 2**30:.1f} GiB of weights is too big to evaluate on CPU")
+        return None
+    engine = TorchEngine.from_checkpoint(checkpoint.fetch(run, version))
+    return evaluate_accuracy(engine, None, prompts, max_new_tokens=cfg.sampling.max_new_tokens)

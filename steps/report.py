@@ -3,7 +3,9 @@
     python -m steps.report --run URI --out DIR [--status PHASE]
 
 Reads <run>/metrics/iter-*.json, prints the table, and writes report.md and report.png to DIR and to
-<run>/report/. It is the workflow's exit handler, so it runs however the run ended: iterations that wrote no
+<run>/report/. An iteration's accuracy is that of the policy that generated its samples (score measures it);
+the report measures the final published version itself, so the run's result reads "v000000 (the SFT
+checkpoint) -> vN". It is the workflow's exit handler, so it runs however the run ended: iterations that wrote no
 metrics, and metrics that lack a field, show as '-'. Metrics files may nest their fields ({"update": {"kl":
 ...}}); a field is found by its name at any depth.
 """
@@ -18,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from steps.checkpoint import parse_version, read_latest
 from steps.errors import MoerlError, run_cli
 from steps.store import Store
 
@@ -41,6 +44,26 @@ class Report:
     notes: list[str] = field(default_factory=list)
     latest: str | None = None
     status: str | None = None
+    final_accuracy: float | None = None  # held-out accuracy of `latest`
+
+    def accuracy_by_version(self) -> dict[int, float]:
+        """Held-out accuracy of each policy version measured, the final one included."""
+        out = {int(r["policy_version"]): float(r["accuracy"]) for r in self.rows
+               if r.get("policy_version") is not None and r.get("accuracy") is not None}  # fmt: skip
+        if self.latest is not None and self.final_accuracy is not None:
+            out[parse_version(self.latest)] = self.final_accuracy
+        return dict(sorted(out.items()))
+
+    def outcome(self) -> str | None:
+        """'held-out accuracy 50.4% (v000000) -> 68.0% (v000006), +17.6 points', when both ends are known."""
+        by_version = self.accuracy_by_version()
+        if self.latest is None or 0 not in by_version or parse_version(self.latest) not in by_version:
+            return None
+        start, end = by_version[0], by_version[parse_version(self.latest)]
+        return (
+            f"held-out accuracy {start:.1%} (v000000, the SFT checkpoint) -> {end:.1%} ({self.latest}), "
+            f"{100 * (end - start):+.1f} points"
+        )
 
     def series(self, column: str) -> tuple[list[int], list[float]]:
         points = [(int(r["iteration"]), r[column]) for r in self.rows if r.get(column) is not None]
@@ -109,6 +132,7 @@ def collect(run: Store) -> Report:
             notes.append(f"{key}: left out ({err})")
             continue
         row: dict[str, float | None] = {"iteration": float(int(match.group(1)))}
+        row["policy_version"] = find_field(flat, ("policy_version",))
         for column, names in COLUMNS.items():
             row[column] = find_field(flat, names)
         for name, seconds in time_fields(flat).items():
@@ -117,7 +141,7 @@ def collect(run: Store) -> Report:
                 time_columns.append(name)
         rows.append(row)
     rows.sort(key=lambda r: r["iteration"] or 0)
-    from steps.checkpoint import read_latest  # after the listing: an unreadable store fails there first
+    # After the listing: an unreadable store fails there first.
 
     return Report(columns=[*COLUMNS, *time_columns], rows=rows, notes=notes, latest=read_latest(run))
 
@@ -131,14 +155,18 @@ def plot_png(report: Report) -> bytes:
     from matplotlib.ticker import MaxNLocator
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for ax, column, title in ((axes[0], "accuracy", "held-out accuracy"), (axes[1], "reward", "mean reward")):
-        xs, ys = report.series(column)
+    accuracy = report.accuracy_by_version()
+    panels = (
+        (axes[0], (list(accuracy), list(accuracy.values())), "held-out accuracy", "policy version"),
+        (axes[1], report.series("reward"), "mean reward", "iteration"),
+    )
+    for ax, (xs, ys), title, xlabel in panels:
         if xs:
             ax.plot(xs, ys, marker="o")
         else:
             ax.text(0.5, 0.5, "no data yet", ha="center", va="center", transform=ax.transAxes)
         ax.set_title(title)
-        ax.set_xlabel("iteration")
+        ax.set_xlabel(xlabel)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -157,10 +185,34 @@ def markdown(report: Report, run_uri: str) -> str:
         if report.latest
         else "No checkpoint published yet."
     )
+    if report.outcome():
+        lines.append(f"Result: {report.outcome()}  ")
     lines += ["", report.table(markdown=True) if report.rows else "No iteration has written metrics yet.", ""]
+    if report.rows:
+        lines.append("accuracy: held-out greedy exact match of the policy that generated the iteration's samples")
     lines += [f"- {note}" for note in report.notes]
     lines += ["", "![held-out accuracy and mean reward by iteration](report.png)", ""]
     return "\n".join(lines)
+
+
+def measure_final_accuracy(run: Store, report: Report) -> None:
+    """Held-out accuracy of the latest version, unless a score step measured it already; a failure is a note,
+    not an error (the report is the exit handler and still reports a run whose evaluation cannot run)."""
+    if report.latest is None:
+        return
+    version = parse_version(report.latest)
+    measured = {int(r["policy_version"]): r["accuracy"] for r in report.rows if r.get("policy_version") is not None}
+    if measured.get(version) is not None:
+        report.final_accuracy = float(measured[version])
+        return
+    # Imported here: torch and the engine are needed only now, not to print a table of metrics.
+    from steps.evaluation import heldout_accuracy
+    from steps.experience import load_run_config
+
+    try:
+        report.final_accuracy = heldout_accuracy(run, load_run_config(run), version, log=report.notes.append)
+    except MoerlError as err:
+        report.notes.append(f"held-out accuracy of {report.latest} not measured: {err}")
 
 
 def write_report(run_uri: str, out_dir: str | Path, status: str | None = None) -> Report:
@@ -168,6 +220,7 @@ def write_report(run_uri: str, out_dir: str | Path, status: str | None = None) -
     run = Store.open(run_uri)
     report = collect(run)
     report.status = status
+    measure_final_accuracy(run, report)
     png, md = plot_png(report), markdown(report, run.uri).encode()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -186,6 +239,8 @@ def main() -> int:
     args = parser.parse_args()
     report = write_report(args.run, args.out, args.status)
     print(report.table() if report.rows else "no iteration has written metrics yet")
+    if report.outcome():
+        print(report.outcome())
     for note in report.notes:
         print(note)
     where = f"{args.out}/report.png and {Store.open(args.run).url(REPORT_PREFIX)}/"

@@ -34,15 +34,13 @@ import numpy as np
 import pyarrow as pa
 from tokenizers import Tokenizer
 
-from pipelines.config import RunConfig
 from steps import checkpoint
-from steps.engine import TorchEngine, evaluate_accuracy
 from steps.errors import MoerlError, run_cli
+from steps.evaluation import heldout_accuracy
 from steps.experience import (
     SCORED_SCHEMA,
     RolloutPlan,
     behaviour_version,
-    heldout_prompts,
     load_run_config,
     metrics_key,
     read_rollout,
@@ -62,7 +60,6 @@ from steps.store import Store
 from steps.tokenizer import EOS_ID, TOKENIZER_FILE, decode, load_tokenizer
 
 DEFAULT_METRICS_OUT = "/tmp/metrics.json"
-HELDOUT_EVAL_MAX_BYTES = 512 << 20
 
 
 def policy_tokenizer(run: Store, version: int) -> Tokenizer:
@@ -70,20 +67,6 @@ def policy_tokenizer(run: Store, version: int) -> Tokenizer:
     with tempfile.TemporaryDirectory(prefix="moerl-score-") as tmp:
         run.get_file(f"{checkpoint.version_prefix(version)}/{TOKENIZER_FILE}", Path(tmp) / TOKENIZER_FILE)
         return load_tokenizer(tmp)
-
-
-def heldout_accuracy(run: Store, cfg: RunConfig, version: int, log: Any) -> float | None:
-    """Greedy held-out accuracy of `version`, or None when there is no held-out set or the model is big."""
-    prompts = heldout_prompts(cfg)
-    if not prompts:
-        return None
-    manifest = checkpoint.require_manifest(run, version)
-    weight_bytes = sum(int(m["size"]) for name, m in manifest.files.items() if name.endswith(".safetensors"))
-    if weight_bytes > HELDOUT_EVAL_MAX_BYTES:
-        log(f"held-out accuracy skipped: {weight_bytes / 2**30:.1f} GiB of weights is too big to evaluate on CPU")
-        return None
-    engine = TorchEngine.from_checkpoint(checkpoint.fetch(run, version))
-    return evaluate_accuracy(engine, None, prompts, max_new_tokens=cfg.sampling.max_new_tokens)
 
 
 def score_iteration(

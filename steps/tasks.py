@@ -98,6 +98,7 @@ class DigitTask:
 
     name: str
     space_size: int
+    longest_answer: int  # characters (one token each) of the longest answer
     answer_chars = frozenset(DIGITS)
     answer_rule = "digits only, e.g. '357'"
 
@@ -169,6 +170,7 @@ class Addition(DigitTask):
         self.digits = digits
         self.name = f"addition{digits}"
         self.space_size = 10 ** (2 * digits)
+        self.longest_answer = digits + 1  # 999+999=1998
 
     def problem(self, index: int) -> tuple[str, str, str]:
         a, b = divmod(index, 10**self.digits)
@@ -183,6 +185,7 @@ class Sort(DigitTask):
         self.length = length
         self.name = f"sort{length}"
         self.space_size = 10**length
+        self.longest_answer = length
 
     def problem(self, index: int) -> tuple[str, str, str]:
         digits = f"{index:0{self.length}d}"

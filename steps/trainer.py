@@ -120,6 +120,7 @@ class TrainSettings:
     epochs: int = 1
     steps_per_epoch: int = 1
     lr: float = 2e-4
+    warmup_steps: int = 0
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
     grad_clip: float = 1.0
@@ -135,7 +136,8 @@ class TrainSettings:
                 is_cap=t.is_cap,
             ),
             micro_batch_size=t.micro_batch_size, epochs=t.epochs, steps_per_epoch=t.steps_per_epoch,
-            lr=t.lr, weight_decay=t.weight_decay, betas=tuple(t.betas), grad_clip=t.grad_clip, seed=cfg.seed,
+            lr=t.lr, warmup_steps=t.warmup_steps, weight_decay=t.weight_decay, betas=tuple(t.betas),
+            grad_clip=t.grad_clip, seed=cfg.seed,
         )  # fmt: skip
 
     @property
@@ -374,6 +376,7 @@ class PolicyTrainer:
                 f"the gradient norm is {grad_norm} (not finite); nothing was written. Lower trainer.lr or "
                 "check the input checkpoint"
             )
+        set_learning_rate(self.optimizer, self.settings)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         tokens = max(stats["response_tokens"], 1.0)
@@ -466,6 +469,33 @@ def new_adamw(model: nn.Module, settings: TrainSettings) -> torch.optim.Optimize
         model.parameters(), lr=settings.lr, betas=settings.betas, weight_decay=settings.weight_decay,
         foreach=False,
     )  # fmt: skip
+
+
+def completed_steps(optimizer: torch.optim.Optimizer) -> int:
+    """Optimizer steps taken so far in the run: AdamW's per-parameter count, which travels with the optimizer
+    state from one iteration's update to the next (0 for an optimizer without that state)."""
+    for state in optimizer.state.values():
+        if "step" in state:
+            return int(state["step"])
+    return 0
+
+
+def warmup_lr(settings: TrainSettings, completed: int) -> float:
+    """The learning rate of the run's optimizer step number completed + 1: a linear ramp over warmup_steps.
+
+    A fresh Adam's first updates are lr * sign(gradient) on every weight (its second moments hold one noisy
+    sample): at lr 4e-4 that cost an addition3 SFT policy 15 points of held-out accuracy in one iteration."""
+    if settings.warmup_steps <= 0:
+        return settings.lr
+    return settings.lr * min(1.0, (completed + 1) / settings.warmup_steps)
+
+
+def set_learning_rate(optimizer: torch.optim.Optimizer, settings: TrainSettings) -> float:
+    """Set the rate of the optimizer's next step (see warmup_lr) and return it."""
+    lr = warmup_lr(settings, completed_steps(optimizer))
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    return lr
 
 
 OPTIMIZER_FIELDS = ("exp_avg", "exp_avg_sq", "step")

@@ -34,9 +34,26 @@ def test_demo_config_suits_this_machine(monkeypatch, tmp_path):
     assert cfg.sft_checkpoint.startswith("file://")
     assert cfg.rollout.num_shards == 2 and cfg.rollout.engine == "torch"
     assert (cfg.trainer.ep_backend, cfg.trainer.nproc_per_node, cfg.trainer.nodes) == ("alltoall", 2, 1)
-    assert cfg.prompts_per_iteration * cfg.group_size == 512 and 5 <= cfg.iterations <= 8
+    assert cfg.task.name == "sort" and cfg.task.params == {"length": 6} and 5 <= cfg.iterations <= 8
     assert cfg.placement["rollout"].spot and not cfg.placement["trainer"].spot
     assert cfg.argo.semaphore is None and not cfg.argo.report_artifact
+
+
+def test_responses_must_hold_the_longest_answer_and_eos(tmp_path):
+    base = {"sft_checkpoint": "/tmp/sft", "run_store": "/tmp/run"}
+    validate_config({**base, "task": {"name": "sort8"}, "sampling": {"max_new_tokens": 9}})
+    with pytest.raises(MoerlError) as refused:
+        validate_config({**base, "task": {"name": "sort8"}, "sampling": {"max_new_tokens": 8}})
+    assert "sampling.max_new_tokens: 8 cannot hold sort8's longest answer (8 characters) and its <eos>; " \
+        "use at least 9" in str(refused.value)
+    with pytest.raises(MoerlError, match="use at least 6"):
+        addition4 = {"name": "addition", "params": {"digits": 4}}
+        validate_config({**base, "task": addition4, "sampling": {"max_new_tokens": 5}})
+
+
+def test_task_parameters_out_of_range_are_a_config_error():
+    with pytest.raises(MoerlError, match=r"task: unknown task 'sort12'"):
+        validate_config({"sft_checkpoint": "/tmp/sft", "run_store": "/tmp/run", "task": {"name": "sort12"}})
 
 
 def test_eks_config_mirrors_48_p5en_in_one_zone():
