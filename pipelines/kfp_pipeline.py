@@ -96,6 +96,9 @@ def _place(task: Any, cfg: RunConfig, role: str, step: str, iteration: int | Non
             task, volume_name=pl.SHM_VOLUME, mount_path="/dev/shm", medium="Memory", size_limit=p.shm_size
         )
     _resources(task, p)
+    # What kfp-kubernetes can set: the images' non-root user (KFP adds no-privilege-escalation, drop ALL and
+    # RuntimeDefault seccomp itself). It has no read-only root filesystem setting: docs/reliability.md.
+    kubernetes.set_security_context(task, run_as_user=pl.RUN_AS_UID, run_as_group=pl.RUN_AS_GID, run_as_non_root=True)
     for name, value in pl.STEP_ENV.items():
         task.set_env_variable(name, value)
     if retry:

@@ -3,6 +3,7 @@ change nothing in the final weights; `moerl demo` runs end to end and prints its
 
 import hashlib
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -61,3 +62,18 @@ def test_moerl_demo_runs_end_to_end_and_reports(sft_dir, tmp_path):
     assert "Succeeded" in result.stdout
     assert "LATEST = v000001" in result.stdout
     assert (workdir / "run" / "report" / "report.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_default_demo_raises_heldout_accuracy_by_15_points(tmp_path):
+    # `moerl demo` as `make demo` runs it: the SFT checkpoint built here, configs/demo.yaml unchanged.
+    result = subprocess.run(
+        [sys.executable, "-c", "from pipelines.cli import main; main()", "demo", "--workdir", str(tmp_path)],
+        cwd=REPO, capture_output=True, text=True, timeout=2400,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = (tmp_path / "run" / "report" / "report.md").read_text()
+    outcome = re.search(r"held-out accuracy ([\d.]+)% \(v000000.*\) -> ([\d.]+)% \(v000006\)", report)
+    assert outcome, report
+    start, end = float(outcome[1]), float(outcome[2])
+    assert 20 <= start <= 60, report  # the SFT checkpoint leaves room for RL
+    assert end - start >= 15, report

@@ -121,3 +121,13 @@ def test_pytorchjob_outcome_follows_the_replica_statuses_and_conditions():
     assert job_outcome({"status": {"replicaStatuses": {"Worker": {"failed": 1}}}}) == "Failed"
     failed = {"status": {"conditions": [{"type": "Created", "status": "True"}, {"type": "Failed", "status": "True"}]}}
     assert job_outcome(failed) == "Failed"
+
+
+def test_every_kfp_step_runs_as_the_images_non_root_user(tmp_path):
+    _, platform = compiled(validate_config(BASE), tmp_path)
+    executors = platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
+    assert executors
+    for name, executor in executors.items():
+        context = executor.get("securityContext") or {}
+        assert context.get("runAsNonRoot") is True, name
+        assert str(context.get("runAsUser")) == str(context.get("runAsGroup")) == "10001", name
