@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import torch
+from model_helpers import randomize_
 
 from pipelines.config import validate_config
 from steps.import_sft import import_sft
@@ -32,13 +33,7 @@ def tiny_model(seed: int = 0, scale: float = 0.4, **overrides) -> MoeForCausalLM
     about a third of 12-token samples end with <eos>, at varied lengths."""
     torch.manual_seed(seed)
     model = MoeForCausalLM(MoeConfig(**{**TINY, **overrides}))
-    gen = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(torch.rand(p.shape, generator=gen) + 0.5)
-            else:
-                p.copy_(torch.randn(p.shape, generator=gen) * scale)
+    randomize_(model, seed + 1, scale)
     return model.eval()
 
 
