@@ -201,7 +201,7 @@ def test_bad_moerl_flags(args, message, tmp_path, sft, monkeypatch, capsys):
 )  # fmt: skip
 def test_moerl_demo_refuses_bad_flags_before_building_anything(args, message, tmp_path, monkeypatch, capsys):
     built = []
-    monkeypatch.setattr("pipelines.demo.sft_demo", lambda out, settings: built.append(out))
+    monkeypatch.setattr("pipelines.sft_demo.sft_demo", lambda out, settings: built.append(out))
     result = moerl(["demo", "--workdir", str(tmp_path), *args], monkeypatch, capsys)
     assert built == [], "the SFT checkpoint was built before the flags were checked"
     assert_refused(result, message)
