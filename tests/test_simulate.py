@@ -196,7 +196,8 @@ def test_derived_step_times_scale_with_the_config():
 
 
 def test_a_measured_rollout_splits_into_start_up_and_chunks():
-    cfg = load_config(REPO / "configs" / "demo.yaml")  # 4 chunks over 2 shards
+    # 4 chunks over 2 shards: each shard starts its engine once, then generates 2 chunks.
+    cfg = load_config(REPO / "configs" / "demo.yaml", {"prompts_per_iteration": 64, "rollout.chunk_size": 16})
     model = sim.measured_step_model(cfg, sim.CPU_ASSUMPTIONS, {"rollout": 9.0, "engine_startup": 5.0}, "t")
     assert (model.rollout_startup_s, model.rollout_chunk_s) == (5.0, 2.0)
     model = sim.measured_step_model(cfg, sim.CPU_ASSUMPTIONS, {"rollout": 2.0, "update": 7.0}, "t")
