@@ -313,7 +313,7 @@ def _check_task_fits(cfg: RunConfig, bad: typing.Callable[[str, str], None]) -> 
     from steps.tasks import get_task  # here: the config module is read by tools that never build a task
 
     try:
-        task = get_task(cfg.task.name, **cfg.task.params) if cfg.task.params else get_task(cfg.task.name)
+        task = get_task(cfg.task.name, **cfg.task.params)
     except MoerlError as err:
         bad("task", str(err))
         return

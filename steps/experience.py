@@ -121,8 +121,7 @@ def run_task(cfg: RunConfig) -> Task | None:
     """The built-in task of the run (None when the run trains on a prompt file)."""
     if cfg.task is None:
         return None
-    params = {k: v for k, v in cfg.task.params.items()}
-    return get_task(cfg.task.name, **params) if params else get_task(cfg.task.name)
+    return get_task(cfg.task.name, **cfg.task.params)
 
 
 def read_prompt_file_uri(uri: str) -> list[Prompt]:

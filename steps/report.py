@@ -141,8 +141,7 @@ def collect(run: Store) -> Report:
                 time_columns.append(name)
         rows.append(row)
     rows.sort(key=lambda r: r["iteration"] or 0)
-    # After the listing: an unreadable store fails there first.
-
+    # LATEST is read after the listing: an unreadable store fails there first.
     return Report(columns=[*COLUMNS, *time_columns], rows=rows, notes=notes, latest=read_latest(run))
 
 
@@ -185,8 +184,9 @@ def markdown(report: Report, run_uri: str) -> str:
         if report.latest
         else "No checkpoint published yet."
     )
-    if report.outcome():
-        lines.append(f"Result: {report.outcome()}  ")
+    outcome = report.outcome()
+    if outcome:
+        lines.append(f"Result: {outcome}  ")
     lines += ["", report.table(markdown=True) if report.rows else "No iteration has written metrics yet.", ""]
     if report.rows:
         lines.append("accuracy: held-out greedy exact match of the policy that generated the iteration's samples")
@@ -201,9 +201,9 @@ def measure_final_accuracy(run: Store, report: Report) -> None:
     if report.latest is None:
         return
     version = parse_version(report.latest)
-    measured = {int(r["policy_version"]): r["accuracy"] for r in report.rows if r.get("policy_version") is not None}
-    if measured.get(version) is not None:
-        report.final_accuracy = float(measured[version])
+    measured = report.accuracy_by_version().get(version)
+    if measured is not None:
+        report.final_accuracy = measured
         return
     # Imported here: torch and the engine are needed only now, not to print a table of metrics.
     from steps.evaluation import heldout_accuracy
@@ -239,8 +239,9 @@ def main() -> int:
     args = parser.parse_args()
     report = write_report(args.run, args.out, args.status)
     print(report.table() if report.rows else "no iteration has written metrics yet")
-    if report.outcome():
-        print(report.outcome())
+    outcome = report.outcome()
+    if outcome:
+        print(outcome)
     for note in report.notes:
         print(note)
     where = f"{args.out}/report.png and {Store.open(args.run).url(REPORT_PREFIX)}/"
