@@ -273,6 +273,9 @@ def run_demo(
     env[INTERVAL_ENV] = str(interval)
     if freeze:
         env[FREEZE_ENV] = "1"
+    # Every step a new interpreter, as a pod in the cluster is: the sampler starts with each process, and the
+    # local executor's warm starts (forks of one Python with torch imported) would hide the imports measured here.
+    env["MOERL_LOCAL_WARM"] = "0"
     moerl = Path(sys.executable).parent / "moerl"
     command = [str(moerl), "demo", "--workdir", str(run_dir), "--iterations", str(iterations)]
     print("running:", " ".join(command), f"({PROFILE_ENV}={profile_dir})", flush=True)

@@ -480,7 +480,12 @@ def test_moerl_local_exits_0_iff_the_workflow_succeeded(tmp_path, capsys):
 
     def args(path: Path, *extra: str) -> argparse.Namespace:
         return argparse.Namespace(
-            manifest=path, parameter=list(extra), chaos=None, status_out=tmp_path / "s.json", workdir=tmp_path / "w"
+            manifest=path,
+            parameter=list(extra),
+            chaos=None,
+            status_out=tmp_path / "s.json",
+            workdir=tmp_path / "w",
+            cold_start=False,
         )
 
     assert cli_main(args(ok)) == 0

@@ -10,7 +10,8 @@ order a run meets them:
     executor.py        the controller loop, retries, pods, exit handlers (calls.py: how templates are called)
     steps_template.py  steps templates        dag_template.py   DAG templates (depends.py)
     loops.py           withItems / withParam / withSequence      scope.py   steps.X.* / tasks.X.*
-    pods.py            a step as a process (sandbox.py for paths, pytorchjob.py for PyTorchJobs)
+    pods.py            a step as a process (sandbox.py for paths, pytorchjob.py for PyTorchJobs,
+                       warm.py + warm_server.py: python -m pods forked from a Python with torch imported)
     chaos.py           --chaos: Spot preemptions and kills        status.py  nodes and status JSON
     view.py            live tree / log lines                      cli.py     `moerl local`
 

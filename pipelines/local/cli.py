@@ -36,6 +36,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=DEFAULT_WORKDIR,
         help=f"where each run keeps its pods' logs and sandboxes (default {DEFAULT_WORKDIR})",
     )
+    parser.add_argument(
+        "--cold-start",
+        action="store_true",
+        help="start every pod as a new process; by default `python -m` pods are forks of a Python that has "
+        "imported torch and the moerl libraries once (also MOERL_LOCAL_WARM=0)",
+    )
     parser.set_defaults(func=main)
 
 
@@ -57,6 +63,7 @@ def main(args: argparse.Namespace) -> int:
             chaos=args.chaos,
             status_out=args.status_out,
             workdir=args.workdir,
+            warm_start=False if args.cold_start else None,
         )
     except KeyboardInterrupt:  # the pods are stopped and the status says so; no traceback
         print("moerl local: interrupted", file=sys.stderr)

@@ -64,6 +64,7 @@ from pipelines.local.status import (
     write_json_atomic,
 )
 from pipelines.local.steps_template import execute_steps
+from pipelines.local.warm import WarmStarter, warm_starts_enabled
 from steps.errors import MoerlError
 
 DEADLINE_EXCEEDED = "Step exceeded its deadline"
@@ -104,6 +105,7 @@ class Controller:
         status_out: Path | None = None,
         view: View | None = None,
         time_scale: float | None = None,
+        warm_start: bool | WarmStarter | None = None,
     ):
         self.wf = workflow
         self.nodes = Nodes(workflow.name)
@@ -124,6 +126,10 @@ class Controller:
         self.now = time.time()
         self._last_status_write = 0.0
         self._globals: dict[str, Any] | None = None
+        if warm_start is None:
+            warm_start = warm_starts_enabled()
+        # python -m pods start as forks of a Python that has imported torch already (warm.py)
+        self.starter = warm_start if isinstance(warm_start, WarmStarter) else WarmStarter() if warm_start else None
 
     # ------------------------------------------------------------------------- the loop
 
@@ -150,6 +156,8 @@ class Controller:
             raise
         finally:
             self.stop_all_pods()
+            if self.starter is not None:
+                self.starter.close()
             self.write_status(force=True)
             if self.view is not None:
                 self.view.finish(self)
@@ -604,7 +612,7 @@ class Controller:
         if self.chaos is not None:
             eligible = not opts.on_exit and not self.previous_attempt_hit(node)
             injection = self.chaos.target(name, node.name, spot, eligible)
-        pod = Pod(plan, min(deadlines) if deadlines else None, injection)
+        pod = Pod(plan, min(deadlines) if deadlines else None, injection, self.starter)
         self.pod_dirs[node.id] = plan.pod_dir
         if opts.on_exit:
             self.exit_handler_pods.add(node.id)

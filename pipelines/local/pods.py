@@ -33,6 +33,7 @@ from pipelines.local import pytorchjob
 from pipelines.local.chaos import Injection
 from pipelines.local.sandbox import Sandbox
 from pipelines.local.status import ERROR, FAILED, SUCCEEDED, timestamp
+from pipelines.local.warm import WarmProcess, WarmStarter
 
 MAX_RESULT_BYTES = 256 * 1024
 PYTHON_RE = re.compile(r"python(\d+(\.\d+)?)?")
@@ -252,7 +253,9 @@ def _env_value(entry: dict, pod_name: str, workflow: Any) -> str:
 class Pod:
     """One running attempt of a step."""
 
-    def __init__(self, plan: PodPlan, deadline: float | None, injection: Injection | None):
+    def __init__(
+        self, plan: PodPlan, deadline: float | None, injection: Injection | None, starter: WarmStarter | None = None
+    ):
         self.plan = plan
         self.deadline = deadline
         self.injection = injection
@@ -262,26 +265,31 @@ class Pod:
         plan.sandbox.prepare()
         if plan.script is not None:
             (plan.pod_dir / "script").write_text(plan.script)
-        (plan.pod_dir / "pod.json").write_text(json.dumps(plan.recorded, indent=2, default=str) + "\n")
         self.stdout_path = plan.pod_dir / "stdout.log"
         self.stderr_path = plan.pod_dir / "stderr.log"
         self.started_at = time.time()
-        self.process: subprocess.Popen | None = None
+        self.process: subprocess.Popen | WarmProcess | None = None
+        env = {**os.environ, **plan.env}
         with open(self.stdout_path, "wb") as stdout, open(self.stderr_path, "wb") as stderr:
+            if starter is not None:  # a fork of a Python that has imported torch already, if it can
+                self.process = starter.start(plan.argv, plan.cwd, env, self.stdout_path, self.stderr_path)
             try:
-                self.process = subprocess.Popen(
-                    plan.argv,
-                    cwd=plan.cwd,
-                    env={**os.environ, **plan.env},
-                    stdout=stdout,
-                    stderr=stderr,
-                    stdin=subprocess.DEVNULL,
-                    start_new_session=True,
-                )
+                if self.process is None:
+                    self.process = subprocess.Popen(
+                        plan.argv,
+                        cwd=plan.cwd,
+                        env=env,
+                        stdout=stdout,
+                        stderr=stderr,
+                        stdin=subprocess.DEVNULL,
+                        start_new_session=True,
+                    )
             except OSError as err:  # the container runtime's StartError
                 self.outcome = PodOutcome(
                     FAILED, f"main: StartError (exit code 128): {_start_error(err)}", 128, None, None
                 )
+        plan.recorded["local"]["warmStart"] = isinstance(self.process, WarmProcess)
+        (plan.pod_dir / "pod.json").write_text(json.dumps(plan.recorded, indent=2, default=str) + "\n")
 
     @property
     def running(self) -> bool:

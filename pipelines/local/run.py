@@ -18,6 +18,7 @@ from pipelines.local.executor import Controller, View
 from pipelines.local.manifest import load_workflow
 from pipelines.local.status import SUCCEEDED
 from pipelines.local.view import LiveView, PlainView
+from pipelines.local.warm import WarmStarter
 
 DEFAULT_WORKDIR = Path(tempfile.gettempdir()) / "moerl-local"
 
@@ -43,10 +44,12 @@ def run_workflow(
     workdir: str | Path | None = None,
     view: View | str | None = "auto",
     name: str | None = None,
+    warm_start: bool | WarmStarter | None = None,
 ) -> RunResult:
     """Load, validate and run a workflow manifest (a path, or an already-loaded mapping).
 
     view: "auto" (a live tree on a terminal, log lines otherwise), "plain", None (silent), or a View.
+    warm_start: start `python -m` pods as forks of a warm Python (warm.py); None: unless MOERL_LOCAL_WARM=0.
     Raises MoerlError, before anything runs, for a manifest this executor cannot run."""
     spec = parse_chaos(chaos)
     workflow = load_workflow(manifest, parameters or {}, name=name)
@@ -60,6 +63,7 @@ def run_workflow(
         chaos=spec,
         status_out=Path(status_out) if status_out else None,
         view=view,  # type: ignore[arg-type]
+        warm_start=warm_start,
     )
     status = controller.run()
     return RunResult(workflow.name, status["phase"], status.get("message", ""), status, controller.run_dir)

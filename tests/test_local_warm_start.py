@@ -1,0 +1,186 @@
+"""Warm starts (pipelines/local/warm.py): a `python -m` pod forked from a Python that has imported torch
+behaves as the fresh process it replaces: argv, cwd, sys.path[0], environment, stdio, exit codes, process
+group, fresh random seeds, torchrun's ranks and its failure handling."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from pipelines.local import run_workflow
+from pipelines.local.warm import PER_POD_ENV, PRELOAD, WarmStarter, python_program
+
+REPO = Path(__file__).resolve().parents[1]
+PY = sys.executable
+TORCHRUN = str(Path(sys.executable).parent / "torchrun")
+# Light preloads keep these tests fast; the demo's own preload is checked by the import scan below.
+LIGHT = ("json", "numpy", "torch")
+
+
+def workflow(templates: list[dict], steps: list[list[str]]) -> dict:
+    return {
+        "apiVersion": "argoproj.io/v1alpha1",
+        "kind": "Workflow",
+        "metadata": {"generateName": "warm-"},
+        "spec": {
+            "entrypoint": "main",
+            "templates": [
+                {"name": "main", "steps": [[{"name": n, "template": n} for n in group] for group in steps]},
+                *templates,
+            ],
+        },
+    }
+
+
+def probe(name: str, command: list[str], env: dict[str, str] | None = None, **extra) -> dict:
+    env = {"PROBE": "hello", "PYTHONUNBUFFERED": "1", **(env or {})}
+    container = {"image": "python:3.11", "command": command, "env": [{"name": k, "value": v} for k, v in env.items()]}
+    return {"name": name, "container": container, **extra}
+
+
+def pods(result) -> dict[str, dict]:
+    """Node display name -> its node, whether it started warm, its stdout and stderr."""
+    nodes = {node["name"]: node for node in result.status["nodes"].values() if node["type"] == "Pod"}
+    found = {}
+    for pod_dir in (result.run_dir / "pods").iterdir():
+        record = json.loads((pod_dir / "pod.json").read_text())
+        node = nodes[record["metadata"]["annotations"]["workflows.argoproj.io/node-name"]]
+        found[node["displayName"]] = {
+            "node": node,
+            "warm": record["local"]["warmStart"],
+            "stdout": (pod_dir / "stdout.log").read_text(),
+            "stderr": (pod_dir / "stderr.log").read_text(),
+        }
+    return found
+
+
+def run(manifest: dict, tmp_path: Path, warm: bool):
+    starter = WarmStarter(LIGHT, wait_for_server=True) if warm else False
+    return run_workflow(manifest, workdir=tmp_path / ("warm" if warm else "cold"), view=None, warm_start=starter)
+
+
+def test_python_program_recognises_python_m_and_single_node_torchrun():
+    plain = python_program([PY, "-m", "steps.rollout", "--run", "x"])
+    assert (plain.module, plain.args, plain.ranks) == ("steps.rollout", ["--run", "x"], None)
+    ranks = python_program(
+        [TORCHRUN, "--nproc-per-node", "2", "--standalone", "--nnodes", "1", "-m", "a.b", "--", "--x"]
+    )
+    assert (ranks.module, ranks.args, ranks.ranks) == ("a.b", ["--x"], 2)
+    launched = python_program([PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3", "-m", "m"])
+    assert (launched.module, launched.ranks) == ("m", 3)
+    cold = [
+        [PY, "-c", "print(1)"],  # not a module
+        [PY, "script.py"],
+        ["/usr/bin/python3", "-m", "m"],  # another interpreter: its own libraries
+        [TORCHRUN, "--nnodes", "2", "--nproc-per-node", "2", "-m", "m"],  # a rendezvous across nodes
+        [TORCHRUN, "--nproc-per-node", "gpu", "-m", "m"],  # torchrun's own reading of the machine
+        [TORCHRUN, "--max-restarts", "3", "--nproc-per-node", "2", "-m", "m"],  # restarts: torchrun's agent
+        [TORCHRUN, "--nproc-per-node", "2", "train.py"],
+        [TORCHRUN, "--no-python", "--nproc-per-node", "2", "-m", "m"],
+        ["bash", "-c", "python -m m"],
+    ]
+    for argv in cold:
+        assert python_program(argv) is None, argv
+
+
+def test_a_warm_pod_sees_what_a_fresh_python_m_process_sees(tmp_path):
+    manifest = workflow(
+        [
+            probe("a", [PY, "-m", "tests.warm_probe", "x", "--y"]),
+            probe("b", [PY, "-m", "tests.warm_probe", "x", "--y"]),
+            probe("ranks", [TORCHRUN, "--nproc-per-node", "2", "--standalone", "-m", "tests.warm_probe", "--", "--r"]),
+        ],
+        [["a", "b", "ranks"]],
+    )
+    cold, warm = run(manifest, tmp_path, warm=False), run(manifest, tmp_path, warm=True)
+    assert cold.succeeded and warm.succeeded, (cold.message, warm.message)
+    cold_pods, warm_pods = pods(cold), pods(warm)
+    assert all(p["warm"] for p in warm_pods.values()) and not any(p["warm"] for p in cold_pods.values())
+
+    def seen(pod: dict) -> list[dict]:
+        lines = [json.loads(line) for line in pod["stdout"].splitlines()]
+        return sorted(lines, key=lambda line: str(line["env"]["RANK"]))
+
+    draws = []
+    for name in ("a", "b", "ranks"):
+        cold_seen, warm_seen = seen(cold_pods[name]), seen(warm_pods[name])
+        assert len(cold_seen) == len(warm_seen) == (2 if name == "ranks" else 1)
+        for c, w in zip(cold_seen, warm_seen, strict=True):
+            draws += [(w["random"], w["numpy"])]
+            for line in (c, w):
+                del line["random"], line["numpy"]
+            assert w == c, name
+        assert warm_pods[name]["stderr"].count("Traceback") == 0
+    assert len(set(draws)) == len(draws)  # forked siblings do not repeat each other's random numbers
+    ranks = seen(warm_pods["ranks"])
+    assert [r["env"]["RANK"] for r in ranks] == ["0", "1"] and {r["threads"] for r in ranks} == {1}
+    assert ranks[0]["argv"][1:] == ["--r"] and all(r["pgid_is_own"] for r in ranks)
+
+
+def test_a_warm_pod_fails_with_its_exit_code_and_traceback(tmp_path):
+    manifest = workflow(
+        [
+            probe("crash", [PY, "-m", "tests.warm_probe"], {"PROBE": "fail"}),
+            probe("exit3", [PY, "-m", "tests.warm_probe"], {"PROBE_EXIT": "3"}),
+        ],
+        [["crash", "exit3"]],
+    )
+    result = run(manifest, tmp_path, warm=True)
+    found = pods(result)
+    assert found["crash"]["warm"] and found["exit3"]["warm"]
+    assert found["crash"]["node"]["message"] == "main: Error (exit code 1)"
+    assert "RuntimeError: probe failed on purpose" in found["crash"]["stderr"]
+    assert found["exit3"]["node"]["message"] == "main: Error (exit code 3)"
+
+
+def test_a_failed_warm_rank_stops_the_others_as_torchrun_does(tmp_path):
+    # rank 1 exits 5 at once; rank 0 would sleep a minute: the launcher must SIGTERM it and fail the pod
+    command = [TORCHRUN, "--nproc-per-node", "2", "--standalone", "-m", "tests.warm_probe"]
+    manifest = workflow([probe("ranks", command, {"PROBE": "rank-fail"})], [["ranks"]])
+    started = time.monotonic()
+    result = run(manifest, tmp_path, warm=True)
+    found = pods(result)["ranks"]
+    assert found["warm"] and found["node"]["message"] == "main: Error (exit code 1)"
+    assert "rank 1 failed (exit code 5)" in found["stderr"]
+    assert time.monotonic() - started < 50  # not the sleeping rank's 60 s: it was stopped
+
+
+def test_a_warm_pod_past_its_deadline_is_killed_with_its_process_group(tmp_path):
+    command = [TORCHRUN, "--nproc-per-node", "2", "--standalone", "-m", "tests.warm_probe"]
+    manifest = workflow([probe("slow", command, {"PROBE": "sleep"}, activeDeadlineSeconds=3)], [["slow"]])
+    result = run(manifest, tmp_path, warm=True)
+    found = pods(result)["slow"]
+    assert found["warm"] and "deadline" in found["node"]["message"]
+    pids = [int(line) for line in found["stderr"].splitlines() if line.isdigit()]
+    assert len(pids) == 2
+    for pid in pids:  # both ranks are gone (the launcher's process group was killed)
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def test_preloaded_modules_read_no_per_pod_variable_at_import():
+    """The warm server imports PRELOAD once with its own HOME and no sandbox; a pod's values of PER_POD_ENV must
+    not have been captured by those imports, or a warm pod would see the server's."""
+    scan = """
+import os, sys, importlib
+for name in sys.argv[1:]:
+    importlib.import_module(name)
+hits = []
+for module_name, module in list(sys.modules.items()):
+    if module_name in ("site", "sys", "__main__"):  # USER_SITE (off in a venv), orig_argv
+        continue
+    for key, value in list(getattr(module, "__dict__", {}).items()):
+        text = value if isinstance(value, str) else str(value) if type(value).__name__ == "PosixPath" else ""
+        if "zz-per-pod-probe" in text:
+            hits.append(f"{module_name}.{key}")
+print(hits)
+"""
+    env = {**os.environ, **{name: "/zz-per-pod-probe" for name in PER_POD_ENV if "THREADS" not in name}}
+    out = subprocess.run([PY, "-c", scan, *PRELOAD], env=env, cwd=REPO, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout

@@ -1,0 +1,39 @@
+"""A pod program for tests/test_local_warm_start.py: prints what a fresh `python -m` process would see."""
+
+import json
+import os
+import random
+import sys
+import time
+
+import numpy
+import torch
+
+if __name__ == "__main__":
+    print(
+        json.dumps(
+            {
+                "argv": sys.argv,
+                "cwd": os.getcwd(),
+                "path0": sys.path[0],
+                "name": __name__,
+                "env": {k: os.environ.get(k) for k in ("PROBE", "RANK", "WORLD_SIZE", "LOCAL_RANK", "OMP_NUM_THREADS")},
+                "home": os.environ.get("HOME"),
+                "random": random.random(),
+                "numpy": float(numpy.random.random()),
+                "threads": torch.get_num_threads(),
+                "stdin": sys.stdin.read(),
+                "pgid_is_own": os.getpgid(0) == os.getsid(0),
+                "preloaded_main_copy": "tests.warm_probe" in sys.modules,
+            }
+        )
+    )
+    behaviour, rank = os.environ.get("PROBE"), os.environ.get("RANK")
+    if behaviour == "sleep" or (behaviour == "rank-fail" and rank == "0"):
+        print(os.getpid(), file=sys.stderr, flush=True)
+        time.sleep(60)
+    if behaviour == "rank-fail" and rank == "1":
+        sys.exit(5)
+    if behaviour == "fail":
+        raise RuntimeError("probe failed on purpose")
+    sys.exit(int(os.environ.get("PROBE_EXIT", "0")))
