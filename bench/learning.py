@@ -16,8 +16,7 @@ the same held-out greedy accuracy (steps.engine.evaluate_accuracy on the config'
 Clocks start when each side's process is launched (imports, model load and, for moerl, the workflow's plan
 and import-sft steps count; the SFT build does not). Held-out evaluation time is taken off both clocks: the
 TRL callback times its own evaluations; moerl's happen inside the score step, so each score step that
-finished before publish[i] costs one evaluation (its `heldout_seconds` if the metrics record it, else one
-evaluation of the SFT checkpoint timed here the way score runs it). The sides run one after the other, each
+finished before publish[i] costs the `heldout_seconds` that its metrics record. The sides run one after the other, each
 alone on the CPU budget (2 cores): moerl as its steps use them (2 rollout shards x 1 thread, score with
 torch's default 2 threads, torchrun 2 ranks x 1 thread), TRL as one process with 2 torch threads.
 
@@ -295,38 +294,15 @@ def status_times(status: dict[str, Any], kind: str) -> dict[int, float]:
     return out
 
 
-def measure_heldout_seconds(cfg: RunConfig, sft_dir: Path) -> float:
-    """One held-out evaluation as score runs it (load the torch engine, evaluate_accuracy), torch's default
-    threads; the faster of two runs."""
-    script = (
-        "import sys, time, torch; sys.path.insert(0, sys.argv[1]); "
-        "from pipelines.config import load_config; from steps.experience import heldout_prompts; "
-        "from steps.engine import TorchEngine, evaluate_accuracy; "
-        "cfg = load_config(sys.argv[2], {'sft_checkpoint': sys.argv[3], 'run_store': '/tmp/unused'}); "
-        "p = heldout_prompts(cfg); best = 1e9\n"
-        "for _ in range(2):\n"
-        "    t = time.monotonic(); e = TorchEngine.from_checkpoint(sys.argv[3]); "
-        "evaluate_accuracy(e, None, p, max_new_tokens=cfg.sampling.max_new_tokens); "
-        "best = min(best, time.monotonic() - t)\n"
-        "print(best)"
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", script, str(REPO), str(DEMO_CONFIG), str(sft_dir)],
-        check=True, capture_output=True, text=True,
-    )  # fmt: skip
-    return float(out.stdout.strip().splitlines()[-1])
-
-
 def run_moerl(args: argparse.Namespace, cfg: RunConfig, sft_dir: Path, target: float) -> Curve:
     workdir = Path(args.workdir) / "moerl"
     shutil.rmtree(workdir, ignore_errors=True)
     workdir.mkdir(parents=True)
     shutil.copytree(sft_dir, workdir / "sft-demo")  # `moerl demo` finds it and builds nothing
     run = workdir / "run"
-    eval_estimate = measure_heldout_seconds(cfg, sft_dir)
     moerl = Path(sys.executable).with_name("moerl")
     command = [str(moerl), "demo", "--workdir", str(workdir), "--iterations", str(args.iterations)]
-    print(f"moerl: {' '.join(command)}  (held-out evaluation ~{eval_estimate:.2f} s, taken off the clock)")
+    print(f"moerl: {' '.join(command)}  (each score step's heldout_seconds taken off the clock)")
     log = (workdir / "moerl-demo.log").open("w")
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     load = os.getloadavg()[0]
@@ -334,6 +310,7 @@ def run_moerl(args: argparse.Namespace, cfg: RunConfig, sft_dir: Path, target: f
     start = time.time()
     proc = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env)
     published: dict[int, float] = {}
+    evals: dict[int, float] = {}  # iteration -> its score step's held-out evaluation seconds
     curve = Curve("moerl")
 
     def observe() -> Curve:
@@ -341,12 +318,12 @@ def run_moerl(args: argparse.Namespace, cfg: RunConfig, sft_dir: Path, target: f
             version = int(manifest.parent.name[1:])
             if version not in published:
                 published[version] = manifest.stat().st_mtime
-        heldout, evals = {}, {}
+        heldout = {}
         for path in (run / "metrics").glob("iter-*[0-9].json"):
             metrics = _read_json(path) or {}
             if "heldout_accuracy" in metrics:
                 heldout[int(metrics["policy_version"])] = float(metrics["heldout_accuracy"])
-                evals[int(metrics["iteration"])] = float(metrics.get("heldout_seconds", eval_estimate))
+                evals[int(metrics["iteration"])] = float(metrics["heldout_seconds"])
         status = _read_json(workdir / "status.json") or {}
         for version, finished in status_times(status, "publish").items():
             published.setdefault(version, finished)
@@ -356,7 +333,7 @@ def run_moerl(args: argparse.Namespace, cfg: RunConfig, sft_dir: Path, target: f
     while proc.poll() is None:
         time.sleep(POLL_SECONDS)
         curve = observe()
-        clock = time.time() - start - sum(1 for _ in curve.points) * eval_estimate
+        clock = time.time() - start - sum(evals.values())
         if curve.time_to(target) is not None and not args.keep_going:
             stopped = "target reached"
         elif clock > args.time_limit:
