@@ -63,6 +63,7 @@ TRAINER_NOT_MAPPED = {
     "nproc_per_node": "one process (2 torch threads)",
     "nodes": "one process",
     "is_cap": "no importance correction without vLLM (both sides on-policy at staleness 0)",
+    "old_logprobs": "recomputes them in an extra forward pass (steps_per_generation > 1): it has no engine log-probs",
 }
 # Trainer fields mapped by grpo_settings.
 TRAINER_MAPPED = {

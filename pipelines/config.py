@@ -130,6 +130,13 @@ class TrainerConfig(_Section):
     loss_agg: Literal["token-mean", "seq-mean"] = _field("token-mean", "loss aggregation: 'token-mean' or 'seq-mean'")
     kl_coef: float = _field(0.0, "weight of the k3 KL penalty to the SFT policy; 0 turns it off", ge=0)
     is_cap: float = _field(2.0, "cap of the truncated importance weight behaviour -> trainer policy", gt=0)
+    old_logprobs: Literal["recompute", "behavior"] = _field(
+        "recompute",
+        "the PPO ratio's old policy, for updates of more than one step: 'recompute' (one extra forward pass "
+        "with the weights before the update; the truncated IS weight corrects behaviour -> trainer) or "
+        "'behavior' (the rollout engine's own log-probs: no extra pass, IS weight 1; right when the engine "
+        "computes what the trainer would, i.e. the torch engine in fp32 at staleness 0)",
+    )
 
 
 class CheckpointConfig(_Section):

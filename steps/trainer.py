@@ -124,6 +124,7 @@ class TrainSettings:
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
     grad_clip: float = 1.0
+    old_logprobs: str = "recompute"  # or "behavior": see pipelines.config.TrainerConfig.old_logprobs
     seed: int = 0
 
     @classmethod
@@ -137,7 +138,7 @@ class TrainSettings:
             ),
             micro_batch_size=t.micro_batch_size, epochs=t.epochs, steps_per_epoch=t.steps_per_epoch,
             lr=t.lr, warmup_steps=t.warmup_steps, weight_decay=t.weight_decay, betas=tuple(t.betas),
-            grad_clip=t.grad_clip, seed=cfg.seed,
+            grad_clip=t.grad_clip, old_logprobs=t.old_logprobs, seed=cfg.seed,
         )  # fmt: skip
 
     @property
@@ -415,7 +416,11 @@ class PolicyTrainer:
         """All optimizer steps of one iteration; returns the iteration's metrics (same on every rank)."""
         start = time.perf_counter()
         plan = plan_steps(len(samples), self.settings, iteration)
-        old = self.old_logprobs(samples, plan) if len(plan) > 1 else None
+        old = None  # one step: the ratio's old policy is the current one, detached (see step)
+        if len(plan) > 1 and self.settings.old_logprobs == "behavior":  # the engine's: no extra forward pass
+            old = {i: torch.tensor(s.behavior_logprobs, dtype=torch.float32) for i, s in enumerate(samples)}
+        elif len(plan) > 1:
+            old = self.old_logprobs(samples, plan)
         results = []
         for step_indices in plan:
             micro = [
