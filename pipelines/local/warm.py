@@ -27,9 +27,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 # Imported once per run by the server: the libraries every model step needs (importing a step module only
-# defines it; its main runs in the child). torch._dynamo is imported by the first torch.optim optimizer.
+# defines it; its main runs in the child). Imported on first use by the steps, measured: torch._dynamo (the first
+# torch.optim optimizer), pyarrow.dataset (parquet reads), pyarrow.pandas_compat (pa.table of Python rows).
 PRELOAD = (
-    *("torch", "torch._dynamo", "pandas", "pyarrow"),
+    *("torch", "torch._dynamo", "pandas", "pyarrow", "pyarrow.dataset", "pyarrow.pandas_compat"),
     *("steps.rollout", "steps.score", "steps.update", "steps.publish"),
 )
 # Set per pod (or per rank) and read by no preloaded module when it is imported (tests/test_local_warm_start.py
@@ -182,6 +183,8 @@ class WarmServer:
         return json.loads(line)
 
     def close(self) -> None:
+        if not self.ready:  # still importing (it has forked nothing): no reason to wait for it
+            self.process.kill()
         if self.process.stdin is not None:
             try:
                 self.process.stdin.close()
@@ -204,7 +207,6 @@ class WarmStarter:
         self.preload = preload
         self.wait_for_server = wait_for_server
         self.servers: dict[tuple, WarmServer] = {}
-        self.seen: dict[tuple, int] = {}  # environment -> Python pods that started cold with it
         self.dir: Path | None = None  # the servers' logs and the children's status files, made on first use
         self._launches = 0
 
@@ -217,10 +219,9 @@ class WarmStarter:
         key = tuple(sorted(shared.items()))
         server = self.servers.get(key)
         if server is None:
-            # A server's imports cost what a cold pod's do, on the same cores: start one only for the second
-            # pod of an environment (a run of one Python pod gains nothing), and at most MAX_SERVERS a run.
-            self.seen[key] = self.seen.get(key, 0) + 1
-            if (self.seen[key] < 2 and not self.wait_for_server) or len(self.servers) >= MAX_SERVERS:
+            # Started by the first Python pod of an environment, which starts cold meanwhile (as do the pods
+            # that come before the server's imports are done); at most MAX_SERVERS a run.
+            if len(self.servers) >= MAX_SERVERS:
                 return None
             if self.dir is None:
                 self.dir = Path(tempfile.mkdtemp(prefix="moerl-warm-"))
