@@ -1,8 +1,9 @@
 """The local executor's overhead per step: `moerl local` against running the same commands directly.
 
-    .venv/bin/python bench/orchestration.py [--steps 20] [--repeats 3] [--command true|python]
+    .venv/bin/python bench/orchestration.py [--steps 20] [--repeats 3] [--command true|python|step]
 
-Three runs of the same N step commands (`true`, or `python -c pass` with --command python), one after another:
+Three runs of the same N step commands (`true`; `python -c pass` with --command python; `python -m steps.publish
+--help` with --command step, a moerl step that imports torch and the step's libraries), one after another:
 
     direct   subprocess.run of each command in turn: the floor
     dag      a Workflow whose DAG chains N tasks (each `depends` on the one before)
@@ -12,6 +13,9 @@ The executor runs in this process (pipelines.local.run_workflow, silent, writing
 `moerl local --status-out` does), so the figures hold its controller loop, pod sandboxes, logs and status, not
 the interpreter start of the `moerl` command. Each figure is the median of --repeats runs. Prints the total,
 the time per step, the executor's overhead per step (its time minus the direct time, over N) and the ratio.
+With --command step the executor's warm starts apply (pipelines/local/warm.py: the first pod starts cold and
+starts the warm server, later pods fork from it), so its "overhead" is negative: what warm starts save;
+--cold-start runs the executor without them.
 """
 
 from __future__ import annotations
@@ -28,7 +32,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-COMMANDS = {"true": ["true"], "python": [sys.executable, "-c", "pass"]}
+COMMANDS = {
+    "true": ["true"],
+    "python": [sys.executable, "-c", "pass"],
+    "step": [sys.executable, "-m", "steps.publish", "--help"],
+}
 
 
 def workflow(kind: str, steps: int, command: list[str]) -> dict:
@@ -53,11 +61,13 @@ def time_direct(steps: int, command: list[str]) -> float:
     return time.perf_counter() - start
 
 
-def time_executor(manifest: dict, workdir: Path) -> float:
+def time_executor(manifest: dict, workdir: Path, warm_start: bool) -> float:
     from pipelines.local import run_workflow
 
     start = time.perf_counter()
-    result = run_workflow(manifest, view=None, workdir=workdir, status_out=workdir / "status.json")
+    result = run_workflow(
+        manifest, view=None, workdir=workdir, status_out=workdir / "status.json", warm_start=warm_start
+    )
     seconds = time.perf_counter() - start
     if not result.succeeded:
         raise SystemExit(f"the {manifest['metadata']['generateName']} workflow ended {result.phase}: {result.message}")
@@ -69,6 +79,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20, help="step commands per run (default 20)")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each kind; the median is shown")
     parser.add_argument("--command", choices=sorted(COMMANDS), default="true", help="the step command")
+    parser.add_argument("--cold-start", action="store_true", help="the executor without warm starts")
     args = parser.parse_args()
     command = COMMANDS[args.command]
     import pipelines.local  # noqa: F401  (imported once, outside the timings)
@@ -79,13 +90,14 @@ def main() -> None:
         for _ in range(args.repeats):  # interleaved, so that a slow moment of the machine hits every kind
             times["direct"].append(time_direct(args.steps, command))
             for kind in ("dag", "steps"):
-                times[kind].append(time_executor(workflow(kind, args.steps, command), workdir))
+                times[kind].append(time_executor(workflow(kind, args.steps, command), workdir, not args.cold_start))
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
     median = {kind: statistics.median(values) for kind, values in times.items()}
     shown = " ".join(command).replace(sys.executable, "python")
-    print(f"{args.steps} sequential steps of `{shown}`, median of {args.repeats} runs")
+    starts = "cold starts" if args.cold_start else "warm starts"
+    print(f"{args.steps} sequential steps of `{shown}`, median of {args.repeats} runs, executor with {starts}")
     print(f"{'run':>8}  {'total (s)':>9}  {'per step (ms)':>13}  {'overhead/step (ms)':>18}  {'ratio':>6}")
     for kind, seconds in median.items():
         per_step = 1000 * seconds / args.steps
