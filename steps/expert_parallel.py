@@ -9,8 +9,9 @@ slice of the global batch.
 Dispatch backends, one `ExpertDispatch` contract (steps/moe.py):
   local     one rank, all experts (steps.moe.LocalDispatch).
   alltoall  torch.distributed.all_to_all_single, gloo on CPU or NCCL on GPU: every (token, expert) slot is
-            sent to the expert's owner, run there, and sent back; each exchange is an autograd Function whose
-            backward is the reverse exchange.
+            sent to the expert's owner, run there, and sent back; one autograd Function per MoE layer with a
+            hand-written backward, which overlaps every exchange with the experts' work on the slots that
+            stay on this rank.
   deepep    DeepEP 2.x ElasticBuffer dispatch/combine (NVLink in a node, RDMA/EFA across nodes), GPU only,
             imported when first used. DeepEP sends tokens (not slots) in bf16; the owner applies the router
             weights and combine sums the ranks' partial outputs.
@@ -29,15 +30,16 @@ import math
 import os
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 from steps.errors import MoerlError
-from steps.moe import ExpertDispatch, LocalDispatch, group_by_expert, run_experts
+from steps.moe import ExpertDispatch, LocalDispatch, SlotOrder, group_by_expert, run_experts
 
 BACKENDS = ("local", "alltoall", "deepep")
 _EXPERT_PARAM = re.compile(r"(^|\.)experts\.\d+\.")
@@ -167,92 +169,30 @@ class _Span:
 # ----------------------------------------------------------------------------------------------------
 
 
-class _AllToAll(torch.autograd.Function):
-    """Rows of x go to the ranks of `group` (input_splits[i] rows to rank i) and rows come back
-    (output_splits[i] from rank i). The backward is the same exchange in reverse: the gradient of each row
-    goes back to the rank the row came from."""
-
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: torch.autograd.function.FunctionCtx,
-        x: torch.Tensor,
-        output_splits: list[int],
-        input_splits: list[int],
-        group: dist.ProcessGroup,
-        timer: CommTimer,
-    ) -> torch.Tensor:
-        ctx.splits = (output_splits, input_splits)  # type: ignore[attr-defined]
-        ctx.group, ctx.timer = group, timer  # type: ignore[attr-defined]
-        return _exchange(x, output_splits, input_splits, group, timer)
-
-    @staticmethod
-    def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> tuple:  # type: ignore[override]
-        output_splits, input_splits = ctx.splits  # type: ignore[attr-defined]
-        grad_x = _exchange(grad, input_splits, output_splits, ctx.group, ctx.timer)  # type: ignore[attr-defined]
-        return grad_x, None, None, None, None
-
-
-def _exchange(
-    x: torch.Tensor, output_splits: list[int], input_splits: list[int], group: dist.ProcessGroup, timer: CommTimer
-) -> torch.Tensor:
-    out = x.new_empty((sum(output_splits), *x.shape[1:]))
-    with timer.measure(x.device):
-        dist.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=group)
-    return out
-
-
-class _PermuteRows(torch.autograd.Function):
-    """x[perm] for a permutation of the rows. The backward is a gather with the inverse permutation, where
-    plain indexing would zero-fill and scatter-add (slower, and atomics on CUDA)."""
-
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor, perm: torch.Tensor, inverse: torch.Tensor
-    ) -> torch.Tensor:
-        ctx.save_for_backward(inverse)
-        return x[perm]
-
-    @staticmethod
-    def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> tuple:  # type: ignore[override]
-        (inverse,) = ctx.saved_tensors  # type: ignore[attr-defined]
-        return grad[inverse], None, None
-
-
-class _TokensToSlots(torch.autograd.Function):
-    """hidden [T, H] -> [T*k, H]: the row of each of the T*k (token, expert) slots, slots in `order`
-    (slot s belongs to token s // k). The backward sums each token's k slot gradients in a fixed order."""
-
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: torch.autograd.function.FunctionCtx,
-        hidden: torch.Tensor,
-        order: torch.Tensor,
-        inverse: torch.Tensor,
-        top_k: int,
-    ) -> torch.Tensor:
-        ctx.save_for_backward(inverse)
-        ctx.top_k = top_k  # type: ignore[attr-defined]
-        return hidden[order // top_k]
-
-    @staticmethod
-    def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> tuple:  # type: ignore[override]
-        (inverse,) = ctx.saved_tensors  # type: ignore[attr-defined]
-        per_slot = grad[inverse]  # back to token-major slot order: slot t*k + j
-        return per_slot.view(-1, ctx.top_k, grad.shape[-1]).sum(dim=1), None, None, None  # type: ignore[attr-defined]
-
-
 class AllToAllDispatch:
-    """Expert parallelism over all_to_all_single (gloo or NCCL).
+    """Expert parallelism over all_to_all_single (gloo or NCCL), with the exchanges overlapped with expert
+    work.
 
-    Per MoE layer and call, three exchanges forward and two backward: (1) the T*k slots are grouped by
-    global expert id, which also groups them by owner rank; (2) one small exchange of per-expert counts tells
-    every owner how many rows to expect from each rank for each of its experts (it runs while the slots'
-    rows are gathered); (3) the slots' hidden rows go to their owners; (4) each owner regroups what it
-    received by local expert, runs each expert once, and restores the received order; (5) the outputs go
-    back, are put back in slot order and summed over the k slots with the router weights (a gather + sum, so
-    the result is deterministic). Every reordering is a permutation whose backward is the inverse gather, so
-    the backward has no scatter-add either. The number of exchanges does not depend on the number of
-    experts: few, large messages, which is what a latency-bound transport (gloo on loopback) needs.
+    Per MoE layer and call: the T*k (token, expert) slots are grouped by global expert id, which also groups
+    them by owner rank (SlotOrder), and one small exchange of per-expert counts tells every owner how many
+    rows to expect from each rank for each of its experts (it travels while the slots' rows are gathered).
+    Then, in one autograd Function with a hand-written backward (_AllToAllMoe), so that the order of work is
+    ours and not the autograd engine's:
+
+      forward   send the slots' rows to their owners (asynchronous); meanwhile run the own experts on half
+                of the slots this rank owns itself (about 1/ep of all slots: they never travel); then the
+                experts on the rows that arrived; send those outputs back (asynchronous) while the own
+                experts run on the other half; combine: gather the outputs per choice and add them with the
+                router weights (deterministic: gathers and adds only).
+      backward  the combine's gradient goes to the owners (asynchronous) while the own experts run their
+                backward; then the arrived rows' input gradients, which go back (asynchronous) while the
+                owner computes those rows' weight gradients; finally each token sums its k slot gradients.
+
+    Four row exchanges and one counts exchange per layer and micro-batch, each overlapped with expert work;
+    the own block is never sent to itself. The number of exchanges does not depend on the number of experts:
+    few, large messages, which is what a latency-bound transport (gloo on loopback) needs. The experts are
+    the model's SwiGLU `Expert`s; the Function computes their forward and backward from their weights.
+    `expert_rows` counts the (token, expert) rows this rank's experts ran (the bench reports the balance).
     """
 
     def __init__(
@@ -271,8 +211,10 @@ class AllToAllDispatch:
         self.num_experts = num_experts
         self.num_local_experts = num_experts // ep_size
         self.expert_offset = expert_offset
+        self.ep_rank = expert_offset // self.num_local_experts
         self.device = device
         self.timer = timer or CommTimer()
+        self.expert_rows = 0
 
     def __call__(
         self,
@@ -281,43 +223,202 @@ class AllToAllDispatch:
         topk_weight: torch.Tensor,
         experts: nn.ModuleDict,
     ) -> torch.Tensor:
-        num_tokens, top_k = topk_idx.shape
-        local = self.num_local_experts
-
-        # (1) slots grouped by expert, hence by owner rank; per_expert: rows this rank sends to each expert
-        order, inverse_order, per_expert = group_by_expert(topk_idx.reshape(-1), self.num_experts)
-
-        # (2) recv_counts[s * local + j]: rows rank s sends to this rank's local expert j. Asynchronous: the
-        # gather of the slots' rows below runs while the counts travel.
-        recv_counts = torch.empty_like(per_expert)
+        slots = SlotOrder.of(topk_idx, self.num_experts)
+        recv_counts = torch.empty_like(slots.counts)
         with self.timer.measure(hidden.device):
-            counts_sent = dist.all_to_all_single(recv_counts, per_expert, group=self.group, async_op=True)
-        routed = _TokensToSlots.apply(hidden, order, inverse_order, top_k)
-        with self.timer.measure(hidden.device):
+            counts_sent = dist.all_to_all_single(recv_counts, slots.counts, group=self.group, async_op=True)
+        weights = []
+        for e in range(self.expert_offset, self.expert_offset + self.num_local_experts):
+            expert = experts[str(e)]
+            weights += [expert.gate_proj.weight, expert.up_proj.weight, expert.down_proj.weight]
+        return _AllToAllMoe.apply(hidden, topk_weight, self, slots, counts_sent, recv_counts, *weights)
+
+
+def _exchange_others(
+    out: torch.Tensor,
+    out_own: slice,
+    x: torch.Tensor,
+    x_own: slice,
+    out_splits: list[int],
+    in_splits: list[int],
+    d: AllToAllDispatch,
+) -> Callable[[], None]:
+    """Start the all-to-all of x's rows to out's rows (out_splits[i] rows from rank i, in_splits[i] to it),
+    except this rank's own block (x_own -> out_own), which the caller fills itself; returns the wait.
+    With ep = 2 the own block is at one end of both buffers, and the exchange reads and writes views."""
+    out_splits, in_splits = list(out_splits), list(in_splits)
+    out_splits[d.ep_rank] = in_splits[d.ep_rank] = 0
+    x_others = _without_block(x, x_own)
+    out_others = _without_block(out, out_own) if out_own.start == 0 or out_own.stop == out.shape[0] else None
+    target = out_others if out_others is not None else out.new_empty((sum(out_splits), *out.shape[1:]))
+    work = dist.all_to_all_single(target, x_others, out_splits, in_splits, group=d.group, async_op=True)
+
+    def wait() -> None:
+        work.wait()
+        if out_others is None:  # the own block sits in the middle: copy the others around it
+            out[: out_own.start] = target[: out_own.start]
+            out[out_own.stop :] = target[out_own.start :]
+
+    return wait
+
+
+def _without_block(x: torch.Tensor, block: slice) -> torch.Tensor:
+    """x without the rows of `block`: a view when the block is at either end (always, with ep = 2)."""
+    if block.start == 0:
+        return x[block.stop :]
+    if block.stop == x.shape[0]:
+        return x[: block.start]
+    return torch.cat([x[: block.start], x[block.stop :]])
+
+
+@dataclass
+class _Chunk:
+    """Rows of one expert run: rows [start, end) of a source buffer, and the activations backward needs."""
+
+    expert: int  # local expert index
+    start: int
+    end: int
+    gate: torch.Tensor | None = None
+    up: torch.Tensor | None = None
+
+
+def _expert_chunks(counts: list[int], offset: int) -> list[_Chunk]:
+    """One chunk per local expert with rows, for expert-grouped rows that start at `offset`."""
+    chunks, start = [], offset
+    for j, count in enumerate(counts):
+        if count:
+            chunks.append(_Chunk(j, start, start + count))
+        start += count
+    return chunks
+
+
+def _experts_forward(chunks: list[_Chunk], x: torch.Tensor, out: torch.Tensor, weights: tuple) -> None:
+    """out[chunk] = down(silu(gate(x[chunk])) * up(x[chunk])) for each chunk (SwiGLU, as Expert.forward)."""
+    for c in chunks:
+        w_gate, w_up, w_down = weights[3 * c.expert : 3 * c.expert + 3]
+        rows = x[c.start : c.end]
+        c.gate, c.up = rows @ w_gate.t(), rows @ w_up.t()
+        torch.mm(F.silu(c.gate) * c.up, w_down.t(), out=out[c.start : c.end])
+
+
+def _experts_backward_input(chunks: list[_Chunk], grad_out: torch.Tensor, grad_x: torch.Tensor, weights: tuple) -> list:
+    """grad_x[chunk] for each chunk; returns what the weight gradients need: (chunk, d_gate, d_up, act)."""
+    pending = []
+    for c in chunks:
+        w_gate, w_up, w_down = weights[3 * c.expert : 3 * c.expert + 3]
+        d_act = grad_out[c.start : c.end] @ w_down
+        silu_gate = F.silu(c.gate)
+        d_up = d_act * silu_gate
+        d_gate = torch.ops.aten.silu_backward(d_act * c.up, c.gate)
+        torch.mm(d_gate, w_gate, out=grad_x[c.start : c.end]).addmm_(d_up, w_up)
+        pending.append((c, d_gate, d_up, silu_gate * c.up))
+    return pending
+
+
+def _experts_backward_weights(pending: list, grad_out: torch.Tensor, x: torch.Tensor, grads: list) -> None:
+    """Accumulate the weight gradients of the chunks into grads (3 per local expert, None until used)."""
+    for c, d_gate, d_up, act in pending:
+        rows = x[c.start : c.end]
+        for i, g in ((0, d_gate.t() @ rows), (1, d_up.t() @ rows), (2, grad_out[c.start : c.end].t() @ act)):
+            k = 3 * c.expert + i
+            grads[k] = g if grads[k] is None else grads[k].add_(g)
+
+
+class _AllToAllMoe(torch.autograd.Function):
+    """The routed experts of one MoE layer over the EP group (AllToAllDispatch): forward and backward each
+    overlap their exchanges with the experts' work on the rows that stay on this rank."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: torch.autograd.function.FunctionCtx,
+        hidden: torch.Tensor,
+        topk_weight: torch.Tensor,
+        d: AllToAllDispatch,
+        slots: SlotOrder,
+        counts_sent: dist.Work,
+        recv_counts: torch.Tensor,
+        *weights: torch.Tensor,
+    ) -> torch.Tensor:
+        routed = slots.gather_rows(hidden)  # [T*k, H], grouped by expert, hence by owner
+        with d.timer.measure(hidden.device):
             counts_sent.wait()
-        counts = torch.stack([per_expert, recv_counts]).cpu()  # one device->host copy for all the sizes
-        send_splits = counts[0].view(self.ep_size, local).sum(1).tolist()
-        recv_matrix = counts[1].view(self.ep_size, local)
-        recv_splits = recv_matrix.sum(1).tolist()
+        counts = torch.stack([slots.counts, recv_counts]).cpu()  # one device->host copy for all the sizes
+        send_matrix = counts[0].view(d.ep_size, d.num_local_experts)
+        recv_matrix = counts[1].view(d.ep_size, d.num_local_experts)
+        send_splits, recv_splits = send_matrix.sum(1).tolist(), recv_matrix.sum(1).tolist()
 
-        # (3) send each slot's hidden row to the owner of its expert
-        received = _AllToAll.apply(routed, recv_splits, send_splits, self.group, self.timer)
+        # The slots go to their owners while the own experts run on the slots this rank owns itself (those
+        # never travel: the own block of `received` and of `expert_out` stays unused).
+        me = d.ep_rank
+        own_rows = slice(sum(send_splits[:me]), sum(send_splits[: me + 1]))  # in routed and returned
+        own_received = slice(sum(recv_splits[:me]), sum(recv_splits[: me + 1]))  # in received and expert_out
+        received = routed.new_empty((sum(recv_splits), routed.shape[1]))
+        with d.timer.measure(hidden.device):
+            sent = _exchange_others(received, own_received, routed, own_rows, recv_splits, send_splits, d)
+        own = _expert_chunks(send_matrix[me].tolist(), 0)
+        # the own experts are split between the two exchanges' waits, about half of the own rows each
+        half = (own_rows.stop - own_rows.start) // 2
+        own_first, own_last = [c for c in own if c.end <= half], [c for c in own if c.end > half]
+        returned = routed.new_empty(routed.shape)  # expert outputs of this rank's slots, grouped by expert
+        _experts_forward(own_first, routed[own_rows], returned[own_rows], weights)
+        expert_out = torch.empty_like(received)  # outputs of the rows that arrived (own block unused)
+        with d.timer.measure(hidden.device):
+            sent()
+        remote = [
+            c for s in range(d.ep_size) if s != me
+            for c in _expert_chunks(recv_matrix[s].tolist(), sum(recv_splits[:s]))
+        ]  # fmt: skip
+        _experts_forward(remote, received, expert_out, weights)
+        d.expert_rows += sum(c.end - c.start for c in own + remote)
 
-        # (4) regroup by local expert, run each expert once on its rows, restore the received order
-        local_ids = torch.arange(local, device=hidden.device).repeat(self.ep_size)
-        expert_of_row = torch.repeat_interleave(local_ids, counts[1].to(hidden.device))
-        by_expert, inverse_by_expert, _ = group_by_expert(expert_of_row, local)
-        grouped = _PermuteRows.apply(received, by_expert, inverse_by_expert)
-        # an owner that received nothing still takes part in both exchanges (they are collective)
-        expert_out = run_experts(experts, grouped, recv_matrix.sum(0).tolist(), self.expert_offset)
-        expert_out = _PermuteRows.apply(expert_out, inverse_by_expert, by_expert)
+        # the outputs go back (all but the own block) while the rest of the own experts run
+        with d.timer.measure(hidden.device):
+            back = _exchange_others(returned, own_rows, expert_out, own_received, send_splits, recv_splits, d)
+        _experts_forward(own_last, routed[own_rows], returned[own_rows], weights)
+        with d.timer.measure(hidden.device):
+            back()
+        out, per_choice, choice_weights = slots.combine_rows(returned, topk_weight)
 
-        # (5) back to the sending ranks, in slot order, weighted and summed over the k slots
-        returned = _AllToAll.apply(expert_out, send_splits, recv_splits, self.group, self.timer)
-        if num_tokens == 0:
-            return hidden.new_zeros(hidden.shape) + returned.sum() * 0.0
-        per_slot = _PermuteRows.apply(returned, inverse_order, order).view(num_tokens, top_k, -1)
-        return (per_slot * topk_weight.unsqueeze(-1).to(per_slot.dtype)).sum(dim=1)
+        ctx.save_for_backward(routed, received, per_choice, choice_weights, *weights)
+        ctx.d, ctx.slots, ctx.own, ctx.remote = d, slots, own, remote  # type: ignore[attr-defined]
+        ctx.splits, ctx.own_slices = (send_splits, recv_splits), (own_rows, own_received)  # type: ignore[attr-defined]
+        ctx.weight_dtype = topk_weight.dtype  # type: ignore[attr-defined]
+        return out
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> tuple:  # type: ignore[override]
+        routed, received, per_choice, choice_weights, *weights = ctx.saved_tensors  # type: ignore[attr-defined]
+        d: AllToAllDispatch = ctx.d  # type: ignore[attr-defined]
+        slots: SlotOrder = ctx.slots  # type: ignore[attr-defined]
+        send_splits, recv_splits = ctx.splits  # type: ignore[attr-defined]
+        own_rows, own_received = ctx.own_slices  # type: ignore[attr-defined]
+        own_chunks, remote_chunks = ctx.own, ctx.remote  # type: ignore[attr-defined]
+        weight_dtype = ctx.weight_dtype  # type: ignore[attr-defined]
+        grads: list[torch.Tensor | None] = [None] * len(weights)
+
+        # The combine's gradient goes to the owners while the own experts run backward on their own slots.
+        grad_returned, grad_topk_weight = slots.combine_rows_backward(grad, per_choice, choice_weights)
+        grad_expert_out = torch.empty_like(received)  # own block unused
+        with d.timer.measure(grad.device):
+            sent = _exchange_others(
+                grad_expert_out, own_received, grad_returned, own_rows, recv_splits, send_splits, d
+            )
+        grad_routed = torch.empty_like(routed)
+        own = _experts_backward_input(own_chunks, grad_returned[own_rows], grad_routed[own_rows], weights)
+        _experts_backward_weights(own, grad_returned[own_rows], routed[own_rows], grads)
+        with d.timer.measure(grad.device):
+            sent()
+
+        # The arrived rows' input gradients go back while their weight gradients are computed.
+        grad_received = torch.empty_like(received)  # own block unused
+        remote = _experts_backward_input(remote_chunks, grad_expert_out, grad_received, weights)
+        with d.timer.measure(grad.device):
+            back = _exchange_others(grad_routed, own_rows, grad_received, own_received, send_splits, recv_splits, d)
+        _experts_backward_weights(remote, grad_expert_out, received, grads)
+        with d.timer.measure(grad.device):
+            back()
+        grad_hidden = slots.gather_rows_backward(grad_routed)
+        return grad_hidden, grad_topk_weight.to(weight_dtype), None, None, None, None, *grads
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -602,6 +703,16 @@ def all_reduce_sum(values: torch.Tensor, mesh: Mesh) -> torch.Tensor:
     if mesh.world_group is not None:
         dist.all_reduce(out, op=dist.ReduceOp.SUM, group=mesh.world_group)
     return out
+
+
+def gather_ranks(values: torch.Tensor, mesh: Mesh) -> torch.Tensor:
+    """Every rank's copy of a small 1-D tensor, stacked in rank order [R, n] (one collective; reduce it
+    locally, in rank order, with sums and maxima alike)."""
+    if mesh.world_group is None:
+        return values.unsqueeze(0).clone()
+    parts = [torch.empty_like(values) for _ in range(mesh.world_size)]
+    dist.all_gather(parts, values.contiguous(), group=mesh.world_group)
+    return torch.stack(parts)
 
 
 def local_rank_from_env() -> int:

@@ -23,7 +23,7 @@ from torch import nn
 
 from steps.errors import MoerlError
 from steps.experience import read_table, scored_key
-from steps.expert_parallel import Mesh, all_reduce_sum, clip_grad_norm, sync_gradients
+from steps.expert_parallel import Mesh, clip_grad_norm, gather_ranks, sync_gradients
 from steps.model import MoeForCausalLM, token_logprobs
 from steps.rl_loss import LossSettings, aggregate, token_entropy, token_terms
 from steps.store import Store
@@ -356,12 +356,9 @@ class PolicyTrainer:
         the gradients, update the weights."""
         local = self.backward_step(micro_batches, normalizer)
         n = len(_SUMS)
-        device = self.mesh.device
-        summed = all_reduce_sum(local[:n].to(device), self.mesh).cpu()
-        extremes = local[n:].to(device)
-        if self.mesh.world_group is not None:
-            torch.distributed.all_reduce(extremes, op=torch.distributed.ReduceOp.MAX)
-        extremes = extremes.cpu()
+        # one collective for the sums and the maxima: every rank's vector, reduced here in rank order
+        per_rank = gather_ranks(local.to(self.mesh.device), self.mesh).cpu()
+        summed, extremes = per_rank[:, :n].sum(0), per_rank[:, n:].max(0).values
         stats = dict(zip(_SUMS, summed.tolist(), strict=True))
         if not math.isfinite(stats["loss"]):
             self.optimizer.zero_grad(set_to_none=True)

@@ -148,6 +148,7 @@ MESHES = [
     pytest.param(2, 2, 0.0, None, id="ep2"),
     pytest.param(2, 1, 0.0, None, id="dp2-ep1"),
     pytest.param(4, 2, 0.0, None, id="dp2xep2"),
+    pytest.param(4, 4, 0.0, None, id="ep4-own-block-in-the-middle"),
     pytest.param(2, 2, 6.0, None, id="ep2-all-tokens-to-rank0-experts"),
     pytest.param(2, 2, 0.0, (TOKENS, 0), id="ep2-rank1-without-tokens"),
 ]
