@@ -15,6 +15,7 @@ import pytest
 
 from pipelines.local import run_workflow
 from pipelines.local.warm import PER_POD_ENV, PRELOAD, WarmStarter, python_program
+from steps.store import Store
 
 REPO = Path(__file__).resolve().parents[1]
 PY = sys.executable
@@ -184,3 +185,27 @@ print(hits)
     env = {**os.environ, **{name: "/zz-per-pod-probe" for name in PER_POD_ENV if "THREADS" not in name}}
     out = subprocess.run([PY, "-c", scan, *PRELOAD], env=env, cwd=REPO, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_the_tiny_run_started_warm_and_cold_leaves_the_same_bytes(fault_free_run, tmp_path, monkeypatch):
+    """Every step of the tiny run (import-sft, rollout shards, score, torchrun update, publish, report) forked
+    from one warm Python, and every step a new interpreter: bit-identical checkpoints, experience and scores."""
+    from faults_helpers import assert_same_result
+
+    from pipelines.workflow import workflow as build_workflow
+
+    monkeypatch.setenv("MOERL_LOCAL_TIME_SCALE", "0.05")
+    stores = {}
+    for mode in ("warm", "cold"):
+        run_dir = tmp_path / f"run-{mode}"
+        cfg = fault_free_run.config_for(run_dir.as_uri())
+        starter = WarmStarter(wait_for_server=True) if mode == "warm" else False
+        result = run_workflow(
+            build_workflow(cfg).to_dict(), workdir=tmp_path / f"work-{mode}", view=None, warm_start=starter
+        )
+        assert result.succeeded, (mode, result.message)
+        records = [json.loads(p.read_text()) for p in (result.run_dir / "pods").glob("*/pod.json")]
+        assert {r["local"]["warmStart"] for r in records} == {mode == "warm"}
+        stores[mode] = Store.open(run_dir.as_uri())
+    assert_same_result(stores["warm"], stores["cold"])
+    assert_same_result(stores["warm"], fault_free_run.store)
