@@ -209,3 +209,21 @@ def test_the_tiny_run_started_warm_and_cold_leaves_the_same_bytes(fault_free_run
         stores[mode] = Store.open(run_dir.as_uri())
     assert_same_result(stores["warm"], stores["cold"])
     assert_same_result(stores["warm"], fault_free_run.store)
+
+
+def test_a_dead_server_sends_pods_back_to_cold_starts(tmp_path):
+    starter = WarmStarter(LIGHT, wait_for_server=True)
+    argv = [PY, "-m", "tests.warm_probe"]
+    env = {**os.environ, "PROBE": "hello"}
+    try:
+        first = starter.start(argv, REPO, env, tmp_path / "out1", tmp_path / "err1")
+        assert first is not None and first.wait(timeout=60) == 0
+        assert json.loads((tmp_path / "out1").read_text())["env"]["PROBE"] == "hello"
+        (server,) = starter.servers.values()
+        server.process.kill()
+        server.process.wait()
+        assert starter.start(argv, REPO, env, tmp_path / "out2", tmp_path / "err2") is None  # the caller starts it cold
+        assert not (tmp_path / "out2").exists()  # and nothing was started warm behind its back
+    finally:
+        starter.close()
+    assert starter.dir is None  # the status files and server logs are gone

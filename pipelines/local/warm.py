@@ -256,4 +256,8 @@ class WarmStarter:
 
 
 def warm_starts_enabled() -> bool:
+    """On unless MOERL_LOCAL_WARM=0; Linux only (the server watches its children through pidfds, and forking
+    a process that has loaded torch is not safe on macOS)."""
+    if not sys.platform.startswith("linux") or not hasattr(os, "pidfd_open"):
+        return False
     return os.environ.get("MOERL_LOCAL_WARM", "1").strip().lower() not in ("0", "false", "no", "off")

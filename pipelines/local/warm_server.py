@@ -57,6 +57,11 @@ def serve(preload: list[str]) -> dict:
     import gc
 
     gc.freeze()  # children inherit the preloaded objects untouched: no collection walks them, pages stay shared
+    try:  # a kernel without pidfds (before 5.3) cannot be served: say so before any fork, and every pod starts cold
+        os.close(os.pidfd_open(os.getpid()))
+    except (AttributeError, OSError) as err:
+        reply({"ready": False, "error": f"pidfd_open: {err}"})
+        os._exit(0)
     reply({"ready": True, "preloaded": preloaded, "failed": failed})
     selector = selectors.DefaultSelector()
     selector.register(sys.stdin.fileno(), selectors.EVENT_READ, None)
