@@ -154,7 +154,7 @@ def test_a_failed_warm_rank_stops_the_others_as_torchrun_does(tmp_path):
 
 def test_a_warm_pod_past_its_deadline_is_killed_with_its_process_group(tmp_path):
     command = [TORCHRUN, "--nproc-per-node", "2", "--standalone", "-m", "tests.warm_probe"]
-    manifest = workflow([probe("slow", command, {"PROBE": "sleep"}, activeDeadlineSeconds=3)], [["slow"]])
+    manifest = workflow([probe("slow", command, {"PROBE": "sleep"}, activeDeadlineSeconds=10)], [["slow"]])
     result = run(manifest, tmp_path, warm=True)
     found = pods(result)["slow"]
     assert found["warm"] and "deadline" in found["node"]["message"]
@@ -227,3 +227,26 @@ def test_a_dead_server_sends_pods_back_to_cold_starts(tmp_path):
     finally:
         starter.close()
     assert starter.dir is None  # the status files and server logs are gone
+
+
+def test_pods_wait_for_an_importing_server_and_one_stopped_meanwhile_never_starts(tmp_path, monkeypatch):
+    # The first Python pod starts the server (whose imports take 8 s here) and itself cold; the next two come
+    # while it imports: "late" waits and then starts warm, "stopped" reaches its 2 s deadline while waiting.
+    monkeypatch.setenv("WARM_SLOW_IMPORT", "8")
+    quick = [PY, "-m", "json.tool", "--help"]
+    manifest = workflow(
+        [
+            probe("first", quick),
+            probe("late", [PY, "-m", "tests.warm_probe"]),
+            probe("stopped", [PY, "-m", "tests.warm_probe"], {"PROBE": "sleep"}, activeDeadlineSeconds=2),
+        ],
+        [["first"], ["late", "stopped"]],
+    )
+    starter = WarmStarter(("json", "torch", "tests.warm_slow_import"))
+    result = run_workflow(manifest, workdir=tmp_path, view=None, warm_start=starter)
+    found = pods(result)
+    assert not found["first"]["warm"] and found["first"]["node"]["phase"] == "Succeeded"
+    assert found["late"]["warm"] and found["late"]["node"]["phase"] == "Succeeded"
+    assert json.loads(found["late"]["stdout"])["env"]["PROBE"] == "hello"
+    stopped = found["stopped"]
+    assert not stopped["warm"] and stopped["stdout"] == "" and "deadline" in stopped["node"]["message"]

@@ -7,7 +7,9 @@ exists on this host, else the directory `moerl local` was started in) and the po
 (sandbox.py). Everything the real pod spec would have held is written to the pod's `pod.json`.
 
 `Pod` runs a plan: stdout and stderr go to files in the pod's directory, the process gets its own
-process group so that a kill reaches all of its children (torchrun's workers included), and when it
+process group so that a kill reaches all of its children (torchrun's workers included); a `python -m`
+pod starts as a fork of a warm Python (warm.py), and one whose warm server is still importing waits for
+it, as a pod waits for its image, rather than import everything itself (at most WARM_WAIT_SECONDS). When it
 exits the outcome is read the way Argo's executor and controller read a finished pod: exit code 0
 is Succeeded, else Failed "main: Error (exit code N)" (a signal N counts as 128+N); `result` is stdout
 less one trailing newline; output parameters are read from their sandboxed paths, less one trailing
@@ -38,6 +40,7 @@ from pipelines.local.warm import WarmProcess, WarmStarter
 MAX_RESULT_BYTES = 256 * 1024
 PYTHON_RE = re.compile(r"python(\d+(\.\d+)?)?")
 DEADLINE_MESSAGE = "Pod was active on the node longer than the specified deadline"
+WARM_WAIT_SECONDS = 60.0  # the longest a Python pod waits for its warm server's imports before starting cold
 
 
 @dataclass
@@ -267,29 +270,57 @@ class Pod:
             (plan.pod_dir / "script").write_text(plan.script)
         self.stdout_path = plan.pod_dir / "stdout.log"
         self.stderr_path = plan.pod_dir / "stderr.log"
+        self.stdout_path.write_bytes(b"")
+        self.stderr_path.write_bytes(b"")
         self.started_at = time.time()
         self.process: subprocess.Popen | WarmProcess | None = None
-        env = {**os.environ, **plan.env}
-        with open(self.stdout_path, "wb") as stdout, open(self.stderr_path, "wb") as stderr:
-            if starter is not None:  # a fork of a Python that has imported torch already, if it can
-                self.process = starter.start(plan.argv, plan.cwd, env, self.stdout_path, self.stderr_path)
-            try:
-                if self.process is None:
+        self.env = {**os.environ, **plan.env}
+        self.starter = starter
+        # A Python pod that finds its warm server still importing waits for it (like an image pull) rather
+        # than importing everything itself on the same cores: poll starts it once the server is ready.
+        self.waiting_since = time.time() if starter is not None and starter.importing(plan.argv, self.env) else None
+        if self.waiting_since is None:
+            self._start()
+        else:
+            self._record()
+
+    def _start(self) -> None:
+        plan = self.plan
+        self.started_at = time.time()  # chaos delays count from here
+        if self.starter is not None:  # a fork of a Python that has imported torch already, if it can
+            self.process = self.starter.start(plan.argv, plan.cwd, self.env, self.stdout_path, self.stderr_path)
+        if self.process is None:
+            with open(self.stdout_path, "ab") as stdout, open(self.stderr_path, "ab") as stderr:
+                try:
                     self.process = subprocess.Popen(
                         plan.argv,
                         cwd=plan.cwd,
-                        env=env,
+                        env=self.env,
                         stdout=stdout,
                         stderr=stderr,
                         stdin=subprocess.DEVNULL,
                         start_new_session=True,
                     )
-            except OSError as err:  # the container runtime's StartError
-                self.outcome = PodOutcome(
-                    FAILED, f"main: StartError (exit code 128): {_start_error(err)}", 128, None, None
-                )
-        plan.recorded["local"]["warmStart"] = isinstance(self.process, WarmProcess)
-        (plan.pod_dir / "pod.json").write_text(json.dumps(plan.recorded, indent=2, default=str) + "\n")
+                except OSError as err:  # the container runtime's StartError
+                    self.outcome = PodOutcome(
+                        FAILED, f"main: StartError (exit code 128): {_start_error(err)}", 128, None, None
+                    )
+        self._record()
+
+    def _record(self) -> None:
+        self.plan.recorded["local"]["warmStart"] = isinstance(self.process, WarmProcess)
+        text = json.dumps(self.plan.recorded, indent=2, default=str) + "\n"
+        (self.plan.pod_dir / "pod.json").write_text(text)
+
+    def _start_when_ready(self, now: float) -> None:
+        """A waiting pod: stopped before it started, or started once its server is ready (or gave up)."""
+        if self.termination is not None:  # killed before its container started: no process ever ran
+            self.outcome = self._finish(128 + signal.SIGKILL)
+        elif self.starter is None or not self.starter.importing(self.plan.argv, self.env):
+            self._start()
+        elif self.waiting_since is not None and now - self.waiting_since > WARM_WAIT_SECONDS:
+            self.starter = None  # the server is slow to import: start cold after all
+            self._start()
 
     @property
     def running(self) -> bool:
@@ -297,6 +328,8 @@ class Pod:
 
     def poll(self, now: float) -> PodOutcome | None:
         """Advance kills that are due; once the process has exited, the pod's outcome."""
+        if self.outcome is None and self.process is None and self.waiting_since is not None:
+            self._start_when_ready(now)
         if self.outcome is not None or self.process is None:
             return self.outcome
         if self.termination and self.termination.sigkill_at is not None and now >= self.termination.sigkill_at:
@@ -335,7 +368,7 @@ class Pod:
             except subprocess.TimeoutExpired:
                 self._signal(signal.SIGKILL)
                 self.process.wait()
-            self.poll(time.time())
+        self.poll(time.time())
 
     def _signal(self, sig: int) -> None:
         if self.process is None or self.process.returncode is not None:

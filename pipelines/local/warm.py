@@ -210,13 +210,23 @@ class WarmStarter:
         self.dir: Path | None = None  # the servers' logs and the children's status files, made on first use
         self._launches = 0
 
+    def importing(self, argv: list[str], env: dict[str, str]) -> bool:
+        """Whether argv would start warm from a server that exists and is still importing."""
+        if python_program(argv) is None:
+            return False
+        server = self.servers.get(self._key(env))
+        return server is not None and not server.poll_ready()
+
+    @staticmethod
+    def _key(env: dict[str, str]) -> tuple:
+        return tuple(sorted((name, value) for name, value in env.items() if name not in PER_POD_ENV))
+
     def start(self, argv: list[str], cwd: Path, env: dict[str, str], stdout: Path, stderr: Path) -> WarmProcess | None:
         """Start argv warm, or return None for the caller to start it cold."""
         program = python_program(argv)
         if program is None:
             return None
-        shared = {name: value for name, value in env.items() if name not in PER_POD_ENV}
-        key = tuple(sorted(shared.items()))
+        key = self._key(env)
         server = self.servers.get(key)
         if server is None:
             # Started by the first Python pod of an environment, which starts cold meanwhile (as do the pods
@@ -225,7 +235,7 @@ class WarmStarter:
                 return None
             if self.dir is None:
                 self.dir = Path(tempfile.mkdtemp(prefix="moerl-warm-"))
-            server_env = {**shared, **{k: v for k, v in os.environ.items() if k in PER_POD_ENV}}
+            server_env = {**dict(key), **{k: v for k, v in os.environ.items() if k in PER_POD_ENV}}
             log = self.dir / f"server-{len(self.servers)}.log"
             server = self.servers[key] = WarmServer(server_env, self.preload, log)
         if not server.poll_ready(wait=self.wait_for_server):
