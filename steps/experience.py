@@ -264,7 +264,9 @@ def write_chunk(run: Store, plan: RolloutPlan, chunk: int, table: pa.Table) -> s
 
 def read_table(run: Store, key: str) -> pa.Table:
     try:
-        return pq.read_table(io.BytesIO(run.get_bytes(key)))
+        # ParquetFile, one thread: pq.read_table goes through pyarrow.dataset, whose readahead tasks on Arrow's
+        # I/O pool can still run when the process exits (a std::terminate, SIGABRT, at exit: apache/arrow#34314)
+        return pq.ParquetFile(io.BytesIO(run.get_bytes(key))).read(use_threads=False)
     except (pa.ArrowException, OSError) as err:
         raise MoerlError(f"{run.url(key)}: not a readable Parquet file ({err}); delete it and rerun its step") from err
 

@@ -41,6 +41,9 @@ CHAOS = "preempt=2,kill=3,seed=152"
 
 def test_chaos_preemptions_and_kills_end_in_the_fault_free_weights(fault_free_run, tmp_path, monkeypatch):
     monkeypatch.setenv("MOERL_LOCAL_TIME_SCALE", "0.05")  # 30 s grace -> 1.5 s; backoff 1 s -> 0.05 s
+    # Cold starts: the injections land 0.2-3 s into a pod, sized for pods that import torch; most warm pods of
+    # this tiny run end sooner (signals to warm pods: tests/test_local_warm_start.py).
+    monkeypatch.setenv("MOERL_LOCAL_WARM", "0")
     run_uri = (tmp_path / "run").as_uri()
     result = run_local(fault_free_run.config_for(run_uri), tmp_path / "work", chaos=CHAOS)
     assert result.succeeded, result.message

@@ -28,9 +28,9 @@ from pathlib import Path
 
 # Imported once per run by the server: the libraries every model step needs (importing a step module only
 # defines it; its main runs in the child). Imported on first use by the steps, measured: torch._dynamo (the first
-# torch.optim optimizer), pyarrow.dataset (parquet reads), pyarrow.pandas_compat (pa.table of Python rows).
+# torch.optim optimizer), pyarrow.pandas_compat (pa.table of Python rows; pandas where installed).
 PRELOAD = (
-    *("torch", "torch._dynamo", "pandas", "pyarrow", "pyarrow.dataset", "pyarrow.pandas_compat"),
+    *("torch", "torch._dynamo", "pandas", "pyarrow", "pyarrow.parquet", "pyarrow.pandas_compat"),
     *("steps.rollout", "steps.score", "steps.update", "steps.publish"),
 )
 # Set per pod (or per rank) and read by no preloaded module when it is imported (tests/test_local_warm_start.py
