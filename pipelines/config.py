@@ -137,6 +137,12 @@ class TrainerConfig(_Section):
         "'behavior' (the rollout engine's own log-probs: no extra pass, IS weight 1; right when the engine "
         "computes what the trainer would, i.e. the torch engine in fp32 at staleness 0)",
     )
+    shared_prompts: bool = _field(
+        False,
+        "run each prompt once per micro-batch and let its GRPO group's responses attend to its keys/values "
+        "(the same loss and gradients, fewer tokens trained); a prompt's samples then stay in one optimizer "
+        "step and one rank's micro-batch, so micro-batches hold whole groups",
+    )
 
 
 class CheckpointConfig(_Section):

@@ -292,19 +292,49 @@ class Attention(nn.Module):
         mask: torch.Tensor,
         kv_cache: KVCache | None,
     ) -> torch.Tensor:
+        q, k, v = self.project(x, cos, sin)
+        if kv_cache is not None:
+            k, v = kv_cache.write(self.layer_idx, k, v)
+        return self.attend(q, k, v, mask)
+
+    def forward_shared_prompts(
+        self,
+        prompt_x: torch.Tensor,
+        response_x: torch.Tensor,
+        prompt_rope: tuple[torch.Tensor, torch.Tensor],
+        response_rope: tuple[torch.Tensor, torch.Tensor],
+        prompt_mask: torch.Tensor,
+        response_mask: torch.Tensor,
+        prompt_index: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Prompts [G, P, H] attend among themselves; responses [R, T, H] attend to the k/v of their prompt
+        (row prompt_index[r]) followed by their own. Masks as MoeForCausalLM.forward_shared_prompts builds them."""
+        qp, kp, vp = self.project(prompt_x, *prompt_rope)
+        qr, kr, vr = self.project(response_x, *response_rope)
+        # index_select: each response reads its prompt's k/v; the backward sums the responses' gradients
+        k = torch.cat([kp.index_select(0, prompt_index), kr], dim=2)
+        v = torch.cat([vp.index_select(0, prompt_index), vr], dim=2)
+        return self.attend(qp, kp, vp, prompt_mask), self.attend(qr, k, v, response_mask)
+
+    def project(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [B, T, H] -> q [B, heads, T, D], k and v [B, kv_heads, T, D], q and k normed and rotated."""
         batch, seq, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(batch, seq, self.num_heads, self.head_dim)).transpose(1, 2)
         k = self.k_norm(self.k_proj(x).view(batch, seq, self.num_kv_heads, self.head_dim)).transpose(1, 2)
         v = self.v_proj(x).view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        if kv_cache is not None:
-            k, v = kv_cache.write(self.layer_idx, k, v)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Masked attention of q [B, heads, T, D] over k/v [B, kv_heads, S, D], then o_proj -> [B, T, H]."""
+        batch, _, seq, _ = q.shape
         # Expand the kv heads to the query heads: with a mask, SDPA's GQA mode falls back to the math kernel
         # on CUDA, while expanded k/v run in the memory-efficient kernel.
         groups = self.num_heads // self.num_kv_heads
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling)
-        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
+        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, self.num_heads * self.head_dim))
 
 
 class DecoderLayer(nn.Module):
@@ -336,6 +366,30 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, kv_cache)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_shared_prompts(
+        self,
+        prompt_x: torch.Tensor,
+        response_x: torch.Tensor,
+        prompt_rope: tuple[torch.Tensor, torch.Tensor],
+        response_rope: tuple[torch.Tensor, torch.Tensor],
+        prompt_mask: torch.Tensor,
+        response_mask: torch.Tensor,
+        prompt_index: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer on prompts [G, P, H] and responses [R, T, H]: see Attention.forward_shared_prompts."""
+        attn_prompt, attn_response = self.self_attn.forward_shared_prompts(
+            self.input_layernorm(prompt_x), self.input_layernorm(response_x), prompt_rope, response_rope,
+            prompt_mask, response_mask, prompt_index,
+        )  # fmt: skip
+        prompt_x, response_x = prompt_x + attn_prompt, response_x + attn_response
+        # One MLP call over the prompt and the response tokens: an MoE layer routes and exchanges them in a
+        # single dispatch, exactly once per layer as in forward (every EP rank must make the same calls).
+        hidden = prompt_x.shape[-1]
+        tokens = torch.cat([prompt_x.reshape(-1, hidden), response_x.reshape(-1, hidden)])
+        out = self.mlp(self.post_attention_layernorm(tokens))
+        num_prompt = prompt_x.shape[0] * prompt_x.shape[1]
+        return prompt_x + out[:num_prompt].view_as(prompt_x), response_x + out[num_prompt:].view_as(response_x)
 
 
 class MoeModel(nn.Module):
@@ -444,6 +498,66 @@ class MoeForCausalLM(nn.Module):
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         if kv_cache is not None:
             kv_cache.advance(new_valid)
+        return F.linear(x, weight).float()
+
+    def forward_shared_prompts(
+        self,
+        prompt_ids: torch.Tensor,
+        prompt_mask: torch.Tensor,
+        response_ids: torch.Tensor,
+        response_mask: torch.Tensor,
+        prompt_index: torch.Tensor,
+    ) -> torch.Tensor:
+        """Training forward for GRPO groups: each prompt runs once, its responses attend to its keys/values.
+
+        prompt_ids, prompt_mask [G, P]: the distinct prompts, LEFT-padded (every row's last column is its last
+        real token). response_ids, response_mask [R, T]: the tokens fed after the prompt, RIGHT-padded; for
+        training these are each response without its last token (T may be 0). prompt_index [R]: the prompt
+        row of each response.
+
+        Returns logits [R, T + 1, V] (float32): slot 0 is the prompt's last position (it predicts the
+        response's first token), slot t >= 1 is response position t - 1. For the same token sequences every
+        logit, hence every log-prob and gradient, is the one `forward` computes over prompt + response: the
+        same positions (a response continues after its prompt's real tokens), the same keys (the prompt's,
+        then the response's own, causally), the same per-token norms, MLPs and experts. Prompt and response
+        tokens go through each MoE layer in one call, so the expert dispatch is the same as forward's.
+        """
+        if prompt_ids.shape != prompt_mask.shape or response_ids.shape != response_mask.shape:
+            raise ValueError("prompt_mask/response_mask must have the shapes of prompt_ids/response_ids")
+        if prompt_index.shape != response_ids.shape[:1]:
+            raise ValueError(f"prompt_index has shape {tuple(prompt_index.shape)}, expected ({response_ids.shape[0]},)")
+        prompt_valid, response_valid = prompt_mask.to(torch.bool), response_mask.to(torch.bool)
+        if not bool(prompt_valid[:, -1].all()):
+            raise ValueError("forward_shared_prompts needs left-padded prompts (a real last token in every row)")
+        prompt_index = prompt_index.to(device=prompt_ids.device, dtype=torch.long)
+        prompt_len = prompt_ids.shape[1]
+        response_len = response_ids.shape[1]
+
+        # Positions as forward counts them: real tokens from 0; a response continues after its prompt.
+        prompt_positions = (prompt_valid.long().cumsum(dim=1) - 1).clamp(min=0)
+        prompt_lengths = prompt_valid.long().sum(dim=1).index_select(0, prompt_index)
+        response_positions = prompt_lengths[:, None] + (response_valid.long().cumsum(dim=1) - 1).clamp(min=0)
+        prompt_attn = attention_mask_for(prompt_valid, 0, prompt_len)  # [G, 1, P, P]
+        # A response query sees its prompt's real tokens, then its own tokens causally ([R, 1, T, P + T]).
+        sees_prompt = prompt_valid.index_select(0, prompt_index)[:, None, None, :]
+        sees_prompt = sees_prompt.expand(-1, 1, response_len, prompt_len)
+        response_attn = torch.cat([sees_prompt, attention_mask_for(response_valid, 0, response_len)], dim=-1)
+
+        prompt_x = self.model.embed_tokens(prompt_ids)
+        response_x = self.model.embed_tokens(response_ids)
+        assert self.config.head_dim is not None
+        prompt_rope = rotary_cos_sin(prompt_positions, self.config.head_dim, self.config.rope_theta, prompt_x.dtype)
+        response_rope = rotary_cos_sin(
+            response_positions, self.config.head_dim, self.config.rope_theta, response_x.dtype
+        )
+        for layer in self.model.layers:
+            prompt_x, response_x = layer.forward_shared_prompts(
+                prompt_x, response_x, prompt_rope, response_rope, prompt_attn, response_attn, prompt_index
+            )
+        # Only the prompts' last positions are needed from the prompts: norm and lm_head run per token.
+        last = prompt_x[:, -1:].index_select(0, prompt_index)  # [R, 1, H]
+        x = self.model.norm(torch.cat([last, response_x], dim=1))
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(x, weight).float()
 
 

@@ -125,6 +125,7 @@ class TrainSettings:
     betas: tuple[float, float] = (0.9, 0.999)
     grad_clip: float = 1.0
     old_logprobs: str = "recompute"  # or "behavior": see pipelines.config.TrainerConfig.old_logprobs
+    shared_prompts: bool = False  # run each GRPO group's prompt once: see plan_group_steps, collate_groups
     seed: int = 0
 
     @classmethod
@@ -138,7 +139,7 @@ class TrainSettings:
             ),
             micro_batch_size=t.micro_batch_size, epochs=t.epochs, steps_per_epoch=t.steps_per_epoch,
             lr=t.lr, warmup_steps=t.warmup_steps, weight_decay=t.weight_decay, betas=tuple(t.betas),
-            grad_clip=t.grad_clip, old_logprobs=t.old_logprobs, seed=cfg.seed,
+            grad_clip=t.grad_clip, old_logprobs=t.old_logprobs, shared_prompts=t.shared_prompts, seed=cfg.seed,
         )  # fmt: skip
 
     @property
@@ -176,6 +177,59 @@ def rank_micro_batches(step_indices: list[int], mesh: Mesh, micro_batch_size: in
     return [chunk.tolist() for chunk in np.array_split(shares[mesh.rank], count)]
 
 
+def prompt_groups(samples: list[Sample], indices: list[int] | None = None) -> list[list[int]]:
+    """The sample indices (all, or `indices`) of each prompt_id, groups in order of first appearance."""
+    groups: dict[str, list[int]] = {}
+    for i in range(len(samples)) if indices is None else indices:
+        groups.setdefault(samples[i].prompt_id, []).append(i)
+    return list(groups.values())
+
+
+def plan_group_steps(samples: list[Sample], settings: TrainSettings, iteration: int) -> list[list[int]]:
+    """plan_steps for trainer.shared_prompts: per epoch a seeded shuffle of whole GRPO groups (the samples of
+    one prompt_id), cut into steps_per_epoch contiguous mini-batches of groups; a step lists each group's
+    samples together, so rank_group_micro_batches can keep them on one rank and in one micro-batch."""
+    groups = prompt_groups(samples)
+    if len(groups) < settings.steps_per_epoch:
+        raise MoerlError(
+            f"{len(groups)} prompts cannot fill trainer.steps_per_epoch={settings.steps_per_epoch} mini-batches "
+            "with trainer.shared_prompts on (a prompt's samples stay in one step); lower steps_per_epoch, "
+            "use more prompts per iteration or turn shared_prompts off"
+        )
+    steps = []
+    for epoch in range(settings.epochs):
+        order = list(range(len(groups)))
+        random.Random(f"moerl-update/{settings.seed}/{iteration}/{epoch}/groups").shuffle(order)
+        for chunk in np.array_split(np.array(order), settings.steps_per_epoch):
+            steps.append([i for g in chunk.tolist() for i in groups[g]])
+    return steps
+
+
+def split_groups(groups: list[list[int]], parts: int) -> list[list[list[int]]]:
+    """Cut a list of groups into `parts` contiguous runs of near-equal sample counts (some may be empty):
+    cut j falls at the group boundary nearest to j/parts of the samples."""
+    bounds = np.concatenate([[0], np.cumsum([len(g) for g in groups])])
+    cuts = [0]
+    for j in range(1, parts):
+        target = bounds[-1] * j / parts
+        cuts.append(max(cuts[-1], int(np.argmin(np.abs(bounds - target)))))
+    cuts.append(len(groups))
+    return [groups[a:b] for a, b in zip(cuts[:-1], cuts[1:], strict=True)]
+
+
+def rank_group_micro_batches(
+    step_indices: list[int], samples: list[Sample], mesh: Mesh, micro_batch_size: int
+) -> list[list[int]]:
+    """rank_micro_batches for trainer.shared_prompts: whole groups only. Ranks take contiguous runs of groups
+    with near-equal sample counts, cut into the same number of micro-batches on every rank (an empty one
+    gets collate's padding row); a micro-batch holds whole groups, so it may exceed micro_batch_size by less
+    than one group."""
+    shares = split_groups(prompt_groups(samples, step_indices), mesh.world_size)
+    largest = max(sum(len(g) for g in share) for share in shares)
+    count = max(1, math.ceil(largest / micro_batch_size))
+    return [[i for g in part for i in g] for part in split_groups(shares[mesh.rank], count)]
+
+
 # ----------------------------------------------------------------------------------------------------
 # Micro-batches
 # ----------------------------------------------------------------------------------------------------
@@ -183,10 +237,15 @@ def rank_micro_batches(step_indices: list[int], mesh: Mesh, micro_batch_size: in
 
 @dataclass
 class MicroBatch:
-    """Right-padded sequences prompt + response, shifted for next-token targets.
+    """One row per sample. Plain (collate): right-padded sequences prompt + response, shifted for next-token
+    targets; position p predicts targets[p] = token p+1.
 
-    Position p predicts targets[p] = token p+1; loss_mask marks the positions whose target is a response
-    token, where behavior_logp holds the engine's log-prob of that token.
+    Shared prompts (collate_groups, prompt_ids set): the group's prompts once, left-padded, in prompt_ids;
+    input_ids holds each response without its last token, right-padded ([B, T]); targets and the per-token
+    tensors are [B, T + 1] with slot t predicting response token t (see MoeForCausalLM.forward_shared_prompts).
+
+    Either way loss_mask marks the slots whose target is a response token, where behavior_logp holds the
+    engine's log-prob of that token.
     """
 
     sample_ids: list[int]
@@ -197,6 +256,9 @@ class MicroBatch:
     behavior_logp: torch.Tensor  # [B, L] float32
     advantages: torch.Tensor  # [B] float32
     old_logp: torch.Tensor | None = None  # [B, L], set when the update has more than one optimizer step
+    prompt_ids: torch.Tensor | None = None  # [G, P] long, shared prompts only
+    prompt_mask: torch.Tensor | None = None  # [G, P] long
+    prompt_index: torch.Tensor | None = None  # [B] long: each row's prompt row
 
     @property
     def num_response_tokens(self) -> int:
@@ -204,7 +266,9 @@ class MicroBatch:
 
     @property
     def num_real_tokens(self) -> int:
-        return int(self.attention_mask.sum())
+        """Tokens the forward runs (padding excluded): a shared prompt counts once."""
+        prompt_tokens = 0 if self.prompt_mask is None else int(self.prompt_mask.sum())
+        return int(self.attention_mask.sum()) + prompt_tokens
 
 
 def collate(
@@ -245,6 +309,61 @@ def collate(
     return MicroBatch(
         list(ids), input_ids.to(**to), attention.to(**to), targets.to(**to), loss_mask.to(**to),
         behavior.to(**to), advantages.to(**to), None if old is None else old.to(**to),
+    )  # fmt: skip
+
+
+def collate_groups(
+    samples: list[Sample],
+    ids: list[int],
+    device: torch.device,
+    pad_id: int = 0,
+    old_logps: dict[int, torch.Tensor] | None = None,
+) -> MicroBatch:
+    """A shared-prompt micro-batch (see MicroBatch) of whole groups: each prompt_id's prompt once."""
+    if not ids:
+        return collate(samples, ids, device, pad_id, old_logps)
+    prompts: dict[str, list[int]] = {}
+    for i in ids:
+        s = samples[i]
+        prompt = prompts.setdefault(s.prompt_id, s.prompt_ids)
+        if prompt != s.prompt_ids:
+            raise MoerlError(
+                f"samples of prompt_id {s.prompt_id!r} have different prompt_ids; trainer.shared_prompts needs "
+                "one prompt per prompt_id: fix the experience or turn shared_prompts off"
+            )
+    row_of = {prompt_id: row for row, prompt_id in enumerate(prompts)}
+    prompt_len = max(len(p) for p in prompts.values())
+    prompt_ids = torch.full((len(prompts), prompt_len), pad_id, dtype=torch.long)
+    prompt_mask = torch.zeros((len(prompts), prompt_len), dtype=torch.long)
+    for row, prompt in enumerate(prompts.values()):  # left padding: the last column is the last prompt token
+        prompt_ids[row, prompt_len - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
+        prompt_mask[row, prompt_len - len(prompt) :] = 1
+
+    batch, length = len(ids), max(len(samples[i].response_ids) for i in ids)
+    input_ids = torch.full((batch, length - 1), pad_id, dtype=torch.long)
+    attention = torch.zeros((batch, length - 1), dtype=torch.long)
+    targets = torch.full((batch, length), pad_id, dtype=torch.long)
+    loss_mask = torch.zeros((batch, length), dtype=torch.bool)
+    behavior = torch.zeros((batch, length), dtype=torch.float32)
+    old = torch.zeros((batch, length), dtype=torch.float32) if old_logps is not None else None
+    for row, i in enumerate(ids):
+        s = samples[i]
+        n = len(s.response_ids)
+        response = torch.tensor(s.response_ids, dtype=torch.long)
+        input_ids[row, : n - 1] = response[:-1]
+        attention[row, : n - 1] = 1
+        targets[row, :n] = response
+        loss_mask[row, :n] = True
+        behavior[row, :n] = torch.tensor(s.behavior_logprobs, dtype=torch.float32)
+        if old is not None:
+            old[row, :n] = old_logps[i]  # type: ignore[index]
+    prompt_index = torch.tensor([row_of[samples[i].prompt_id] for i in ids], dtype=torch.long)
+    advantages = torch.tensor([samples[i].advantage for i in ids], dtype=torch.float32)
+    to = {"device": device}
+    return MicroBatch(
+        list(ids), input_ids.to(**to), attention.to(**to), targets.to(**to), loss_mask.to(**to),
+        behavior.to(**to), advantages.to(**to), None if old is None else old.to(**to),
+        prompt_ids.to(**to), prompt_mask.to(**to), prompt_index.to(**to),
     )  # fmt: skip
 
 
@@ -303,7 +422,12 @@ class PolicyTrainer:
 
     def forward_logprobs(self, model: nn.Module, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """(log p(target) [B, L], logits [B, L, V]) of `model` on the micro-batch."""
-        logits = model(mb.input_ids, mb.attention_mask)
+        if mb.prompt_ids is not None:
+            logits = model.forward_shared_prompts(  # type: ignore[operator]
+                mb.prompt_ids, mb.prompt_mask, mb.input_ids, mb.attention_mask, mb.prompt_index
+            )
+        else:
+            logits = model(mb.input_ids, mb.attention_mask)
         return token_logprobs(logits, mb.targets), logits
 
     @torch.no_grad()
@@ -402,17 +526,37 @@ class PolicyTrainer:
         self.model.eval()
         out: dict[int, torch.Tensor] = {}
         for step_indices in plan:
-            for ids in rank_micro_batches(step_indices, self.mesh, self.settings.micro_batch_size):
-                mb = collate(samples, ids, self.mesh.device, self.pad_id)
+            for mb in self.micro_batches(samples, step_indices):
                 logp, _ = self.forward_logprobs(self.model, mb)
                 for row, i in enumerate(mb.sample_ids):
                     out[i] = logp[row][mb.loss_mask[row]].cpu()
         return out
 
+    def plan(self, samples: list[Sample], iteration: int) -> list[list[int]]:
+        """The sample indices of each optimizer step (whole groups with shared_prompts)."""
+        if self.settings.shared_prompts:
+            return plan_group_steps(samples, self.settings, iteration)
+        return plan_steps(len(samples), self.settings, iteration)
+
+    def micro_batches(
+        self, samples: list[Sample], step_indices: list[int], old: dict[int, torch.Tensor] | None = None
+    ) -> list[MicroBatch]:
+        """This rank's micro-batches of one step (grouped ones with shared_prompts)."""
+        size, device = self.settings.micro_batch_size, self.mesh.device
+        if self.settings.shared_prompts:
+            return [
+                collate_groups(samples, ids, device, self.pad_id, old)
+                for ids in rank_group_micro_batches(step_indices, samples, self.mesh, size)
+            ]
+        return [
+            collate(samples, ids, device, self.pad_id, old)
+            for ids in rank_micro_batches(step_indices, self.mesh, size)
+        ]
+
     def train(self, samples: list[Sample], iteration: int) -> dict[str, Any]:
         """All optimizer steps of one iteration; returns the iteration's metrics (same on every rank)."""
         start = time.perf_counter()
-        plan = plan_steps(len(samples), self.settings, iteration)
+        plan = self.plan(samples, iteration)
         old = None  # one step: the ratio's old policy is the current one, detached (see step)
         if len(plan) > 1 and self.settings.old_logprobs == "behavior":  # the engine's: no extra forward pass
             old = {i: torch.tensor(s.behavior_logprobs, dtype=torch.float32) for i, s in enumerate(samples)}
@@ -420,10 +564,7 @@ class PolicyTrainer:
             old = self.old_logprobs(samples, plan)
         results = []
         for step_indices in plan:
-            micro = [
-                collate(samples, ids, self.mesh.device, self.pad_id, old)
-                for ids in rank_micro_batches(step_indices, self.mesh, self.settings.micro_batch_size)
-            ]
+            micro = self.micro_batches(samples, step_indices, old)
             results.append(self.step(micro, self.normalizer(samples, step_indices)))
         seconds = time.perf_counter() - start
         return iteration_metrics(results, seconds)

@@ -68,6 +68,7 @@ from steps.trainer import (
     load_optimizer_state,
     new_adamw,
     optimizer_state_tensors,
+    prompt_groups,
     read_scored_experience,
 )
 
@@ -353,7 +354,10 @@ def _update(
         ref_model = load_pretrained(ref_dir, dtype=torch.float32, device=device, expert_range=expert_range)
         ref_model.requires_grad_(False)
     cfg_model = model.config
-    max_tokens = settings.micro_batch_size * max(s.num_tokens for s in samples)
+    rows = settings.micro_batch_size
+    if settings.shared_prompts:  # micro-batches of whole groups hold up to a group less one row more
+        rows += max(len(group) for group in prompt_groups(samples)) - 1
+    max_tokens = rows * max(s.num_tokens for s in samples)
     dispatch = make_dispatch(
         cfg.trainer.ep_backend, mesh, num_experts, cfg_model.hidden_size, cfg_model.num_experts_per_tok,
         max_tokens, timer,
