@@ -64,6 +64,7 @@ TRAINER_NOT_MAPPED = {
     "nodes": "one process",
     "is_cap": "no importance correction without vLLM (both sides on-policy at staleness 0)",
     "old_logprobs": "recomputes them in an extra forward pass (steps_per_generation > 1): it has no engine log-probs",
+    "shared_prompts": "runs each sample's prompt itself, and shuffles samples, not whole groups, into steps",
 }
 # Trainer fields mapped by grpo_settings.
 TRAINER_MAPPED = {
