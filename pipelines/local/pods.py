@@ -314,11 +314,12 @@ class Pod:
 
     def _start_when_ready(self, now: float) -> None:
         """A waiting pod: stopped before it started, or started once its server is ready (or gave up)."""
+        assert self.starter is not None and self.waiting_since is not None
         if self.termination is not None:  # killed before its container started: no process ever ran
             self.outcome = self._finish(128 + signal.SIGKILL)
-        elif self.starter is None or not self.starter.importing(self.plan.argv, self.env):
+        elif not self.starter.importing(self.plan.argv, self.env):
             self._start()
-        elif self.waiting_since is not None and now - self.waiting_since > WARM_WAIT_SECONDS:
+        elif now - self.waiting_since > WARM_WAIT_SECONDS:
             self.starter = None  # the server is slow to import: start cold after all
             self._start()
 

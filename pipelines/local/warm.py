@@ -229,8 +229,8 @@ class WarmStarter:
         key = self._key(env)
         server = self.servers.get(key)
         if server is None:
-            # Started by the first Python pod of an environment, which starts cold meanwhile (as do the pods
-            # that come before the server's imports are done); at most MAX_SERVERS a run.
+            # Started by the first Python pod of an environment, which starts cold meanwhile (the pods that
+            # come while it imports wait for it: pods.Pod, `importing`); at most MAX_SERVERS a run.
             if len(self.servers) >= MAX_SERVERS:
                 return None
             if self.dir is None:
