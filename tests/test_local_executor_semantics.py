@@ -413,7 +413,10 @@ def test_global_outputs_and_suspend(tmp_path):
 def test_a_pytorchjob_runs_as_torchrun_and_its_conditions_decide(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(
-        "import os\nprint(os.environ['RANK'], os.environ['WORLD_SIZE'])\nraise SystemExit(int(os.environ['FAIL']))\n"
+        # One write per rank: both ranks share the pod's log, and with PYTHONUNBUFFERED set (as on CI) a
+        # print's pieces are separate writes that interleave.
+        "import os\nos.write(1, f\"{os.environ['RANK']} {os.environ['WORLD_SIZE']}\\n\".encode())\n"
+        "raise SystemExit(int(os.environ['FAIL']))\n"
     )
     job = {
         "apiVersion": "kubeflow.org/v1",

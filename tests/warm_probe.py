@@ -10,7 +10,9 @@ import numpy
 import torch
 
 if __name__ == "__main__":
-    print(
+    # One write for the whole line: torchrun's ranks share the pod's stdout, and under PYTHONUNBUFFERED
+    # print's text and its newline are separate writes that another rank's line can land between.
+    sys.stdout.write(
         json.dumps(
             {
                 "argv": sys.argv,
@@ -27,6 +29,7 @@ if __name__ == "__main__":
                 "preloaded_main_copy": "tests.warm_probe" in sys.modules,
             }
         )
+        + "\n"
     )
     behaviour, rank = os.environ.get("PROBE"), os.environ.get("RANK")
     if behaviour == "sleep" or (behaviour == "rank-fail" and rank == "0"):
