@@ -126,6 +126,9 @@ class TrainSettings:
     grad_clip: float = 1.0
     old_logprobs: str = "recompute"  # or "behavior": see pipelines.config.TrainerConfig.old_logprobs
     shared_prompts: bool = False  # run each GRPO group's prompt once: see plan_group_steps, collate_groups
+    # Leave samples with advantage exactly 0 out of the forward/backward when they cannot move the weights
+    # (kl_coef 0): see trained_steps. False runs them anyway (same gradients; the tests' reference).
+    skip_zero_advantage: bool = True
     seed: int = 0
 
     @classmethod
@@ -203,6 +206,21 @@ def plan_group_steps(samples: list[Sample], settings: TrainSettings, iteration: 
         for chunk in np.array_split(np.array(order), settings.steps_per_epoch):
             steps.append([i for g in chunk.tolist() for i in groups[g]])
     return steps
+
+
+def trained_steps(samples: list[Sample], plan: list[list[int]], settings: TrainSettings) -> list[list[int]]:
+    """The plan without the samples whose gradient is exactly zero, when there are such samples.
+
+    With kl_coef 0 a token's loss is -min(r A, clip(r) A) times its IS weight: with A = 0 (every sample of
+    a GRPO group got the same reward) it is 0 whatever the weights, and so is its gradient. Such samples
+    are not run; the loss normaliser stays that of the whole step (PolicyTrainer.normalizer), so the
+    gradients are those of the full step. A step left empty still takes its optimizer step (AdamW moves the
+    weights on momentum and weight decay), on padding rows only. Entropy and the IS-weight statistics are
+    then over the trained tokens.
+    """
+    if not settings.skip_zero_advantage or settings.loss.kl_coef > 0:
+        return plan
+    return [[i for i in step if samples[i].advantage != 0.0] for step in plan]
 
 
 def split_groups(groups: list[list[int]], parts: int) -> list[list[list[int]]]:
@@ -557,17 +575,20 @@ class PolicyTrainer:
         """All optimizer steps of one iteration; returns the iteration's metrics (same on every rank)."""
         start = time.perf_counter()
         plan = self.plan(samples, iteration)
+        trained = trained_steps(samples, plan, self.settings)
         old = None  # one step: the ratio's old policy is the current one, detached (see step)
         if len(plan) > 1 and self.settings.old_logprobs == "behavior":  # the engine's: no extra forward pass
             old = {i: torch.tensor(s.behavior_logprobs, dtype=torch.float32) for i, s in enumerate(samples)}
         elif len(plan) > 1:
-            old = self.old_logprobs(samples, plan)
+            old = self.old_logprobs(samples, trained)
         results = []
-        for step_indices in plan:
-            micro = self.micro_batches(samples, step_indices, old)
+        for step_indices, trained_indices in zip(plan, trained, strict=True):
+            micro = self.micro_batches(samples, trained_indices, old)
             results.append(self.step(micro, self.normalizer(samples, step_indices)))
         seconds = time.perf_counter() - start
-        return iteration_metrics(results, seconds)
+        metrics = iteration_metrics(results, seconds)
+        metrics["zero_advantage_skipped"] = sum(len(p) - len(t) for p, t in zip(plan, trained, strict=True))
+        return metrics
 
 
 def iteration_metrics(results: list[StepResult], seconds: float) -> dict[str, Any]:
