@@ -1,15 +1,17 @@
 """Rollout throughput: the torch engine against transformers' `generate`, same checkpoint, prompts, batch and
 lengths, both measured in this run.
 
-    .venv/bin/python bench/rollout.py [--checkpoint DIR] [--prompts 256] [--samples 8] [--new-tokens 32]
-                                      [--fixed-length] [--repeats 3] [--threads 1] [--quick]
+    .venv/bin/python bench/rollout.py [--checkpoint DIR] [--task sort6] [--prompts 256] [--samples 8]
+                                      [--new-tokens 8] [--fixed-length] [--repeats 3] [--threads 1] [--quick]
 
-The workload is one rollout chunk: --prompts addition prompts x --samples samples each (the GRPO group), at
-most --new-tokens new tokens, temperature 1, no top-k/top-p. By default a sample ends at <eos>, as in a
-rollout (transformers stops a row at <eos> too, and the whole batch once every row has); --fixed-length turns
-<eos> off in both, so every sample has exactly --new-tokens tokens. Generated tokens count up to and including
-<eos>. --checkpoint is an HF-format checkpoint dir (e.g. `moerl sft-demo --out DIR`); without it, the demo
-model architecture with random weights (its samples rarely hit <eos>, so they run long).
+The workload is a rollout of the demo: --prompts prompts of --task x --samples samples each (the GRPO group),
+at most --new-tokens new tokens, temperature 1, no top-k/top-p. The task, the group size and the length
+default to configs/demo.yaml's (read when the script runs), so that a demo checkpoint answers the prompts it
+was trained on. By default a sample ends at <eos>, as in a rollout (transformers stops a row at <eos> too,
+and the whole batch once every row has); --fixed-length turns <eos> off in both, so every sample has exactly
+--new-tokens tokens. Generated tokens count up to and including <eos>. --checkpoint is an HF-format
+checkpoint dir (e.g. `moerl sft-demo --out DIR`, or a version of a demo run); without it, the demo model
+architecture with random weights (its samples rarely hit <eos>, so they run long).
 
 Both engines run on --threads torch threads (default 1, as the rollout step). Time: the best of --repeats
 interleaved runs after a warm-up, wall clock (tokens/s) and this process's CPU time (less sensitive to other
@@ -38,7 +40,7 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 
 from steps.engine import SamplingParams, TorchEngine, sample_requests, sample_seed  # noqa: E402
-from steps.tasks import get_task  # noqa: E402
+from steps.tasks import Task, get_task  # noqa: E402
 from steps.tokenizer import EOS_ID, PAD_ID, build_tokenizer, encode_prompt  # noqa: E402
 
 
@@ -88,12 +90,22 @@ def demo_checkpoint(directory: Path) -> Path:
     return write_checkpoint(MoeForCausalLM(demo_model_config()), directory)
 
 
+def demo_workload() -> tuple[Task, int, int]:
+    """configs/demo.yaml's task, group size and max new tokens."""
+    from pipelines.config import load_config
+
+    cfg = load_config(REPO / "configs" / "demo.yaml", {"sft_checkpoint": "/", "run_store": "/tmp/unused"})
+    return get_task(cfg.task.name, **cfg.task.params), cfg.group_size, cfg.sampling.max_new_tokens
+
+
 def main() -> None:
+    task, group_size, max_new_tokens = demo_workload()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--checkpoint", type=Path, help="HF-format checkpoint dir (default: demo model, random init)")
+    parser.add_argument("--task", help=f"a task of steps.tasks (default: the demo's, {task.name})")
     parser.add_argument("--prompts", type=int, default=256)
-    parser.add_argument("--samples", type=int, default=8, help="samples per prompt")
-    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--samples", type=int, default=group_size, help="samples per prompt (default: the demo's)")
+    parser.add_argument("--new-tokens", type=int, default=max_new_tokens, help="max new tokens (default: the demo's)")
     parser.add_argument("--fixed-length", action="store_true", help="no <eos> stop: exactly --new-tokens each")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
@@ -102,6 +114,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.prompts, args.samples, args.new_tokens, args.repeats = 32, 4, 16, 1
+    if args.task:
+        task = get_task(args.task)
+    args.task = task.name  # the memory child runs the same workload
     torch.set_num_threads(args.threads)
 
     from transformers import AutoModelForCausalLM, GenerationConfig
@@ -116,7 +131,7 @@ def main() -> None:
     hf = AutoModelForCausalLM.from_pretrained(args.checkpoint, dtype=torch.float32).eval()
 
     tok = build_tokenizer()
-    prompts = get_task("addition").prompts("train", args.prompts, 0)
+    prompts = task.prompts("train", args.prompts, 0)
     prompt_ids = [(p.prompt_id, encode_prompt(tok, p.text)) for p in prompts]
     stops = () if args.fixed_length else (EOS_ID,)
     params = SamplingParams(max_new_tokens=args.new_tokens, stop_token_ids=stops, n=args.samples)
@@ -163,7 +178,8 @@ def main() -> None:
 
     stop = "exactly that many (no <eos> stop)" if args.fixed_length else "stop at <eos>"
     print(
-        f"rollout bench: {args.prompts} prompts x {args.samples} samples, max {args.new_tokens} new tokens, {stop}, "
+        f"rollout bench: {args.prompts} {task.name} prompts x {args.samples} samples, max {args.new_tokens} new "
+        f"tokens, {stop}, "
         f"{args.threads} thread(s), checkpoint {label}"
     )
     print(f"{'engine':>14}  {'tokens':>8}  {'wall s':>8}  {'tokens/s':>9}  {'CPU s':>7}  {'peak MiB':>9}")
@@ -181,7 +197,7 @@ def memory_in_child(name: str, args: argparse.Namespace) -> float:
     command = [
         sys.executable, __file__, "--memory-child", name, "--checkpoint", str(args.checkpoint),
         "--prompts", str(args.prompts), "--samples", str(args.samples), "--new-tokens", str(args.new_tokens),
-        "--threads", str(args.threads), *(["--fixed-length"] if args.fixed_length else []),
+        "--threads", str(args.threads), "--task", args.task, *(["--fixed-length"] if args.fixed_length else []),
     ]  # fmt: skip
     out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
     return json.loads(out.strip().splitlines()[-1])["peak_mib"]
