@@ -18,7 +18,10 @@ from typing import Any
 from pipelines.config import RunConfig, load_config
 from pipelines.local import RunResult, run_workflow
 from pipelines.local.chaos import parse_chaos
+from pipelines.local.pods import warm_start_candidates
+from pipelines.local.warm import WarmStarter, warm_starts_enabled
 from pipelines.render import WORKFLOW, render
+from pipelines.workflow import placement
 from steps.errors import MoerlError
 from steps.store import Store
 
@@ -27,9 +30,24 @@ STEP_KINDS = ("rollout", "score", "update", "publish")
 
 
 def run_config(cfg: RunConfig, workdir: Path, chaos: str | None = None) -> RunResult:
-    """Render cfg into workdir/rendered and run its workflow.yaml with the local executor."""
-    paths = render(cfg, workdir / "rendered")
-    return run_workflow(paths[WORKFLOW], chaos=chaos, status_out=workdir / "status.json", workdir=workdir / "pods")
+    """Render cfg into workdir/rendered and run its workflow.yaml with the local executor.
+
+    The warm server of the step pods (pipelines/local/warm.py) starts first, from the environment every
+    rendered step pod gets (placement.env), so that its imports overlap the rendering and the first pods."""
+    starter = WarmStarter() if warm_starts_enabled() else None
+    try:
+        if starter is not None:
+            step = {"name": "step", "container": {"command": ["python", "-m", "steps.plan"], "env": placement.env()}}
+            for argv, env in warm_start_candidates([step]):
+                starter.prestart(argv, env)
+        paths = render(cfg, workdir / "rendered")
+        return run_workflow(
+            paths[WORKFLOW], chaos=chaos, status_out=workdir / "status.json", workdir=workdir / "pods",
+            warm_start=starter or False,
+        )  # fmt: skip
+    finally:
+        if starter is not None:  # the executor closes it when the run ends; this is for a run that never started
+            starter.close()
 
 
 def step_seconds(status: dict[str, Any]) -> dict[int, dict[str, float]]:

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from pipelines.local import run_workflow
+from pipelines.local.pods import warm_start_candidates
 from pipelines.local.warm import PER_POD_ENV, PRELOAD, WarmStarter, python_program
 from steps.store import Store
 
@@ -233,8 +234,9 @@ def test_a_dead_server_sends_pods_back_to_cold_starts(tmp_path):
 
 
 def test_pods_wait_for_an_importing_server_and_one_stopped_meanwhile_never_starts(tmp_path, monkeypatch):
-    # The first Python pod starts the server (whose imports take 8 s here) and itself cold; the next two come
-    # while it imports: "late" waits and then starts warm, "stopped" reaches its 2 s deadline while waiting.
+    # With servers started on first need (no prestart), the first Python pod starts the server (whose
+    # imports take 8 s here) and itself cold; the next two come while it imports: "late" waits and then
+    # starts warm, "stopped" reaches its 2 s deadline while waiting.
     monkeypatch.setenv("WARM_SLOW_IMPORT", "8")
     quick = [PY, "-m", "json.tool", "--help"]
     manifest = workflow(
@@ -246,6 +248,7 @@ def test_pods_wait_for_an_importing_server_and_one_stopped_meanwhile_never_start
         [["first"], ["late", "stopped"]],
     )
     starter = WarmStarter(("json", "torch", "tests.warm_slow_import"))
+    starter.prestart = lambda argv, env: False  # type: ignore[method-assign]
     result = run_workflow(manifest, workdir=tmp_path, view=None, warm_start=starter)
     found = pods(result)
     assert not found["first"]["warm"] and found["first"]["node"]["phase"] == "Succeeded"
@@ -253,3 +256,73 @@ def test_pods_wait_for_an_importing_server_and_one_stopped_meanwhile_never_start
     assert json.loads(found["late"]["stdout"])["env"]["PROBE"] == "hello"
     stopped = found["stopped"]
     assert not stopped["warm"] and stopped["stdout"] == "" and "deadline" in stopped["node"]["message"]
+
+
+def test_servers_start_with_the_workflow_so_its_first_python_pod_starts_warm(tmp_path, monkeypatch):
+    # The server of the templates' environment imports (3 s here) from the moment the run starts; the
+    # shell pod before the first Python pod does not hold it up, and that pod waits for it, then starts warm.
+    monkeypatch.setenv("WARM_SLOW_IMPORT", "3")
+    shell = {"name": "shell", "container": {"image": "alpine", "command": ["sh", "-c", "true"]}}
+    manifest = workflow([shell, probe("first", [PY, "-m", "tests.warm_probe"])], [["shell"], ["first"]])
+    starter = WarmStarter(("json", "torch", "tests.warm_slow_import"))
+    result = run_workflow(manifest, workdir=tmp_path, view=None, warm_start=starter)
+    assert result.succeeded, result.message
+    found = pods(result)
+    assert found["first"]["warm"] and json.loads(found["first"]["stdout"])["env"]["PROBE"] == "hello"
+
+
+def test_only_templates_whose_environment_is_known_before_their_pods_get_a_server_early():
+    def template(name: str, env: list[dict], command: list[str] | None = None) -> dict:
+        return {"name": name, "container": {"image": "x", "command": command or ["python", "-m", "m"], "env": env}}
+
+    templates = [
+        template("plain", [{"name": "A", "value": "1"}, {"name": "HOME", "value": "/tmp"}]),  # HOME: per pod
+        template("parameter", [{"name": "A", "value": "{{inputs.parameters.a}}"}]),
+        template("field", [{"name": "POD", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}]),
+        template("path", [{"name": "DATA", "value": "/mnt/data"}]),  # the sandbox may map it per pod
+        {"name": "steps", "steps": [[{"name": "a", "template": "plain"}]]},
+    ]
+    (argv, env), *rest = warm_start_candidates(templates)
+    assert rest == [] and argv == [PY, "-m", "m"] and env["A"] == "1" and env.get("HOME") == os.environ.get("HOME")
+    starter = WarmStarter(LIGHT)
+    try:
+        assert not starter.prestart(["sh", "-c", "true"], env) and starter.servers == {}
+        assert starter.prestart(argv, env) and starter.prestart(argv, {**env, "HOME": "/elsewhere"})
+        assert len(starter.servers) == 1  # one environment
+    finally:
+        starter.close()
+
+
+def test_moerl_run_starts_the_step_pods_server_before_it_renders_and_closes_it_when_the_run_never_starts(
+    tmp_path, monkeypatch
+):
+    import yaml
+
+    import pipelines.demo as demo
+    from pipelines.config import load_config
+    from steps.errors import MoerlError
+
+    seen: dict = {}
+
+    class Recording(WarmStarter):
+        def __init__(self):
+            super().__init__(LIGHT)
+            seen["starter"] = self
+
+    def render(cfg, out):
+        seen["keys"] = set(seen["starter"].servers)
+        seen["rendered"] = real_render(cfg, out)
+        raise MoerlError("stopped after rendering")
+
+    real_render = demo.render
+    monkeypatch.setattr(demo, "WarmStarter", Recording)
+    monkeypatch.setattr(demo, "warm_starts_enabled", lambda: True)
+    monkeypatch.setattr(demo, "render", render)
+    cfg = load_config(demo.DEMO_CONFIG, {"sft_checkpoint": str(tmp_path / "sft"), "run_store": str(tmp_path / "run")})
+    with pytest.raises(MoerlError, match="stopped after rendering"):
+        demo.run_config(cfg, tmp_path)
+    assert len(seen["keys"]) == 1 and seen["starter"].servers == {}  # started before rendering; closed
+    # ... with the environment of every Python pod of the rendered workflow: they will use that server
+    manifest = yaml.safe_load(Path(seen["rendered"][demo.WORKFLOW]).read_text())
+    candidates = warm_start_candidates(manifest["spec"]["templates"])
+    assert candidates and {WarmStarter._key(env) for _, env in candidates} == seen["keys"]

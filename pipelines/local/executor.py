@@ -38,7 +38,15 @@ from pipelines.local.expressions import (
 )
 from pipelines.local.functions import go_json
 from pipelines.local.manifest import LEAF_TYPES, Workflow, template_type
-from pipelines.local.pods import DEADLINE_MESSAGE, PlanError, Pod, PodOutcome, Termination, plan_pod
+from pipelines.local.pods import (
+    DEADLINE_MESSAGE,
+    PlanError,
+    Pod,
+    PodOutcome,
+    Termination,
+    plan_pod,
+    warm_start_candidates,
+)  # fmt: skip
 from pipelines.local.scope import add_node_ref, last_attempt, result_referenced
 from pipelines.local.status import (
     DAG,
@@ -143,6 +151,9 @@ class Controller:
         if seconds is not None:
             self.deadline = float(int(self.now)) + float(int(seconds))
         try:
+            if self.starter is not None:  # the servers import while the first pods (plan, downloads) run
+                for argv, env in warm_start_candidates(list(self.wf.templates.values())):
+                    self.starter.prestart(argv, env)
             while True:
                 self.now = time.time()
                 if self.operate():

@@ -35,7 +35,7 @@ from pipelines.local import pytorchjob
 from pipelines.local.chaos import Injection
 from pipelines.local.sandbox import Sandbox
 from pipelines.local.status import ERROR, FAILED, SUCCEEDED, timestamp
-from pipelines.local.warm import WarmProcess, WarmStarter
+from pipelines.local.warm import PER_POD_ENV, WarmProcess, WarmStarter
 
 MAX_RESULT_BYTES = 256 * 1024
 PYTHON_RE = re.compile(r"python(\d+(\.\d+)?)?")
@@ -210,6 +210,30 @@ def plan_pod(
         script=script,
         recorded=recorded,
     )
+
+
+def warm_start_candidates(templates: list[dict]) -> list[tuple[list[str], dict[str, str]]]:
+    """(argv, env) of the container templates whose pods would share one warm server, as far as the
+    template alone tells: host program mapped, env as plan_pod builds it. A template whose server
+    environment depends on the pod (a parameter, a fieldRef, a path the sandbox may rewrite) is left out:
+    its pods start their own server when they come. For WarmStarter.prestart."""
+    found = []
+    for template in templates:
+        container = template.get("container")
+        if not isinstance(container, dict) or not container.get("command"):
+            continue
+        argv = [str(c) for c in container.get("command") or []] + [str(a) for a in container.get("args") or []]
+        env: dict[str, str] = {**os.environ, "MOERL_LOCAL_SANDBOX": ""}
+        for entry in container.get("env") or []:
+            value = entry.get("value")
+            if entry.get("name") in PER_POD_ENV:
+                continue
+            if "valueFrom" in entry or not isinstance(value, str) or "{{" in value or value.startswith("/"):
+                break
+            env[entry["name"]] = value
+        else:
+            found.append(([host_program(argv[0]), *argv[1:]], env))
+    return found
 
 
 def _mounts(container: dict, pod_volumes: list[dict], workflow: Any, run_dir: Path, pod_dir: Path) -> dict[str, Path]:

@@ -221,24 +221,32 @@ class WarmStarter:
     def _key(env: dict[str, str]) -> tuple:
         return tuple(sorted((name, value) for name, value in env.items() if name not in PER_POD_ENV))
 
-    def start(self, argv: list[str], cwd: Path, env: dict[str, str], stdout: Path, stderr: Path) -> WarmProcess | None:
-        """Start argv warm, or return None for the caller to start it cold."""
-        program = python_program(argv)
-        if program is None:
-            return None
-        key = self._key(env)
+    def prestart(self, argv: list[str], env: dict[str, str]) -> bool:
+        """Start the server that argv's pods in env will use, before the first of them (the executor calls
+        this for the workflow's templates as it starts, so that the imports overlap the pods that come
+        first). Returns whether argv can start warm at all."""
+        return python_program(argv) is not None and self._server(self._key(env)) is not None
+
+    def _server(self, key: tuple) -> WarmServer | None:
+        """The server of an environment, started on first need; at most MAX_SERVERS a run."""
         server = self.servers.get(key)
-        if server is None:
-            # Started by the first Python pod of an environment, which starts cold meanwhile (the pods that
-            # come while it imports wait for it: pods.Pod, `importing`); at most MAX_SERVERS a run.
-            if len(self.servers) >= MAX_SERVERS:
-                return None
+        if server is None and len(self.servers) < MAX_SERVERS:
             if self.dir is None:
                 self.dir = Path(tempfile.mkdtemp(prefix="moerl-warm-"))
             server_env = {**dict(key), **{k: v for k, v in os.environ.items() if k in PER_POD_ENV}}
             log = self.dir / f"server-{len(self.servers)}.log"
             server = self.servers[key] = WarmServer(server_env, self.preload, log)
-        if not server.poll_ready(wait=self.wait_for_server):
+        return server
+
+    def start(self, argv: list[str], cwd: Path, env: dict[str, str], stdout: Path, stderr: Path) -> WarmProcess | None:
+        """Start argv warm, or return None for the caller to start it cold."""
+        program = python_program(argv)
+        if program is None:
+            return None
+        # A pod that starts its environment's server starts cold meanwhile (the pods that come while it
+        # imports wait for it: pods.Pod, `importing`).
+        server = self._server(self._key(env))
+        if server is None or not server.poll_ready(wait=self.wait_for_server):
             return None
         self._launches += 1
         status = self.dir / f"{self._launches}.status"
