@@ -111,6 +111,12 @@ class TrainerConfig(_Section):
         "alltoall",
         "expert-parallel dispatch: 'local' (one rank), 'alltoall' (gloo or NCCL) or 'deepep' (GPU)",
     )
+    expert_placement: Literal["balanced", "contiguous"] = _field(
+        "balanced",
+        "which experts each expert-parallel rank holds, per MoE layer: 'balanced' (split so that the ranks' "
+        "routed rows are even, from the previous update's per-expert row counts; contiguous on iteration 1) or "
+        "'contiguous' (rank r holds experts [r*E/ep, (r+1)*E/ep) in every layer)",
+    )
     nproc_per_node: int = _field(2, "torchrun processes per node (GPUs per node on a cluster)", ge=1, le=64)
     nodes: int = _field(1, "trainer nodes; more than 1 runs the update as a Kubeflow PyTorchJob", ge=1)
     micro_batch_size: int = _field(32, "sequences per forward/backward pass on one rank", ge=1)

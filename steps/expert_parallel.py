@@ -1,10 +1,14 @@
 """Expert parallelism for training: the dp x ep process mesh, the dispatch backends and gradient sync.
 
 The world of R ranks is a mesh of dp x ep: rank = dp_rank * ep + ep_rank. The ep ranks of one row (an "EP
-group") split the experts of every MoE layer between them, E/ep contiguous experts each (owner of expert e:
-e // (E/ep)); the dp rows hold the same expert slices ("expert replicas"). Everything that is not an expert
-(embeddings, attention, norms, routers, lm_head) is replicated on all R ranks. Every rank trains on its own
-slice of the global batch.
+group") split the experts of every MoE layer between them, E/ep experts each, as the iteration's
+`ExpertPlacement` says: per MoE layer, the E global expert ids in slot order, EP rank r holding slots
+[r*E/ep, (r+1)*E/ep) (owner of slot s: s // (E/ep)). The identity placement gives contiguous ranges; the
+update chooses, per layer, the split that evens out the ranks' routed rows (`balanced_placement`, from the
+previous iteration's per-expert row counts). The MoE block maps its router's expert ids to slot ids, so the
+dispatch backends only ever see contiguous slot ranges. The dp rows hold the same expert slices ("expert
+replicas"). Everything that is not an expert (embeddings, attention, norms, routers, lm_head) is replicated
+on all R ranks. Every rank trains on its own slice of the global batch.
 
 Dispatch backends, one `ExpertDispatch` contract (steps/moe.py):
   local     one rank, all experts (steps.moe.LocalDispatch).
@@ -30,7 +34,7 @@ import math
 import os
 import re
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -84,11 +88,6 @@ class Mesh:
     def dp_size(self) -> int:
         return self.world_size // self.ep_size
 
-    def expert_range(self, num_experts: int) -> tuple[int, int]:
-        """The contiguous global expert ids [first, end) this rank holds."""
-        per_rank = num_experts // self.ep_size
-        return self.ep_rank * per_rank, (self.ep_rank + 1) * per_rank
-
     def ep_ranks(self) -> list[int]:
         return [self.dp_rank * self.ep_size + i for i in range(self.ep_size)]
 
@@ -128,6 +127,134 @@ def build_mesh(rank: int, world_size: int, ep_size: int, device: torch.device) -
             if e == mesh.ep_rank:
                 mesh.replica_group = group
     return mesh
+
+
+# ----------------------------------------------------------------------------------------------------
+# Expert placement: which experts each EP rank holds, per MoE layer
+# ----------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ExpertPlacement:
+    """slots[l]: MoE layer l's E global expert ids in slot order (l counts the MoE layers in model order);
+    EP rank r holds slots [r*E/ep, (r+1)*E/ep) of every layer. Checkpoint tensors and optimizer state keep
+    the global ids, so any placement reads and writes the same formats."""
+
+    slots: tuple[tuple[int, ...], ...]
+    ep_size: int
+
+    def __post_init__(self) -> None:
+        if not self.slots:
+            raise ValueError("an expert placement needs at least one MoE layer")
+        num_experts = len(self.slots[0])
+        if self.ep_size < 1 or num_experts % self.ep_size:
+            raise ValueError(f"EP size {self.ep_size} does not divide {num_experts} experts")
+        for layer, row in enumerate(self.slots):
+            if sorted(row) != list(range(num_experts)):
+                raise ValueError(f"MoE layer {layer}: {list(row)} is not a permutation of 0..{num_experts - 1}")
+
+    @classmethod
+    def contiguous(cls, num_layers: int, num_experts: int, ep_size: int) -> ExpertPlacement:
+        """The identity: EP rank r holds experts [r*E/ep, (r+1)*E/ep) of every layer."""
+        return cls(tuple(tuple(range(num_experts)) for _ in range(num_layers)), ep_size)
+
+    @classmethod
+    def from_lists(cls, slots: Sequence[Sequence[int]], ep_size: int) -> ExpertPlacement:
+        return cls(tuple(tuple(int(e) for e in row) for row in slots), ep_size)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.slots)
+
+    @property
+    def num_experts(self) -> int:
+        return len(self.slots[0])
+
+    @property
+    def per_rank(self) -> int:
+        return self.num_experts // self.ep_size
+
+    def is_contiguous(self) -> bool:
+        return all(row == tuple(range(self.num_experts)) for row in self.slots)
+
+    def held(self, layer: int, ep_rank: int) -> tuple[int, ...]:
+        """The global expert ids EP rank `ep_rank` holds in MoE layer `layer`, in slot order."""
+        return self.slots[layer][ep_rank * self.per_rank : (ep_rank + 1) * self.per_rank]
+
+    def rank_rows(self, loads: Sequence[Sequence[int]]) -> list[list[int]]:
+        """Per MoE layer, the rows each EP rank's experts get under this placement, from per-expert loads."""
+        return [
+            [sum(int(layer_loads[e]) for e in self.held(layer, r)) for r in range(self.ep_size)]
+            for layer, layer_loads in enumerate(loads)
+        ]
+
+    def to_lists(self) -> list[list[int]]:
+        return [list(row) for row in self.slots]
+
+
+def _max_group(loads: Sequence[int], groups: Sequence[Sequence[int]]) -> int:
+    return max(sum(loads[e] for e in g) for g in groups)
+
+
+def _balance_layer(loads: list[int], ep_size: int) -> tuple[int, ...]:
+    """One layer's slots: ep groups of exactly E/ep experts with the largest group load as small as greedy
+    plus pairwise swaps make it; the contiguous split when that is as good (no needless moves)."""
+    num_experts = len(loads)
+    per_rank = num_experts // ep_size
+    contiguous = [list(range(r * per_rank, (r + 1) * per_rank)) for r in range(ep_size)]
+    # Greedy (LPT with a size limit): heaviest expert first (ties: lower id), to the least-loaded group
+    # that has room (ties: lower group index).
+    groups: list[list[int]] = [[] for _ in range(ep_size)]
+    sums = [0] * ep_size
+    for e in sorted(range(num_experts), key=lambda e: (-loads[e], e)):
+        g = min((g for g in range(ep_size) if len(groups[g]) < per_rank), key=lambda g: (sums[g], g))
+        groups[g].append(e)
+        sums[g] += loads[e]
+    # Swaps out of the heaviest group while one lowers it without making the other group as heavy: each
+    # lowers the sum of squared group loads, so this ends; the best swap (smallest resulting pair maximum,
+    # then lowest ids) keeps it deterministic.
+    while True:
+        heavy = min(range(ep_size), key=lambda g: (-sums[g], g))
+        best: tuple[int, int, int, int, int] | None = None  # (new max of the pair, a, b, group, delta)
+        for g in range(ep_size):
+            if g == heavy:
+                continue
+            for a in sorted(groups[heavy]):
+                for b in sorted(groups[g]):
+                    delta = loads[a] - loads[b]
+                    if delta <= 0 or sums[g] + delta >= sums[heavy]:
+                        continue
+                    candidate = (max(sums[heavy] - delta, sums[g] + delta), a, b, g, delta)
+                    if best is None or candidate < best:
+                        best = candidate
+        if best is None:
+            break
+        _, a, b, g, delta = best
+        groups[heavy][groups[heavy].index(a)] = b
+        groups[g][groups[g].index(b)] = a
+        sums[heavy] -= delta
+        sums[g] += delta
+    if _max_group(loads, contiguous) <= max(sums):
+        groups = contiguous
+    # Groups in the order of their lowest expert id, ids ascending inside each: one canonical form.
+    groups = sorted((sorted(g) for g in groups), key=lambda g: g[0])
+    return tuple(e for g in groups for e in g)
+
+
+def balanced_placement(loads: Sequence[Sequence[int]] | torch.Tensor, ep_size: int) -> ExpertPlacement:
+    """Per MoE layer, split the experts into ep_size groups of exactly E/ep so that the largest group's load
+    (routed (token, expert) rows) is as small as possible (greedy by descending load, then improving swaps;
+    deterministic; never worse than the contiguous split, which is kept when it is as good).
+
+    loads: [num MoE layers][num_experts] non-negative row counts (a list of lists or an integer tensor)."""
+    rows = loads.tolist() if isinstance(loads, torch.Tensor) else [list(r) for r in loads]
+    if not rows or any(len(r) != len(rows[0]) for r in rows):
+        raise ValueError("loads must be a non-empty [layers][experts] table")
+    if len(rows[0]) % ep_size:
+        raise ValueError(f"EP size {ep_size} does not divide {len(rows[0])} experts")
+    if any(int(x) != x or x < 0 for r in rows for x in r):
+        raise ValueError("loads must be non-negative integers")
+    return ExpertPlacement(tuple(_balance_layer([int(x) for x in r], ep_size) for r in rows), ep_size)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -173,9 +300,10 @@ class AllToAllDispatch:
     """Expert parallelism over all_to_all_single (gloo or NCCL), with the exchanges overlapped with expert
     work.
 
-    Per MoE layer and call: the T*k (token, expert) slots are grouped by global expert id, which also groups
-    them by owner rank (SlotOrder), and one small exchange of per-expert counts tells every owner how many
-    rows to expect from each rank for each of its experts (it travels while the slots' rows are gathered).
+    Per MoE layer and call: the T*k (token, expert) rows are grouped by slot id (the block mapped its expert
+    ids through the layer's placement), which also groups them by owner rank (SlotOrder), and one small
+    exchange of per-slot counts tells every owner how many rows to expect from each rank for each of its
+    experts (it travels while the slots' rows are gathered).
     Then, in one autograd Function with a hand-written backward (_AllToAllMoe), so that the order of work is
     ours and not the autograd engine's:
 
@@ -200,7 +328,7 @@ class AllToAllDispatch:
         group: dist.ProcessGroup,
         ep_size: int,
         num_experts: int,
-        expert_offset: int,
+        ep_rank: int,
         device: torch.device,
         timer: CommTimer | None = None,
     ) -> None:
@@ -210,8 +338,7 @@ class AllToAllDispatch:
         self.ep_size = ep_size
         self.num_experts = num_experts
         self.num_local_experts = num_experts // ep_size
-        self.expert_offset = expert_offset
-        self.ep_rank = expert_offset // self.num_local_experts
+        self.ep_rank = ep_rank
         self.device = device
         self.timer = timer or CommTimer()
         self.expert_rows = 0
@@ -221,15 +348,16 @@ class AllToAllDispatch:
         hidden: torch.Tensor,
         topk_idx: torch.Tensor,
         topk_weight: torch.Tensor,
-        experts: nn.ModuleDict,
+        experts: Sequence[nn.Module],
     ) -> torch.Tensor:
         slots = SlotOrder.of(topk_idx, self.num_experts)
         recv_counts = torch.empty_like(slots.counts)
         with self.timer.measure(hidden.device):
             counts_sent = dist.all_to_all_single(recv_counts, slots.counts, group=self.group, async_op=True)
+        if len(experts) != self.num_local_experts:
+            raise ValueError(f"AllToAllDispatch: {len(experts)} local experts, expected {self.num_local_experts}")
         weights = []
-        for e in range(self.expert_offset, self.expert_offset + self.num_local_experts):
-            expert = experts[str(e)]
+        for expert in experts:  # local slot order
             weights += [expert.gate_proj.weight, expert.up_proj.weight, expert.down_proj.weight]
         return _AllToAllMoe.apply(hidden, topk_weight, self, slots, counts_sent, recv_counts, *weights)
 
@@ -508,8 +636,10 @@ class DeepEPDispatch:
     """Expert parallelism over DeepEP 2.x (`deep_ep.ElasticBuffer`), normal (high-throughput) mode.
 
     DeepEP sends each token once to every rank owning one of its experts, in bf16, with its top-k ids
-    (local ids there, -1 for experts held elsewhere) and fp32 weights. The owner computes
-    sum_j w_j * expert_j(x) over its own experts, and combine sums those partial outputs at the token's rank.
+    (local ids there, -1 for experts held elsewhere) and fp32 weights. The ids it gets are slot ids (the
+    block mapped them through the layer's placement), so each rank owns a contiguous range, as DeepEP
+    needs. The owner computes sum_j w_j * expert_j(x) over its own experts, and combine sums those partial
+    outputs at the token's rank.
     The buffer is created on first use, sized for `max_tokens_per_rank` tokens (the same on every rank), with
     DeepEP's deterministic receive order.
     """
@@ -518,7 +648,6 @@ class DeepEPDispatch:
         self,
         group: dist.ProcessGroup,
         num_experts: int,
-        expert_offset: int,
         num_local_experts: int,
         hidden_size: int,
         top_k: int,
@@ -531,7 +660,6 @@ class DeepEPDispatch:
             torch.utils.deterministic.fill_uninitialized_memory = False  # type: ignore[attr-defined]
         self.group = group
         self.num_experts = num_experts
-        self.expert_offset = expert_offset
         self.num_local_experts = num_local_experts
         self.hidden_size = hidden_size
         self.top_k = top_k
@@ -557,7 +685,7 @@ class DeepEPDispatch:
         hidden: torch.Tensor,
         topk_idx: torch.Tensor,
         topk_weight: torch.Tensor,
-        experts: nn.ModuleDict,
+        experts: Sequence[nn.Module],
     ) -> torch.Tensor:
         if hidden.shape[0] > self.max_tokens_per_rank:
             raise RuntimeError(
@@ -580,7 +708,7 @@ class DeepEPDispatch:
         by_expert, _, counts = group_by_expert(ids[rows, slots], self.num_local_experts)
         rows, slots = rows[by_expert], slots[by_expert]
         # With no rows the (empty) outputs still hang off recv_x, so this rank takes part in the backward.
-        out = run_experts(experts, x[rows], counts.tolist(), self.expert_offset)
+        out = run_experts(experts, x[rows], counts.tolist())
         weighted = out * recv_weights[:num_recv][rows, slots].unsqueeze(-1).to(out.dtype)
         # each (row, expert) pair occurs once; index_add is deterministic in torch's deterministic mode
         partial = x.new_zeros(recv_x.shape[0], x.shape[1]).index_add(0, rows, weighted)
@@ -615,17 +743,15 @@ def make_dispatch(
     if mesh.ep_size == 1:
         return LocalDispatch()  # pure data parallelism: every rank holds every expert, nothing to exchange
     assert mesh.ep_group is not None
-    first, _ = mesh.expert_range(num_experts)
     if backend == "alltoall":
-        return AllToAllDispatch(mesh.ep_group, mesh.ep_size, num_experts, first, mesh.device, timer)
+        return AllToAllDispatch(mesh.ep_group, mesh.ep_size, num_experts, mesh.ep_rank, mesh.device, timer)
     if mesh.device.type != "cuda":
         raise MoerlError(
             "trainer.ep_backend 'deepep' needs CUDA GPUs (DeepEP is GPU-only); run the trainer on GPU nodes "
             "or set trainer.ep_backend: alltoall"
         )
     return DeepEPDispatch(
-        mesh.ep_group, num_experts, first, num_experts // mesh.ep_size, hidden_size, top_k,
-        max_tokens_per_rank, timer,
+        mesh.ep_group, num_experts, num_experts // mesh.ep_size, hidden_size, top_k, max_tokens_per_rank, timer,
     )  # fmt: skip
 
 

@@ -14,7 +14,7 @@ import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +24,9 @@ from torch import nn
 
 from steps.errors import MoerlError
 from steps.moe import Expert, MoeBlock
+
+if TYPE_CHECKING:
+    from steps.expert_parallel import ExpertPlacement
 
 CONFIG_NAME = "config.json"
 GENERATION_CONFIG_NAME = "generation_config.json"
@@ -337,19 +340,51 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, self.num_heads * self.head_dim))
 
 
+def moe_layer_indices(cfg: MoeConfig) -> list[int]:
+    """The decoder layers that are MoE layers, in order (an ExpertPlacement's layer l is the l-th of them)."""
+    return [layer for layer in range(cfg.num_hidden_layers) if cfg.is_moe_layer(layer)]
+
+
+def check_placement(cfg: MoeConfig, placement: ExpertPlacement | None, ep_rank: int) -> None:
+    """A placement must describe this config's MoE layers and experts, and ep_rank be one of its ranks."""
+    if placement is None:
+        if ep_rank != 0:
+            raise ValueError(f"ep_rank {ep_rank} without an expert placement")
+        return
+    num_moe = len(moe_layer_indices(cfg))
+    if (placement.num_layers, placement.num_experts) != (num_moe, cfg.num_experts):
+        raise ValueError(
+            f"expert placement for {placement.num_layers} MoE layers x {placement.num_experts} experts, the "
+            f"model has {num_moe} x {cfg.num_experts}"
+        )
+    if not 0 <= ep_rank < placement.ep_size:
+        raise ValueError(f"ep_rank {ep_rank} is not in [0, {placement.ep_size})")
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: MoeConfig, layer_idx: int, expert_range: tuple[int, int] | None) -> None:
+    def __init__(
+        self,
+        cfg: MoeConfig,
+        layer_idx: int,
+        placement: ExpertPlacement | None = None,
+        ep_rank: int = 0,
+    ) -> None:
         super().__init__()
         self.self_attn = Attention(cfg, layer_idx)
         self.mlp: nn.Module
         if cfg.is_moe_layer(layer_idx):
+            slots, ep_size = None, 1
+            if placement is not None:
+                slots, ep_size = placement.slots[moe_layer_indices(cfg).index(layer_idx)], placement.ep_size
             self.mlp = MoeBlock(
                 cfg.hidden_size,
                 cfg.moe_intermediate_size,
                 cfg.num_experts,
                 cfg.num_experts_per_tok,
                 cfg.norm_topk_prob,
-                expert_range,
+                slots,
+                ep_rank,
+                ep_size,
             )
         else:
             self.mlp = Expert(cfg.hidden_size, cfg.intermediate_size)  # Qwen3MoeMLP: the same SwiGLU block
@@ -395,11 +430,11 @@ class DecoderLayer(nn.Module):
 class MoeModel(nn.Module):
     """The decoder stack; its attribute names give the `model.` prefix of the checkpoint tensor names."""
 
-    def __init__(self, cfg: MoeConfig, expert_range: tuple[int, int] | None) -> None:
+    def __init__(self, cfg: MoeConfig, placement: ExpertPlacement | None = None, ep_rank: int = 0) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, padding_idx=cfg.pad_token_id)
         self.layers = nn.ModuleList(
-            [DecoderLayer(cfg, layer, expert_range) for layer in range(cfg.num_hidden_layers)]
+            [DecoderLayer(cfg, layer, placement, ep_rank) for layer in range(cfg.num_hidden_layers)]
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -407,16 +442,20 @@ class MoeModel(nn.Module):
 class MoeForCausalLM(nn.Module):
     """Qwen3-MoE causal LM. state_dict() keys are the tensor names of a Hugging Face Qwen3-MoE checkpoint.
 
-    expert_range=(first, end) builds a model that holds only experts [first, end) of every MoE layer (one
-    expert-parallel rank); their names keep the global index, so its state_dict is a subset of the full one.
+    placement (steps.expert_parallel.ExpertPlacement) and ep_rank build the model of one expert-parallel
+    rank: in every MoE layer only the experts the placement gives that rank (placement.held(layer, ep_rank));
+    their names keep the global index, so its state_dict is a subset of the full one. Without a placement
+    the model holds every expert.
     """
 
-    def __init__(self, config: MoeConfig, expert_range: tuple[int, int] | None = None) -> None:
+    def __init__(self, config: MoeConfig, placement: ExpertPlacement | None = None, ep_rank: int = 0) -> None:
         super().__init__()
         config.validate()
+        check_placement(config, placement, ep_rank)
         self.config = config
-        self.expert_range = expert_range
-        self.model = MoeModel(config, expert_range)
+        self.placement = placement
+        self.ep_rank = ep_rank
+        self.model = MoeModel(config, placement, ep_rank)
         # Tied: logits use the embedding matrix and no lm_head.weight exists (save_pretrained omits it too).
         self.lm_head = (
             None
@@ -448,6 +487,20 @@ class MoeForCausalLM(nn.Module):
         """Use `dispatch` (an ExpertDispatch) for the experts of every MoE layer."""
         for block in self.moe_blocks():
             block.dispatch = dispatch  # type: ignore[assignment]
+
+    def count_routed_rows(self) -> None:
+        """Start (or restart) counting, per MoE layer and global expert id, the (token, expert) rows this
+        process's forward passes route (see routed_rows)."""
+        for block in self.moe_blocks():
+            block.routed_rows = torch.zeros(block.num_experts, dtype=torch.int64, device=block.gate.weight.device)
+
+    def routed_rows(self) -> torch.Tensor:
+        """[num MoE layers, num_experts] int64: the rows counted since count_routed_rows (this process's
+        tokens only: sum over the ranks for the global loads)."""
+        counts = [block.routed_rows for block in self.moe_blocks()]
+        if any(c is None for c in counts):
+            raise RuntimeError("routed_rows: call count_routed_rows() before the forward passes")
+        return torch.stack(counts)  # type: ignore[arg-type]
 
     def new_kv_cache(self, batch_size: int, max_len: int) -> KVCache:
         p = self.model.embed_tokens.weight
@@ -668,12 +721,13 @@ class KVCache:
 
 
 def expected_tensor_shapes(
-    cfg: MoeConfig, expert_range: tuple[int, int] | None = None
+    cfg: MoeConfig, placement: ExpertPlacement | None = None, ep_rank: int = 0
 ) -> dict[str, tuple[int, ...]]:
-    """Every tensor name a checkpoint of `cfg` holds (only experts [first, end) if expert_range) -> shape."""
+    """Every tensor name a checkpoint of `cfg` holds -> shape; with a placement, only the experts EP rank
+    ep_rank holds."""
     assert cfg.head_dim is not None
     h, d = cfg.hidden_size, cfg.head_dim
-    first, end = expert_range if expert_range is not None else (0, cfg.num_experts)
+    moe_layers = moe_layer_indices(cfg)
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, h)}
     for layer in range(cfg.num_hidden_layers):
         p = f"model.layers.{layer}."
@@ -691,7 +745,8 @@ def expected_tensor_shapes(
         shapes[p + "self_attn.k_norm.weight"] = (d,)
         if cfg.is_moe_layer(layer):
             shapes[p + "mlp.gate.weight"] = (cfg.num_experts, h)
-            for e in range(first, end):
+            held = range(cfg.num_experts) if placement is None else placement.held(moe_layers.index(layer), ep_rank)
+            for e in sorted(held):
                 shapes[p + f"mlp.experts.{e}.gate_proj.weight"] = (cfg.moe_intermediate_size, h)
                 shapes[p + f"mlp.experts.{e}.up_proj.weight"] = (cfg.moe_intermediate_size, h)
                 shapes[p + f"mlp.experts.{e}.down_proj.weight"] = (h, cfg.moe_intermediate_size)
@@ -831,24 +886,27 @@ def load_pretrained(
     directory: str | os.PathLike,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
-    expert_range: tuple[int, int] | None = None,
+    placement: ExpertPlacement | None = None,
+    ep_rank: int = 0,
 ) -> MoeForCausalLM:
     """Build a MoeForCausalLM from a Hugging Face Qwen3-MoE checkpoint directory (safetensors only).
 
     The whole checkpoint is validated first (config, every tensor's presence, shape and dtype, nothing
-    extra); with expert_range only that slice of each MoE layer's experts is then read from disk.
+    extra); with a placement only the experts EP rank ep_rank holds are then read from disk (by name,
+    from whichever files hold them).
     """
     cfg = load_config(directory)
     entries = tensor_index(directory)
     check_tensors(cfg, entries, directory)
-    wanted = expected_tensor_shapes(cfg, expert_range)
+    check_placement(cfg, placement, ep_rank)
+    wanted = expected_tensor_shapes(cfg, placement, ep_rank)
     state = load_state_dict_from_dir(directory, wanted)
     state = {name: t.to(device=device, dtype=dtype) for name, t in state.items()}
     # The meta device skips allocating and initialising weights that are about to be replaced, but its
     # first use imports torch's reference ops (~2 s per process); a small model is cheaper to build plainly.
     numel = sum(t.numel() for t in state.values())
     with torch.device("meta") if numel > META_BUILD_MIN_PARAMS else contextlib.nullcontext():
-        model = MoeForCausalLM(cfg, expert_range)
+        model = MoeForCausalLM(cfg, placement, ep_rank)
     model.load_state_dict(state, strict=True, assign=True)
     return model
 

@@ -2,14 +2,20 @@
 
 The block routes tokens itself (router -> top-k expert ids and weights) and hands the expert computation to a
 dispatcher object. `LocalDispatch` runs every expert on this process; an expert-parallel backend (all-to-all,
-DeepEP) implements the same `ExpertDispatch` contract while each rank holds only a contiguous slice of the
-experts. Experts live in an `nn.ModuleDict` keyed by their *global* index, so a rank holding experts [4, 8)
-has state_dict names `experts.4.gate_proj.weight` ... exactly as in the full checkpoint: a per-rank shard is a
+DeepEP) implements the same `ExpertDispatch` contract while each rank holds only E/ep of the experts.
+Experts live in an `nn.ModuleDict` keyed by their *global* index, so a rank holding experts {1, 4, 6, 7} has
+state_dict names `experts.1.gate_proj.weight` ... exactly as in the full checkpoint: a per-rank shard is a
 plain subset of the Hugging Face tensors, with no renaming.
+
+Expert placement. Each MoE layer lists its E global expert ids in "slot" order (steps.expert_parallel.
+ExpertPlacement; identity unless the trainer balances the ranks' loads); EP rank r holds slots
+[r*E/ep, (r+1)*E/ep). The block maps its router's global expert ids to slot ids before dispatch, so every
+dispatcher sees contiguous slot ranges per rank (the contract DeepEP needs too), whatever the placement.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -37,12 +43,13 @@ class ExpertDispatch(Protocol):
     Contract, for every backend:
       hidden       [T, H]  this rank's tokens (T may be 0; expert-parallel backends are collective, so every
                            rank calls dispatch once per MoE layer and step, even with no tokens).
-      topk_idx     [T, k]  int64 *global* expert ids in [0, num_experts).
+      topk_idx     [T, k]  int64 *slot* ids in [0, num_experts) (MoeBlock.to_slots: the global expert ids
+                           mapped through the layer's placement; the identity for a full model).
       topk_weight  [T, k]  combine weights, in hidden's dtype.
-      experts      the experts this rank holds: an nn.ModuleDict mapping str(global id) -> Expert, covering
-                   the contiguous range [expert_offset, expert_offset + num_local_experts). LocalDispatch
-                   needs them all; an expert-parallel backend with ep ranks holds E/ep of them on each rank
-                   and sends each token to the ranks owning its experts (owner of expert e: e // (E/ep)).
+      experts      the experts this rank holds, in slot order: local expert j is slot first + j, where
+                   LocalDispatch holds all E slots (first = 0) and an expert-parallel backend with ep ranks
+                   holds E/ep slots on each rank (first = ep_rank * E/ep) and sends each slot to its owner
+                   (owner of slot s: s // (E/ep)).
       returns      [T, H]  out[t] = sum_j topk_weight[t, j] * expert_{topk_idx[t, j]}(hidden[t]), rows in the
                    same order as hidden, in hidden's dtype; differentiable with respect to hidden, topk_weight
                    and the expert parameters.
@@ -53,7 +60,7 @@ class ExpertDispatch(Protocol):
         hidden: torch.Tensor,
         topk_idx: torch.Tensor,
         topk_weight: torch.Tensor,
-        experts: nn.ModuleDict,
+        experts: Sequence[nn.Module],
     ) -> torch.Tensor: ...
 
 
@@ -205,14 +212,14 @@ class _CombineSlots(torch.autograd.Function):
         return grad_grouped, grad_weight.to(ctx.weight_dtype), None  # type: ignore[attr-defined]
 
 
-def run_experts(experts: nn.ModuleDict, grouped: torch.Tensor, counts: list[int], first: int) -> torch.Tensor:
-    """Run expert first+j on its counts[j] contiguous rows of `grouped`, each expert once; returns the
+def run_experts(experts: Sequence[nn.Module], grouped: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """Run local expert j on its counts[j] contiguous rows of `grouped`, each expert once; returns the
     outputs in the same row order. torch.split (whose backward is one cat) rather than slicing (whose
     backward zero-fills a full-size gradient per expert). An expert without rows contributes its empty
     slice, so the result stays connected to `grouped` even when no expert has rows (the all-to-all backward
     is collective and must run on every rank)."""
     outputs = [
-        experts[str(first + j)](rows) if count else rows
+        experts[j](rows) if count else rows
         for j, (count, rows) in enumerate(zip(counts, torch.split(grouped, counts), strict=True))
     ]
     return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
@@ -230,7 +237,7 @@ class LocalDispatch:
         hidden: torch.Tensor,
         topk_idx: torch.Tensor,
         topk_weight: torch.Tensor,
-        experts: nn.ModuleDict,
+        experts: Sequence[nn.Module],
     ) -> torch.Tensor:
         num_tokens, top_k = topk_idx.shape
         if num_tokens == 0:
@@ -238,18 +245,23 @@ class LocalDispatch:
         num_experts = max(int(topk_idx.max()) + 1, len(experts))
         slots = SlotOrder.of(topk_idx, num_experts)
         counts_list = slots.counts.tolist()
-        missing = [e for e, c in enumerate(counts_list) if c and str(e) not in experts]
+        missing = [e for e, c in enumerate(counts_list) if c and e >= len(experts)]
         if missing:
             raise RuntimeError(
-                f"LocalDispatch: token routed to expert {missing[0]}, which this process does not hold "
+                f"LocalDispatch: token routed to slot {missing[0]}, which this process does not hold "
                 f"(holds {len(experts)} experts); use an expert-parallel dispatcher for a partial shard"
             )
-        expert_out = run_experts(experts, slots.gather(hidden), counts_list, 0)  # [T*k, H], expert order
+        expert_out = run_experts(experts, slots.gather(hidden), counts_list)  # [T*k, H], slot order
         return slots.combine(expert_out, topk_weight)
 
 
 class MoeBlock(nn.Module):
-    """Qwen3-MoE sparse block: `gate` (router) + `experts.{e}` for the held range of global expert ids."""
+    """Qwen3-MoE sparse block: `gate` (router) + `experts.{e}` for the global expert ids this rank holds.
+
+    slots: this layer's E global expert ids in slot order (default: the identity); with ep_size ep the block
+    holds slots [ep_rank*E/ep, (ep_rank+1)*E/ep), i.e. experts slots[ep_rank*E/ep : (ep_rank+1)*E/ep]. The
+    router keeps choosing global ids; `to_slots` maps them before dispatch.
+    """
 
     def __init__(
         self,
@@ -258,23 +270,36 @@ class MoeBlock(nn.Module):
         num_experts: int,
         num_experts_per_tok: int,
         norm_topk_prob: bool,
-        expert_range: tuple[int, int] | None = None,
+        slots: Sequence[int] | None = None,
+        ep_rank: int = 0,
+        ep_size: int = 1,
     ) -> None:
         super().__init__()
-        first, end = expert_range if expert_range is not None else (0, num_experts)
-        if not 0 <= first < end <= num_experts:
-            raise ValueError(f"expert_range {expert_range} is not a non-empty range in [0, {num_experts})")
+        slots = tuple(range(num_experts)) if slots is None else tuple(int(e) for e in slots)
+        if sorted(slots) != list(range(num_experts)):
+            raise ValueError(f"slots {list(slots)} are not a permutation of the {num_experts} expert ids")
+        if num_experts % ep_size or not 0 <= ep_rank < ep_size:
+            raise ValueError(f"EP rank {ep_rank} of {ep_size} cannot hold an equal share of {num_experts} experts")
+        per_rank = num_experts // ep_size
         self.hidden_size = hidden_size
         self.num_experts = num_experts
         self.top_k = num_experts_per_tok
         self.norm_topk_prob = norm_topk_prob
-        self.expert_offset = first
-        self.num_local_experts = end - first
+        self.slots = slots
+        self.held = slots[ep_rank * per_rank : (ep_rank + 1) * per_rank]  # global ids, local slot order
+        self.num_local_experts = per_rank
+        # global id -> slot id; None for the identity (nothing to map: today's contiguous ranges, same bits)
+        identity = slots == tuple(range(num_experts))
+        self.expert_slot = None if identity else inverse_permutation(torch.tensor(slots, device="cpu"))
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)  # the router, replicated on every rank
+        # ModuleDict in global id order (state_dict order does not depend on the placement)
         self.experts = nn.ModuleDict(
-            {str(e): Expert(hidden_size, moe_intermediate_size) for e in range(first, end)}
+            {str(e): Expert(hidden_size, moe_intermediate_size) for e in sorted(self.held)}
         )
         self.dispatch: ExpertDispatch = LocalDispatch()
+        # per-expert (global id) count of routed (token, expert) rows, accumulated by forward while a tensor
+        # (MoeForCausalLM.count_routed_rows); None: not counted
+        self.routed_rows: torch.Tensor | None = None
 
     def route(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """hidden [T, H] -> (router_logits [T, E], topk_idx [T, k], topk_weight [T, k]).
@@ -289,8 +314,28 @@ class MoeBlock(nn.Module):
             topk_weight = topk_weight / topk_weight.sum(dim=-1, keepdim=True)
         return router_logits, topk_idx, topk_weight.to(router_logits.dtype)
 
+    def to_slots(self, topk_idx: torch.Tensor) -> torch.Tensor:
+        """Global expert ids -> this layer's slot ids (what the dispatchers route by)."""
+        if self.expert_slot is None:
+            return topk_idx
+        if self.expert_slot.device != topk_idx.device:
+            self.expert_slot = self.expert_slot.to(topk_idx.device)
+        return self.expert_slot.index_select(0, topk_idx.reshape(-1)).view(topk_idx.shape)
+
+    def local_experts(self) -> list[nn.Module]:
+        """The experts this block holds, in slot order (the dispatch contract's `experts`)."""
+        return [self.experts[str(e)] for e in self.held]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         hidden = x.reshape(-1, self.hidden_size)
         _, topk_idx, topk_weight = self.route(hidden)
-        return self.dispatch(hidden, topk_idx, topk_weight, self.experts).reshape(shape)
+        if self.routed_rows is not None:
+            self.routed_rows += torch.bincount(topk_idx.reshape(-1), minlength=self.num_experts)
+        if isinstance(self.dispatch, LocalDispatch) and self.num_local_experts != self.num_experts:
+            raise RuntimeError(
+                f"LocalDispatch: this block holds {self.num_local_experts} of {self.num_experts} experts and "
+                "does not hold the others; use an expert-parallel dispatcher for a partial shard"
+            )
+        out = self.dispatch(hidden, self.to_slots(topk_idx), topk_weight, self.local_experts())
+        return out.reshape(shape)

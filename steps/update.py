@@ -16,7 +16,16 @@ Output: <run>/candidates/iter-I/
     candidate.index.json                       tensor name -> file, for weights and optimizer state
     CANDIDATE.json                             written LAST: every file with size + sha256
 and <run>/metrics/iter-I.update.json (loss, clip fraction, KL, importance weights, grad norm, entropy,
-tokens/s; a separate file so that score's metrics/iter-I.json is never rewritten).
+tokens/s, the per-expert routed row counts and the expert placement used; a separate file so that score's
+metrics/iter-I.json is never rewritten).
+
+Expert placement (trainer.expert_placement, default balanced): which E/ep experts each EP rank holds, per
+MoE layer. Update I balances the EP ranks' routed rows with the per-expert row counts that update I-1
+recorded in metrics/iter-(I-1).update.json (steps.expert_parallel.balanced_placement); iteration 1, one EP
+rank, 'contiguous', or absent or malformed counts give the contiguous placement (said in the log and the
+metrics). The placement is a pure function of published inputs, so a restart chooses the same one. Tensors
+keep their global names, so weights and optimizer state of v(I-1) are read by name whichever rank's file of
+the previous iteration holds them.
 
 Each EP rank of the first dp row uploads its own shards; nothing is gathered to rank 0 but the file names
 and digests. A crash leaves no CANDIDATE.json, and a restart deletes the partial candidate and trains again
@@ -47,7 +56,10 @@ from steps.errors import MoerlError, run_cli
 from steps.experience import behaviour_version, load_run_config, scored_key
 from steps.expert_parallel import (
     CommTimer,
+    ExpertPlacement,
     Mesh,
+    all_reduce_sum,
+    balanced_placement,
     build_mesh,
     is_expert_param,
     make_dispatch,
@@ -57,9 +69,11 @@ from steps.model import (
     CONFIG_NAME,
     GENERATION_CONFIG_NAME,
     SAFE_WEIGHTS_INDEX_NAME,
+    MoeConfig,
     MoeForCausalLM,
     load_config,
     load_pretrained,
+    moe_layer_indices,
 )
 from steps.store import Store
 from steps.trainer import (
@@ -175,6 +189,87 @@ def read_optimizer_state(run: Store, version: int, names: list[str], workdir: Pa
                 tensors[name] = f.get_tensor(name)
         local.unlink()
     return tensors
+
+
+def previous_expert_rows(run: Store, iteration: int, num_layers: int, num_experts: int) -> list[list[int]]:
+    """The per-expert routed row counts update `iteration` recorded ([MoE layer][expert]); ValueError saying
+    what is wrong when its metrics are absent or do not hold a table of this model's shape."""
+    key = update_metrics_key(iteration)
+    if not run.exists(key):
+        raise ValueError(f"{key} is absent")
+    try:
+        data = run.get_json(key)
+    except MoerlError as err:
+        raise ValueError(str(err)) from err
+    if not isinstance(data, dict) or data.get("iteration") != iteration or not isinstance(data.get("update"), dict):
+        raise ValueError(f"{key} is not the update metrics of iteration {iteration}")
+    rows = data["update"].get("expert_rows")
+    if not isinstance(rows, list) or len(rows) != num_layers or any(
+        not isinstance(r, list) or len(r) != num_experts or any(type(x) is not int or x < 0 for x in r)
+        for r in rows
+    ):
+        raise ValueError(f"{key}: expert_rows is not a [{num_layers}][{num_experts}] table of row counts")
+    return rows
+
+
+def choose_placement(
+    run: Store, iteration: int, mode: str, model_config: MoeConfig, ep_size: int
+) -> tuple[ExpertPlacement, str]:
+    """The expert placement of update `iteration` and why (see the module docstring): balanced from the row
+    counts of update iteration-1, or contiguous. Never fails on the counts: absent or malformed ones give
+    the contiguous placement, with the reason."""
+    num_layers, num_experts = len(moe_layer_indices(model_config)), model_config.num_experts
+    contiguous = ExpertPlacement.contiguous(num_layers, num_experts, ep_size)
+    if mode == "contiguous":
+        return contiguous, "contiguous (trainer.expert_placement: contiguous)"
+    if ep_size == 1:
+        return contiguous, "contiguous (one EP rank holds every expert)"
+    if iteration == 1:
+        return contiguous, "contiguous (iteration 1: no earlier update counted the experts' rows)"
+    try:
+        rows = previous_expert_rows(run, iteration - 1, num_layers, num_experts)
+    except ValueError as err:
+        return contiguous, f"contiguous ({err}; balancing needs the previous update's expert_rows)"
+    placement = balanced_placement(rows, ep_size)
+
+    def busiest(p: ExpertPlacement) -> str:
+        return "/".join(f"{max(r) / max(1, sum(r)):.0%}" for r in p.rank_rows(rows))
+
+    return placement, (
+        f"balanced from the expert rows of {update_metrics_key(iteration - 1)} (busiest EP rank's share per "
+        f"MoE layer there: contiguous {busiest(contiguous)}, balanced {busiest(placement)})"
+    )
+
+
+def agreed_placement(
+    run: Store, iteration: int, mode: str, model_config: MoeConfig, mesh: Mesh
+) -> tuple[ExpertPlacement, str]:
+    """choose_placement on rank 0 (one read), its slots broadcast as a tensor (nothing pickled) so that every
+    rank holds the same experts; the reason is rank 0's (it writes the metrics and the log)."""
+    chosen = agreed(
+        mesh,
+        lambda: choose_placement(run, iteration, mode, model_config, mesh.ep_size) if mesh.rank == 0 else None,
+    )  # fmt: skip
+    if mesh.world_group is None:
+        return chosen
+    shape = (len(moe_layer_indices(model_config)), model_config.num_experts)
+    slots = torch.tensor(chosen[0].slots if chosen else [[0] * shape[1]] * shape[0], dtype=torch.int64)
+    slots = slots.to(mesh.device)
+    dist.broadcast(slots, src=0)
+    if mesh.rank == 0:
+        return chosen
+    return ExpertPlacement.from_lists(slots.cpu().tolist(), mesh.ep_size), ""
+
+
+def placement_metrics(placement: ExpertPlacement, reason: str, rows: torch.Tensor) -> dict[str, Any]:
+    """What the metrics say about expert placement: the rows each expert got ([MoE layer][expert], all
+    ranks, every forward pass of the policy), the placement used, and the rows per EP rank under it."""
+    counts = rows.tolist()
+    return {
+        "expert_rows": counts,
+        "expert_placement": {"ep_size": placement.ep_size, "slots": placement.to_lists(), "reason": reason},
+        "expert_rank_rows": placement.rank_rows(counts),
+    }
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -346,12 +441,14 @@ def _update(
     check_token_ids(samples, model_config.vocab_size, run.url(scored_key(iteration)))
     requested = ep_size or getattr(cfg.trainer, "ep_size", None)
     mesh = build_mesh(rank, world, resolve_ep_size(world, num_experts, requested), device)
-    expert_range = mesh.expert_range(num_experts)
-    model = load_pretrained(parent_dir, dtype=torch.float32, device=device, expert_range=expert_range)
+    placement, placement_reason = agreed_placement(run, iteration, cfg.trainer.expert_placement, model_config, mesh)
+    _say(rank, f"expert placement: {placement_reason}")
+    model = load_pretrained(parent_dir, torch.float32, device, placement, mesh.ep_rank)
+    model.count_routed_rows()
     ref_model = None
     if settings.loss.kl_coef > 0:
         ref_dir = parent_dir if parent == 0 else fetch_checkpoint(run, 0, mesh, local_rank)
-        ref_model = load_pretrained(ref_dir, dtype=torch.float32, device=device, expert_range=expert_range)
+        ref_model = load_pretrained(ref_dir, torch.float32, device, placement, mesh.ep_rank)
         ref_model.requires_grad_(False)
     cfg_model = model.config
     rows = settings.micro_batch_size
@@ -382,6 +479,7 @@ def _update(
         info = {"policy_version": version, "world_size": world, "ep_size": mesh.ep_size,
                 "ep_backend": cfg.trainer.ep_backend}  # fmt: skip
         metrics.update(info)
+        metrics.update(placement_metrics(placement, placement_reason, all_reduce_sum(model.routed_rows(), mesh)))
         if timer is not None and timer.enabled:
             metrics["dispatch_seconds"] = timer.seconds
 

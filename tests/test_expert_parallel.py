@@ -81,8 +81,9 @@ def run_gloo(fn, world: int, out_dir: Path, *args, timeout: float = 120.0, backe
     assert [p.exitcode for p in procs] == [0] * world, "a gloo worker failed (traceback above)"
 
 
-def make_block(seed: int, expert_range=None, router_bias: float = 0.0) -> MoeBlock:
-    """The same weights whatever the expert range: built in full, then sliced."""
+def make_block(seed: int, mesh: Mesh | None = None, router_bias: float = 0.0, slots=None) -> MoeBlock:
+    """The same weights whatever the experts held: built in full, then sliced to mesh's EP rank's experts
+    under `slots` (the layer's placement; default the identity)."""
     torch.manual_seed(seed)
     full = MoeBlock(HIDDEN, INTER, EXPERTS, TOP_K, norm_topk_prob=False)
     with torch.no_grad():
@@ -90,9 +91,10 @@ def make_block(seed: int, expert_range=None, router_bias: float = 0.0) -> MoeBlo
             p.normal_(0, 0.5)
         # With inputs(..., router_bias) feature 0 is 1: experts 0 and 1 (EP rank 0's) get every token.
         full.gate.weight[:2, 0] += router_bias
-    if expert_range is None:
+    if mesh is None:
         return full
-    block = MoeBlock(HIDDEN, INTER, EXPERTS, TOP_K, norm_topk_prob=False, expert_range=expert_range)
+    block = MoeBlock(HIDDEN, INTER, EXPERTS, TOP_K, norm_topk_prob=False, slots=slots, ep_rank=mesh.ep_rank,
+                     ep_size=mesh.ep_size)  # fmt: skip
     block.load_state_dict({k: v for k, v in full.state_dict().items() if k in block.state_dict()})
     return block
 
@@ -123,9 +125,9 @@ def reference(router_bias: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]
     return out.detach(), grads
 
 
-def block_worker(rank: int, world: int, out_dir: Path, ep: int, router_bias: float, sizes) -> None:
+def block_worker(rank: int, world: int, out_dir: Path, ep: int, router_bias: float, sizes, slots) -> None:
     mesh = build_mesh(rank, world, ep, torch.device("cpu"))
-    block = make_block(0, mesh.expert_range(EXPERTS), router_bias)
+    block = make_block(0, mesh, router_bias, slots)
     block.dispatch = make_dispatch("alltoall", mesh, EXPERTS)
     x, probe = inputs(1, router_bias)
     mine = token_split(world, rank, sizes)
@@ -145,22 +147,25 @@ def block_worker(rank: int, world: int, out_dir: Path, ep: int, router_bias: flo
 
 
 MESHES = [
-    pytest.param(2, 2, 0.0, None, id="ep2"),
-    pytest.param(2, 1, 0.0, None, id="dp2-ep1"),
-    pytest.param(4, 2, 0.0, None, id="dp2xep2"),
-    pytest.param(4, 4, 0.0, None, id="ep4-own-block-in-the-middle"),
-    pytest.param(2, 2, 6.0, None, id="ep2-all-tokens-to-rank0-experts"),
-    pytest.param(2, 2, 0.0, (TOKENS, 0), id="ep2-rank1-without-tokens"),
+    pytest.param(2, 2, 0.0, None, None, id="ep2"),
+    pytest.param(2, 1, 0.0, None, None, id="dp2-ep1"),
+    pytest.param(4, 2, 0.0, None, None, id="dp2xep2"),
+    pytest.param(4, 4, 0.0, None, None, id="ep4-own-block-in-the-middle"),
+    pytest.param(2, 2, 6.0, None, None, id="ep2-all-tokens-to-rank0-experts"),
+    pytest.param(2, 2, 0.0, (TOKENS, 0), None, id="ep2-rank1-without-tokens"),
+    # a non-identity placement: rank 0 holds experts 3 and 0, rank 1 experts 2 and 1
+    pytest.param(2, 2, 6.0, None, (3, 0, 2, 1), id="ep2-placement-splits-the-hot-experts"),
+    pytest.param(4, 4, 0.0, None, (2, 0, 3, 1), id="ep4-permuted-placement"),
 ]
 
 
-@pytest.mark.parametrize("world,ep,router_bias,sizes", MESHES)
-def test_alltoall_matches_one_process(tmp_path, world, ep, router_bias, sizes):
+@pytest.mark.parametrize("world,ep,router_bias,sizes,slots", MESHES)
+def test_alltoall_matches_one_process(tmp_path, world, ep, router_bias, sizes, slots):
     ref_out, ref_grads = reference(router_bias)
     if router_bias:
         topk_idx = make_block(0, router_bias=router_bias).route(inputs(1, router_bias)[0])[1]
         assert (topk_idx < EXPERTS // ep).all()  # EP rank 1 receives nothing, yet takes part
-    run_gloo(block_worker, world, tmp_path, ep, router_bias, sizes)
+    run_gloo(block_worker, world, tmp_path, ep, router_bias, sizes, slots)
     ref_norm = math.sqrt(sum(float(g.pow(2).sum()) for n, g in ref_grads.items() if n != "input"))
     for rank in range(world):
         got = load_file(tmp_path / f"rank{rank}.safetensors")
@@ -168,10 +173,10 @@ def test_alltoall_matches_one_process(tmp_path, world, ep, router_bias, sizes):
         torch.testing.assert_close(got["out"], ref_out[mine], atol=1e-5, rtol=0)
         torch.testing.assert_close(got["input_grad"], ref_grads["input"][mine] * world, atol=1e-5, rtol=0)
         params = {k.removeprefix("grad."): v for k, v in got.items() if k.startswith("grad.")}
-        first = (rank % ep) * (EXPERTS // ep)
+        per_rank, order = EXPERTS // ep, slots or tuple(range(EXPERTS))
+        held = order[(rank % ep) * per_rank : (rank % ep + 1) * per_rank]
         assert {n for n in params if ".experts." in n or n.startswith("experts.")} == {
-            f"experts.{e}.{w}.weight" for e in range(first, first + EXPERTS // ep)
-            for w in ("gate_proj", "up_proj", "down_proj")
+            f"experts.{e}.{w}.weight" for e in held for w in ("gate_proj", "up_proj", "down_proj")
         }  # fmt: skip
         for name, grad in params.items():
             expected = ref_grads.get(name, torch.zeros_like(grad))
@@ -193,7 +198,6 @@ def test_local_dispatch_is_the_single_rank_backend():
 def test_mesh_layout():
     mesh = Mesh(rank=5, world_size=8, ep_size=4)
     assert (mesh.dp_rank, mesh.ep_rank, mesh.dp_size) == (1, 1, 2)
-    assert mesh.expert_range(16) == (4, 8)
     assert mesh.ep_ranks() == [4, 5, 6, 7]
     assert mesh.replica_ranks() == [1, 5]
     assert resolve_ep_size(8, 16) == 8
@@ -227,11 +231,11 @@ def test_run_experts_keeps_rows_without_experts_in_the_graph():
     connected to its input."""
     block = make_block(0)
     rows = torch.randn(5, HIDDEN, requires_grad=True)
-    out = run_experts(block.experts, rows, [2, 0, 3, 0], 0)
+    out = run_experts(block.local_experts(), rows, [2, 0, 3, 0])
     want = torch.cat([block.experts["0"](rows[:2]), block.experts["2"](rows[2:])])
     torch.testing.assert_close(out, want, atol=0, rtol=0)
     empty = rows[:0]
-    out = run_experts(block.experts, empty, [0, 0, 0, 0], 0)
+    out = run_experts(block.local_experts(), empty, [0, 0, 0, 0])
     assert out.shape == (0, HIDDEN) and out.grad_fn is not None
     out.sum().backward()  # reaches `rows` through the empty slice
     assert rows.grad is not None
@@ -245,7 +249,7 @@ def test_alltoall_rejects_experts_not_divisible_by_ep():
 def deepep_worker(rank: int, world: int, out_dir: Path) -> None:
     device = torch.device("cuda", rank)
     mesh = build_mesh(rank, world, world, device)
-    block = make_block(0, mesh.expert_range(EXPERTS)).to(device)
+    block = make_block(0, mesh, slots=(3, 0, 2, 1)).to(device)  # a non-identity placement: slot ids to DeepEP
     block.dispatch = make_dispatch("deepep", mesh, EXPERTS, HIDDEN, TOP_K, max_tokens_per_rank=TOKENS)
     x, probe = (t.to(device) for t in inputs(1))
     mine = token_split(world, rank, None)

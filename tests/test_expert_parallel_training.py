@@ -13,7 +13,14 @@ from safetensors.torch import load_file, save_file
 from test_expert_parallel import run_gloo
 from test_update_experience import experience_table, tiny_model
 
-from steps.expert_parallel import all_reduce_sum, build_mesh, is_expert_param, make_dispatch, sync_gradients
+from steps.expert_parallel import (
+    ExpertPlacement,
+    all_reduce_sum,
+    build_mesh,
+    is_expert_param,
+    make_dispatch,
+    sync_gradients,
+)
 from steps.model import MoeForCausalLM
 from steps.rl_loss import LossSettings
 from steps.trainer import PolicyTrainer, Sample, TrainSettings, collate, rank_micro_batches
@@ -38,18 +45,26 @@ def old_logprobs(batch: list[Sample]) -> dict[int, torch.Tensor]:
     }
 
 
-def sharded(full: MoeForCausalLM, expert_range: tuple[int, int]) -> MoeForCausalLM:
-    model = MoeForCausalLM(full.config, expert_range)
+def sharded(full: MoeForCausalLM, placement: ExpertPlacement | None, ep_rank: int = 0) -> MoeForCausalLM:
+    model = MoeForCausalLM(full.config, placement, ep_rank)
     model.load_state_dict({k: v for k, v in full.state_dict().items() if k in model.state_dict()})
     return model
 
 
-def train_once(rank: int, world: int, out_dir: Path, ep: int, loss_agg: str) -> None:
-    """One SGD step of the PPO objective on this rank's share; writes grads, weights and the loss."""
+def train_once(
+    rank: int, world: int, out_dir: Path, ep: int, loss_agg: str, slots: list[list[int]] | None = None
+) -> None:
+    """One SGD step of the PPO objective on this rank's share; writes grads, weights and the loss.
+    slots: the expert placement (per MoE layer, the expert ids in slot order; default contiguous)."""
     mesh = build_mesh(rank, world, ep, torch.device("cpu"))
     num_experts = tiny_model().config.num_experts
-    expert_range = mesh.expert_range(num_experts)
-    model, ref = sharded(tiny_model(0), expert_range), sharded(tiny_model(7), expert_range)
+    num_layers = len(tiny_model().moe_blocks())
+    placement = (
+        ExpertPlacement.contiguous(num_layers, num_experts, ep) if slots is None
+        else ExpertPlacement.from_lists(slots, ep)
+    )  # fmt: skip
+    model = sharded(tiny_model(0), placement, mesh.ep_rank)
+    ref = sharded(tiny_model(7), placement, mesh.ep_rank)
     dispatch = make_dispatch("alltoall", mesh, num_experts)
     model.set_dispatch(dispatch)
     ref.set_dispatch(dispatch)

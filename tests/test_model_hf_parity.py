@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from steps.errors import MoerlError
+from steps.expert_parallel import ExpertPlacement
 from steps.model import (
     MoeConfig,
     MoeForCausalLM,
@@ -169,22 +170,23 @@ def test_transformers_v5_style_config_is_read(tmp_path):
     assert cfg.mlp_only_layers == [1]
 
 
-def test_expert_range_holds_a_slice_under_global_names(tmp_path):
+def test_expert_placement_holds_a_slice_under_global_names(tmp_path):
     cfg = MoeConfig(**CONFIGS["dense_layer_top2"])
     full = MoeForCausalLM(cfg)
     randomize_(full, seed=5)
     save_pretrained(full, tmp_path)
 
-    part = load_pretrained(tmp_path, expert_range=(4, 8))
+    placement = ExpertPlacement.contiguous(len(full.moe_blocks()), cfg.num_experts, ep_size=2)
+    part = load_pretrained(tmp_path, placement=placement, ep_rank=1)
     names = set(part.state_dict())
-    assert names == set(expected_tensor_shapes(cfg, expert_range=(4, 8)))
+    assert names == set(expected_tensor_shapes(cfg, placement, ep_rank=1))
     assert "model.layers.0.mlp.experts.4.gate_proj.weight" in names
     assert "model.layers.0.mlp.experts.3.gate_proj.weight" not in names
     assert names < set(full.state_dict())
     for name in names:
         assert torch.equal(part.state_dict()[name], full.state_dict()[name]), name
     block = part.moe_blocks()[0]
-    assert (block.expert_offset, block.num_local_experts) == (4, 4)
+    assert (block.held, block.num_local_experts) == ((4, 5, 6, 7), 4)
     # Local dispatch over a partial shard is a wiring error, said plainly rather than silently wrong.
     with pytest.raises(RuntimeError, match="does not hold"):
         part(torch.randint(0, cfg.vocab_size, (2, 9)))
@@ -197,13 +199,13 @@ def test_local_dispatch_equals_per_token_reference():
     randomize_(block, seed=6)
     hidden = torch.randn(23, 16)
     _, topk_idx, topk_weight = block.route(hidden)
-    out = LocalDispatch()(hidden, topk_idx, topk_weight, block.experts)
+    out = LocalDispatch()(hidden, topk_idx, topk_weight, block.local_experts())
     reference = torch.stack([
         sum(topk_weight[t, j] * block.experts[str(int(topk_idx[t, j]))](hidden[t]) for j in range(3))
         for t in range(23)
     ])  # fmt: skip
     torch.testing.assert_close(out, reference, atol=1e-6, rtol=1e-6)
-    assert LocalDispatch()(hidden[:0], topk_idx[:0], topk_weight[:0], block.experts).shape == (0, 16)
+    assert LocalDispatch()(hidden[:0], topk_idx[:0], topk_weight[:0], block.local_experts()).shape == (0, 16)
 
 
 def test_token_logprobs_match_log_softmax():

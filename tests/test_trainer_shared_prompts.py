@@ -14,7 +14,7 @@ from test_update_experience import experience_table, tiny_model
 
 from pipelines.config import load_config
 from steps.errors import MoerlError
-from steps.expert_parallel import Mesh, build_mesh, make_dispatch
+from steps.expert_parallel import ExpertPlacement, Mesh, build_mesh, make_dispatch
 from steps.model import MoeForCausalLM
 from steps.rl_loss import LossSettings
 from steps.trainer import (
@@ -105,10 +105,11 @@ def test_shared_prompts_is_a_trainer_config_field_off_by_default(tmp_path):
 # -- the update -----------------------------------------------------------------------------------------
 
 
-def sharded(full: MoeForCausalLM, expert_range: tuple[int, int] | None) -> MoeForCausalLM:
-    if expert_range is None:
+def sharded(full: MoeForCausalLM, mesh: Mesh) -> MoeForCausalLM:
+    if mesh.world_size == 1:
         return full
-    model = MoeForCausalLM(full.config, expert_range)
+    placement = ExpertPlacement.contiguous(len(full.moe_blocks()), full.config.num_experts, mesh.ep_size)
+    model = MoeForCausalLM(full.config, placement, mesh.ep_rank)
     model.load_state_dict({k: v for k, v in full.state_dict().items() if k in model.state_dict()})
     return model
 
@@ -118,8 +119,7 @@ def update(mesh: Mesh, train_settings: TrainSettings, group_plan: bool = False) 
 
     group_plan: use the shared-prompt (group-level) plan even with shared_prompts off."""
     num_experts = tiny_model().config.num_experts
-    expert_range = mesh.expert_range(num_experts) if mesh.world_size > 1 else None
-    model, ref = sharded(tiny_model(0), expert_range), sharded(tiny_model(7), expert_range)
+    model, ref = sharded(tiny_model(0), mesh), sharded(tiny_model(7), mesh)
     if mesh.world_size > 1:
         dispatch = make_dispatch("alltoall", mesh, num_experts)
         model.set_dispatch(dispatch)
