@@ -74,9 +74,12 @@ TRAINER_MAPPED = {
 LR_SCHEDULES = {"constant": "constant", "linear": "linear", "cosine": "cosine"}
 
 
-def demo_config(sft_dir: Path, run_store: Path) -> RunConfig:
+def demo_config(sft_dir: Path, run_store: Path, seed: int | None = None) -> RunConfig:
     """configs/demo.yaml as `moerl demo` resolves it, read now (the recipe may change between runs)."""
-    return load_config(DEMO_CONFIG, {"sft_checkpoint": str(sft_dir), "run_store": str(run_store)})
+    overrides: dict[str, Any] = {"sft_checkpoint": str(sft_dir), "run_store": str(run_store)}
+    if seed is not None:
+        overrides["seed"] = seed
+    return load_config(DEMO_CONFIG, overrides)
 
 
 def unmapped_trainer_fields(cfg: RunConfig) -> list[str]:
@@ -304,13 +307,19 @@ def run_moerl(args: argparse.Namespace, cfg: RunConfig, sft_dir: Path, target: f
     run = workdir / "run"
     moerl = Path(sys.executable).with_name("moerl")
     command = [str(moerl), "demo", "--workdir", str(workdir), "--iterations", str(args.iterations)]
+    command += ["--seed", str(cfg.seed)]  # the run's seed (the SFT checkpoint is given: nothing is built)
     print(f"moerl: {' '.join(command)}  (each score step's heldout_seconds taken off the clock)")
     log = (workdir / "moerl-demo.log").open("w")
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     load = os.getloadavg()[0]
     cpu = _children_cpu_seconds()
     start = time.time()
-    proc = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env)
+    # SIGINT back to its default in the child: a bench started in the background (`... &`) inherits it
+    # ignored, and then stop_workflow's Ctrl-C would not reach the executor
+    proc = subprocess.Popen(
+        command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )  # fmt: skip
     published: dict[int, float] = {}
     evals: dict[int, float] = {}  # iteration -> its score step's held-out evaluation seconds
     curve = Curve("moerl")
@@ -570,6 +579,7 @@ def main() -> int:
                         "config's segment_size, so that moerl runs one Workflow")  # fmt: skip
     parser.add_argument("--keep-going", action="store_true", help="run to the time limit after the target")
     parser.add_argument("--sides", default="moerl,trl", help="which sides to run (default moerl,trl)")
+    parser.add_argument("--seed", type=int, help="the run seed of both sides (default: configs/demo.yaml's)")
     parser.add_argument(
         "--trl-experts-implementation",
         default=None,
@@ -586,7 +596,7 @@ def main() -> int:
     torch.set_num_threads(CPU_CORES)
     workdir = Path(args.workdir)
     sft_dir = Path(args.sft) if args.sft else workdir / "sft-demo"
-    cfg = demo_config(sft_dir, workdir / "moerl" / "run")
+    cfg = demo_config(sft_dir, workdir / "moerl" / "run", args.seed)
     args.iterations = args.iterations or cfg.segment_size
     if not (sft_dir / "config.json").is_file():
         from pipelines.sft_demo import sft_demo
