@@ -141,6 +141,36 @@ def test_a_warm_pod_fails_with_its_exit_code_and_traceback(tmp_path):
     assert found["exit3"]["node"]["message"] == "main: Error (exit code 3)"
 
 
+def test_a_warm_pod_ends_as_a_fresh_interpreter_does(tmp_path):
+    """The warm child skips the interpreter's teardown (warm_server.exit_without_teardown) but not what comes
+    before it: atexit callbacks, non-daemon threads, buffered output, sys.exit's message, KeyboardInterrupt's
+    death by SIGINT. Cold and warm runs of each ending show the same exit, output and last line of stderr."""
+    endings = {
+        "atexit": {}, "thread": {}, "buffered": {"PYTHONUNBUFFERED": ""}, "message": {}, "interrupt": {},
+        "exit-code": {},
+    }  # fmt: skip
+    manifest = workflow(
+        [probe(name, [PY, "-m", "tests.warm_probe", "--end", name], env) for name, env in endings.items()],
+        [list(endings)],
+    )
+    cold, warm = pods(run(manifest, tmp_path, warm=False)), pods(run(manifest, tmp_path, warm=True))
+
+    def ending(pod: dict) -> tuple:
+        stderr = pod["stderr"].strip().splitlines()
+        return pod["node"]["phase"], pod["node"].get("message"), pod["stdout"].splitlines()[1:], stderr[-1:]
+
+    for name in endings:
+        assert warm[name]["warm"] and not cold[name]["warm"]
+        assert ending(warm[name]) == ending(cold[name]), name
+    assert ending(warm["atexit"])[2] == ["atexit callback ran"]
+    assert ending(warm["thread"])[2] == ["thread finished"]
+    assert ending(warm["buffered"])[2] == ["buffered line"]
+    assert ending(warm["message"])[1:] == ("main: Error (exit code 1)", [], ["probe says goodbye"])
+    assert ending(warm["interrupt"])[1] == "main: Error (exit code 130)"  # 128 + SIGINT
+    assert ending(warm["interrupt"])[3] == ["KeyboardInterrupt"]
+    assert ending(warm["exit-code"])[1] == "main: Error (exit code 7)"
+
+
 def test_a_failed_warm_rank_stops_the_others_as_torchrun_does(tmp_path):
     # rank 1 exits 5 at once; rank 0 would sleep a minute: the launcher must SIGTERM it and fail the pod
     command = [TORCHRUN, "--nproc-per-node", "2", "--standalone", "-m", "tests.warm_probe"]

@@ -1,9 +1,11 @@
 """A pod program for tests/test_local_warm_start.py: prints what a fresh `python -m` process would see."""
 
+import atexit
 import json
 import os
 import random
 import sys
+import threading
 import time
 
 import numpy
@@ -39,4 +41,20 @@ if __name__ == "__main__":
         sys.exit(5)
     if behaviour == "fail":
         raise RuntimeError("probe failed on purpose")
+    # How the process ends (argv "--end NAME", so that one server serves them all): what a warm pod's exit
+    # (warm_server.exit_without_teardown) must still do.
+    if sys.argv[1:2] == ["--end"]:
+        behaviour = sys.argv[2]
+    if behaviour == "atexit":
+        atexit.register(lambda: print("atexit callback ran"))
+    if behaviour == "thread":  # a non-daemon thread still running when the module returns
+        threading.Thread(target=lambda: (time.sleep(0.3), print("thread finished"))).start()
+    if behaviour == "buffered":  # without PYTHONUNBUFFERED: still in the buffer at exit
+        print("buffered line")
+    if behaviour == "message":
+        sys.exit("probe says goodbye")
+    if behaviour == "interrupt":
+        raise KeyboardInterrupt
+    if behaviour == "exit-code":
+        sys.exit(7)
     sys.exit(int(os.environ.get("PROBE_EXIT", "0")))
