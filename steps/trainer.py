@@ -303,30 +303,33 @@ def collate(
             [], zero_long, torch.ones_like(zero_long), zero_long, torch.zeros_like(zero, dtype=torch.bool),
             zero, torch.zeros(1, device=device), zero if old_logps is not None else None,
         )  # fmt: skip
-    length = max(samples[i].num_tokens for i in ids) - 1
-    batch = len(ids)
-    input_ids = torch.full((batch, length), pad_id, dtype=torch.long)
-    targets = torch.full((batch, length), pad_id, dtype=torch.long)
-    attention = torch.zeros((batch, length), dtype=torch.long)
-    loss_mask = torch.zeros((batch, length), dtype=torch.bool)
-    behavior = torch.zeros((batch, length), dtype=torch.float32)
-    old = torch.zeros((batch, length), dtype=torch.float32) if old_logps is not None else None
-    for row, i in enumerate(ids):
-        s = samples[i]
-        seq = torch.tensor(s.prompt_ids + s.response_ids, dtype=torch.long)
-        n, start = len(seq) - 1, len(s.prompt_ids) - 1  # the first response token is predicted at start
-        input_ids[row, :n] = seq[:-1]
-        targets[row, :n] = seq[1:]
-        attention[row, :n] = 1
-        loss_mask[row, start:n] = True
-        behavior[row, start:n] = torch.tensor(s.behavior_logprobs, dtype=torch.float32)
-        if old is not None:
-            old[row, start:n] = old_logps[i]  # type: ignore[index]
-    advantages = torch.tensor([samples[i].advantage for i in ids], dtype=torch.float32)
+    # Built in numpy from flat token lists and masks: a torch op per row costs ~10 us, and this runs for every
+    # micro-batch of every step (it was a tenth of the update's CPU time).
+    rows = [samples[i] for i in ids]
+    lengths = np.array([s.num_tokens for s in rows])  # prompt + response
+    starts = np.array([len(s.prompt_ids) - 1 for s in rows])  # the first response token is predicted here
+    columns = np.arange(lengths.max())
+    tokens = np.full((len(rows), len(columns)), pad_id, dtype=np.int64)
+    tokens[columns < lengths[:, None]] = np.fromiter(
+        (t for s in rows for t in (*s.prompt_ids, *s.response_ids)), dtype=np.int64, count=int(lengths.sum())
+    )
+    columns = columns[:-1]
+    attention = columns < (lengths - 1)[:, None]
+    loss_mask = attention & (columns >= starts[:, None])
+    behavior = np.zeros(loss_mask.shape, dtype=np.float32)
+    behavior[loss_mask] = np.fromiter((x for s in rows for x in s.behavior_logprobs), dtype=np.float32)
+    old = None
+    if old_logps is not None:
+        old = torch.zeros(loss_mask.shape, dtype=torch.float32)
+        old[torch.from_numpy(loss_mask)] = torch.cat([old_logps[i] for i in ids]).to(torch.float32)
+    input_ids = np.where(attention, tokens[:, :-1], pad_id)
+    advantages = np.array([s.advantage for s in rows], dtype=np.float32)
     to = {"device": device}
     return MicroBatch(
-        list(ids), input_ids.to(**to), attention.to(**to), targets.to(**to), loss_mask.to(**to),
-        behavior.to(**to), advantages.to(**to), None if old is None else old.to(**to),
+        list(ids), torch.from_numpy(input_ids).to(**to), torch.from_numpy(attention.astype(np.int64)).to(**to),
+        torch.from_numpy(np.ascontiguousarray(tokens[:, 1:])).to(**to), torch.from_numpy(loss_mask).to(**to),
+        torch.from_numpy(behavior).to(**to), torch.from_numpy(advantages).to(**to),
+        None if old is None else old.to(**to),
     )  # fmt: skip
 
 
