@@ -182,6 +182,8 @@ def main() -> None:
         f"tokens, {stop}, "
         f"{args.threads} thread(s), checkpoint {label}"
     )
+    # Other jobs on a shared machine slow both engines, not always alike: keep the load next to the figures.
+    print(f"load average (1, 5, 15 min) at the end: {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
     print(f"{'engine':>14}  {'tokens':>8}  {'wall s':>8}  {'tokens/s':>9}  {'CPU s':>7}  {'peak MiB':>9}")
     for name, (tokens, seconds, cpu) in best.items():
         print(f"{name:>14}  {tokens:>8}  {seconds:>8.3f}  {tokens / seconds:>9.0f}  {cpu:>7.3f}  {peaks[name]:>9.1f}")

@@ -23,7 +23,8 @@ the number of CPU threads; so the rollout step always generates the same chunk a
 shard and after any restart.
 
 Speed of the torch engine (bench/rollout.py): a prompt is prefilled once for its whole group, its keys and
-values are shared by the group's samples, and samples that drew the same tokens so far are decoded once.
+values are shared by the group's samples, samples that drew the same tokens so far are decoded once, and the
+keys and values of the tokens they drew are stored once, as a prefix tree, whatever the splits.
 
 Held-out accuracy: `evaluate_accuracy(engine_or_model, task, prompts)`, greedy (temperature 0) generation checked by
 the task's verifier; the one way to measure it, for every engine and for a bare MoeForCausalLM.
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -43,7 +45,6 @@ import torch.nn.functional as F
 
 from steps.errors import MoerlError
 from steps.model import (
-    KVCache,
     MoeForCausalLM,
     load_pretrained,
     rotary_cos_sin,
@@ -54,7 +55,7 @@ from steps.tasks import Prompt, Task, get_task, verify_ids
 from steps.tokenizer import EOS_ID, PAD_ID, build_tokenizer, encode_prompt
 
 # PyTorch's CPU bmm runs matrices of fewer multiply-adds than this with a plain loop, several times slower
-# per multiply-add than its blocked kernels; the decoder keeps its per-row products above it.
+# per multiply-add than its blocked kernels; RowBatch decoding keeps its per-row products above it.
 SMALL_PRODUCT = 400
 
 FINISH_STOP = "stop"  # the sample ended with one of the stop tokens (kept as its last response token)
@@ -212,13 +213,14 @@ def sample_next(
 class TorchEngine:
     """Batched sampling over steps.model.MoeForCausalLM on CPU (or one GPU).
 
-    One generate() call is one batch. The distinct prompts are prefilled once, left-padded, through
-    MoeForCausalLM.forward into its KVCache; the samples of a prompt then share those prompt keys/values
-    (never copied per sample).
+    One generate() call is one batch. The distinct prompts are prefilled once, left-padded (Decoder.prefill,
+    MoeForCausalLM.forward's arithmetic); the samples of a prompt then share those prompt keys/values (never
+    copied per sample).
 
     Decoding runs over *states*, not samples: samples of one prompt that have drawn the same tokens so far
     are in the same state (same keys, values and next-token logits), so they share one row of the batch and
-    one computation; a state splits into new rows when its samples draw different tokens. Each sample still
+    one computation; a state splits into new rows when its samples draw different tokens, and the new rows
+    keep reading the keys and values their common past left in the prefix tree (DecodeBatch). Each sample still
     draws its own token, with its own uniforms, from its state's logits. Rows whose samples have all finished
     stop costing compute: they are dropped when the batch is rebuilt for a split, or once a quarter of it
     is finished. All of this is decided by the batch alone, so a batch always decodes the same way.
@@ -230,6 +232,9 @@ class TorchEngine:
     model: MoeForCausalLM
     name: str = "torch"
     compact_below: float = 0.75  # drop finished rows when the live ones are at most this share of the batch
+    # Keep the generated keys/values in the prefix tree (DecodeBatch) while a query reads at most this many
+    # times the columns it attends to; beyond, copy them out per row (RowBatch) for the rest of the batch.
+    tree_waste: float = 3.0
     device: torch.device = field(init=False)
     decoder: Decoder = field(init=False)
 
@@ -289,6 +294,8 @@ class TorchEngine:
             else:
                 batch, next_tokens = batch.select(rows), row_tokens
                 state[live] = inverse
+            if isinstance(batch, DecodeBatch) and batch.tree_columns() > self.tree_waste * batch.row_columns():
+                batch = batch.to_rows(self.decoder.row_capacity(batch.length))
             logits = self.decoder.step(next_tokens, batch)
 
         token_lists, logprob_lists = out_tokens.tolist(), out_logprobs.tolist()
@@ -306,42 +313,187 @@ class TorchEngine:
     def _prefill(
         self, requests: Sequence[GenerationRequest], steps: int
     ) -> tuple[DecodeBatch, torch.Tensor, torch.Tensor]:
-        """Left-padded prefill of the distinct prompts through MoeForCausalLM.forward. Returns the decode
-        batch (one row per distinct prompt), its next-token logits [P, V] and each request's row [R]."""
+        """Left-padded prefill of the distinct prompts (Decoder.prefill). Returns the decode batch (one row
+        per distinct prompt), its next-token logits [P, V] and each request's row [R]."""
         distinct: dict[tuple[int, ...], int] = {}
         parent = [distinct.setdefault(tuple(r.prompt_ids), len(distinct)) for r in requests]
         prompts = list(distinct)
         if any(len(p) == 0 for p in prompts):
             raise ValueError("a GenerationRequest has no prompt tokens; every prompt starts with BOS")
         width = max(len(p) for p in prompts)
-        ids = torch.full((len(prompts), width), PAD_ID, dtype=torch.long)
-        mask = torch.zeros(len(prompts), width, dtype=torch.long)
-        for row, prompt in enumerate(prompts):
-            ids[row, width - len(prompt) :] = torch.tensor(prompt)
-            mask[row, width - len(prompt) :] = 1
-        cache = self.model.new_kv_cache(len(prompts), width)
-        logits = self.model(ids.to(self.device), mask.to(self.device), kv_cache=cache)[:, -1]
-        batch = DecodeBatch.start(cache, capacity=self.decoder.initial_capacity(steps))
+        ids = torch.tensor([(PAD_ID,) * (width - len(p)) + p for p in prompts], dtype=torch.long)
+        lengths = torch.tensor([len(p) for p in prompts])
+        valid = torch.arange(width)[None, :] >= (width - lengths)[:, None]
+        # Room for the first decode steps' nodes (DecodeBatch): at most one per sample of a prompt and step.
+        group = max(Counter(parent).values())
+        batch, logits = self.decoder.prefill(ids.to(self.device), valid.to(self.device), room=group * min(steps, 8))
         return batch, logits, torch.tensor(parent, device=self.device)
 
 
-class DecodeBatch:
-    """The decode state of one batch: shared prompt keys/values and each row's generated ones. A row is a
-    state (TorchEngine): the samples of one prompt that drew the same tokens so far.
+class PromptGrid:
+    """The rows of a batch laid out by prompt in a grid [P, slots] (slot: the row's rank among its prompt's
+    rows; empty slots repeat row 0, and their results are never read), so that attention reads each prompt's
+    keys once for all of its rows, as one matrix product per prompt and kv head."""
 
-        prompt_keys         [layers, P, kv, D, W]  the prefill keys of the P distinct prompts (left-padded),
-                                    transposed for the query-key product
-        prompt_values       [layers, P, kv, W, D]
-        prompt_bias         [P, W]   0 for a real prompt token, -inf for padding
-        parent              [B]      the prompt of each row
-        keys                [layers, B, kv, D, capacity]  the keys of the tokens the rows generated (transposed),
-                                    `length` of them; zeros beyond
-        values              [layers, B, kv, capacity, D]
-        position            [B]      RoPE position of each row's next token
+    def __init__(self, parent: torch.Tensor, prompts: int) -> None:
+        self.parent = parent  # [B] the prompt of each row
+        rows = parent.shape[0]
+        counts = torch.bincount(parent, minlength=prompts)
+        order = torch.argsort(parent, stable=True)
+        first_of_prompt = counts.cumsum(0) - counts
+        self.slot = torch.empty_like(parent)  # each row's rank among its prompt's rows
+        self.slot[order] = torch.arange(rows, device=parent.device) - first_of_prompt[parent[order]]
+        self.slots = int(counts.max())
+        self.grid = torch.zeros((prompts, self.slots), dtype=torch.long, device=parent.device)
+        self.grid[parent, self.slot] = torch.arange(rows, device=parent.device)
+        self.row_in_grid = parent * self.slots + self.slot
 
-    For attention over the prompt, the query rows are laid out by prompt in a grid [P, slots] (slot: the
-    row's rank among its prompt's rows; empty slots repeat row 0, and their results are never read), so that
-    each prompt's keys are read once for all of its samples, as one matrix product.
+    def to_grid(self, per_row: torch.Tensor) -> torch.Tensor:
+        """[B, kv, g, X] -> [P * kv, slots * g, X]: rows laid out by prompt."""
+        _, kv, g, x = per_row.shape
+        grid = per_row.index_select(0, self.grid.view(-1)).view(-1, self.slots, kv, g, x)  # [P, slots, kv, g, X]
+        return grid.transpose(1, 2).reshape(-1, self.slots * g, x)
+
+    def from_grid(self, grid: torch.Tensor, kv_heads: int) -> torch.Tensor:
+        """[P * kv, slots * g, X] -> [B, kv, g, X]."""
+        total, slots_g, x = grid.shape
+        prompts, g = total // kv_heads, slots_g // self.slots
+        per_slot = grid.view(prompts, kv_heads, self.slots, g, x).transpose(1, 2).reshape(-1, kv_heads, g, x)
+        return per_slot.index_select(0, self.row_in_grid)
+
+
+class DecodeBatch(PromptGrid):
+    """The decode state of one batch. A row is a state (TorchEngine): the samples of one prompt that drew the
+    same tokens so far. Keys and values are stored per prompt as a prefix tree, never per row:
+
+        keys, values    [layers, P, kv, N, D]  per distinct prompt, its W prefill tokens (left-padded), then its
+                                nodes: one column per (decode step, row of the prompt at that step) holding
+                                the key/value of the token that row fed. A node is shared by every later row
+                                that descends from it, so a state that splits copies nothing;
+        prompt_bias     [P, W]   0 for a real prompt token, -inf for padding
+        parent          [B]      the prompt of each row
+        ancestors       [B, length]  the node column of each row's token at each generated step
+        used            int      columns of keys/values in use (W, then the nodes written so far)
+        position        [B]      RoPE position of each row's next token
+
+    Attention (Decoder.step): each prompt's queries, laid out by the grid, read all of its columns in one
+    matrix product, with a bias that lets a row see the real prompt tokens and its own ancestors only. So a
+    query reads more columns than it attends to (its prompt's other nodes): W + the nodes so far, up to
+    W + steps x samples per prompt. While that is a few times W + length it costs less than copying each
+    row's keys and values whenever a state splits (the demo's 8-token rollouts, bench/README.md "rollout");
+    beyond, TorchEngine copies them out per row once (to_rows, RowBatch) and decodes the rest that way.
+    """
+
+    def __init__(
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        prompt_bias: torch.Tensor,
+        parent: torch.Tensor,
+        ancestors: torch.Tensor,
+        used: int,
+        position: torch.Tensor,
+    ) -> None:
+        super().__init__(parent, keys.shape[1])
+        self.keys, self.values, self.prompt_bias = keys, values, prompt_bias
+        self.ancestors, self.used, self.position = ancestors, used, position
+
+    @property
+    def length(self) -> int:
+        """Tokens generated so far (the same for every row)."""
+        return self.ancestors.shape[1]
+
+    def select(self, rows: torch.Tensor) -> DecodeBatch:
+        """Only these rows, in this order (a row may repeat: a state that splits). The keys and values are
+        shared, not copied, unless half of the prompts or more have no row left: then only the used prompts'
+        are kept (until then the others stay, in empty rows of the grid)."""
+        parent = self.parent.index_select(0, rows)
+        keys, values, bias = self.keys, self.values, self.prompt_bias
+        prompts, compact_parent = torch.unique(parent, return_inverse=True)
+        if len(prompts) <= keys.shape[1] // 2:
+            keys, values = keys.index_select(1, prompts), values.index_select(1, prompts)
+            bias, parent = bias.index_select(0, prompts), compact_parent
+        return DecodeBatch(
+            keys,
+            values,
+            bias,
+            parent,
+            self.ancestors.index_select(0, rows),
+            self.used,
+            self.position.index_select(0, rows),
+        )
+
+    def add_nodes(self) -> torch.Tensor:
+        """Columns for this step's nodes, `slots` of them per prompt (doubling the room when it is full).
+        Records each row's node column among its ancestors; returns where the row's key of each kv head goes
+        in a layer's keys viewed as [P * kv * N, D] ([B * kv], row-major)."""
+        needed = self.used + self.slots
+        if needed > self.keys.shape[3]:
+            grow = max(needed, 2 * self.keys.shape[3]) - self.keys.shape[3]
+            room = list(self.keys.shape)
+            room[3] = grow
+            self.keys = torch.cat([self.keys, self.keys.new_zeros(room)], dim=3)
+            self.values = torch.cat([self.values, self.values.new_zeros(room)], dim=3)
+        column = self.slot + self.used
+        self.ancestors = torch.cat([self.ancestors, column[:, None]], dim=1)
+        self.used = needed
+        kv_heads, capacity = self.keys.shape[2], self.keys.shape[3]
+        head = torch.arange(kv_heads, device=column.device)
+        return ((self.parent[:, None] * kv_heads + head) * capacity + column[:, None]).view(-1)
+
+    def tree_columns(self) -> int:
+        """Columns the next step's queries read: the prompt and every node of their prompt so far."""
+        return self.used + self.slots
+
+    def row_columns(self) -> int:
+        """Columns the next step's queries attend to: the prompt and their own tokens."""
+        return self.prompt_bias.shape[1] + self.length + 1
+
+    def to_rows(self, capacity: int) -> RowBatch:
+        """The same state with each row's generated keys and values copied out of the tree into its own
+        `capacity` (>= length) columns."""
+        width = self.prompt_bias.shape[1]
+        layers, _, kv_heads, _, head_dim = self.keys.shape
+        shape = (layers, self.parent.shape[0], kv_heads, capacity, head_dim)
+        values = self.values.new_zeros(shape)
+        keys = self.keys.new_zeros(shape)
+        # [B, length, layers, kv, D] -> [layers, B, kv, length, D]
+        chains = (self.parent[:, None], slice(None), self.ancestors)
+        keys[:, :, :, : self.length] = self.keys[(slice(None), *chains)].permute(2, 0, 3, 1, 4)
+        values[:, :, :, : self.length] = self.values[(slice(None), *chains)].permute(2, 0, 3, 1, 4)
+        return RowBatch(
+            self.keys[:, :, :, :width].transpose(3, 4).contiguous(),
+            self.values[:, :, :, :width].contiguous(),
+            self.prompt_bias,
+            self.parent,
+            keys.transpose(3, 4).contiguous(),
+            values,
+            self.position,
+            self.length,
+        )
+
+    def attention_bias(self) -> torch.Tensor:
+        """[P, slots, used]: 0 where a grid cell's row may attend (real prompt tokens, its own ancestors),
+        -inf elsewhere. Empty cells see the prompt only (finite, never read)."""
+        prompts, width = self.prompt_bias.shape
+        bias = torch.full((prompts * self.slots, self.used), float("-inf"), device=self.prompt_bias.device)
+        bias.view(prompts, self.slots, self.used)[:, :, :width] = self.prompt_bias[:, None, :]
+        bias[self.row_in_grid[:, None], self.ancestors] = 0.0
+        return bias.view(prompts, self.slots, self.used)
+
+
+class RowBatch(PromptGrid):
+    """The decode state of a batch whose generated keys and values are stored per row (DecodeBatch.to_rows):
+    the prompts' keys/values stay shared, each row holds its own tokens' ones, and a state that splits copies
+    them. Attention reads W + capacity columns per query, whatever the group size.
+
+        prompt_keys     [layers, P, kv, D, W]  transposed for the query-key product
+        prompt_values   [layers, P, kv, W, D]
+        prompt_bias     [P, W]   0 for a real prompt token, -inf for padding
+        keys            [layers, B, kv, D, capacity]  the row's generated tokens' keys (transposed), `length`
+                                of them; zeros beyond
+        values          [layers, B, kv, capacity, D]
+        position        [B]      RoPE position of each row's next token
     """
 
     def __init__(
@@ -355,38 +507,15 @@ class DecodeBatch:
         position: torch.Tensor,
         length: int,
     ) -> None:
+        super().__init__(parent, prompt_keys.shape[1])
         self.prompt_keys, self.prompt_values, self.prompt_bias = prompt_keys, prompt_values, prompt_bias
-        self.parent, self.keys, self.values, self.position, self.length = parent, keys, values, position, length
-        rows = parent.shape[0]
-        counts = torch.bincount(parent, minlength=prompt_keys.shape[1])
-        order = torch.argsort(parent, stable=True)
-        first_of_prompt = counts.cumsum(0) - counts
-        slot = torch.empty_like(parent)
-        slot[order] = torch.arange(rows, device=parent.device) - first_of_prompt[parent[order]]
-        self.slots = int(counts.max())
-        self.grid = torch.zeros((prompt_keys.shape[1], self.slots), dtype=torch.long, device=parent.device)
-        self.grid[parent, slot] = torch.arange(rows, device=parent.device)
-        self.row_in_grid = parent * self.slots + slot
+        self.keys, self.values, self.position, self.length = keys, values, position, length
         self.row_bias = prompt_bias[parent]  # [B, W]
 
-    @classmethod
-    def start(cls, cache: KVCache, capacity: int) -> DecodeBatch:
-        """The batch right after prefill: one row per prompt, nothing generated yet."""
-        layers, prompts, kv_heads, _, head_dim = cache.keys.shape
-        parent = torch.arange(prompts, device=cache.keys.device)
-        bias = torch.zeros(cache.valid.shape, dtype=torch.float32, device=parent.device)
-        bias.masked_fill_(~cache.valid, float("-inf"))
-        shape = (layers, parent.shape[0], kv_heads, capacity, head_dim)
-        values = torch.zeros(shape, dtype=cache.values.dtype, device=parent.device)
-        return cls(
-            cache.keys.transpose(3, 4).contiguous(), cache.values, bias, parent,
-            values.transpose(3, 4).contiguous(), values, cache.next_position[parent].clone(), 0,
-        )  # fmt: skip
-
-    def select(self, rows: torch.Tensor) -> DecodeBatch:
+    def select(self, rows: torch.Tensor) -> RowBatch:
         """Only these rows, in this order (a row may repeat: a state that splits), and the prompts they use."""
         prompts, parent = torch.unique(self.parent[rows], return_inverse=True)
-        return DecodeBatch(
+        return RowBatch(
             self.prompt_keys.index_select(1, prompts),
             self.prompt_values.index_select(1, prompts),
             self.prompt_bias.index_select(0, prompts),
@@ -405,29 +534,20 @@ class DecodeBatch:
         self.keys = torch.cat([self.keys, torch.zeros_like(self.keys)], dim=4)
         self.values = torch.cat([self.values, torch.zeros_like(self.values)], dim=3)
 
-    def to_grid(self, per_row: torch.Tensor) -> torch.Tensor:
-        """[B, kv, g, X] -> [P * kv, slots * g, X]: rows laid out by prompt."""
-        _, kv, g, x = per_row.shape
-        grid = per_row.index_select(0, self.grid.view(-1)).view(-1, self.slots, kv, g, x)  # [P, slots, kv, g, X]
-        return grid.transpose(1, 2).reshape(-1, self.slots * g, x)
-
-    def from_grid(self, grid: torch.Tensor, kv_heads: int) -> torch.Tensor:
-        """[P * kv, slots * g, X] -> [B, kv, g, X]."""
-        total, slots_g, x = grid.shape
-        prompts, g = total // kv_heads, slots_g // self.slots
-        per_slot = grid.view(prompts, kv_heads, self.slots, g, x).transpose(1, 2).reshape(-1, kv_heads, g, x)
-        return per_slot.index_select(0, self.row_in_grid)
-
 
 class Decoder:
-    """One decode step (one new token per row) of a MoeForCausalLM over a DecodeBatch.
+    """The prefill of a batch's prompts into a DecodeBatch, and one decode step (one new token per row) of a
+    MoeForCausalLM over it.
 
-    The same layers and arithmetic as MoeForCausalLM.forward, specialised to one query per row:
+    The same layers and arithmetic as MoeForCausalLM.forward, specialised to inference (decode: one query per
+    row):
       - RoPE from a precomputed table, rotate_half folded into one roll against a sign-folded sine;
-      - attention in two parts under one softmax: against the shared prompt keys, one matrix product per
-        prompt and kv head for all of its samples' query heads; against the row's own generated keys, one
-        small product per row and kv head. No kv head is ever expanded to its query heads (that copy of the
-        whole cache per layer and step dominated decoding on CPU);
+      - attention per prompt and kv head: one matrix product for the queries of all of the prompt's rows and
+        all of its columns (prompt tokens and generated nodes, DecodeBatch), a bias keeping each row to its
+        own, one softmax, one product with the values. On a RowBatch, in two parts under one softmax: the
+        shared prompt keys the same way, the row's own keys with one small product per row and kv head. No
+        kv head is ever expanded to its query heads (that copy of the whole cache per layer and step
+        dominated decoding on CPU);
       - experts with gate and up projections fused into one matmul, each expert run once on its tokens.
     Both paths give the same logits up to float rounding; tests/test_engine_torch.py checks the log-probs
     against transformers.
@@ -460,14 +580,6 @@ class Decoder:
                 down = [e.down_proj.weight.t().contiguous() for e in experts]
                 self.experts[index] = (gate_up, down)
 
-    def initial_capacity(self, steps: int) -> int:
-        """Room for generated tokens to start with (it doubles when full): at least 8, and enough that the
-        per-row attention products stay above SMALL_PRODUCT multiply-adds."""
-        capacity = 8
-        while capacity < steps and self.groups * self.head_dim * capacity <= SMALL_PRODUCT:
-            capacity *= 2
-        return capacity
-
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sign-folded sin [B, 1, D] at positions [B]: rotate_half(x) * sin equals
         roll(x, D/2) * sin_folded, with sin_folded = (-sin[:D/2], sin[D/2:])."""
@@ -481,28 +593,132 @@ class Decoder:
             self.cos, self.sin = cos[0], torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1)
         return self.cos.index_select(0, positions).unsqueeze(1), self.sin.index_select(0, positions).unsqueeze(1)
 
-    def step(self, tokens: torch.Tensor, batch: DecodeBatch) -> torch.Tensor:
+    def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        """Attention of each prompt's queries over its columns, one matrix product per prompt and kv head:
+        q [P * kv, M * g, D] (M query rows of the prompt, each with its g query heads; q carries the
+        1/sqrt(D) scale), keys and values [P * kv, C, D], bias [P, M, C] (0 or -inf) -> [P * kv, M * g, D]."""
+        prompts, rows, columns = bias.shape
+        scores = torch.bmm(q, keys.transpose(1, 2))
+        scores.view(prompts, self.kv_heads, rows, self.groups, columns).add_(bias[:, None, :, None, :])
+        return torch.bmm(torch.softmax(scores, dim=-1), values)
+
+    def _qkv(
+        self, index: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, H] of layer `index` -> q [T, heads, D] (scaled by 1/sqrt(D)), k and v [T, kv, D]; q and k
+        normed and rotated (cos and sign-folded sin [T, 1, D], see _rope)."""
+        cfg, head_dim, attn = self.cfg, self.head_dim, self.model.model.layers[index].self_attn
+        tokens, q_size, kv_size = x.shape[0], cfg.num_attention_heads * head_dim, self.kv_heads * head_dim
+        q, k, v = F.linear(x, *self.qkv[index]).split([q_size, kv_size, kv_size], dim=-1)
+        q = attn.q_norm(q.view(tokens, cfg.num_attention_heads, head_dim))
+        k = attn.k_norm(k.view(tokens, self.kv_heads, head_dim))
+        half = head_dim // 2
+        q = torch.addcmul(q * cos, q.roll(half, dims=-1), sin).mul_(attn.scaling)
+        k = torch.addcmul(k * cos, k.roll(half, dims=-1), sin)
+        return q, k, v.view(tokens, self.kv_heads, head_dim)
+
+    def _mlp(self, index: int, x: torch.Tensor) -> torch.Tensor:
+        """x [T, H] -> x + MLP(post-attention norm(x)) of layer `index`."""
+        layer = self.model.model.layers[index]
+        h = layer.post_attention_layernorm(x)
+        return x + (self._experts(layer.mlp, index, h) if index in self.experts else layer.mlp(h))
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        model = self.model
+        weight = model.model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+        return F.linear(model.model.norm(x), weight).float()
+
+    def prefill(self, ids: torch.Tensor, valid: torch.Tensor, room: int) -> tuple[DecodeBatch, torch.Tensor]:
+        """Left-padded prompts ids, valid [P, W] -> (their DecodeBatch, with `room` node columns to start with;
+        next-token logits [P, V] float32). MoeForCausalLM.forward's arithmetic on a fresh cache: positions
+        count real tokens from 0, a query sees the real tokens up to itself (and itself: padding stays
+        finite), every token goes through the MLPs except in the last layer, where only the last position
+        (the one whose logits are returned) needs to."""
+        cfg, head_dim, kv_heads, groups = self.cfg, self.head_dim, self.kv_heads, self.groups
+        prompts, width = ids.shape
+        position = (valid.long().cumsum(dim=1) - 1).clamp(min=0)
+        cos, sin = self._rope(position.view(-1))
+        causal = torch.ones(width, width, dtype=torch.bool, device=ids.device).tril()
+        sees = (causal & valid[:, None, :]) | torch.eye(width, dtype=torch.bool, device=ids.device)
+        bias = torch.zeros(sees.shape, device=ids.device).masked_fill_(~sees, float("-inf"))  # [P, W, W]
+        shape = (cfg.num_hidden_layers, prompts, kv_heads, width + room, head_dim)
+        keys = torch.zeros(shape, dtype=cos.dtype, device=ids.device)
+        values = torch.zeros_like(keys)
+
+        x = self.model.model.embed_tokens(ids.view(-1))  # [P * W, H]
+        last = len(self.model.model.layers) - 1
+        for index, layer in enumerate(self.model.model.layers):
+            q, k, v = self._qkv(index, layer.input_layernorm(x), cos, sin)
+            keys[index, :, :, :width] = k.view(prompts, width, kv_heads, head_dim).transpose(1, 2)
+            values[index, :, :, :width] = v.view(prompts, width, kv_heads, head_dim).transpose(1, 2)
+            q = q.view(prompts, width, kv_heads, groups, head_dim)
+            if index == last:
+                # Past the last layer's keys and values only the last position matters (its logits): the rest
+                # of the layer runs on it alone (token by token arithmetic: the same values).
+                q, bias, x = q[:, -1:], bias[:, -1:], x.view(prompts, width, -1)[:, -1]
+            queries = q.shape[1]
+            q = q.transpose(1, 2).reshape(-1, queries * groups, head_dim)
+            columns = (
+                keys[index].view(-1, width + room, head_dim)[:, :width],
+                values[index].view(-1, width + room, head_dim)[:, :width],
+            )
+            out = self._attend(q, *columns, bias).view(prompts, kv_heads, queries, groups, head_dim)
+            x = x + layer.self_attn.o_proj(out.transpose(1, 2).reshape(x.shape[0], -1))
+            x = self._mlp(index, x)
+        prompt_bias = torch.zeros(valid.shape, device=ids.device).masked_fill_(~valid, float("-inf"))
+        parent = torch.arange(prompts, device=ids.device)
+        ancestors = torch.empty((prompts, 0), dtype=torch.long, device=ids.device)
+        batch = DecodeBatch(keys, values, prompt_bias, parent, ancestors, width, position[:, -1] + 1)
+        return batch, self._logits(x)
+
+    def step(self, tokens: torch.Tensor, batch: DecodeBatch | RowBatch) -> torch.Tensor:
         """tokens [B] -> next-token logits [B, V] float32; appends the tokens to the batch."""
-        model, cfg = self.model, self.cfg
+        if isinstance(batch, RowBatch):
+            return self._row_step(tokens, batch)
+        rows, head_dim, kv_heads, groups = tokens.shape[0], self.head_dim, self.kv_heads, self.groups
+        node = batch.add_nodes()
+        bias = batch.attention_bias()  # [P, slots, used]
+        cos, sin = self._rope(batch.position)
+
+        x = self.model.model.embed_tokens(tokens)  # [B, H]
+        for index, layer in enumerate(self.model.model.layers):
+            q, k, v = self._qkv(index, layer.input_layernorm(x), cos, sin)
+            keys, values = batch.keys[index], batch.values[index]  # [P, kv, N, D]
+            keys.view(-1, head_dim).index_copy_(0, node, k.reshape(-1, head_dim))
+            values.view(-1, head_dim).index_copy_(0, node, v.reshape(-1, head_dim))
+            capacity = keys.shape[2]
+            columns = (
+                keys.view(-1, capacity, head_dim)[:, : batch.used],
+                values.view(-1, capacity, head_dim)[:, : batch.used],
+            )
+            out = self._attend(batch.to_grid(q.view(rows, kv_heads, groups, head_dim)), *columns, bias)
+            x = x + layer.self_attn.o_proj(batch.from_grid(out, kv_heads).view(rows, -1))
+            x = self._mlp(index, x)
+        batch.position += 1
+        return self._logits(x)
+
+    def row_capacity(self, length: int) -> int:
+        """Room for a RowBatch's generated tokens: more than `length`, at least 8, and enough that the per-row
+        attention products stay above SMALL_PRODUCT multiply-adds."""
+        capacity = 8
+        while capacity <= length or self.groups * self.head_dim * capacity <= SMALL_PRODUCT:
+            capacity *= 2
+        return capacity
+
+    def _row_step(self, tokens: torch.Tensor, batch: RowBatch) -> torch.Tensor:
+        """Decoder.step on a RowBatch: attention in two parts under one softmax, against the shared prompt
+        keys (one product per prompt and kv head via the grid) and against the row's own keys (one small
+        product per row and kv head)."""
         rows, head_dim, kv_heads, groups = tokens.shape[0], self.head_dim, self.kv_heads, self.groups
         batch.make_room()
         slot, seen = batch.length, batch.length + 1
         prompts, width = batch.prompt_bias.shape
         cos, sin = self._rope(batch.position)
-        half = head_dim // 2
-        q_size, kv_size = cfg.num_attention_heads * head_dim, kv_heads * head_dim
 
-        x = model.model.embed_tokens(tokens)  # [B, H]
-        for index, layer in enumerate(model.model.layers):
-            attn = layer.self_attn
-            qkv = F.linear(layer.input_layernorm(x), *self.qkv[index])
-            q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-            q = attn.q_norm(q.view(rows, cfg.num_attention_heads, head_dim))
-            k = attn.k_norm(k.view(rows, kv_heads, head_dim))
-            v = v.view(rows, kv_heads, head_dim)
-            q = torch.addcmul(q * cos, q.roll(half, dims=-1), sin).mul_(attn.scaling)
+        x = self.model.model.embed_tokens(tokens)  # [B, H]
+        for index, layer in enumerate(self.model.model.layers):
+            q, k, v = self._qkv(index, layer.input_layernorm(x), cos, sin)
             q = q.view(rows, kv_heads, groups, head_dim)
-            k = torch.addcmul(k * cos, k.roll(half, dims=-1), sin)
             batch.keys[index, :, :, :, slot] = k
             batch.values[index, :, :, slot] = v
             capacity = batch.values.shape[3]
@@ -512,7 +728,6 @@ class Decoder:
             prompt_values = batch.prompt_values[index].view(prompts * kv_heads, width, head_dim)
 
             # Scores [B, kv, g, W + seen] against the prompt (via the grid) and the row's own tokens.
-            # (q carries the 1/sqrt(D) scale.)
             to_prompt = batch.from_grid(torch.bmm(batch.to_grid(q), prompt_keys), kv_heads)
             to_own = torch.bmm(q.view(rows * kv_heads, groups, head_dim), own_keys)[:, :, :seen]
             to_prompt = to_prompt.add_(batch.row_bias[:, None, None, :])
@@ -523,14 +738,11 @@ class Decoder:
             own_weights = F.pad(weights[..., width:], (0, capacity - seen)).view(rows * kv_heads, groups, capacity)
             from_own = torch.bmm(own_weights, own_values)
             out = batch.from_grid(from_prompt, kv_heads).view(rows, -1) + from_own.view(rows, -1)
-            x = x + attn.o_proj(out)
-            h = layer.post_attention_layernorm(x)
-            x = x + (self._experts(layer.mlp, index, h) if index in self.experts else layer.mlp(h))
-        x = model.model.norm(x)
-        weight = model.model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+            x = x + layer.self_attn.o_proj(out)
+            x = self._mlp(index, x)
         batch.length += 1
         batch.position += 1
-        return F.linear(x, weight).float()
+        return self._logits(x)
 
     def _experts(self, block: MoeBlock, index: int, hidden: torch.Tensor) -> torch.Tensor:
         """The MoE block on hidden [T, H]: route, run each expert once on its tokens, combine the top-k."""
