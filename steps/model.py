@@ -332,12 +332,33 @@ class Attention(nn.Module):
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Masked attention of q [B, heads, T, D] over k/v [B, kv_heads, S, D], then o_proj -> [B, T, H]."""
         batch, _, seq, _ = q.shape
-        # Expand the kv heads to the query heads: with a mask, SDPA's GQA mode falls back to the math kernel
-        # on CUDA, while expanded k/v run in the memory-efficient kernel.
-        groups = self.num_heads // self.num_kv_heads
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling)
+        if q.device.type == "cpu":
+            out = grouped_attention(q, k, v, mask, self.scaling)
+        else:
+            # Expand the kv heads to the query heads: with a mask, SDPA's GQA mode falls back to the math
+            # kernel on CUDA, while expanded k/v run in the memory-efficient kernel.
+            groups = self.num_heads // self.num_kv_heads
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, self.num_heads * self.head_dim))
+
+
+def grouped_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """softmax(q k^T * scale, masked) v for q [B, heads, T, D], k/v [B, kv_heads, S, D], mask [B, 1, T, S]
+    (True: attend) -> [B, heads, T, D]; query head h reads kv head h // (heads / kv_heads), as SDPA with the
+    kv heads repeated. The CPU path of Attention.attend: the queries of a kv head's group are one matrix
+    against its keys, never expanded; at the demo's sizes (20 tokens, 24-dim heads) SDPA's CPU kernel took
+    twice as long, forward and backward (bench/README.md, "update")."""
+    batch, heads, seq, dim = q.shape
+    kv_heads, keys = k.shape[1], k.shape[2]
+    groups = heads // kv_heads
+    scores = torch.matmul(q.reshape(batch, kv_heads, groups * seq, dim), k.transpose(-1, -2)) * scale
+    bias = torch.zeros(mask.shape, dtype=scores.dtype, device=scores.device).masked_fill_(~mask, float("-inf"))
+    scores = scores.view(batch, kv_heads, groups, seq, keys) + bias[:, :, None]
+    weights = torch.softmax(scores, dim=-1).view(batch, kv_heads, groups * seq, keys)
+    return torch.matmul(weights, v).view(batch, heads, seq, dim)
 
 
 def moe_layer_indices(cfg: MoeConfig) -> list[int]:
