@@ -13,20 +13,21 @@ the pod's process, as a fresh `python -m MODULE ARGS` would be, with nothing of 
   generator (a forked child would otherwise repeat its siblings' draws);
 - the module run by runpy as __main__, after the preloaded copy of that module itself is dropped, so its
   top-level code runs once, in __main__, as with -m;
-- the end of an interpreter, up to the part that costs: the exit code of SystemExit (a message printed, exit
-  1), the traceback and exit 1 of an uncaught exception (death by SIGINT for KeyboardInterrupt), the wait for
-  non-daemon threads, atexit callbacks and the flush of stdout/stderr (120 if that fails); then os._exit. A
-  forked child skips the interpreter's teardown, which frees every object the server preloaded and so
-  touches, and copies, the copy-on-write pages they live on: 0.4-0.9 s of each pod's exit on this machine,
-  about a fifth of a demo iteration (bench/README.md).
+- the end of an interpreter, up to the part that costs (steps.errors.end_process, as every moerl step ends):
+  the exit code of SystemExit (a message printed, exit 1), the traceback and exit 1 of an uncaught exception
+  (death by SIGINT for KeyboardInterrupt), the wait for non-daemon threads, atexit callbacks and the flush
+  of stdout/stderr (120 if that fails); then os._exit. A forked child skips the interpreter's teardown,
+  which frees every object the server preloaded and so touches, and copies, the copy-on-write pages they
+  live on: 0.4-0.9 s of each pod's exit on this machine, about a fifth of a demo iteration (bench/README.md).
 
 A request with "ranks": N runs the module as torchrun's N workers on one node would (RANK, LOCAL_RANK,
 WORLD_SIZE, MASTER_ADDR/PORT, OMP_NUM_THREADS=1 unless set, ...): the child becomes a small launcher that
 forks the N workers in its own process group, waits for them and, when one fails, stops the others as
 torchrun does (SIGTERM, then SIGKILL after a grace period) and exits 1; rank 0 hosts the TCP store.
 
-The server runs by path (`python warm_server.py MODULE...`) and imports only the standard library and the
-preloaded modules, so children carry nothing of the executor. It must never run a torch op itself: an
+The server runs by path (`python warm_server.py MODULE...`) and imports only the standard library,
+steps.errors (standard library only: how a process ends) and the preloaded modules, so children carry
+nothing of the executor. It must never run a torch op itself: an
 OpenMP pool started before fork does not survive into the children.
 
 Protocol, one JSON object a line. The server writes {"ready": true, "preloaded": [...], "failed": {...}}
@@ -47,6 +48,8 @@ import signal
 import socket
 import sys
 import time
+
+from steps.errors import end_process, uncaught_exit_code  # the installed moerl's: this file runs by path
 
 TORCHRUN_GRACE_SECONDS = 30.0  # torchrun's own wait between SIGTERM and SIGKILL of the surviving workers
 
@@ -256,50 +259,19 @@ def main() -> None:
     module = request["module"]
     sys.modules.pop(module, None)  # its top level runs once, as __main__, as `python -m` runs it
     sys.argv = [module, *request["args"]]
-    exit_without_teardown(run_as_main(module))
+    end_process(run_as_main(module))
 
 
 def run_as_main(module: str) -> int:
-    """Run the module as `python -m` would; the exit code the interpreter would give its outcome."""
+    """Run the module as `python -m` would; the exit code the interpreter would give its outcome (a module
+    whose main goes through steps.errors.run_cli ends the process itself, the same way)."""
     import runpy
 
     try:
         runpy.run_module(module, run_name="__main__", alter_sys=True)
-    except SystemExit as end:
-        return system_exit_code(end.code)
     except BaseException as err:  # noqa: BLE001 - every uncaught exception ends the process, as in Python
-        sys.excepthook(type(err), err, err.__traceback__)
-        return -signal.SIGINT if isinstance(err, KeyboardInterrupt) else 1
+        return uncaught_exit_code(err)
     return 0
-
-
-def system_exit_code(code: object) -> int:
-    """The exit status of `sys.exit(code)`: None is 0, an int itself, anything else is printed and 1."""
-    if code is None:
-        return 0
-    if isinstance(code, int):
-        return code
-    sys.stdout.flush()
-    print(code, file=sys.stderr)
-    return 1
-
-
-def exit_without_teardown(code: int) -> None:
-    """What the interpreter does at exit before its teardown, then _exit (see the module docstring)."""
-    import atexit
-    import threading
-
-    threading._shutdown()  # type: ignore[attr-defined]  # joins non-daemon threads, as Py_Finalize does first
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            code = 120  # the interpreter's exit code when flushing stdout/stderr fails
-    if code == -signal.SIGINT:  # an uncaught KeyboardInterrupt ends the process by the signal itself
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGINT)
-    os._exit(code & 0xFF)
 
 
 if __name__ == "__main__":
