@@ -27,8 +27,8 @@ torchrun does (SIGTERM, then SIGKILL after a grace period) and exits 1; rank 0 h
 
 The server runs by path (`python warm_server.py MODULE...`) and imports only the standard library,
 steps.errors (standard library only: how a process ends) and the preloaded modules, so children carry
-nothing of the executor. It must never run a torch op itself: an
-OpenMP pool started before fork does not survive into the children.
+nothing of the executor. It must never run a torch op itself: an OpenMP pool started before fork does not
+survive into the children.
 
 Protocol, one JSON object a line. The server writes {"ready": true, "preloaded": [...], "failed": {...}}
 once its imports are done. Requests on stdin: {"module", "args", "env", "cwd", "stdout", "stderr",
