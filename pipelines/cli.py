@@ -7,27 +7,36 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import sys
 
 from steps.errors import run_cli
 
-# Modules that contribute subcommands, in the order `moerl --help` lists them.
-COMMAND_MODULES = [
-    "pipelines.demo",
-    "pipelines.sft_demo",
-    "pipelines.render",
-    "pipelines.local.cli",
-    "pipelines.simulate",
-]
+# The module that registers each subcommand, in the order `moerl --help` lists them. `moerl COMMAND ...`
+# imports only COMMAND's module: another may import torch at its top (sft-demo), which costs 2 s of the start
+# of `moerl demo` on a busy machine, before its first pod (tests/test_cli.py keeps this table complete).
+COMMANDS = {
+    "demo": "pipelines.demo",
+    "run": "pipelines.demo",
+    "sft-demo": "pipelines.sft_demo",
+    "render": "pipelines.render",
+    "submit": "pipelines.render",
+    "schedule": "pipelines.render",
+    "local": "pipelines.local.cli",
+    "simulate": "pipelines.simulate",
+}
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser of every subcommand, or only of `command`'s module when it names one."""
     parser = argparse.ArgumentParser(prog="moerl", description=__doc__.splitlines()[0])
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name in COMMAND_MODULES:
+    modules = [COMMANDS[command]] if command in COMMANDS else list(dict.fromkeys(COMMANDS.values()))
+    for name in modules:
         importlib.import_module(name).register(subparsers)
     return parser
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv[0] if argv else None).parse_args(argv)
     run_cli(lambda: args.func(args))

@@ -30,7 +30,8 @@ STEP_KINDS = ("rollout", "score", "update", "publish")
 
 
 def run_config(cfg: RunConfig, workdir: Path, chaos: str | None = None) -> RunResult:
-    """Render cfg into workdir/rendered and run its workflow.yaml with the local executor.
+    """Render cfg's Argo manifests into workdir/rendered and run its workflow.yaml with the local executor.
+    The KFP pipeline is left to `moerl render`: compiling it (and importing kfp) would delay the first pod.
 
     The warm server of the step pods (pipelines/local/warm.py) starts first, from the environment every
     rendered step pod gets (placement.env), so that its imports overlap the rendering and the first pods."""
@@ -40,7 +41,7 @@ def run_config(cfg: RunConfig, workdir: Path, chaos: str | None = None) -> RunRe
             step = {"name": "step", "container": {"command": ["python", "-m", "steps.plan"], "env": placement.env()}}
             for argv, env in warm_start_candidates([step]):
                 starter.prestart(argv, env)
-        paths = render(cfg, workdir / "rendered")
+        paths = render(cfg, workdir / "rendered", kfp=False)
         return run_workflow(
             paths[WORKFLOW], chaos=chaos, status_out=workdir / "status.json", workdir=workdir / "pods",
             warm_start=starter or False,

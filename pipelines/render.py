@@ -33,10 +33,8 @@ CRON_WORKFLOW = "cron-workflow.yaml"
 KFP_PIPELINE = "kfp-pipeline.yaml"
 
 
-def render(cfg: RunConfig, out_dir: str | Path) -> dict[str, Path]:
-    """Write every manifest of the run to out_dir; returns file name -> path."""
-    from pipelines.kfp_pipeline import compile_pipeline  # kfp is slow to import; only render needs it
-
+def render(cfg: RunConfig, out_dir: str | Path, kfp: bool = True) -> dict[str, Path]:
+    """Write every manifest of the run to out_dir (the KFP pipeline only with kfp); returns file name -> path."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     texts = {
@@ -49,7 +47,10 @@ def render(cfg: RunConfig, out_dir: str | Path) -> dict[str, Path]:
     for name, text in texts.items():
         paths[name] = out / name
         paths[name].write_text(text)
-    paths[KFP_PIPELINE] = compile_pipeline(cfg, out / KFP_PIPELINE)
+    if kfp:
+        from pipelines.kfp_pipeline import compile_pipeline  # kfp is slow to import (~1 s); only this needs it
+
+        paths[KFP_PIPELINE] = compile_pipeline(cfg, out / KFP_PIPELINE)
     return paths
 
 

@@ -25,6 +25,7 @@ from steps.errors import MoerlError
 from steps.experience import read_table, scored_key
 from steps.expert_parallel import Mesh, clip_grad_norm, gather_ranks, sync_gradients
 from steps.model import MoeForCausalLM, token_logprobs
+from steps.optim import AdamW, AnyOptimizer
 from steps.rl_loss import LossSettings, aggregate, token_entropy, token_terms
 from steps.store import Store
 
@@ -426,7 +427,7 @@ class PolicyTrainer:
         model: MoeForCausalLM,
         mesh: Mesh,
         settings: TrainSettings,
-        optimizer: torch.optim.Optimizer | None = None,
+        optimizer: AnyOptimizer | None = None,
         ref_model: MoeForCausalLM | None = None,
         pad_id: int = 0,
     ) -> None:
@@ -630,15 +631,13 @@ def iteration_metrics(results: list[StepResult], seconds: float) -> dict[str, An
 # ----------------------------------------------------------------------------------------------------
 
 
-def new_adamw(model: nn.Module, settings: TrainSettings) -> torch.optim.Optimizer:
-    # foreach=False: one parameter at a time, the same arithmetic whatever the parameter grouping
-    return torch.optim.AdamW(
-        model.parameters(), lr=settings.lr, betas=settings.betas, weight_decay=settings.weight_decay,
-        foreach=False,
-    )  # fmt: skip
+def new_adamw(model: nn.Module, settings: TrainSettings) -> AdamW:
+    # steps.optim.AdamW: torch.optim.AdamW(foreach=False)'s arithmetic, one parameter at a time (the same
+    # whatever the parameter grouping), without the torch._dynamo import that any torch.optim optimizer costs
+    return AdamW(model.parameters(), lr=settings.lr, betas=settings.betas, weight_decay=settings.weight_decay)
 
 
-def completed_steps(optimizer: torch.optim.Optimizer) -> int:
+def completed_steps(optimizer: AnyOptimizer) -> int:
     """Optimizer steps taken so far in the run: AdamW's per-parameter count, which travels with the optimizer
     state from one iteration's update to the next (0 for an optimizer without that state)."""
     for state in optimizer.state.values():
@@ -657,7 +656,7 @@ def warmup_lr(settings: TrainSettings, completed: int) -> float:
     return settings.lr * min(1.0, (completed + 1) / settings.warmup_steps)
 
 
-def set_learning_rate(optimizer: torch.optim.Optimizer, settings: TrainSettings) -> float:
+def set_learning_rate(optimizer: AnyOptimizer, settings: TrainSettings) -> float:
     """Set the rate of the optimizer's next step (see warmup_lr) and return it."""
     lr = warmup_lr(settings, completed_steps(optimizer))
     for group in optimizer.param_groups:
@@ -668,7 +667,7 @@ def set_learning_rate(optimizer: torch.optim.Optimizer, settings: TrainSettings)
 OPTIMIZER_FIELDS = ("exp_avg", "exp_avg_sq", "step")
 
 
-def optimizer_state_tensors(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+def optimizer_state_tensors(model: nn.Module, optimizer: AnyOptimizer) -> dict[str, torch.Tensor]:
     """AdamW state of this rank's parameters as flat tensors: `<param name>.<field>` (named like the
     weights, so that each expert's state lives with the rank that holds the expert)."""
     out = {}
@@ -681,7 +680,7 @@ def optimizer_state_tensors(model: nn.Module, optimizer: torch.optim.Optimizer) 
     return out
 
 
-def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor]) -> int:
+def load_optimizer_state(model: nn.Module, optimizer: AnyOptimizer, tensors: dict[str, torch.Tensor]) -> int:
     """Restore AdamW state written by optimizer_state_tensors (for this rank's parameters); returns how
     many parameters got state."""
     restored = 0

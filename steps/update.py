@@ -75,6 +75,7 @@ from steps.model import (
     load_pretrained,
     moe_layer_indices,
 )
+from steps.optim import AnyOptimizer
 from steps.store import Store
 from steps.trainer import (
     PolicyTrainer,
@@ -282,7 +283,7 @@ def _save(tensors: dict[str, torch.Tensor], path: Path) -> None:
 
 
 def write_shards(
-    run: Store, iteration: int, mesh: Mesh, model: MoeForCausalLM, optimizer: torch.optim.Optimizer, workdir: Path
+    run: Store, iteration: int, mesh: Mesh, model: MoeForCausalLM, optimizer: AnyOptimizer, workdir: Path
 ) -> dict[str, Any]:
     """Upload this rank's weight and optimizer shards (ranks of the first dp row only; the other rows hold
     copies). Returns {"files": {name: {size, sha256}}, "weights": {tensor: file}, "optimizer": {..}}."""

@@ -339,9 +339,9 @@ def test_moerl_run_starts_the_step_pods_server_before_it_renders_and_closes_it_w
             super().__init__(LIGHT)
             seen["starter"] = self
 
-    def render(cfg, out):
+    def render(cfg, out, **options):
         seen["keys"] = set(seen["starter"].servers)
-        seen["rendered"] = real_render(cfg, out)
+        seen["rendered"] = real_render(cfg, out, **options)
         raise MoerlError("stopped after rendering")
 
     real_render = demo.render

@@ -300,6 +300,8 @@ class Pod:
         self.process: subprocess.Popen | WarmProcess | None = None
         self.env = {**os.environ, **plan.env}
         self.starter = starter
+        self._exit_fd: int | None = None  # a pidfd of the pod's process (exit_fd)
+        self._exit_seen = False
         # A Python pod that finds its warm server still importing waits for it (like an image pull) rather
         # than importing everything itself on the same cores: poll starts it once the server is ready.
         self.waiting_since = time.time() if starter is not None and starter.importing(plan.argv, self.env) else None
@@ -329,6 +331,8 @@ class Pod:
                     self.outcome = PodOutcome(
                         FAILED, f"main: StartError (exit code 128): {_start_error(err)}", 128, None, None
                     )
+        if self.process is not None:
+            self._exit_fd = _pidfd(self.process.pid)
         self._record()
 
     def _record(self) -> None:
@@ -351,6 +355,24 @@ class Pod:
     def running(self) -> bool:
         return self.outcome is None
 
+    def exit_fd(self) -> int | None:
+        """A file descriptor that turns readable when the pod's process exits, for the executor to sleep on;
+        None when the pod must be polled instead: not started yet (waiting for its warm server), no pidfd
+        (not Linux, or the process was gone already), or exited with its end not read yet (a warm pod's
+        exit code comes in a file that its server writes just after) (see exit_seen)."""
+        if self.outcome is not None or self._exit_seen:
+            return None
+        return self._exit_fd
+
+    def exit_seen(self) -> None:
+        """The executor saw exit_fd readable: poll from now on until the outcome is read."""
+        self._exit_seen = True
+
+    def _close_exit_fd(self) -> None:
+        if self._exit_fd is not None:
+            os.close(self._exit_fd)
+            self._exit_fd = None
+
     def poll(self, now: float) -> PodOutcome | None:
         """Advance kills that are due; once the process has exited, the pod's outcome."""
         if self.outcome is None and self.process is None and self.waiting_since is not None:
@@ -367,6 +389,7 @@ class Pod:
             os.killpg(self.process.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
+        self._close_exit_fd()
         self.outcome = self._finish(128 - code if code < 0 else code)
         return self.outcome
 
@@ -498,3 +521,11 @@ def tail(path: Path, lines: int = 12) -> list[str]:
     except OSError:
         return []
     return data.decode(errors="replace").splitlines()[-lines:]
+
+
+def _pidfd(pid: int) -> int | None:
+    """A pidfd of process pid (readable once it exits), or None: no pidfds here, or it is gone already."""
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        return None
