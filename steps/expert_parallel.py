@@ -39,11 +39,23 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from steps.errors import MoerlError
-from steps.moe import ExpertDispatch, LocalDispatch, SlotOrder, group_by_expert, run_experts
+from steps.moe import (
+    ExpertDispatch,
+    LocalDispatch,
+    SlotOrder,
+    SwiGLURows,
+    expert_spans,
+    fuse_expert_weights,
+    group_by_expert,
+    run_experts,
+    split_expert_grads,
+    swiglu_backward_input,
+    swiglu_backward_weights,
+    swiglu_forward,
+)
 
 BACKENDS = ("local", "alltoall", "deepep")
 _EXPERT_PARAM = re.compile(r"(^|\.)experts\.\d+\.")
@@ -319,7 +331,8 @@ class AllToAllDispatch:
     Four row exchanges and one counts exchange per layer and micro-batch, each overlapped with expert work;
     the own block is never sent to itself. The number of exchanges does not depend on the number of experts:
     few, large messages, which is what a latency-bound transport (gloo on loopback) needs. The experts are
-    the model's SwiGLU `Expert`s; the Function computes their forward and backward from their weights.
+    the model's SwiGLU `Expert`s; the Function computes their forward and backward from their weights with
+    steps.moe's swiglu_forward / swiglu_backward_input / swiglu_backward_weights (the one implementation).
     `expert_rows` counts the (token, expert) rows this rank's experts ran (the bench reports the balance).
     """
 
@@ -400,56 +413,35 @@ def _without_block(x: torch.Tensor, block: slice) -> torch.Tensor:
 
 
 @dataclass
-class _Chunk:
-    """Rows of one expert run: rows [start, end) of a source buffer, and the activations backward needs."""
+class _Run:
+    """The experts run on rows [start, end) of a buffer (SwiGLU arithmetic in steps.moe), and what their
+    backward needs (`rows`, spans relative to `start`)."""
 
-    expert: int  # local expert index
     start: int
     end: int
-    gate: torch.Tensor | None = None
-    up: torch.Tensor | None = None
+    rows: SwiGLURows
 
 
-def _expert_chunks(counts: list[int], offset: int) -> list[_Chunk]:
-    """One chunk per local expert with rows, for expert-grouped rows that start at `offset`."""
-    chunks, start = [], offset
-    for j, count in enumerate(counts):
-        if count:
-            chunks.append(_Chunk(j, start, start + count))
-        start += count
-    return chunks
+def _run_experts(x: torch.Tensor, out: torch.Tensor, counts: list[int], start: int, fused: tuple) -> list[_Run]:
+    """out[rows] = the experts on x's rows [start, start + sum(counts)), grouped by expert: counts[j] rows
+    for local expert j (the counts of all local experts); one run, or none without rows."""
+    end = start + sum(counts)
+    if end == start:
+        return []
+    rows = swiglu_forward(x[start:end], expert_spans(counts), *fused, out[start:end])
+    return [_Run(start, end, rows)]
 
 
-def _experts_forward(chunks: list[_Chunk], x: torch.Tensor, out: torch.Tensor, weights: tuple) -> None:
-    """out[chunk] = down(silu(gate(x[chunk])) * up(x[chunk])) for each chunk (SwiGLU, as Expert.forward)."""
-    for c in chunks:
-        w_gate, w_up, w_down = weights[3 * c.expert : 3 * c.expert + 3]
-        rows = x[c.start : c.end]
-        c.gate, c.up = rows @ w_gate.t(), rows @ w_up.t()
-        torch.mm(F.silu(c.gate) * c.up, w_down.t(), out=out[c.start : c.end])
+def _backward_input(runs: list[_Run], grad_out: torch.Tensor, grad_x: torch.Tensor, fused: tuple) -> list:
+    """grad_x's rows of each run; returns what the weight gradients need: (run, d_gate_up) per run."""
+    return [
+        (r, swiglu_backward_input(r.rows, grad_out[r.start : r.end], *fused, grad_x[r.start : r.end])) for r in runs
+    ]
 
 
-def _experts_backward_input(chunks: list[_Chunk], grad_out: torch.Tensor, grad_x: torch.Tensor, weights: tuple) -> list:
-    """grad_x[chunk] for each chunk; returns what the weight gradients need: (chunk, d_gate, d_up, act)."""
-    pending = []
-    for c in chunks:
-        w_gate, w_up, w_down = weights[3 * c.expert : 3 * c.expert + 3]
-        d_act = grad_out[c.start : c.end] @ w_down
-        silu_gate = F.silu(c.gate)
-        d_up = d_act * silu_gate
-        d_gate = torch.ops.aten.silu_backward(d_act * c.up, c.gate)
-        torch.mm(d_gate, w_gate, out=grad_x[c.start : c.end]).addmm_(d_up, w_up)
-        pending.append((c, d_gate, d_up, silu_gate * c.up))
-    return pending
-
-
-def _experts_backward_weights(pending: list, grad_out: torch.Tensor, x: torch.Tensor, grads: list) -> None:
-    """Accumulate the weight gradients of the chunks into grads (3 per local expert, None until used)."""
-    for c, d_gate, d_up, act in pending:
-        rows = x[c.start : c.end]
-        for i, g in ((0, d_gate.t() @ rows), (1, d_up.t() @ rows), (2, grad_out[c.start : c.end].t() @ act)):
-            k = 3 * c.expert + i
-            grads[k] = g if grads[k] is None else grads[k].add_(g)
+def _backward_weights(pending: list, grad_out: torch.Tensor, x: torch.Tensor, grads: list) -> None:
+    for r, d_gate_up in pending:
+        swiglu_backward_weights(r.rows, d_gate_up, grad_out[r.start : r.end], x[r.start : r.end], grads)
 
 
 class _AllToAllMoe(torch.autograd.Function):
@@ -483,46 +475,51 @@ class _AllToAllMoe(torch.autograd.Function):
         received = routed.new_empty((sum(recv_splits), routed.shape[1]))
         with d.timer.measure(hidden.device):
             sent = _exchange_others(received, own_received, routed, own_rows, recv_splits, send_splits, d)
-        own = _expert_chunks(send_matrix[me].tolist(), 0)
-        # the own experts are split between the two exchanges' waits, about half of the own rows each
-        half = (own_rows.stop - own_rows.start) // 2
-        own_first, own_last = [c for c in own if c.end <= half], [c for c in own if c.end > half]
+        fused = fuse_expert_weights(weights)  # [gate; up] per expert, for this call (weights change per step)
         returned = routed.new_empty(routed.shape)  # expert outputs of this rank's slots, grouped by expert
-        _experts_forward(own_first, routed[own_rows], returned[own_rows], weights)
+        own_routed, own_returned = routed[own_rows], returned[own_rows]
+        # the own experts are split between the two exchanges' waits: experts [0, first) and [first, E/ep),
+        # about half of the own rows each
+        own_counts = send_matrix[me].tolist()
+        half, first = (own_rows.stop - own_rows.start) // 2, 0
+        while first < len(own_counts) and sum(own_counts[: first + 1]) <= half:
+            first += 1
+        no_rows = [0] * len(own_counts)
+        first_counts, last_counts = own_counts[:first] + no_rows[first:], no_rows[:first] + own_counts[first:]
+        own = _run_experts(own_routed, own_returned, first_counts, 0, fused)
         expert_out = torch.empty_like(received)  # outputs of the rows that arrived (own block unused)
         with d.timer.measure(hidden.device):
             sent()
         remote = [
-            c for s in range(d.ep_size) if s != me
-            for c in _expert_chunks(recv_matrix[s].tolist(), sum(recv_splits[:s]))
+            run for s in range(d.ep_size) if s != me
+            for run in _run_experts(received, expert_out, recv_matrix[s].tolist(), sum(recv_splits[:s]), fused)
         ]  # fmt: skip
-        _experts_forward(remote, received, expert_out, weights)
-        d.expert_rows += sum(c.end - c.start for c in own + remote)
 
         # the outputs go back (all but the own block) while the rest of the own experts run
         with d.timer.measure(hidden.device):
             back = _exchange_others(returned, own_rows, expert_out, own_received, send_splits, recv_splits, d)
-        _experts_forward(own_last, routed[own_rows], returned[own_rows], weights)
+        own += _run_experts(own_routed, own_returned, last_counts, sum(first_counts), fused)
+        d.expert_rows += sum(r.end - r.start for r in own + remote)
         with d.timer.measure(hidden.device):
             back()
         out, per_choice, choice_weights = slots.combine_rows(returned, topk_weight)
 
-        ctx.save_for_backward(routed, received, per_choice, choice_weights, *weights)
-        ctx.d, ctx.slots, ctx.own, ctx.remote = d, slots, own, remote  # type: ignore[attr-defined]
+        ctx.save_for_backward(routed, received, per_choice, choice_weights)
+        ctx.d, ctx.slots, ctx.own, ctx.remote, ctx.fused = d, slots, own, remote, fused  # type: ignore[attr-defined]
         ctx.splits, ctx.own_slices = (send_splits, recv_splits), (own_rows, own_received)  # type: ignore[attr-defined]
         ctx.weight_dtype = topk_weight.dtype  # type: ignore[attr-defined]
         return out
 
     @staticmethod
     def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> tuple:  # type: ignore[override]
-        routed, received, per_choice, choice_weights, *weights = ctx.saved_tensors  # type: ignore[attr-defined]
+        routed, received, per_choice, choice_weights = ctx.saved_tensors  # type: ignore[attr-defined]
         d: AllToAllDispatch = ctx.d  # type: ignore[attr-defined]
         slots: SlotOrder = ctx.slots  # type: ignore[attr-defined]
         send_splits, recv_splits = ctx.splits  # type: ignore[attr-defined]
         own_rows, own_received = ctx.own_slices  # type: ignore[attr-defined]
-        own_chunks, remote_chunks = ctx.own, ctx.remote  # type: ignore[attr-defined]
+        own_runs, remote_runs, fused = ctx.own, ctx.remote, ctx.fused  # type: ignore[attr-defined]
         weight_dtype = ctx.weight_dtype  # type: ignore[attr-defined]
-        grads: list[torch.Tensor | None] = [None] * len(weights)
+        grads: list[torch.Tensor | None] = [None] * (2 * len(fused[1]))  # ([gate; up], down) per expert
 
         # The combine's gradient goes to the owners while the own experts run backward on their own slots.
         grad_returned, grad_topk_weight = slots.combine_rows_backward(grad, per_choice, choice_weights)
@@ -532,21 +529,22 @@ class _AllToAllMoe(torch.autograd.Function):
                 grad_expert_out, own_received, grad_returned, own_rows, recv_splits, send_splits, d
             )
         grad_routed = torch.empty_like(routed)
-        own = _experts_backward_input(own_chunks, grad_returned[own_rows], grad_routed[own_rows], weights)
-        _experts_backward_weights(own, grad_returned[own_rows], routed[own_rows], grads)
+        own_grad_returned = grad_returned[own_rows]
+        own = _backward_input(own_runs, own_grad_returned, grad_routed[own_rows], fused)
+        _backward_weights(own, own_grad_returned, routed[own_rows], grads)
         with d.timer.measure(grad.device):
             sent()
 
         # The arrived rows' input gradients go back while their weight gradients are computed.
         grad_received = torch.empty_like(received)  # own block unused
-        remote = _experts_backward_input(remote_chunks, grad_expert_out, grad_received, weights)
+        remote = _backward_input(remote_runs, grad_expert_out, grad_received, fused)
         with d.timer.measure(grad.device):
             back = _exchange_others(grad_routed, own_rows, grad_received, own_received, send_splits, recv_splits, d)
-        _experts_backward_weights(remote, grad_expert_out, received, grads)
+        _backward_weights(remote, grad_expert_out, received, grads)
         with d.timer.measure(grad.device):
             back()
         grad_hidden = slots.gather_rows_backward(grad_routed)
-        return grad_hidden, grad_topk_weight.to(weight_dtype), None, None, None, None, *grads
+        return grad_hidden, grad_topk_weight.to(weight_dtype), None, None, None, None, *split_expert_grads(grads)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -25,7 +25,8 @@ from torch import nn
 
 
 class Expert(nn.Module):
-    """One SwiGLU feed-forward expert: down(silu(gate(x)) * up(x)); names as Qwen3MoeMLP writes them."""
+    """One SwiGLU feed-forward expert: down(silu(gate(x)) * up(x)); names as Qwen3MoeMLP writes them.
+    Its forward is the experts' one implementation (run_experts with this expert on all rows)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
@@ -34,7 +35,8 @@ class Expert(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        rows = x.reshape(-1, x.shape[-1])
+        return run_experts([self], rows, [rows.shape[0]]).view(*x.shape[:-1], -1)
 
 
 class ExpertDispatch(Protocol):
@@ -161,7 +163,7 @@ class SlotOrder:
         weights = topk_weight.t().contiguous().unsqueeze(-1).to(per_choice.dtype)  # [k, T, 1]
         out = per_choice[0] * weights[0]
         for j in range(1, self.top_k):
-            out = out + per_choice[j] * weights[j]
+            out += per_choice[j] * weights[j]  # in place: one [T, H] buffer fewer, the same sums
         return out, per_choice, weights
 
     def combine_rows_backward(
@@ -169,8 +171,10 @@ class SlotOrder:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(gradient of the grouped outputs [T*k, H], gradient of topk_weight [T, k])."""
         grad = grad.contiguous()
-        grad_per_choice = grad.unsqueeze(0) * weights  # [k, T, H], contiguous
-        grad_grouped = grad_per_choice.view(-1, grad.shape[-1]).index_select(0, self.from_choice_major)
+        # grouped row r = slot t*k + j: grad[t] * weight[t, j], gathered from grad and scaled in place (one
+        # [T*k, H] buffer, where scaling per choice first would write a second one)
+        weight_grouped = weights.view(-1).index_select(0, self.from_choice_major).unsqueeze(-1)
+        grad_grouped = self.gather_rows(grad).mul_(weight_grouped)
         grad_weight = torch.stack([(grad * per_choice[j]).sum(-1) for j in range(self.top_k)], dim=1)
         return grad_grouped, grad_weight
 
@@ -212,17 +216,156 @@ class _CombineSlots(torch.autograd.Function):
         return grad_grouped, grad_weight.to(ctx.weight_dtype), None  # type: ignore[attr-defined]
 
 
+# The SwiGLU experts' arithmetic, forward and backward, in one place: run_experts (LocalDispatch, DeepEP,
+# Expert.forward) and the all-to-all backend (steps.expert_parallel) call these. gate_proj and up_proj stay
+# two parameters (checkpoint names), but every call multiplies the rows with their concatenation
+# [gate; up] [2I, H] once: one matmul instead of two in the forward and in each half of the backward (the
+# copy of the weights, done per call because they change every optimizer step, costs far less than a matmul).
+# Rows are grouped by expert; the matmuls run per expert on its rows, the element-wise steps (silu, the
+# product, their gradients) once over all the rows of a run.
+
+
+@dataclass
+class SwiGLURows:
+    """One run of the experts over contiguous expert-grouped rows, and the activations its backward needs.
+
+    spans: (local expert, start, end) per expert with rows, covering the rows of the run in order;
+    gate_up [N, 2I]: [gate | up] pre-activations; silu_gate = silu(gate) and act = silu_gate * up [N, I]
+    (kept from the forward, so the backward recomputes neither)."""
+
+    spans: list[tuple[int, int, int]]
+    gate_up: torch.Tensor
+    silu_gate: torch.Tensor
+    act: torch.Tensor
+
+
+def expert_spans(counts: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(local expert, start, end) for each expert with rows, for rows grouped by expert: counts[j] for j."""
+    spans, start = [], 0
+    for j, count in enumerate(counts):
+        if count:
+            spans.append((j, start, start + count))
+        start += count
+    return spans
+
+
+def fuse_expert_weights(weights: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Flat (gate, up, down) per local expert -> ([gate; up] [2I, H] per expert, down [H, I] per expert)."""
+    gate_up = [torch.cat([weights[i], weights[i + 1]]) for i in range(0, len(weights), 3)]
+    return gate_up, list(weights[2::3])
+
+
+def swiglu_forward(
+    x: torch.Tensor,
+    spans: list[tuple[int, int, int]],
+    w_gate_up: Sequence[torch.Tensor],
+    w_down: Sequence[torch.Tensor],
+    out: torch.Tensor,
+) -> SwiGLURows:
+    """out[s:e] = down(silu(gate(x[s:e])) * up(x[s:e])) with expert j's weights, for each span (j, s, e).
+    The spans must cover x's rows; writes `out` (same rows as x) and returns what the backward needs."""
+    inter = w_down[0].shape[1]
+    gate_up = x.new_empty((x.shape[0], 2 * inter))
+    for j, s, e in spans:
+        torch.mm(x[s:e], w_gate_up[j].t(), out=gate_up[s:e])
+    silu_gate = F.silu(gate_up[:, :inter])
+    act = silu_gate * gate_up[:, inter:]
+    for j, s, e in spans:
+        torch.mm(act[s:e], w_down[j].t(), out=out[s:e])
+    return SwiGLURows(spans, gate_up, silu_gate, act)
+
+
+def swiglu_backward_input(
+    run: SwiGLURows,
+    grad_out: torch.Tensor,
+    w_gate_up: Sequence[torch.Tensor],
+    w_down: Sequence[torch.Tensor],
+    grad_x: torch.Tensor,
+) -> torch.Tensor:
+    """Writes the input gradient of the run's rows into grad_x (same rows as grad_out); returns the
+    gradient of [gate | up] [N, 2I], which the weight gradients need."""
+    inter = run.act.shape[1]
+    d_act = torch.empty_like(run.act)
+    for j, s, e in run.spans:
+        torch.mm(grad_out[s:e], w_down[j], out=d_act[s:e])
+    d_gate_up = torch.empty_like(run.gate_up)
+    torch.mul(d_act, run.silu_gate, out=d_gate_up[:, inter:])  # d up
+    d_silu_gate = d_act.mul_(run.gate_up[:, inter:])
+    torch.ops.aten.silu_backward.grad_input(d_silu_gate, run.gate_up[:, :inter], grad_input=d_gate_up[:, :inter])
+    for j, s, e in run.spans:
+        torch.mm(d_gate_up[s:e], w_gate_up[j], out=grad_x[s:e])
+    return d_gate_up
+
+
+def swiglu_backward_weights(
+    run: SwiGLURows,
+    d_gate_up: torch.Tensor,
+    grad_out: torch.Tensor,
+    x: torch.Tensor,
+    grads: list[torch.Tensor | None],
+) -> None:
+    """Add the run's weight gradients to grads: 2 per local expert, ([gate; up] [2I, H], down [H, I]),
+    None until an expert has rows (split_expert_grads turns them into the parameters' gradients)."""
+    for j, s, e in run.spans:
+        for k, a, b in ((2 * j, d_gate_up[s:e], x[s:e]), (2 * j + 1, grad_out[s:e], run.act[s:e])):
+            grad = grads[k]
+            grads[k] = a.t() @ b if grad is None else grad.addmm_(a.t(), b)
+
+
+def split_expert_grads(grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    """(grad [gate; up], grad down) per local expert -> (grad gate, grad up, grad down) per local expert."""
+    flat: list[torch.Tensor | None] = []
+    for gate_up, down in zip(grads[0::2], grads[1::2], strict=True):
+        flat += [None, None] if gate_up is None else list(gate_up.chunk(2))
+        flat.append(down)
+    return flat
+
+
+class _SwiGLUExperts(torch.autograd.Function):
+    """run_experts: every local expert on its contiguous rows in one Function, with the hand-written
+    backward of swiglu_backward_input/weights."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: torch.autograd.function.FunctionCtx,
+        grouped: torch.Tensor,
+        spans: list[tuple[int, int, int]],
+        *weights: torch.Tensor,
+    ) -> torch.Tensor:
+        w_gate_up, w_down = fuse_expert_weights(weights)
+        out = grouped.new_empty(grouped.shape)
+        run = swiglu_forward(grouped, spans, w_gate_up, w_down, out) if spans else None
+        ctx.save_for_backward(grouped)
+        ctx.run, ctx.fused = run, (w_gate_up, w_down)  # type: ignore[attr-defined]
+        return out
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> tuple:  # type: ignore[override]
+        (grouped,) = ctx.saved_tensors  # type: ignore[attr-defined]
+        run: SwiGLURows | None = ctx.run  # type: ignore[attr-defined]
+        w_gate_up, w_down = ctx.fused  # type: ignore[attr-defined]
+        grads: list[torch.Tensor | None] = [None] * (2 * len(w_down))
+        grad_grouped = grouped.new_empty(grouped.shape)
+        if run is not None:
+            grad = grad.contiguous()
+            d_gate_up = swiglu_backward_input(run, grad, w_gate_up, w_down, grad_grouped)
+            if any(ctx.needs_input_grad[2:]):  # type: ignore[attr-defined]
+                swiglu_backward_weights(run, d_gate_up, grad, grouped, grads)
+        return grad_grouped, None, *split_expert_grads(grads)
+
+
 def run_experts(experts: Sequence[nn.Module], grouped: torch.Tensor, counts: list[int]) -> torch.Tensor:
-    """Run local expert j on its counts[j] contiguous rows of `grouped`, each expert once; returns the
-    outputs in the same row order. torch.split (whose backward is one cat) rather than slicing (whose
-    backward zero-fills a full-size gradient per expert). An expert without rows contributes its empty
-    slice, so the result stays connected to `grouped` even when no expert has rows (the all-to-all backward
-    is collective and must run on every rank)."""
-    outputs = [
-        experts[j](rows) if count else rows
-        for j, (count, rows) in enumerate(zip(counts, torch.split(grouped, counts), strict=True))
-    ]
-    return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
+    """Run local expert j (an `Expert`) on its counts[j] contiguous rows of `grouped`, each expert once;
+    returns the outputs in the same row order. One autograd Function for all the experts (_SwiGLUExperts).
+    Rows without experts (no rows at all, or experts without rows) stay connected to `grouped`, so the
+    result is part of the graph even when no expert has rows (the all-to-all backward is collective and
+    must run on every rank)."""
+    if sum(counts) != grouped.shape[0] or len(counts) != len(experts):
+        raise ValueError(
+            f"run_experts: counts {counts} do not split {grouped.shape[0]} rows among {len(experts)} experts"
+        )
+    weights = [w for ex in experts for w in (ex.gate_proj.weight, ex.up_proj.weight, ex.down_proj.weight)]
+    return _SwiGLUExperts.apply(grouped, expert_spans(counts), *weights)
 
 
 class LocalDispatch:
