@@ -20,7 +20,6 @@ from pipelines.local import RunResult, run_workflow
 from pipelines.local.chaos import parse_chaos
 from pipelines.local.pods import warm_start_candidates
 from pipelines.local.warm import WarmStarter, warm_starts_enabled
-from pipelines.render import WORKFLOW, render
 from pipelines.workflow import placement
 from steps.errors import MoerlError
 from steps.store import Store
@@ -41,6 +40,9 @@ def run_config(cfg: RunConfig, workdir: Path, chaos: str | None = None) -> RunRe
             step = {"name": "step", "container": {"command": ["python", "-m", "steps.plan"], "env": placement.env()}}
             for argv, env in warm_start_candidates([step]):
                 starter.prestart(argv, env)
+        # Imported once the server is importing torch on the other core: rendering needs Hera (~1 s to import).
+        from pipelines.render import WORKFLOW, render
+
         paths = render(cfg, workdir / "rendered", kfp=False)
         return run_workflow(
             paths[WORKFLOW], chaos=chaos, status_out=workdir / "status.json", workdir=workdir / "pods",

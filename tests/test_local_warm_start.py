@@ -329,6 +329,7 @@ def test_moerl_run_starts_the_step_pods_server_before_it_renders_and_closes_it_w
     import yaml
 
     import pipelines.demo as demo
+    import pipelines.render
     from pipelines.config import load_config
     from steps.errors import MoerlError
 
@@ -344,15 +345,15 @@ def test_moerl_run_starts_the_step_pods_server_before_it_renders_and_closes_it_w
         seen["rendered"] = real_render(cfg, out, **options)
         raise MoerlError("stopped after rendering")
 
-    real_render = demo.render
+    real_render = pipelines.render.render
     monkeypatch.setattr(demo, "WarmStarter", Recording)
     monkeypatch.setattr(demo, "warm_starts_enabled", lambda: True)
-    monkeypatch.setattr(demo, "render", render)
+    monkeypatch.setattr(pipelines.render, "render", render)
     cfg = load_config(demo.DEMO_CONFIG, {"sft_checkpoint": str(tmp_path / "sft"), "run_store": str(tmp_path / "run")})
     with pytest.raises(MoerlError, match="stopped after rendering"):
         demo.run_config(cfg, tmp_path)
     assert len(seen["keys"]) == 1 and seen["starter"].servers == {}  # started before rendering; closed
     # ... with the environment of every Python pod of the rendered workflow: they will use that server
-    manifest = yaml.safe_load(Path(seen["rendered"][demo.WORKFLOW]).read_text())
+    manifest = yaml.safe_load(Path(seen["rendered"][pipelines.render.WORKFLOW]).read_text())
     candidates = warm_start_candidates(manifest["spec"]["templates"])
     assert candidates and {WarmStarter._key(env) for _, env in candidates} == seen["keys"]
