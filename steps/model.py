@@ -1,7 +1,8 @@
 """The policy model: a Qwen3-MoE decoder in plain PyTorch, matching transformers' Qwen3MoeForCausalLM.
 
 Read top to bottom: config (MoeConfig), building blocks (RMSNorm, RoPE, attention, dense MLP), the decoder and
-the causal LM, the batched KV cache, then checkpoint I/O in Hugging Face format (config.json + safetensors,
+the causal LM (training and scoring; the rollout engine decodes with its own prefill and key/value tree,
+steps/engine.py), then checkpoint I/O in Hugging Face format (config.json + safetensors,
 per-expert tensor names exactly as `Qwen3MoeForCausalLM.save_pretrained` writes them).
 """
 
@@ -421,11 +422,8 @@ class Attention(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         mask: torch.Tensor,
-        kv_cache: KVCache | None,
     ) -> torch.Tensor:
         q, k, v = self.project(x, cos, sin)
-        if kv_cache is not None:
-            k, v = kv_cache.write(self.layer_idx, k, v)
         return self.attend(q, k, v, mask)
 
     def forward_shared_prompts(
@@ -583,9 +581,8 @@ class DecoderLayer(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         mask: torch.Tensor,
-        kv_cache: KVCache | None,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, kv_cache)
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def forward_shared_prompts(
@@ -688,21 +685,16 @@ class MoeForCausalLM(nn.Module):
             raise RuntimeError("routed_rows: call count_routed_rows() before the forward passes")
         return torch.stack(counts)  # type: ignore[arg-type]
 
-    def new_kv_cache(self, batch_size: int, max_len: int) -> KVCache:
-        p = self.model.embed_tokens.weight
-        return KVCache(self.config, batch_size, max_len, dtype=p.dtype, device=p.device)
-
     def forward(
         self,
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
-        kv_cache: KVCache | None = None,
     ) -> torch.Tensor:
-        """input_ids [B, T] -> logits [B, T, V] in float32.
+        """input_ids [B, T] -> logits [B, T, V] in float32 (training and scoring: the rollout engine decodes
+        with its own prefill and key/value tree, steps/engine.py).
 
-        attention_mask [B, T] marks the real tokens (1) and the padding (0) of *these* T tokens; prompts are
-        left-padded, and positions count real tokens only. With a kv_cache the T tokens are appended after
-        the cached ones and attend to them; the cache remembers which cached slots were padding.
+        attention_mask [B, T] marks the real tokens (1) and the padding (0); prompts are left-padded, and
+        positions count real tokens only.
         """
         batch, seq = input_ids.shape
         device = input_ids.device
@@ -711,32 +703,21 @@ class MoeForCausalLM(nn.Module):
         else:
             if attention_mask.shape != input_ids.shape:
                 raise ValueError(
-                    f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape {(batch, seq)}; "
-                    "with a kv_cache pass the mask of the new tokens only"
+                    f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape {(batch, seq)}"
                 )
             new_valid = attention_mask.to(torch.bool)
 
-        if kv_cache is None:
-            start = 0
-            past_positions = torch.zeros(batch, dtype=torch.long, device=device)
-            key_valid = new_valid
-        else:
-            start = kv_cache.length
-            past_positions = kv_cache.next_position
-            key_valid = kv_cache.append_valid(new_valid)
         # Left padding: a row's first real token gets position 0; padding gets 0 too (it is masked anyway).
-        positions = (past_positions[:, None] + new_valid.long().cumsum(dim=1) - 1).clamp(min=0)
-        mask = attention_mask_for(key_valid, start, seq)
+        positions = (new_valid.long().cumsum(dim=1) - 1).clamp(min=0)
+        mask = attention_mask_for(new_valid, 0, seq)
 
         x = self.model.embed_tokens(input_ids)
         assert self.config.head_dim is not None
         cos, sin = rotary_cos_sin(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
         for layer in self.model.layers:
-            x = layer(x, cos, sin, mask, kv_cache)
+            x = layer(x, cos, sin, mask)
         x = self.model.norm(x)
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        if kv_cache is not None:
-            kv_cache.advance(new_valid)
         return F.linear(x, weight).float()
 
     def forward_shared_prompts(
@@ -851,71 +832,6 @@ def count_parameters(model: MoeForCausalLM) -> tuple[int, int]:
     total = non_expert + num_moe_layers * cfg.num_experts * per_expert
     active = non_expert + num_moe_layers * cfg.num_experts_per_tok * per_expert
     return total, active
-
-
-# ----------------------------------------------------------------------------------------------------
-# KV cache
-# ----------------------------------------------------------------------------------------------------
-
-
-class KVCache:
-    """Preallocated keys/values for batched incremental decoding: [layers, B, kv_heads, max_len, head_dim].
-
-    All rows advance together (one slot per step); `valid` [B, max_len] marks which slots hold real tokens
-    (left padding of the prompts, or rows that are done and feed padding), and `next_position` [B] is the
-    RoPE position of each row's next real token.
-    """
-
-    def __init__(
-        self,
-        config: MoeConfig,
-        batch_size: int,
-        max_len: int,
-        dtype: torch.dtype = torch.float32,
-        device: torch.device | str = "cpu",
-    ) -> None:
-        assert config.head_dim is not None
-        shape = (config.num_hidden_layers, batch_size, config.num_key_value_heads, max_len, config.head_dim)
-        self.keys = torch.zeros(shape, dtype=dtype, device=device)
-        self.values = torch.zeros(shape, dtype=dtype, device=device)
-        self.valid = torch.zeros(batch_size, max_len, dtype=torch.bool, device=device)
-        self.next_position = torch.zeros(batch_size, dtype=torch.long, device=device)
-        self.length = 0
-        self.max_len = max_len
-
-    @property
-    def batch_size(self) -> int:
-        return self.valid.shape[0]
-
-    def append_valid(self, new_valid: torch.Tensor) -> torch.Tensor:
-        """Record which of the next T slots are real; return the validity of slots [0, length + T)."""
-        end = self.length + new_valid.shape[1]
-        if end > self.max_len:
-            raise ValueError(f"KVCache full: {self.length} + {new_valid.shape[1]} > max_len {self.max_len}")
-        if new_valid.shape[0] != self.batch_size:
-            raise ValueError(f"batch of {new_valid.shape[0]} rows for a KVCache of {self.batch_size}")
-        self.valid[:, self.length : end] = new_valid
-        return self.valid[:, :end]
-
-    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store this step's k/v [B, kv_heads, T, D] of `layer`; return all of its keys/values so far."""
-        end = self.length + k.shape[2]
-        self.keys[layer, :, :, self.length : end] = k
-        self.values[layer, :, :, self.length : end] = v
-        return self.keys[layer, :, :, :end], self.values[layer, :, :, :end]
-
-    def advance(self, new_valid: torch.Tensor) -> None:
-        """Called once per forward, after every layer wrote its k/v."""
-        self.length += new_valid.shape[1]
-        self.next_position += new_valid.long().sum(dim=1)
-
-    def select(self, rows: torch.Tensor) -> KVCache:
-        """A cache holding only the given batch rows (e.g. to drop finished sequences)."""
-        new = object.__new__(KVCache)
-        new.keys, new.values = self.keys[:, rows], self.values[:, rows]
-        new.valid, new.next_position = self.valid[rows], self.next_position[rows]
-        new.length, new.max_len = self.length, self.max_len
-        return new
 
 
 # ----------------------------------------------------------------------------------------------------

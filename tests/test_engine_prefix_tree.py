@@ -27,18 +27,42 @@ def model(request):
     return tiny_model(seed=4, tie_word_embeddings=True, attention_bias=True, num_experts_per_tok=3)
 
 
+def projected_keys_values(model, ids, valid):
+    """MoeForCausalLM.forward's last-position logits, and every layer's keys and values [L, B, kv_heads, T, D]
+    as its attention computed them (Attention.project, recorded)."""
+    keys, values = [], []
+    originals = [layer.self_attn.project for layer in model.model.layers]
+
+    def recording(project):
+        def record(x, cos, sin):
+            q, k, v = project(x, cos, sin)
+            keys.append(k)
+            values.append(v)
+            return q, k, v
+
+        return record
+
+    try:
+        for layer, project in zip(model.model.layers, originals, strict=True):
+            layer.self_attn.project = recording(project)
+        logits = model(ids, valid.long())[:, -1]
+    finally:
+        for layer in model.model.layers:
+            del layer.self_attn.project  # the instance attribute: the method shows through again
+    return logits, torch.stack(keys), torch.stack(values)
+
+
 @torch.inference_mode()
-def test_prefill_equals_model_forward_with_a_kv_cache(model):
+def test_prefill_equals_the_model_forward(model):
     ids, valid = left_padded(PROMPTS)
     batch, logits = Decoder(model).prefill(ids, valid, room=4)
-    cache = model.new_kv_cache(len(PROMPTS), ids.shape[1])
-    expected = model(ids, valid.long(), kv_cache=cache)[:, -1]
+    expected, keys, values = projected_keys_values(model, ids, valid)
     torch.testing.assert_close(logits, expected, atol=1e-5, rtol=0)
     width = ids.shape[1]
     # The real tokens' keys and values (padding ones are never attended to).
-    real = valid[None, :, None, :, None].expand_as(cache.keys)
-    torch.testing.assert_close(batch.keys[..., :width, :][real], cache.keys[real], atol=1e-5, rtol=0)
-    torch.testing.assert_close(batch.values[..., :width, :][real], cache.values[real], atol=1e-5, rtol=0)
+    real = valid[None, :, None, :, None].expand_as(keys)
+    torch.testing.assert_close(batch.keys[..., :width, :][real], keys[real], atol=1e-5, rtol=0)
+    torch.testing.assert_close(batch.values[..., :width, :][real], values[real], atol=1e-5, rtol=0)
     assert torch.equal(batch.position, torch.tensor([len(p) for p in PROMPTS]))
     assert batch.used == width and batch.keys.shape[3] == width + 4
 
