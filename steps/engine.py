@@ -50,7 +50,7 @@ from steps.model import (
     rotary_cos_sin,
     token_logprobs,
 )
-from steps.moe import MoeBlock
+from steps.moe import MoeBlock, group_by_expert
 from steps.tasks import Prompt, Task, get_task, verify_ids
 from steps.tokenizer import EOS_ID, PAD_ID, build_tokenizer, encode_prompt
 
@@ -749,21 +749,17 @@ class Decoder:
         gate_up, down = self.experts[index]
         _, topk_idx, topk_weight = block.route(hidden)
         num_tokens, top_k = topk_idx.shape
-        flat = topk_idx.reshape(-1)
-        order = torch.argsort(flat, stable=True)  # slots grouped by expert
-        counts = torch.bincount(flat, minlength=block.num_experts).tolist()
+        order, inverse, counts = group_by_expert(topk_idx.reshape(-1), block.num_experts)  # slots by expert
         routed = hidden.index_select(0, order // top_k)
         out = torch.empty_like(routed)
         inner = down[0].shape[0]
         start = 0
-        for expert, count in enumerate(counts):
+        for expert, count in enumerate(counts.tolist()):
             if count:
                 act = torch.mm(routed[start : start + count], gate_up[expert])
                 torch.mm(F.silu(act[:, :inner]).mul_(act[:, inner:]), down[expert], out=out[start : start + count])
                 start += count
         # Back to token order [T, k, H], then the weighted sum over the k slots (no atomics: deterministic).
-        inverse = torch.empty_like(order)
-        inverse[order] = torch.arange(order.numel(), device=order.device)
         per_slot = out.index_select(0, inverse).view(num_tokens, top_k, -1)
         weight = topk_weight.to(per_slot.dtype)
         combined = per_slot[:, 0] * weight[:, :1]

@@ -30,6 +30,7 @@ Gradients (`sync_gradients`): each rank's loss is scaled to be its estimate of t
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import re
@@ -481,11 +482,10 @@ class _AllToAllMoe(torch.autograd.Function):
         # the own experts are split between the two exchanges' waits: experts [0, first) and [first, E/ep),
         # about half of the own rows each
         own_counts = send_matrix[me].tolist()
-        half, first = (own_rows.stop - own_rows.start) // 2, 0
-        while first < len(own_counts) and sum(own_counts[: first + 1]) <= half:
-            first += 1
-        no_rows = [0] * len(own_counts)
-        first_counts, last_counts = own_counts[:first] + no_rows[first:], no_rows[:first] + own_counts[first:]
+        half = (own_rows.stop - own_rows.start) // 2
+        first = sum(1 for rows_so_far in itertools.accumulate(own_counts) if rows_so_far <= half)
+        first_counts = own_counts[:first] + [0] * (len(own_counts) - first)
+        last_counts = [0] * first + own_counts[first:]
         own = _run_experts(own_routed, own_returned, first_counts, 0, fused)
         expert_out = torch.empty_like(received)  # outputs of the rows that arrived (own block unused)
         with d.timer.measure(hidden.device):

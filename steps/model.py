@@ -311,20 +311,10 @@ def rotary_cos_sin(
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, heads, T, D]; cos/sin [B, T, D]."""
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    return x * cos + rotate_half(x) * sin
-
-
 def _rotate_into(out: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: int) -> None:
-    """out = x * cos + sign * rotate_half(x) * sin, written half by half into `out` (any strides): no
-    rotated copy of x. sign -1 gives the transpose (the backward of the rotation)."""
+    """RoPE in Qwen3's rotate-half form, out = x * cos + sign * (-x2, x1) * sin for x = (x1, x2) halves,
+    written half by half into `out` (any strides): no rotated copy of x. sign -1 gives the transpose (the
+    backward of the rotation)."""
     half = x.shape[-1] // 2
     x1, x2, out1, out2 = x[..., :half], x[..., half:], out[..., :half], out[..., half:]
     torch.mul(x1, cos[..., :half], out=out1)
@@ -338,7 +328,7 @@ class _QKVHeads(torch.autograd.Function):
     [B, kv_heads, T, D] (contiguous): q and k per-head RMSNormed (q_weight, k_weight) then rotated (cos, sin
     [B, T, D]), v as is. One node with a hand-written backward instead of autograd's graph of two norms,
     two rotations (negations, concatenations) and the transposes; the same arithmetic as rms_norm then
-    apply_rotary, and the rotated heads are written straight into the [B, heads, T, D] layout attention
+    rotate-half RoPE, and the rotated heads are written straight into the [B, heads, T, D] layout attention
     wants."""
 
     @staticmethod

@@ -158,10 +158,9 @@ class Controller:
             if self.starter is not None:  # the servers import while the first pods (plan, downloads) run
                 for argv, env in warm_start_candidates(list(self.wf.templates.values())):
                     self.starter.prestart(argv, env)
-            passes_without_wait = 0
+            progress, passes_without_wait = self.progress(), 0
             while True:
                 self.now = time.time()
-                before = self.progress()
                 if self.operate():
                     break
                 if self.view is not None:
@@ -169,7 +168,8 @@ class Controller:
                 self.write_status()
                 # A pass that moved something (a pod ended or started, a node changed phase) may have made
                 # more work ready: the next pass comes at once. Otherwise sleep until a pod exits.
-                if self.progress() != before and passes_without_wait < MAX_PASSES_WITHOUT_WAIT:
+                before, progress = progress, self.progress()
+                if progress != before and passes_without_wait < MAX_PASSES_WITHOUT_WAIT:
                     passes_without_wait += 1
                     continue
                 passes_without_wait = 0
