@@ -2,7 +2,8 @@
 
 `moerl run CONFIG` renders a run config and runs its self-contained workflow.yaml here.
 `moerl demo` is the embedded default: it builds the demo SFT checkpoint when missing, runs
-configs/demo.yaml on a file:// store under --workdir, and prints the report.
+configs/demo.yaml on a file:// store under --workdir, and prints the report. Both write the Argo manifests
+they run under <workdir>/rendered; `moerl render` writes the KFP pipeline as well.
 """
 
 from __future__ import annotations
