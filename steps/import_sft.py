@@ -12,7 +12,7 @@ import json
 import tempfile
 from pathlib import Path
 
-from steps import checkpoint
+from steps import checkpoint, progress
 from steps.errors import MoerlError, run_cli
 from steps.hf_format import refuse_pickled, validate_checkpoint_dir
 from steps.model import PICKLE_WEIGHT_SUFFIXES
@@ -56,6 +56,7 @@ def import_sft(src_uri: str, run_uri: str, run_config_json: str | None = None) -
     src, run = Store.open(src_uri), Store.open(run_uri)
     src.check_access()
     run.check_access()
+    progress.report(0, 2)
     with tempfile.TemporaryDirectory(prefix="moerl-import-") as tmp:
         local = Path(tmp)
         fetch_checkpoint(src, local)
@@ -63,9 +64,12 @@ def import_sft(src_uri: str, run_uri: str, run_config_json: str | None = None) -
             validate_checkpoint_dir(local)
         except MoerlError as err:  # name the user's --src, not the temporary copy
             raise MoerlError(str(err).replace(str(local), src.uri)) from None
+        progress.report(1, 2)
         if run_config_json is not None:
             write_run_config(run, run_config_json)
-        return checkpoint.publish_dir(run, local, version=0, parent=None, iteration=0)
+        manifest = checkpoint.publish_dir(run, local, version=0, parent=None, iteration=0)
+    progress.report(2, 2)
+    return manifest
 
 
 def main() -> int:

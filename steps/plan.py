@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from steps import progress
 from steps.errors import MoerlError, run_cli
 
 RUN_CONFIG = "run.json"
@@ -161,11 +162,13 @@ def main() -> int:
         return run_guarded(args.run, iteration, command, args.iterations, args.staleness)
     if args.first is None or args.last is None:
         parser.error("--first and --last are required (or a guarded step: --unless-published I -- COMMAND)")
+    progress.report(0, 1)
     plan = write_plan(args.run, args.first, args.last, args.out, args.run_config_json)
     if args.next_out is not None:
         args.next_out.parent.mkdir(parents=True, exist_ok=True)
         args.next_out.write_text(str(plan.latest + 1))
     print(describe(plan), flush=True)
+    progress.report(1, 1)
     return 0
 
 

@@ -26,7 +26,7 @@ from typing import Any
 
 from safetensors import SafetensorError, safe_open
 
-from steps import checkpoint
+from steps import checkpoint, progress
 from steps.errors import MoerlError, run_cli
 from steps.experience import load_run_config
 from steps.hf_format import validate_checkpoint_dir
@@ -200,6 +200,7 @@ def publish(run_uri: str, iteration: int) -> checkpoint.Manifest:
             f"{marker.get('parent')}, expected iteration {iteration} with parent {iteration - 1}; rerun update"
         )
     checkpoint.require_manifest(run, iteration - 1)
+    progress.report(0, 3)
     with tempfile.TemporaryDirectory(prefix="moerl-publish-") as tmp:
         candidate_dir, hf_dir = Path(tmp) / "candidate", Path(tmp) / "checkpoint"
         candidate_dir.mkdir()
@@ -208,11 +209,14 @@ def publish(run_uri: str, iteration: int) -> checkpoint.Manifest:
         if not (candidate_dir / CONFIG_NAME).is_file():
             raise MoerlError(f"{where}: the candidate has no {CONFIG_NAME}; rerun update with --force")
         index, model_files, optimizer_files = verify_candidate(candidate_dir, where)
+        progress.report(1, 3)
         store_optimizer_state(run, iteration, candidate_dir, index, optimizer_files)
+        progress.report(2, 3)
         assemble_hf_dir(candidate_dir, index, model_files, optimizer_files, hf_dir)
         validate_checkpoint_dir(hf_dir)
         manifest = checkpoint.publish_dir(run, hf_dir, iteration, parent=iteration - 1, iteration=iteration)
     doomed = clean_up(run, iteration, keep_last)
+    progress.report(3, 3)
     print(
         f"published {checkpoint.version_name(iteration)} (parent {checkpoint.version_name(iteration - 1)}, "
         f"{len(manifest.files)} files) to {run.url(checkpoint.version_prefix(iteration))}"

@@ -28,7 +28,7 @@ from types import FrameType
 
 import torch
 
-from steps import checkpoint
+from steps import checkpoint, progress
 from steps.engine import (
     SGLangSettings,
     open_engine,
@@ -139,6 +139,7 @@ def rollout_shard(
         f"({plan.chunk_size} prompts x {plan.group_size} samples each), {len(finished)} already finished"
     )
     result = ShardResult(chunks=mine, generated=[])
+    progress.report(len(finished), len(mine))
     if not todo:
         return result
 
@@ -165,6 +166,7 @@ def rollout_shard(
             table = chunk_table(plan, chunk, prompt_ids, generations)
             with preemption.protected():
                 write_chunk(run, plan, chunk, table)
+            progress.report(done, len(mine))
             tokens = sum(len(g.response_ids) for g in generations)
             seconds = time.monotonic() - chunk_start
             result.generated.append(chunk)

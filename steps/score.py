@@ -34,7 +34,7 @@ import numpy as np
 import pyarrow as pa
 from tokenizers import Tokenizer
 
-from steps import checkpoint
+from steps import checkpoint, progress
 from steps.errors import MoerlError, run_cli
 from steps.evaluation import heldout_accuracy
 from steps.experience import (
@@ -85,6 +85,7 @@ def score_iteration(
     version = behaviour_version(iteration, cfg.staleness)
     plan = RolloutPlan.for_iteration(cfg, iteration, version, stop_token_ids=(EOS_ID,))
     table = read_rollout(run, plan, cfg.rollout.num_shards)
+    progress.report(0, 2)
     tok = policy_tokenizer(run, version)
 
     responses = table.column("response_ids").to_pylist()
@@ -119,6 +120,7 @@ def score_iteration(
         scored = scored.append_column(field, pa.array(values, type=field.type, from_pandas=False))
     scored = scored.cast(SCORED_SCHEMA)
 
+    progress.report(1, 2)
     lengths = np.array([len(r) for r in responses], dtype=np.float64)
     metrics: dict[str, Any] = {
         "iteration": iteration,
@@ -151,6 +153,7 @@ def score_iteration(
         out = Path(metrics_out)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(metrics, sort_keys=True) + "\n")
+    progress.report(2, 2)
     summary = ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items())
     log(f"score iteration {iteration}: {summary}")
     return metrics

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -575,8 +576,11 @@ class PolicyTrainer:
             for ids in rank_micro_batches(step_indices, self.mesh, size)
         ]
 
-    def train(self, samples: list[Sample], iteration: int) -> dict[str, Any]:
-        """All optimizer steps of one iteration; returns the iteration's metrics (same on every rank)."""
+    def train(
+        self, samples: list[Sample], iteration: int, on_step: Callable[[int, int], None] | None = None
+    ) -> dict[str, Any]:
+        """All optimizer steps of one iteration; returns the iteration's metrics (same on every rank).
+        on_step(done, steps) is called before the first step and after each."""
         start = time.perf_counter()
         plan = self.plan(samples, iteration)
         trained = trained_steps(samples, plan, self.settings)
@@ -586,9 +590,13 @@ class PolicyTrainer:
         elif len(plan) > 1:
             old = self.old_logprobs(samples, trained)
         results = []
+        if on_step is not None:
+            on_step(0, len(plan))
         for step_indices, trained_indices in zip(plan, trained, strict=True):
             micro = self.micro_batches(samples, trained_indices, old)
             results.append(self.step(micro, self.normalizer(samples, step_indices)))
+            if on_step is not None:
+                on_step(len(results), len(plan))
         seconds = time.perf_counter() - start
         metrics = iteration_metrics(results, seconds)
         metrics["zero_advantage_skipped"] = sum(len(p) - len(t) for p, t in zip(plan, trained, strict=True))

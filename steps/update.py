@@ -51,7 +51,7 @@ import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from steps import checkpoint
+from steps import checkpoint, progress
 from steps.errors import MoerlError, run_cli
 from steps.experience import behaviour_version, load_run_config, scored_key
 from steps.expert_parallel import (
@@ -476,7 +476,8 @@ def _update(
         agreed(mesh, lambda: run.delete_prefix(candidate_prefix(iteration)) if rank == 0 else None)
 
         trainer = PolicyTrainer(model, mesh, settings, optimizer, ref_model, pad_id=cfg_model.pad_token_id or 0)
-        metrics = trainer.train(samples, iteration)
+        # progress: the optimizer steps, then the candidate's write as one more unit
+        metrics = trainer.train(samples, iteration, on_step=lambda done, steps: progress.report(done, steps + 1))
         info = {"policy_version": version, "world_size": world, "ep_size": mesh.ep_size,
                 "ep_backend": cfg.trainer.ep_backend}  # fmt: skip
         metrics.update(info)
@@ -496,6 +497,7 @@ def _update(
         )  # fmt: skip
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+    progress.report(metrics["steps"] + 1, metrics["steps"] + 1)
     _say(
         rank,
         f"iteration {iteration}: loss {metrics['loss']:.6f}, clip fraction {metrics['clip_fraction']:.4f}, "

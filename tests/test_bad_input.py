@@ -177,7 +177,7 @@ MOERL_FLAG_CASES = [
     ("render-bad-set", ["render", "{dir}/c.yaml", "--out", "{dir}/out", "--set", "novalue"],
      "--set 'novalue': write FIELD=VALUE, e.g. --set rollout.num_shards=3"),
     ("local-bad-chaos", ["local", "{dir}/w.yaml", "--chaos", "preempt=x"],
-     "--chaos 'preempt=x': expected preempt=N,kill=M,seed=S with integers"),
+     "--chaos 'preempt=x': expected preempt=N[@TEMPLATE],kill=M[@TEMPLATE],seed=S with integers"),
     ("local-bad-parameter", ["local", "{dir}/w.yaml", "-p", "novalue"], "-p 'novalue': expected NAME=VALUE"),
     ("run-bad-chaos", ["run", "{dir}/c.yaml", "--workdir", "{dir}/work", "--chaos", "kill=-1"],
      "--chaos 'kill=-1': preempt and kill must be 0 or more"),
@@ -196,7 +196,7 @@ def test_bad_moerl_flags(args, message, tmp_path, sft, monkeypatch, capsys):
 @pytest.mark.parametrize(
     ("args", "message"),
     [(["--iterations", "0"], "iterations: Input should be greater than or equal to 1"),
-     (["--chaos", "preempt=x"], "--chaos 'preempt=x': expected preempt=N,kill=M,seed=S")],
+     (["--chaos", "preempt=x"], "--chaos 'preempt=x': expected preempt=N[@TEMPLATE],kill=M[@TEMPLATE],seed=S")],
     ids=["iterations", "chaos"],
 )  # fmt: skip
 def test_moerl_demo_refuses_bad_flags_before_building_anything(args, message, tmp_path, monkeypatch, capsys):

@@ -142,7 +142,7 @@ def test_trainer_pods_are_not_disrupted_and_get_shared_memory(rendered):
     variant, out = rendered
     update = templates(manifests(out)[WORKFLOW][0])["update"]
     if "container" in update:
-        assert update["metadata"]["annotations"] == {"karpenter.sh/do-not-disrupt": "true"}
+        assert update["metadata"]["annotations"]["karpenter.sh/do-not-disrupt"] == "true"
         assert update["container"]["command"] == ["torchrun"]
         args = update["container"]["args"]
         assert args[args.index("--nproc-per-node") + 1] == ("8" if variant == "eks-p5en" else "2")
@@ -200,3 +200,14 @@ def test_no_template_exceeds_the_workflow_object_budget(rendered):
     variant, out = rendered
     for text in documents(out / WORKFLOW_TEMPLATE):
         assert len(text.encode()) < 256 * 1024  # leaves most of etcd's ~1.5 MB for the Workflow's status
+
+
+def test_the_steps_that_report_progress_say_so_to_argo(rendered):
+    """Argo takes the pod annotation as the node's first progress, then reads what the step writes to
+    $ARGO_PROGRESS_FILE (steps/progress.py); moerl local --chaos strikes these pods at a progress report."""
+    _, out = rendered
+    reporting = {
+        name for name, t in templates(manifests(out)[WORKFLOW][0]).items()
+        if (t.get("metadata") or {}).get("annotations", {}).get("workflows.argoproj.io/progress") == "0/1"
+    }  # fmt: skip
+    assert reporting == {"plan", "import-sft", "rollout", "score", "update", "publish"}

@@ -27,7 +27,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="NAME=VALUE",
         help="set a workflow argument (spec.arguments.parameters), as `argo submit -p`",
     )
-    parser.add_argument("--chaos", metavar="SPEC", help="preempt=N,kill=M,seed=S: inject Spot preemptions and kills")
+    parser.add_argument(
+        "--chaos",
+        metavar="SPEC",
+        help="preempt=N[@TEMPLATE],kill=M[@TEMPLATE],seed=S: inject Spot preemptions and kills, each in the middle "
+        "of a running attempt; an error if the workflow succeeds before all of them landed",
+    )
     parser.add_argument("--status-out", type=Path, metavar="FILE", help="write the workflow's status (Argo's shape)")
     parser.add_argument(
         "--workdir",

@@ -28,7 +28,7 @@ import yaml
 
 from pipelines.local import exprlang
 from pipelines.local.calls import Call, Opts, TemplateError, exit_hook_of
-from pipelines.local.chaos import ChaosMonkey, ChaosSpec, is_spot_placed, placement
+from pipelines.local.chaos import ChaosMonkey, ChaosSpec, Injection, is_spot_placed, placement
 from pipelines.local.dag_template import execute_dag
 from pipelines.local.expressions import (
     SubstitutionError,
@@ -41,6 +41,7 @@ from pipelines.local.functions import go_json
 from pipelines.local.manifest import LEAF_TYPES, Workflow, template_type
 from pipelines.local.pods import (
     DEADLINE_MESSAGE,
+    STRIKE_MARKER,
     PlanError,
     Pod,
     PodOutcome,
@@ -75,6 +76,7 @@ from pipelines.local.status import (
 from pipelines.local.steps_template import execute_steps
 from pipelines.local.warm import WarmStarter, warm_starts_enabled
 from steps.errors import MoerlError
+from steps.progress import PROGRESS_ANNOTATION, STRIKE_ENV
 
 DEADLINE_EXCEEDED = "Step exceeded its deadline"
 IDLE_WAIT_SECONDS = 0.1  # the longest sleep between passes while nothing happens (see Executor.wait_for_pods)
@@ -127,6 +129,9 @@ class Controller:
         self.view = view
         self.time_scale = time_scale_from_env() if time_scale is None else time_scale
         self.chaos = ChaosMonkey(chaos) if chaos and chaos.enabled else None
+        if self.chaos is not None:
+            spot = {name for name, t in workflow.templates.items() if self.is_spot(t)}
+            self.chaos.check_aims(workflow.templates, spot)
         self.pods: dict[str, Pod] = {}  # node ID -> the pod running it
         self.pod_dirs: dict[str, Path] = {}  # node ID -> its pod's directory (logs, pod.json)
         self.hit: set[str] = set()  # node IDs of attempts that chaos hit
@@ -310,7 +315,7 @@ class Controller:
             pod.terminate(Termination(FAILED, DEADLINE_EXCEEDED, keep_exit_code=True), pod.plan.grace_seconds)
         elif pod.deadline is not None and now >= pod.deadline:
             pod.terminate(Termination(FAILED, DEADLINE_MESSAGE, keep_exit_code=True), pod.plan.grace_seconds)
-        elif pod.injection is not None and not pod.injection.fired and now >= pod.started_at + pod.injection.delay:
+        elif pod.injection is not None and not pod.injection.fired and self.strike_due(pod, pod.injection, now):
             injection = pod.injection
             injection.fired = True
             termination = Termination(
@@ -323,6 +328,17 @@ class Controller:
                 pod.kill(termination)
             else:
                 pod.terminate(termination, pod.plan.grace_seconds)
+
+    def strike_due(self, pod: Pod, injection: Injection, now: float) -> bool:
+        """A pod that reports progress: once it has stopped itself at its strike point (steps/progress.py);
+        any other: `delay` seconds after its start."""
+        if not injection.at_progress:
+            return now >= pod.started_at + injection.delay
+        pid = pod.stopped_at_strike()
+        if pid is None:
+            return False
+        pod.struck_pid = pid
+        return True
 
     def apply_outcome(self, node: Node, outcome: PodOutcome) -> None:
         outputs: dict[str, Any] = {}
@@ -632,9 +648,7 @@ class Controller:
 
     def start_pod(self, node: Node, template: dict, opts: Opts) -> None:
         where = placement(template, self.wf.spec)
-        spot = is_spot_placed(where["nodeSelector"], where["affinity"])
-        if template.get("resource"):  # a PyTorchJob's pods are placed by its own replica spec
-            spot = spot or self._job_is_spot(template)
+        spot = self.is_spot(template)
         name = pod_name(self.wf.name, node.name, node.template_name)
         boundary_template = self.node_templates.get(node.boundary_id)
         try:
@@ -660,7 +674,10 @@ class Controller:
         injection = None
         if self.chaos is not None:
             eligible = not opts.on_exit and not self.previous_attempt_hit(node)
-            injection = self.chaos.target(name, node.name, spot, eligible)
+            reports_progress = PROGRESS_ANNOTATION in ((template.get("metadata") or {}).get("annotations") or {})
+            injection = self.chaos.target(name, node.name, spot, eligible, node.template_name, reports_progress)
+            if injection is not None and injection.at_progress:
+                plan.env[STRIKE_ENV] = f"{injection.fraction!r}:{plan.pod_dir / STRIKE_MARKER}"
         pod = Pod(plan, min(deadlines) if deadlines else None, injection, self.starter)
         self.pod_dirs[node.id] = plan.pod_dir
         if opts.on_exit:
@@ -677,6 +694,13 @@ class Controller:
         if not node.retried or match is None or match.group(2) == "0":
             return False
         return node_id(self.wf.name, f"{match.group(1)}({int(match.group(2)) - 1})") in self.hit
+
+    def is_spot(self, template: dict) -> bool:
+        where = placement(template, self.wf.spec)
+        spot = is_spot_placed(where["nodeSelector"], where["affinity"])
+        if template.get("resource"):  # a PyTorchJob's pods are placed by its own replica spec
+            spot = spot or self._job_is_spot(template)
+        return spot
 
     def _job_is_spot(self, template: dict) -> bool:
         text = re.sub(r"\{\{[^}]*\}\}", "x", str(template["resource"].get("manifest", "")))

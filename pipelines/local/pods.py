@@ -41,6 +41,7 @@ MAX_RESULT_BYTES = 256 * 1024
 PYTHON_RE = re.compile(r"python(\d+(\.\d+)?)?")
 DEADLINE_MESSAGE = "Pod was active on the node longer than the specified deadline"
 WARM_WAIT_SECONDS = 60.0  # the longest a Python pod waits for its warm server's imports before starting cold
+STRIKE_MARKER = "chaos-strike"  # in the pod's directory: the pid that stopped itself at its strike point
 
 
 @dataclass
@@ -288,6 +289,9 @@ class Pod:
         self.injection = injection
         self.termination: Termination | None = None
         self.outcome: PodOutcome | None = None
+        # the process that stopped itself at its chaos strike point: signalled with the pod's process group
+        # (a torchrun worker lives in a session of its own) and resumed after a SIGTERM, so that it can take it
+        self.struck_pid: int | None = None
         plan.pod_dir.mkdir(parents=True, exist_ok=True)
         plan.sandbox.prepare()
         if plan.script is not None:
@@ -393,6 +397,18 @@ class Pod:
         self.outcome = self._finish(128 - code if code < 0 else code)
         return self.outcome
 
+    def stopped_at_strike(self) -> int | None:
+        """The pid that wrote the strike marker (steps/progress.py), once that process has stopped itself."""
+        try:
+            pid = int((self.plan.pod_dir / STRIKE_MARKER).read_text())
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except FileNotFoundError:  # no marker yet, or its process is gone already (the pod is ending)
+            return None
+        except (OSError, ValueError):
+            return None
+        state = stat.rsplit(")", 1)[-1].split()[0]  # the field after the command name, which may hold spaces
+        return pid if state in ("T", "t") else None
+
     def terminate(self, termination: Termination, grace_seconds: float) -> None:
         """SIGTERM now, SIGKILL after the grace period (the kubelet's way of stopping a pod)."""
         if self.termination is not None or self.outcome is not None:
@@ -425,6 +441,12 @@ class Pod:
             os.killpg(self.process.pid, sig)
         except (ProcessLookupError, PermissionError):
             pass
+        if self.struck_pid is not None:
+            for each in (sig, signal.SIGCONT):  # a stopped process takes a SIGTERM only once it runs again
+                try:
+                    os.kill(self.struck_pid, each)
+                except (ProcessLookupError, PermissionError):
+                    pass
 
     def _finish(self, exit_code: int) -> PodOutcome:
         plan = self.plan

@@ -9,16 +9,17 @@ from __future__ import annotations
 
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipelines.local.chaos import parse_chaos
+from pipelines.local.chaos import Injection, parse_chaos
 from pipelines.local.executor import Controller, View
 from pipelines.local.manifest import load_workflow
 from pipelines.local.status import SUCCEEDED
 from pipelines.local.view import LiveView, PlainView
 from pipelines.local.warm import WarmStarter
+from steps.errors import MoerlError
 
 DEFAULT_WORKDIR = Path(tempfile.gettempdir()) / "moerl-local"
 
@@ -30,6 +31,7 @@ class RunResult:
     message: str
     status: dict[str, Any]  # Argo's Workflow.status
     run_dir: Path  # <workdir>/<workflow name>: pods/<pod>/{stdout.log,stderr.log,pod.json,root/}
+    faults: list[Injection] = field(default_factory=list)  # the --chaos faults that landed, in order
 
     @property
     def succeeded(self) -> bool:
@@ -50,7 +52,8 @@ def run_workflow(
 
     view: "auto" (a live tree on a terminal, log lines otherwise), "plain", None (silent), or a View.
     warm_start: start `python -m` pods as forks of a warm Python (warm.py); None: unless MOERL_LOCAL_WARM=0.
-    Raises MoerlError, before anything runs, for a manifest this executor cannot run."""
+    Raises MoerlError, before anything runs, for a manifest this executor cannot run or a --chaos aim it lacks,
+    and after a run that succeeded before every requested --chaos fault had landed."""
     spec = parse_chaos(chaos)
     workflow = load_workflow(manifest, parameters or {}, name=name)
     if view == "auto":
@@ -66,4 +69,8 @@ def run_workflow(
         warm_start=warm_start,
     )
     status = controller.run()
-    return RunResult(workflow.name, status["phase"], status.get("message", ""), status, controller.run_dir)
+    shortfall = controller.chaos.shortfall() if controller.chaos is not None else None
+    if shortfall and status["phase"] == SUCCEEDED:  # a clean run is not passed off as a chaos run
+        raise MoerlError(shortfall)
+    faults = [i for i in controller.chaos.log if i.fired] if controller.chaos is not None else []
+    return RunResult(workflow.name, status["phase"], status.get("message", ""), status, controller.run_dir, faults)

@@ -33,6 +33,7 @@ from pipelines.config import RunConfig
 from pipelines.workflow import graph, pytorchjob
 from pipelines.workflow import placement as pl
 from pipelines.workflow.retry import retry_for
+from steps.progress import PROGRESS_ANNOTATION
 
 ITERATION = "{{inputs.parameters.iteration}}"
 PLAN_OUT = "/tmp/plan"
@@ -58,11 +59,14 @@ def _step_container(
     *,
     inputs: list[Parameter] | None = None,
     iteration: str | None = None,
+    reports_progress: bool = False,
     **extra: object,
 ) -> Container:
-    """A container template placed, labelled and retried as its role says."""
+    """A container template placed, labelled and retried as its role says; `reports_progress`: its step
+    writes N/M to $ARGO_PROGRESS_FILE (steps/progress.py), and its pod starts at 0/1."""
     p = cfg.placement[role]
     res = pl.resources(p)
+    annotations = pl.annotations(role) | ({PROGRESS_ANNOTATION: "0/1"} if reports_progress else {})
     return Container(
         name=name,
         image=image,
@@ -76,7 +80,7 @@ def _step_container(
         priority_class_name=p.priority_class,
         retry_strategy=retry_for(cfg.retries[role], p.spot),
         labels=pl.labels(cfg, name, iteration),
-        annotations=pl.annotations(role) or None,
+        annotations=annotations or None,
         volumes=[Volume.model_validate(v) for v in pl.volumes(p)],
         volume_mounts=[VolumeMount.model_validate(m) for m in pl.volume_mounts(p)],
         pod_security_context=PodSecurityContext.model_validate(pl.pod_security_context()),
@@ -107,13 +111,16 @@ def plan_template(cfg: RunConfig, segment: graph.Segment) -> Container:
     )
     latest = Parameter(name="latest", value_from=ValueFrom(path=f"{PLAN_OUT}/latest"))
     return _step_container(
-        cfg, graph.PLAN, "control", cfg.images.cpu, python_step("steps.plan"), args, outputs=[latest]
-    )
+        cfg, graph.PLAN, "control", cfg.images.cpu, python_step("steps.plan"), args, outputs=[latest],
+        reports_progress=True,
+    )  # fmt: skip
 
 
 def import_sft_template(cfg: RunConfig) -> Container:
     args = flags(src=cfg.sft_checkpoint, run=cfg.run_store, run_config_json=config_json(cfg))
-    return _step_container(cfg, graph.IMPORT_SFT, "control", cfg.images.cpu, python_step("steps.import_sft"), args)
+    return _step_container(
+        cfg, graph.IMPORT_SFT, "control", cfg.images.cpu, python_step("steps.import_sft"), args, reports_progress=True
+    )
 
 
 def rollout_template(cfg: RunConfig) -> Container:
@@ -134,6 +141,7 @@ def rollout_template(cfg: RunConfig) -> Container:
         args,
         inputs=inputs,
         iteration=ITERATION,
+        reports_progress=True,
     )
 
 
@@ -167,6 +175,7 @@ def score_template(cfg: RunConfig) -> Container:
         args,
         outputs=[metrics_json],
         metrics=score_metrics(cfg),
+        reports_progress=True,
     )
 
 
@@ -174,7 +183,7 @@ def update_template(cfg: RunConfig) -> Container | Resource:
     """torchrun in one pod, or a PyTorchJob over trainer.nodes nodes that Argo creates and waits on."""
     if cfg.trainer.nodes == 1:
         args = pytorchjob.torchrun_args(cfg, ITERATION)
-        return _iteration_step(cfg, "update", "trainer", cfg.images.trainer, ["torchrun"], args)
+        return _iteration_step(cfg, "update", "trainer", cfg.images.trainer, ["torchrun"], args, reports_progress=True)
     return Resource(
         name="update",
         action="create",
@@ -185,12 +194,15 @@ def update_template(cfg: RunConfig) -> Container | Resource:
         inputs=[Parameter(name="iteration")],
         retry_strategy=retry_for(cfg.retries["trainer"], spot=False),
         labels=pl.labels(cfg, "update", ITERATION),
+        annotations={PROGRESS_ANNOTATION: "0/1"},  # what the local executor runs as torchrun reports it
     )
 
 
 def publish_template(cfg: RunConfig) -> Container:
     args = flags(run=cfg.run_store, iteration=ITERATION)
-    return _iteration_step(cfg, "publish", "control", cfg.images.cpu, python_step("steps.publish"), args)
+    return _iteration_step(
+        cfg, "publish", "control", cfg.images.cpu, python_step("steps.publish"), args, reports_progress=True
+    )
 
 
 def report_template(cfg: RunConfig) -> Container:
