@@ -124,7 +124,8 @@ def test_a_sample_depends_only_on_its_own_request(checkpoints):
     for mine, other in [*zip(batch, reversed_batch, strict=True), *zip(batch[::5], alone, strict=True)]:
         assert mine.response_ids == other.response_ids
         assert mine.finish_reason == other.finish_reason
-        torch.testing.assert_close(mine.logprobs, other.logprobs, atol=1e-5, rtol=0)
+        # fp32 log-probs of a few nats: another batch shape blocks the GEMMs differently, a few tens of ulps
+        torch.testing.assert_close(mine.logprobs, other.logprobs, atol=1e-5, rtol=1e-5)
     # Different seeds (another iteration) give different samples of the same prompts.
     other_iteration = engine.generate(sample_requests(PROMPT_IDS, params, seeds(iteration=2)), params)
     assert sum(a.response_ids != b.response_ids for a, b in zip(batch, other_iteration, strict=True)) > len(batch) // 2
