@@ -1008,7 +1008,10 @@ def weights_dtype(config: dict[str, Any], entries: dict[str, TensorEntry], sourc
     if not stored:
         raise MoerlError(f"{source}: the checkpoint holds no tensors; re-export it with save_pretrained")
     if len(stored) > 1:
-        counts = ", ".join(f"{code}: {len(names)} tensors, e.g. {names[0]}" for code, names in sorted(stored.items()))
+        counts = ", ".join(
+            f"{code}: {len(names)} tensor{'s' if len(names) > 1 else ''} (e.g. {names[0]})"
+            for code, names in sorted(stored.items())
+        )
         raise MoerlError(
             f"{source}: the weights are stored in several dtypes ({counts}); moerl trains and publishes one "
             "dtype — save the model in one (model.to(torch.bfloat16).save_pretrained(dir))"
