@@ -709,7 +709,7 @@ def load_optimizer_state(
         if master is not None:
             if master.shape != p.shape or master.dtype != p.dtype:
                 raise MoerlError(
-                    f"optimizer state: the master weights of {name} are {dtype_name(master.dtype)} "
+                    f"the master weights of {name} are {dtype_name(master.dtype)} "
                     f"{list(master.shape)}, the parameter {dtype_name(p.dtype)} {list(p.shape)}; the optimizer "
                     "state belongs to another model"
                 )
@@ -717,9 +717,9 @@ def load_optimizer_state(
                 p.copy_(master)
         elif needs_master:
             raise MoerlError(
-                f"optimizer state: no master weights ({name}.{MASTER_FIELD}) for {name}, whose published weights "
-                "are rounded to a narrower dtype; training on from them would lose the update's precision — "
-                "start a new run whose sft_checkpoint is this version (its AdamW state starts over)"
+                f"no fp32 master weights for {name} ({name}.{MASTER_FIELD}), whose published weights are narrower "
+                "than fp32: an update resumes from the masters, not from the rounded weights — start a new run "
+                "whose sft_checkpoint is the published version (its AdamW state starts over)"
             )
         keys = [f"{name}.{f}" for f in ADAMW_FIELDS]
         if not all(k in tensors for k in keys):

@@ -77,7 +77,6 @@ from steps.model import (
     MoeConfig,
     MoeForCausalLM,
     checkpoint_dtype,
-    dtype_name,
     load_config,
     load_pretrained,
     moe_layer_indices,
@@ -194,6 +193,13 @@ def read_optimizer_state(run: Store, version: int, names: list[str], workdir: Pa
         local = workdir / file_name
         run.get_file(f"{prefix}/{file_name}", local)
         with safe_open(str(local), framework="pt") as f:
+            missing = sorted(set(file_names) - set(f.keys()))
+            if missing:
+                raise MoerlError(
+                    f"{run.url(f'{prefix}/{file_name}')}: lacks {missing[0]} ({len(missing)} tensors in all) that "
+                    f"{OPTIMIZER_INDEX} puts there; the optimizer state is corrupted — start a new run from "
+                    f"{checkpoint.version_name(version)}"
+                )
             for name in file_names:
                 tensors[name] = f.get_tensor(name)
         local.unlink()
@@ -213,7 +219,7 @@ def restore_optimizer_state(
     try:
         load_optimizer_state(model, optimizer, state, needs_master=dtype != torch.float32)
     except MoerlError as err:
-        raise MoerlError(f"{run.url(optimizer_prefix(version))}: {err} ({dtype_name(dtype)} weights)") from None
+        raise MoerlError(f"{run.url(optimizer_prefix(version))}: {err}") from None
 
 
 def previous_expert_rows(run: Store, iteration: int, num_layers: int, num_experts: int) -> list[list[int]]:
