@@ -89,7 +89,7 @@ class MoeConfig:
     def to_hf_dict(self, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
         """config.json content that transformers (v4 and v5) and SGLang load as Qwen3MoeForCausalLM, for
         weights stored in `dtype` (SGLang's and transformers' dtype auto serve the weights in it)."""
-        dtype_name = str(dtype).removeprefix("torch.")
+        name = dtype_name(dtype)
         d: dict[str, Any] = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe"}
         d.update(dataclasses.asdict(self))
         d.update(
@@ -103,8 +103,8 @@ class MoeConfig:
                 "rope_parameters": {"rope_theta": self.rope_theta, "rope_type": "default"},  # v5 readers
                 "use_cache": True,
                 "output_router_logits": False,
-                "dtype": dtype_name,
-                "torch_dtype": dtype_name,
+                "dtype": name,
+                "torch_dtype": name,
             }
         )
         return d
