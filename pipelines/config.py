@@ -141,7 +141,8 @@ class TrainerConfig(_Section):
         "the PPO ratio's old policy, for updates of more than one step: 'recompute' (one extra forward pass "
         "with the weights before the update; the truncated IS weight corrects behaviour -> trainer) or "
         "'behavior' (the rollout engine's own log-probs: no extra pass, IS weight 1; right when the engine "
-        "computes what the trainer would, i.e. the torch engine in fp32 at staleness 0)",
+        "computes what the trainer would, i.e. the torch engine in fp32 at staleness 0 on an fp32 checkpoint: "
+        "a bf16/fp16 version is the trainer's fp32 masters rounded)",
     )
     shared_prompts: bool = _field(
         False,

@@ -97,13 +97,15 @@ GPU_ASSUMPTIONS = Assumptions(
     trainer_tokens_per_gpu_s=4000.0,
     # Load ~61 GB from S3 at ~1 GB/s a node, then SGLang start-up, DeepEP buffers and CUDA-graph capture.
     engine_startup_s=150.0,
-    # PyTorchJob rendezvous over the trainer nodes, NCCL/DeepEP init, weights + fp32 AdamW state per rank.
+    # PyTorchJob rendezvous over the trainer nodes, NCCL/DeepEP init, bf16 weights + fp32 masters and AdamW state
+    # (the optimizer state, which the update resumes from) per rank.
     trainer_startup_s=120.0,
     pod_start_s=10.0,
     step_startup_s=5.0,
     score_samples_per_s=500.0,
     import_sft_s=300.0,
-    # Server-side digests and copies of ~61 GB of weights and the optimizer state on S3.
+    # Server-side digests and copies of ~61 GB of bf16 weights and ~366 GB of fp32 optimizer state (master,
+    # exp_avg, exp_avg_sq: a version keeps the SFT checkpoint's bf16, the masters travel with the optimizer) on S3.
     publish_s=90.0,
     report_s=30.0,
     # Karpenter launches a p5en Spot node, it boots, joins, gets its GPU/EFA plugins and pulls the image.

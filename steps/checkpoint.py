@@ -196,6 +196,23 @@ def download(run: Store, version: int, local_dir: Path) -> Path:
     return local_dir
 
 
+def read_file(run: Store, version: int, name: str) -> bytes:
+    """One file of a published version (e.g. its config.json), checked against the manifest: a small read
+    where downloading the whole version would copy its weights."""
+    manifest = require_manifest(run, version)
+    key = f"{version_prefix(version)}/{name}"
+    meta = manifest.files.get(name)
+    if meta is None:
+        raise MoerlError(f"{run.url(key)}: checkpoint {version_name(version)} has no {name}; republish it")
+    data = run.get_bytes(key) if run.exists(key) else b""
+    if (len(data), hashlib.sha256(data).hexdigest()) != (meta["size"], meta["sha256"]):
+        raise MoerlError(
+            f"{run.url(key)}: missing, or its size or sha256 differs from MANIFEST.json; the checkpoint is "
+            "corrupted — republish it or restore the file"
+        )
+    return data
+
+
 def cache_dir_for(run: Store, version: int) -> Path:
     """A per-user cache location for a run's version, so pods and tests reuse downloads."""
     key = hashlib.sha256(run.uri.encode()).hexdigest()[:16]

@@ -46,6 +46,7 @@ import torch.nn.functional as F
 from steps.errors import MoerlError
 from steps.model import (
     MoeForCausalLM,
+    checkpoint_dtype,
     load_pretrained,
     rotary_cos_sin,
     token_logprobs,
@@ -209,6 +210,17 @@ def sample_next(
 # ----------------------------------------------------------------------------------------------------
 
 
+def compute_dtype(stored: torch.dtype, device: str | torch.device) -> torch.dtype:
+    """The dtype the torch engine computes in over weights stored in `stored`.
+
+    CPU: float32 always. Upcasting bf16/fp16 weights is exact, so the engine evaluates the published policy
+    itself, with the same fp32 arithmetic whatever the stored dtype (the one the CPU determinism tests pin),
+    and its log-probs equal a float32 transformers forward of the published weights up to float32 rounding.
+    A GPU: the stored dtype, as SGLang's dtype auto serves a bf16/fp16 checkpoint.
+    """
+    return torch.float32 if torch.device(device).type == "cpu" else stored
+
+
 @dataclass
 class TorchEngine:
     """Batched sampling over steps.model.MoeForCausalLM on CPU (or one GPU).
@@ -244,9 +256,12 @@ class TorchEngine:
 
     @classmethod
     def from_checkpoint(
-        cls, directory: str | os.PathLike, device: str = "cpu", dtype: torch.dtype = torch.float32
+        cls, directory: str | os.PathLike, device: str = "cpu", dtype: torch.dtype | None = None
     ) -> TorchEngine:
-        return cls(load_pretrained(directory, dtype=dtype, device=device).eval())
+        """The engine over a checkpoint dir's weights, read in the dtype they are stored in and computed in
+        `dtype` (default: compute_dtype for that dtype and the device)."""
+        stored = checkpoint_dtype(directory)
+        return cls(load_pretrained(directory, dtype=dtype or compute_dtype(stored, device), device=device).eval())
 
     def close(self) -> None:
         pass

@@ -6,6 +6,7 @@ checkpoint validates in seconds (steps.model.check_checkpoint does the tensor pa
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -13,7 +14,17 @@ from safetensors import safe_open
 from tokenizers import Tokenizer
 
 from steps.errors import MoerlError
-from steps.model import PICKLE_WEIGHT_SUFFIXES, MoeConfig, check_checkpoint, tensor_index
+from steps.model import (
+    CONFIG_NAME,
+    PICKLE_WEIGHT_SUFFIXES,
+    MoeConfig,
+    check_checkpoint,
+    checkpoint_dtype,
+    declared_dtype,
+    dtype_name,
+    read_config_json,
+    tensor_index,
+)
 
 TOKENIZER_FILE = "tokenizer.json"
 
@@ -67,3 +78,16 @@ def validate_checkpoint_dir(directory: Path) -> MoeConfig:
     check_tokenizer(directory, config)
     check_finite(directory)
     return config
+
+
+def declare_dtype(directory: Path) -> torch.dtype:
+    """The dtype the checkpoint's weights are stored in, written into its config.json (`dtype` and
+    `torch_dtype`) when config.json declares none: every version of the run is published in it, and
+    loaders that follow config.json (SGLang's dtype auto reads a missing one as float32, then serves
+    float16) then serve the weights as they are. A declared dtype was already checked against the weights."""
+    dtype = checkpoint_dtype(directory)
+    config = read_config_json(directory)
+    if declared_dtype(config, CONFIG_NAME) is None:
+        config.update(dtype=dtype_name(dtype), torch_dtype=dtype_name(dtype))
+        (Path(directory) / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
+    return dtype

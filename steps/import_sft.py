@@ -2,6 +2,10 @@
 
     python -m steps.import_sft --src URI --run URI [--run-config-json JSON]
 
+The weights' dtype (float32, bfloat16 or float16, one for every tensor) is the run's: every version is
+published in it. config.json must agree with the weights; when it declares no dtype, v000000's config.json
+gets it (steps.hf_format.declare_dtype).
+
 Idempotent: a second call with the same checkpoint changes nothing.
 """
 
@@ -14,7 +18,7 @@ from pathlib import Path
 
 from steps import checkpoint, progress
 from steps.errors import MoerlError, run_cli
-from steps.hf_format import refuse_pickled, validate_checkpoint_dir
+from steps.hf_format import declare_dtype, refuse_pickled, validate_checkpoint_dir
 from steps.model import PICKLE_WEIGHT_SUFFIXES
 from steps.store import Store
 
@@ -62,6 +66,7 @@ def import_sft(src_uri: str, run_uri: str, run_config_json: str | None = None) -
         fetch_checkpoint(src, local)
         try:
             validate_checkpoint_dir(local)
+            declare_dtype(local)
         except MoerlError as err:  # name the user's --src, not the temporary copy
             raise MoerlError(str(err).replace(str(local), src.uri)) from None
         progress.report(1, 2)

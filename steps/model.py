@@ -37,6 +37,7 @@ META_BUILD_MIN_PARAMS = 50_000_000  # see load_pretrained
 PICKLE_WEIGHT_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 LOADABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+CONFIG_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # ----------------------------------------------------------------------------------------------------
 # Config
@@ -86,8 +87,9 @@ class MoeConfig:
         )
 
     def to_hf_dict(self, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
-        """config.json content that transformers (v4 and v5) and SGLang load as Qwen3MoeForCausalLM."""
-        dtype_name = str(dtype).removeprefix("torch.")
+        """config.json content that transformers (v4 and v5) and SGLang load as Qwen3MoeForCausalLM, for
+        weights stored in `dtype` (SGLang's and transformers' dtype auto serve the weights in it)."""
+        name = dtype_name(dtype)
         d: dict[str, Any] = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe"}
         d.update(dataclasses.asdict(self))
         d.update(
@@ -101,8 +103,8 @@ class MoeConfig:
                 "rope_parameters": {"rope_theta": self.rope_theta, "rope_type": "default"},  # v5 readers
                 "use_cache": True,
                 "output_router_logits": False,
-                "dtype": dtype_name,
-                "torch_dtype": dtype_name,
+                "dtype": name,
+                "torch_dtype": name,
             }
         )
         return d
@@ -210,8 +212,8 @@ def _rope_type(rope: object) -> str:
     return rope.get("rope_type", rope.get("type", "default"))
 
 
-def load_config(directory: str | os.PathLike) -> MoeConfig:
-    """Read and validate <directory>/config.json."""
+def read_config_json(directory: str | os.PathLike) -> dict[str, Any]:
+    """<directory>/config.json as a dict (not validated)."""
     path = Path(directory) / CONFIG_NAME
     if not path.is_file():
         raise MoerlError(
@@ -224,7 +226,13 @@ def load_config(directory: str | os.PathLike) -> MoeConfig:
         raise MoerlError(f"{path}: not valid JSON ({err}); fix or re-export the config") from err
     if not isinstance(d, dict):
         raise MoerlError(f"{path}: expected a JSON object; fix or re-export the config")
-    return MoeConfig.from_hf_dict(d, source=str(path))
+    return d
+
+
+def load_config(directory: str | os.PathLike) -> MoeConfig:
+    """Read and validate <directory>/config.json."""
+    d = read_config_json(directory)
+    return MoeConfig.from_hf_dict(d, source=str(Path(directory) / CONFIG_NAME))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -936,6 +944,14 @@ def tensor_index(directory: str | os.PathLike) -> dict[str, TensorEntry]:
     return entries
 
 
+def _check_float(name: str, entry: TensorEntry) -> None:
+    if entry.dtype not in _SAFETENSORS_DTYPES:
+        raise MoerlError(
+            f"{entry.file}: tensor {name} has dtype {entry.dtype}; moerl loads F32, BF16 or F16 weights "
+            "(dequantize the checkpoint first)"
+        )
+
+
 def check_tensors(cfg: MoeConfig, entries: dict[str, TensorEntry], directory: str | os.PathLike) -> None:
     """Every expected tensor present with the config's shape and a float dtype; nothing unexpected."""
     expected = expected_tensor_shapes(cfg)
@@ -951,11 +967,7 @@ def check_tensors(cfg: MoeConfig, entries: dict[str, TensorEntry], directory: st
                 f"{entry.file}: tensor {name} has shape {list(entry.shape)}, expected {list(shape)} from "
                 "config.json; the weights do not match config.json: re-export the checkpoint"
             )
-        if entry.dtype not in _SAFETENSORS_DTYPES:
-            raise MoerlError(
-                f"{entry.file}: tensor {name} has dtype {entry.dtype}; moerl loads F32, BF16 or F16 weights "
-                "(dequantize the checkpoint first)"
-            )
+        _check_float(name, entry)
     unexpected = sorted(set(entries) - set(expected))
     if unexpected:
         name = unexpected[0]
@@ -965,11 +977,77 @@ def check_tensors(cfg: MoeConfig, entries: dict[str, TensorEntry], directory: st
         )
 
 
-def check_checkpoint(directory: str | os.PathLike) -> MoeConfig:
-    """Validate config.json and every tensor header of a checkpoint without reading the weights."""
+def declared_dtype(config: dict[str, Any], source: str) -> torch.dtype | None:
+    """The weights' dtype that a config.json dict declares (transformers v5 writes `dtype`, v4 `torch_dtype`;
+    moerl writes both), or None when it declares none. `source` names the file in errors."""
+    declared = {key: config[key] for key in ("dtype", "torch_dtype") if config.get(key) is not None}
+    for key, value in declared.items():
+        if value not in CONFIG_DTYPES:
+            raise MoerlError(
+                f"{source}: {key} = {value!r} is not supported; moerl trains float32, bfloat16 or float16 "
+                "checkpoints — save the model in one of them (model.to(torch.bfloat16).save_pretrained(dir))"
+            )
+    if len(set(declared.values())) > 1:
+        raise MoerlError(
+            f"{source}: dtype = {declared['dtype']!r} but torch_dtype = {declared['torch_dtype']!r}; they "
+            "must agree — set both to the dtype the weights are stored in"
+        )
+    return CONFIG_DTYPES[next(iter(declared.values()))] if declared else None
+
+
+def weights_dtype(config: dict[str, Any], entries: dict[str, TensorEntry], source: str) -> torch.dtype:
+    """The one dtype every tensor is stored in, which config.json's dtype (when declared) must name.
+
+    A checkpoint is trained and published in one dtype (published versions keep the SFT checkpoint's):
+    mixed dtypes, or a config.json that says another dtype than the weights have, are refused, because
+    loaders that follow config.json (transformers' dtype="auto", SGLang's dtype auto) would cast them."""
+    stored: dict[str, list[str]] = {}
+    for name, entry in sorted(entries.items()):
+        _check_float(name, entry)
+        stored.setdefault(entry.dtype, []).append(name)
+    if not stored:
+        raise MoerlError(f"{source}: the checkpoint holds no tensors; re-export it with save_pretrained")
+    if len(stored) > 1:
+        counts = ", ".join(
+            f"{code}: {len(names)} tensor{'s' if len(names) > 1 else ''} (e.g. {names[0]})"
+            for code, names in sorted(stored.items())
+        )
+        raise MoerlError(
+            f"{source}: the weights are stored in several dtypes ({counts}); moerl trains and publishes one "
+            "dtype — save the model in one (model.to(torch.bfloat16).save_pretrained(dir))"
+        )
+    dtype = _SAFETENSORS_DTYPES[next(iter(stored))]
+    declared = declared_dtype(config, f"{source}/{CONFIG_NAME}")
+    if declared is not None and declared != dtype:
+        raise MoerlError(
+            f"{source}/{CONFIG_NAME}: declares dtype {dtype_name(declared)} but the weights are stored as "
+            f"{dtype_name(dtype)}; set dtype and torch_dtype in config.json to {dtype_name(dtype)!r}"
+        )
+    return dtype
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """config.json's name of a dtype: torch.bfloat16 -> 'bfloat16'."""
+    return str(dtype).removeprefix("torch.")
+
+
+def checkpoint_dtype(directory: str | os.PathLike) -> torch.dtype:
+    """The dtype a checkpoint's weights are stored in (see weights_dtype); reads config.json and headers only."""
+    return weights_dtype(read_config_json(directory), tensor_index(directory), str(directory))
+
+
+def _checked(directory: str | os.PathLike) -> tuple[MoeConfig, dict[str, TensorEntry], torch.dtype]:
+    """(config, tensor index, stored dtype) of a checkpoint whose config and tensor headers all check out."""
     cfg = load_config(directory)
-    check_tensors(cfg, tensor_index(directory), directory)
-    return cfg
+    entries = tensor_index(directory)
+    check_tensors(cfg, entries, directory)
+    return cfg, entries, weights_dtype(read_config_json(directory), entries, str(directory))
+
+
+def check_checkpoint(directory: str | os.PathLike) -> MoeConfig:
+    """Validate config.json (its dtype included) and every tensor header of a checkpoint without reading
+    the weights."""
+    return _checked(directory)[0]
 
 
 def load_state_dict_from_dir(
@@ -993,24 +1071,23 @@ def load_state_dict_from_dir(
 
 def load_pretrained(
     directory: str | os.PathLike,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | None = torch.float32,
     device: torch.device | str = "cpu",
     placement: ExpertPlacement | None = None,
     ep_rank: int = 0,
 ) -> MoeForCausalLM:
-    """Build a MoeForCausalLM from a Hugging Face Qwen3-MoE checkpoint directory (safetensors only).
+    """Build a MoeForCausalLM from a Hugging Face Qwen3-MoE checkpoint directory (safetensors only), its
+    weights cast to `dtype` (None: the dtype they are stored in; an upcast to float32 is exact).
 
-    The whole checkpoint is validated first (config, every tensor's presence, shape and dtype, nothing
-    extra); with a placement only the experts EP rank ep_rank holds are then read from disk (by name,
-    from whichever files hold them).
+    The whole checkpoint is validated first (config, every tensor's presence, shape and dtype, one dtype
+    that config.json agrees with, nothing extra); with a placement only the experts EP rank ep_rank holds
+    are then read from disk (by name, from whichever files hold them).
     """
-    cfg = load_config(directory)
-    entries = tensor_index(directory)
-    check_tensors(cfg, entries, directory)
+    cfg, _, stored = _checked(directory)
     check_placement(cfg, placement, ep_rank)
     wanted = expected_tensor_shapes(cfg, placement, ep_rank)
     state = load_state_dict_from_dir(directory, wanted)
-    state = {name: t.to(device=device, dtype=dtype) for name, t in state.items()}
+    state = {name: t.to(device=device, dtype=dtype or stored) for name, t in state.items()}
     # The meta device skips allocating and initialising weights that are about to be replaced, but its
     # first use imports torch's reference ops (~2 s per process); a small model is cheaper to build plainly.
     numel = sum(t.numel() for t in state.values())

@@ -5,6 +5,8 @@
 1. Verify <run>/candidates/iter-I/: CANDIDATE.json present (the update finished), every file it lists
    present with its size and sha256, candidate.index.json consistent with the shards' headers, every tensor
    of the model exactly once with the shape config.json implies, the optimizer state matching the weights.
+   The weights must be stored in the run's dtype (the parent's, so v000000's) and, when that is narrower
+   than fp32, the optimizer state must hold every parameter's fp32 master (what the next update resumes from).
 2. Assemble a Hugging Face checkpoint dir as transformers writes it: config.json, generation_config.json,
    tokenizer files and model.safetensors (one shard) or model-0000k-of-0000n.safetensors +
    model.safetensors.index.json (one shard per EP rank), loadable by transformers and SGLang.
@@ -24,6 +26,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import torch
 from safetensors import SafetensorError, safe_open
 
 from steps import checkpoint, progress
@@ -36,11 +39,15 @@ from steps.model import (
     SAFE_WEIGHTS_NAME,
     TensorEntry,
     check_tensors,
+    declared_dtype,
+    dtype_name,
     expected_tensor_shapes,
     load_config,
+    read_config_json,
+    weights_dtype,
 )
 from steps.store import Store
-from steps.trainer import OPTIMIZER_FIELDS
+from steps.trainer import MASTER_FIELD, OPTIMIZER_FIELDS
 from steps.update import (
     CANDIDATE_INDEX,
     MARKER,
@@ -100,8 +107,11 @@ def _check_map(kind: str, mapping: dict[str, str], local_dir: Path, where: str) 
     return entries
 
 
-def verify_candidate(local_dir: Path, where: str) -> tuple[dict[str, Any], list[str], list[str]]:
-    """Check the downloaded candidate; returns (index, model shard files, optimizer shard files)."""
+def verify_candidate(
+    local_dir: Path, where: str, run_dtype: torch.dtype
+) -> tuple[dict[str, Any], list[str], list[str]]:
+    """Check the downloaded candidate, whose weights must be stored in `run_dtype` (the parent version's, so
+    v000000's); returns (index, model shard files, optimizer shard files)."""
     cfg = load_config(local_dir)
     index_path = local_dir / CANDIDATE_INDEX
     if not index_path.is_file():
@@ -110,6 +120,12 @@ def verify_candidate(local_dir: Path, where: str) -> tuple[dict[str, Any], list[
     weight_map, optimizer_map = index.get("weight_map", {}), index.get("optimizer_map", {})
     weights = _check_map("weight", weight_map, local_dir, where)
     check_tensors(cfg, weights, where)  # every tensor once, with the config's shape, nothing unexpected
+    dtype = weights_dtype(read_config_json(local_dir), weights, where)  # one dtype, the one config.json says
+    if dtype != run_dtype:
+        raise MoerlError(
+            f"{where}: the weights are {dtype_name(dtype)}, but the run's checkpoints are {dtype_name(run_dtype)} "
+            "(every version keeps the SFT checkpoint's dtype); rerun update with --force"
+        )
     shapes = expected_tensor_shapes(cfg)
     state = _check_map("optimizer", optimizer_map, local_dir, where)
     for name, entry in state.items():
@@ -120,7 +136,22 @@ def verify_candidate(local_dir: Path, where: str) -> tuple[dict[str, Any], list[
             raise MoerlError(
                 f"{where}: optimizer state {name} has shape {list(entry.shape)}, the weight {list(shapes[param])}"
             )
+        if entry.dtype != "F32":
+            raise MoerlError(f"{where}: optimizer state {name} is {entry.dtype}, not F32; rerun update with --force")
+    if dtype != torch.float32:  # the next update resumes from the fp32 masters, not from the rounded weights
+        missing = sorted(name for name in shapes if f"{name}.{MASTER_FIELD}" not in state)
+        if missing:
+            raise MoerlError(
+                f"{where}: the optimizer state lacks the fp32 masters of {len(missing)} {dtype_name(dtype)} "
+                f"weights (e.g. {missing[0]}.{MASTER_FIELD}); rerun update with --force"
+            )
     return index, sorted(set(weight_map.values())), sorted(set(optimizer_map.values()))
+
+
+def run_dtype(run: Store, version: int) -> torch.dtype:
+    """The dtype published version `version` declares in its config.json: the run's (v000000's)."""
+    config = json.loads(checkpoint.read_file(run, version, CONFIG_NAME))  # validated when it was published
+    return declared_dtype(config, run.url(f"{checkpoint.version_prefix(version)}/{CONFIG_NAME}")) or torch.float32
 
 
 def assemble_hf_dir(
@@ -208,7 +239,7 @@ def publish(run_uri: str, iteration: int) -> checkpoint.Manifest:
         download_candidate(run, iteration, marker, candidate_dir)
         if not (candidate_dir / CONFIG_NAME).is_file():
             raise MoerlError(f"{where}: the candidate has no {CONFIG_NAME}; rerun update with --force")
-        index, model_files, optimizer_files = verify_candidate(candidate_dir, where)
+        index, model_files, optimizer_files = verify_candidate(candidate_dir, where, run_dtype(run, iteration - 1))
         progress.report(1, 3)
         store_optimizer_state(run, iteration, candidate_dir, index, optimizer_files)
         progress.report(2, 3)

@@ -25,7 +25,7 @@ from torch import nn
 from steps.errors import MoerlError
 from steps.experience import read_table, scored_key
 from steps.expert_parallel import Mesh, clip_grad_norm, gather_ranks, sync_gradients
-from steps.model import MoeForCausalLM, token_logprobs
+from steps.model import MoeForCausalLM, dtype_name, token_logprobs
 from steps.optim import AdamW, AnyOptimizer
 from steps.rl_loss import LossSettings, aggregate, token_entropy, token_terms
 from steps.store import Store
@@ -672,28 +672,64 @@ def set_learning_rate(optimizer: AnyOptimizer, settings: TrainSettings) -> float
     return lr
 
 
-OPTIMIZER_FIELDS = ("exp_avg", "exp_avg_sq", "step")
+ADAMW_FIELDS = ("exp_avg", "exp_avg_sq", "step")
+# The fp32 weights themselves, when the published ones are narrower (bf16, fp16): what the next update
+# resumes from, so that rounding to the published dtype never accumulates into the training (see
+# optimizer_state_tensors).
+MASTER_FIELD = "master"
+OPTIMIZER_FIELDS = (*ADAMW_FIELDS, MASTER_FIELD)  # every field an optimizer state file may hold
 
 
-def optimizer_state_tensors(model: nn.Module, optimizer: AnyOptimizer) -> dict[str, torch.Tensor]:
+def optimizer_state_names(model: nn.Module) -> list[str]:
+    """The names of every optimizer state tensor this rank's parameters may have (`<param name>.<field>`)."""
+    return [f"{name}.{f}" for name, _ in model.named_parameters() for f in OPTIMIZER_FIELDS]
+
+
+def optimizer_state_tensors(
+    model: nn.Module, optimizer: AnyOptimizer, published_dtype: torch.dtype = torch.float32
+) -> dict[str, torch.Tensor]:
     """AdamW state of this rank's parameters as flat tensors: `<param name>.<field>` (named like the
-    weights, so that each expert's state lives with the rank that holds the expert)."""
+    weights, so that each expert's state lives with the rank that holds the expert), and when the weights
+    are published in a narrower dtype than they are trained in, every parameter's `<param name>.master`:
+    its exact trained value (fp32)."""
     out = {}
     for name, p in model.named_parameters():
         state = optimizer.state.get(p, {})
-        for f in OPTIMIZER_FIELDS:
+        for f in ADAMW_FIELDS:
             if f in state:
                 t = state[f] if torch.is_tensor(state[f]) else torch.tensor(float(state[f]))
                 out[f"{name}.{f}"] = t.detach().to("cpu").contiguous()
+        if published_dtype != p.dtype:
+            out[f"{name}.{MASTER_FIELD}"] = p.detach().to("cpu").contiguous()
     return out
 
 
-def load_optimizer_state(model: nn.Module, optimizer: AnyOptimizer, tensors: dict[str, torch.Tensor]) -> int:
-    """Restore AdamW state written by optimizer_state_tensors (for this rank's parameters); returns how
-    many parameters got state."""
+def load_optimizer_state(
+    model: nn.Module, optimizer: AnyOptimizer, tensors: dict[str, torch.Tensor], needs_master: bool = False
+) -> int:
+    """Restore AdamW state written by optimizer_state_tensors (for this rank's parameters), and each
+    parameter's master weights where the state holds them (they replace the published, rounded weights
+    the model was loaded from). needs_master: the published weights are narrower than the parameters, so
+    every parameter must have its master. Returns how many parameters got AdamW state."""
     restored = 0
     for name, p in model.named_parameters():
-        keys = [f"{name}.{f}" for f in OPTIMIZER_FIELDS]
+        master = tensors.get(f"{name}.{MASTER_FIELD}")
+        if master is not None:
+            if master.shape != p.shape or master.dtype != p.dtype:
+                raise MoerlError(
+                    f"the master weights of {name} are {dtype_name(master.dtype)} "
+                    f"{list(master.shape)}, the parameter {dtype_name(p.dtype)} {list(p.shape)}; the optimizer "
+                    "state belongs to another model"
+                )
+            with torch.no_grad():
+                p.copy_(master)
+        elif needs_master:
+            raise MoerlError(
+                f"no fp32 master weights for {name} ({name}.{MASTER_FIELD}), whose published weights are narrower "
+                "than fp32: an update resumes from the masters, not from the rounded weights — start a new run "
+                "whose sft_checkpoint is the published version (its AdamW state starts over)"
+            )
+        keys = [f"{name}.{f}" for f in ADAMW_FIELDS]
         if not all(k in tensors for k in keys):
             continue
         exp_avg, exp_avg_sq, step = (tensors[k] for k in keys)

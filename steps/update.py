@@ -9,9 +9,14 @@ Inputs, all published: the run config (<run>/run.json), checkpoint v(I-1) with i
 (<run>/optimizer/v(I-1)/, absent for v000000), the reference policy v000000 when kl_coef > 0, and
 <run>/experience/iter-I/scored.parquet, whose policy_version must be v(I-1-staleness).
 
+Precision: the policy trains in fp32 and is published in the run's checkpoint dtype, v000000's (bf16 stays
+bf16). When that dtype is narrower than fp32, the optimizer state also holds each parameter's fp32 master
+(`<name>.master`), and the next update starts from the masters, not from the rounded published weights.
+
 Output: <run>/candidates/iter-I/
-    model-rank0000r-of-0000n.safetensors       the weights EP rank r holds (rank 0 also the replicated ones)
-    optimizer-rank0000r-of-0000n.safetensors   AdamW state of the same parameters
+    model-rank0000r-of-0000n.safetensors       the weights EP rank r holds (rank 0 also the replicated ones),
+                                               in the run's checkpoint dtype
+    optimizer-rank0000r-of-0000n.safetensors   AdamW state of the same parameters (+ their fp32 masters)
     config.json, generation_config.json, tokenizer files
     candidate.index.json                       tensor name -> file, for weights and optimizer state
     CANDIDATE.json                             written LAST: every file with size + sha256
@@ -71,6 +76,7 @@ from steps.model import (
     SAFE_WEIGHTS_INDEX_NAME,
     MoeConfig,
     MoeForCausalLM,
+    checkpoint_dtype,
     load_config,
     load_pretrained,
     moe_layer_indices,
@@ -82,6 +88,7 @@ from steps.trainer import (
     TrainSettings,
     load_optimizer_state,
     new_adamw,
+    optimizer_state_names,
     optimizer_state_tensors,
     prompt_groups,
     read_scored_experience,
@@ -186,10 +193,33 @@ def read_optimizer_state(run: Store, version: int, names: list[str], workdir: Pa
         local = workdir / file_name
         run.get_file(f"{prefix}/{file_name}", local)
         with safe_open(str(local), framework="pt") as f:
+            missing = sorted(set(file_names) - set(f.keys()))
+            if missing:
+                raise MoerlError(
+                    f"{run.url(f'{prefix}/{file_name}')}: lacks {missing[0]} ({len(missing)} tensors in all) that "
+                    f"{OPTIMIZER_INDEX} puts there; the optimizer state is corrupted — start a new run from "
+                    f"{checkpoint.version_name(version)}"
+                )
             for name in file_names:
                 tensors[name] = f.get_tensor(name)
         local.unlink()
     return tensors
+
+
+def restore_optimizer_state(
+    run: Store,
+    version: int,
+    model: MoeForCausalLM,
+    optimizer: AnyOptimizer,
+    state: dict[str, torch.Tensor],
+    dtype: torch.dtype,
+) -> None:
+    """AdamW state and fp32 masters of v(version) into this rank's model and optimizer; the masters are
+    required when that version's weights are published narrower than fp32 (`dtype`)."""
+    try:
+        load_optimizer_state(model, optimizer, state, needs_master=dtype != torch.float32)
+    except MoerlError as err:
+        raise MoerlError(f"{run.url(optimizer_prefix(version))}: {err}") from None
 
 
 def previous_expert_rows(run: Store, iteration: int, num_layers: int, num_experts: int) -> list[list[int]]:
@@ -283,10 +313,17 @@ def _save(tensors: dict[str, torch.Tensor], path: Path) -> None:
 
 
 def write_shards(
-    run: Store, iteration: int, mesh: Mesh, model: MoeForCausalLM, optimizer: AnyOptimizer, workdir: Path
+    run: Store,
+    iteration: int,
+    mesh: Mesh,
+    model: MoeForCausalLM,
+    optimizer: AnyOptimizer,
+    workdir: Path,
+    dtype: torch.dtype = torch.float32,
 ) -> dict[str, Any]:
     """Upload this rank's weight and optimizer shards (ranks of the first dp row only; the other rows hold
-    copies). Returns {"files": {name: {size, sha256}}, "weights": {tensor: file}, "optimizer": {..}}."""
+    copies): the weights rounded to `dtype`, the run's checkpoint dtype (the fp32 masters then go with the
+    optimizer state). Returns {"files": {name: {size, sha256}}, "weights": {tensor: file}, "optimizer": {..}}."""
     out: dict[str, Any] = {"files": {}, "weights": {}, "optimizer": {}}
     if mesh.dp_rank != 0:
         return out
@@ -295,8 +332,9 @@ def write_shards(
     def mine(name: str) -> bool:
         return keep_shared or is_expert_param(name)
 
-    weights = {n: t.detach().to("cpu").contiguous() for n, t in model.state_dict().items() if mine(n)}
-    opt_state = {n: t for n, t in optimizer_state_tensors(model, optimizer).items() if mine(n.rsplit(".", 1)[0])}
+    weights = {n: t.detach().to("cpu", dtype).contiguous() for n, t in model.state_dict().items() if mine(n)}
+    opt_state = optimizer_state_tensors(model, optimizer, dtype)
+    opt_state = {n: t for n, t in opt_state.items() if mine(n.rsplit(".", 1)[0])}
     prefix = candidate_prefix(iteration)
     for kind, file_name, tensors in (
         ("weights", model_shard_name(mesh.ep_rank, mesh.ep_size), weights),
@@ -319,8 +357,10 @@ def write_candidate_metadata(
     shards: list[dict[str, Any]],
     info: dict[str, Any],
     metrics: dict[str, Any],
+    dtype: torch.dtype = torch.float32,
 ) -> dict[str, Any]:
-    """Rank 0: config, tokenizer, the index, the metrics, then CANDIDATE.json last."""
+    """Rank 0: config (saying the weights' `dtype`), tokenizer, the index, the metrics, then CANDIDATE.json
+    last."""
     prefix = candidate_prefix(iteration)
     files: dict[str, dict[str, Any]] = {}
     weight_map: dict[str, str] = {}
@@ -336,8 +376,7 @@ def write_candidate_metadata(
     def put_text(name: str, text: str) -> None:
         put(name, text.encode())
 
-    # Weights are trained and written in fp32, whatever the parent's dtype: the config says so.
-    put_text(CONFIG_NAME, json.dumps(model.config.to_hf_dict(torch.float32), indent=2) + "\n")
+    put_text(CONFIG_NAME, json.dumps(model.config.to_hf_dict(dtype), indent=2) + "\n")
     # The parent's other files (generation config, tokenizer files, ...), as its manifest lists them: the
     # local cache may hold files of an earlier run that had the same URI.
     skip = {CONFIG_NAME, SAFE_WEIGHTS_INDEX_NAME}
@@ -444,6 +483,9 @@ def _update(
     mesh = build_mesh(rank, world, resolve_ep_size(world, num_experts, requested), device)
     placement, placement_reason = agreed_placement(run, iteration, cfg.trainer.expert_placement, model_config, mesh)
     _say(rank, f"expert placement: {placement_reason}")
+    # Trained in fp32 whatever the run's checkpoint dtype (the parent's: every version keeps v000000's);
+    # from v000001 on, the fp32 masters in the parent's optimizer state replace the rounded weights.
+    dtype = checkpoint_dtype(parent_dir)
     model = load_pretrained(parent_dir, torch.float32, device, placement, mesh.ep_rank)
     model.count_routed_rows()
     ref_model = None
@@ -469,9 +511,9 @@ def _update(
     workdir = Path(tempfile.mkdtemp(prefix=f"moerl-update-{rank}-"))
     try:
         if parent > 0:
-            names = [f"{n}.{f}" for n, _ in model.named_parameters() for f in ("exp_avg", "exp_avg_sq", "step")]
+            names = optimizer_state_names(model)
             state = agreed(mesh, lambda: read_optimizer_state(run, parent, names, workdir))
-            load_optimizer_state(model, optimizer, state)
+            agreed(mesh, lambda: restore_optimizer_state(run, parent, model, optimizer, state, dtype))
         # A crashed attempt may have left part of a candidate: remove it before anything new is written.
         agreed(mesh, lambda: run.delete_prefix(candidate_prefix(iteration)) if rank == 0 else None)
 
@@ -485,14 +527,14 @@ def _update(
         if timer is not None and timer.enabled:
             metrics["dispatch_seconds"] = timer.seconds
 
-        shard = agreed(mesh, lambda: write_shards(run, iteration, mesh, model, optimizer, workdir))
+        shard = agreed(mesh, lambda: write_shards(run, iteration, mesh, model, optimizer, workdir, dtype))
         shards = [shard]
         if world > 1:
             shards = [None] * world  # type: ignore[list-item]
             dist.all_gather_object(shards, shard)  # names and digests only, never tensors
         marker = agreed(
             mesh,
-            lambda: write_candidate_metadata(run, iteration, parent_dir, model, shards, info, metrics)
+            lambda: write_candidate_metadata(run, iteration, parent_dir, model, shards, info, metrics, dtype)
             if rank == 0 else None,
         )  # fmt: skip
     finally:

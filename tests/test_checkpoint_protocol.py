@@ -106,3 +106,16 @@ def test_bad_version_names():
     for bad in ["12", "v12", "x000012", "v00001a"]:
         with pytest.raises(MoerlError, match="bad checkpoint version name"):
             checkpoint.parse_version(bad)
+
+
+def test_one_file_of_a_version_is_read_verified(run, tmp_path):
+    src = make_dir(tmp_path / "ckpt", {"config.json": b'{"dtype": "bfloat16"}', "model.safetensors": b"w" * 10})
+    checkpoint.publish_dir(run, src, version=0, parent=None, iteration=0)
+    assert checkpoint.read_file(run, 0, "config.json") == b'{"dtype": "bfloat16"}'
+    with pytest.raises(MoerlError, match="checkpoint v000000 has no tokenizer.json; republish it"):
+        checkpoint.read_file(run, 0, "tokenizer.json")
+    run.put_bytes("checkpoints/v000000/config.json", b'{"dtype": "float32"}')
+    with pytest.raises(MoerlError, match="size or sha256 differs from MANIFEST.json"):
+        checkpoint.read_file(run, 0, "config.json")
+    with pytest.raises(MoerlError, match="v000001 is unfinished"):
+        checkpoint.read_file(run, 1, "config.json")

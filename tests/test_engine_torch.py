@@ -19,12 +19,14 @@ from steps.engine import (
     GenerationRequest,
     SamplingParams,
     TorchEngine,
+    compute_dtype,
     evaluate_accuracy,
     sample_next,
     sample_requests,
     sample_seed,
     sample_uniforms,
 )
+from steps.model import load_state_dict_from_dir
 from steps.tasks import get_task
 from steps.tokenizer import EOS_ID, build_tokenizer, encode, encode_prompt
 
@@ -40,11 +42,15 @@ def seeds(iteration=1):
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    """Two tiny checkpoints: untied head with one dense layer; tied head with q/k/v/o bias and top-3."""
+    """Tiny checkpoints: untied head with one dense layer (fp32, and rounded to bf16 as a bf16 run publishes
+    it); tied head with q/k/v/o bias and top-3."""
     base = tmp_path_factory.mktemp("ckpt")
     return {
         "dense_layer": write_checkpoint(
             tiny_model(seed=3, mlp_only_layers=[1], intermediate_size=24), base / "dense_layer"
+        ),
+        "dense_layer_bf16": write_checkpoint(
+            tiny_model(seed=3, mlp_only_layers=[1], intermediate_size=24).to(torch.bfloat16), base / "dense_layer_bf16"
         ),
         "tied_bias_top3": write_checkpoint(
             tiny_model(seed=4, tie_word_embeddings=True, attention_bias=True, num_experts_per_tok=3),
@@ -53,7 +59,7 @@ def checkpoints(tmp_path_factory):
     }
 
 
-@pytest.mark.parametrize("name", ["dense_layer", "tied_bias_top3"])
+@pytest.mark.parametrize("name", ["dense_layer", "dense_layer_bf16", "tied_bias_top3"])
 @pytest.mark.parametrize(
     "params",
     [
@@ -64,6 +70,8 @@ def checkpoints(tmp_path_factory):
     ids=["plain", "temperature_topk_topp", "greedy"],
 )
 def test_behaviour_logprobs_equal_transformers(checkpoints, name, params):
+    """On CPU the engine computes in fp32 whatever the stored dtype, so a bf16 checkpoint's log-probs equal a
+    fp32 transformers forward of the same (exactly upcast) published weights."""
     engine = TorchEngine.from_checkpoint(checkpoints[name])
     hf = AutoModelForCausalLM.from_pretrained(checkpoints[name], dtype=torch.float32).eval()
     requests = sample_requests(PROMPT_IDS, params, seeds())
@@ -77,6 +85,44 @@ def test_behaviour_logprobs_equal_transformers(checkpoints, name, params):
         if params.greedy:  # each token is the policy's argmax at its position
             argmax = response_logits(hf, request.prompt_ids, generation.response_ids).argmax(-1)
             assert argmax.tolist() == generation.response_ids
+
+
+def test_bf16_weights_are_read_as_stored_and_upcast_exactly_on_cpu(checkpoints):
+    stored = load_state_dict_from_dir(checkpoints["dense_layer_bf16"])
+    assert {t.dtype for t in stored.values()} == {torch.bfloat16}
+    assert compute_dtype(torch.bfloat16, "cpu") == compute_dtype(torch.float16, "cpu") == torch.float32
+    assert compute_dtype(torch.bfloat16, "cuda") == torch.bfloat16  # as SGLang's dtype auto serves it
+    engine = TorchEngine.from_checkpoint(checkpoints["dense_layer_bf16"])
+    weights = engine.model.state_dict()
+    assert set(weights) == set(stored)
+    for name, tensor in stored.items():
+        assert weights[name].dtype == torch.float32 and torch.equal(weights[name], tensor.float()), name
+
+
+def test_bf16_arithmetic_is_as_close_to_the_policy_as_transformers_bf16(checkpoints):
+    """The GPU path's arithmetic (the engine computing in the stored bf16), run here on CPU: its log-probs are
+    as far from the fp32 evaluation of the same weights as transformers' own bf16 forward is, and close to
+    it. Two bf16 forwards that round in a different order cannot agree to fp32 precision."""
+    directory = checkpoints["dense_layer_bf16"]
+    engine = TorchEngine.from_checkpoint(directory, dtype=torch.bfloat16)
+    assert engine.model.lm_head.weight.dtype == torch.bfloat16
+    exact = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    hf_bf16 = AutoModelForCausalLM.from_pretrained(directory, dtype="auto").eval()
+    assert hf_bf16.dtype == torch.bfloat16  # config.json's dtype, as the published checkpoint says
+    params = SamplingParams(n=3, max_new_tokens=10)
+    requests = sample_requests(PROMPT_IDS, params, seeds())
+    ours, theirs, between = [], [], []
+    for request, generation in zip(requests, engine.generate(requests, params), strict=True):
+        truth = response_logprobs(exact, request.prompt_ids, generation.response_ids)
+        hf = response_logprobs(hf_bf16, request.prompt_ids, generation.response_ids)
+        logprobs = torch.tensor(generation.logprobs)
+        ours.append((logprobs - truth).abs())
+        theirs.append((hf - truth).abs())
+        between.append((logprobs - hf).abs())
+    ours, theirs, between = torch.cat(ours), torch.cat(theirs), torch.cat(between)
+    assert len(ours) > 50 and theirs.mean() > 1e-3  # enough tokens; bf16 really rounds
+    assert ours.mean() < 1.5 * theirs.mean() and ours.max() < 1.5 * theirs.max()
+    assert between.mean() < 0.05
 
 
 def test_inverse_cdf_sampling_is_exactly_the_sampling_distribution():

@@ -19,6 +19,7 @@ from steps.model import (
     MoeConfig,
     MoeForCausalLM,
     check_checkpoint,
+    checkpoint_dtype,
     count_parameters,
     expected_tensor_shapes,
     load_pretrained,
@@ -276,10 +277,16 @@ DENSE_ARCH = ["Qwen3ForCausalLM"]
         (dict(use_sliding_window=True), "use_sliding_window = True is not supported"),
         (dict(quantization_config={"quant_method": "fp8"}), "quantization_config = .* is not supported"),
         (dict(num_attention_heads=3), "num_attention_heads = 3 is not a multiple of num_key_value_heads = 2"),
+        (dict(dtype="float64", torch_dtype="float64"), "dtype = 'float64' is not supported; moerl trains float32"),
+        (dict(dtype=None, torch_dtype="int8"), "torch_dtype = 'int8' is not supported; moerl trains float32"),
+        (dict(torch_dtype="float16"), "dtype = 'float32' but torch_dtype = 'float16'; they must agree"),
+        (dict(dtype="bfloat16", torch_dtype="bfloat16"),
+         "config.json: declares dtype bfloat16 but the weights are stored as float32; set dtype and torch_dtype"),
     ],
     ids=[
         "dense_qwen3", "dense_llama", "zero_experts", "missing_moe_field", "more_experts_per_token_than_experts",
         "rope_scaling", "rope_parameters", "sliding_window", "quantization", "heads_not_a_multiple_of_kv_heads",
+        "float64_dtype", "int8_torch_dtype", "dtype_and_torch_dtype_disagree", "dtype_is_not_the_weights",
     ],
 )  # fmt: skip
 def test_unsupported_config_is_refused_with_the_reason(good_checkpoint, changes, message):
@@ -323,6 +330,13 @@ def test_integer_tensor_is_rejected(good_checkpoint):
         load_pretrained(good_checkpoint)
 
 
+def test_weights_in_several_dtypes_are_refused(good_checkpoint):
+    name = "model.norm.weight"
+    rewrite_weights(good_checkpoint, lambda t: t.update({name: t[name].bfloat16()}))
+    with pytest.raises(MoerlError, match=rf"stored in several dtypes \(BF16: 1 tensor \(e\.g\. {name}\), F32: "):
+        check_checkpoint(good_checkpoint)
+
+
 def test_pickle_only_checkpoint_is_refused(good_checkpoint):
     (good_checkpoint / "model.safetensors").unlink()
     (good_checkpoint / "pytorch_model.bin").write_bytes(b"not read: never unpickled")
@@ -342,10 +356,37 @@ def test_missing_shard_is_named(tmp_path):
 def test_bf16_checkpoint_loads_in_requested_dtype(tmp_path):
     model = MoeForCausalLM(MoeConfig(**CONFIGS["dense_layer_top2"])).to(torch.bfloat16)
     save_pretrained(model, tmp_path)
-    assert json.loads((tmp_path / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["torch_dtype"] == config["dtype"] == "bfloat16"
+    assert checkpoint_dtype(tmp_path) == torch.bfloat16
     loaded = load_pretrained(tmp_path, dtype=torch.float32)
     assert all(p.dtype == torch.float32 for p in loaded.parameters())
     assert torch.equal(loaded.lm_head.weight, model.lm_head.weight.float())
+    as_stored = load_pretrained(tmp_path, dtype=None)
+    assert all(p.dtype == torch.bfloat16 for p in as_stored.parameters())
+
+
+def test_bf16_checkpoints_round_trip_with_transformers(tmp_path, config_kwargs):
+    """bf16 both ways round: transformers' dtype auto reads our bf16 checkpoint as bf16 and writes back the same
+    bits; its own bf16 checkpoint reads as bf16 in ours; an fp32 forward of either equals transformers'."""
+    ours = MoeForCausalLM(MoeConfig(**config_kwargs))
+    randomize_(ours, seed=9)
+    ours = ours.to(torch.bfloat16)
+    save_pretrained(ours, tmp_path / "ours")
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "ours", dtype="auto")
+    assert hf.dtype == torch.bfloat16
+    hf.save_pretrained(tmp_path / "hf")
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["dtype"] == "bfloat16"
+    assert checkpoint_dtype(tmp_path / "hf") == torch.bfloat16
+    back = load_state_dict_from_dir(tmp_path / "hf")
+    for name, tensor in ours.state_dict().items():
+        assert back[name].dtype == torch.bfloat16 and torch.equal(back[name], tensor), name
+
+    ids, mask, positions = left_padded_batch(config_kwargs["vocab_size"], seed=10)
+    hf32 = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    with torch.no_grad():
+        theirs = hf32(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+        assert_same_logits(load_pretrained(tmp_path / "hf")(ids, mask), theirs, mask)
 
 
 def test_gradients_match_transformers(tmp_path):
