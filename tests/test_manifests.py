@@ -749,3 +749,41 @@ def test_docs_name_the_versions_the_manifests_pin():
                  "--out manifests/rendered", "port-forward svc/argo-server", "create-capacity-reservation",
                  "--role-only"]:
         assert step in docs, step
+
+
+def _verbs_the_workflows_need() -> set[tuple[str, str, str]]:
+    """(apiGroup, resource, verb) of every API call the workflow's service account makes, read off the
+    rendered manifests of the EKS config: Argo's executor reports through WorkflowTaskResults
+    (workflow-rbac.md); a resource template runs `kubectl <action>` (resource.go; delete adds --wait, which
+    gets and watches the object) and, with success/failure conditions, GETs the object until one holds;
+    KFP's update launcher creates, gets and deletes the PyTorchJob."""
+    from pipelines.config import load_config
+    from pipelines.workflow.build import workflow_templates
+
+    plural = {"PyTorchJob": ("kubeflow.org", "pytorchjobs"), "Workflow": ("argoproj.io", "workflows")}
+    needed = {("argoproj.io", "workflowtaskresults", "create"), ("argoproj.io", "workflowtaskresults", "patch")}
+    cfg = load_config(REPO / "configs" / "eks-p5en.yaml").model_copy(update={"iterations": 45})
+    for template in workflow_templates(cfg):
+        for t in template.to_dict()["spec"]["templates"]:
+            resource = t.get("resource")
+            if resource is None:
+                continue
+            group, resources = plural[yaml.safe_load(re.sub(r"\{\{[^}]*\}\}", "x", resource["manifest"]))["kind"]]
+            needed.add((group, resources, resource["action"]))
+            if resource["action"] == "delete" and "--wait=true" in resource.get("flags", []):
+                needed |= {(group, resources, "get"), (group, resources, "watch")}
+            if resource.get("successCondition") or resource.get("failureCondition"):
+                needed.add((group, resources, "get"))
+    needed |= {("kubeflow.org", "pytorchjobs", v) for v in ("create", "get", "delete")}  # KFP's launcher
+    return needed
+
+
+def test_rbac_grants_the_workflow_every_verb_its_templates_need():
+    roles = {r["metadata"]["name"]: r for r in docs_of_kind(ALL_LOCAL, "Role")}
+    bound = [b["roleRef"]["name"] for b in docs_of_kind(ALL_LOCAL, "RoleBinding")
+             if any(s["name"] == "moerl-workflow" for s in b["subjects"])]  # fmt: skip
+    granted = {(g, r, v) for name in bound for rule in roles[name]["rules"]
+               for g in rule["apiGroups"] for r in rule["resources"] for v in rule["verbs"]}  # fmt: skip
+    needed = _verbs_the_workflows_need()
+    assert ("argoproj.io", "workflows", "create") in needed  # next-segment: a run longer than a segment
+    assert needed - granted == set()

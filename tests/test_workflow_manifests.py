@@ -151,7 +151,7 @@ def test_trainer_pods_are_not_disrupted_and_get_shared_memory(rendered):
         assert volumes["dshm"]["emptyDir"]["medium"] == "Memory"
         pod = None
     else:
-        job = yaml.safe_load(update["resource"]["manifest"])
+        job = yaml.safe_load(templates(manifests(out)[WORKFLOW][0])["update-job"]["resource"]["manifest"])
         pod = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]
         assert pod["metadata"]["annotations"] == {"karpenter.sh/do-not-disrupt": "true"}
         assert {"name": "dshm", "mountPath": "/dev/shm"} in pod["spec"]["containers"][0]["volumeMounts"]
@@ -166,7 +166,7 @@ def test_a_multi_node_update_is_a_pytorchjob_that_argo_waits_on(rendered):
     variant, out = rendered
     if variant not in ("multi-node", "eks-p5en"):
         pytest.skip("single-node update")
-    update = templates(manifests(out)[WORKFLOW][0])["update"]
+    update = templates(manifests(out)[WORKFLOW][0])["update-job"]
     resource = update["resource"]
     assert resource["action"] == "create" and resource["setOwnerReference"] is True
     assert resource["successCondition"] == pytorchjob.SUCCESS_CONDITION

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 
 import yaml
-from hera.workflows import DAG, Artifact, Container, NoneArchiveStrategy, Parameter, Resource, Task
+from hera.workflows import DAG, Artifact, Container, NoneArchiveStrategy, Parameter, Resource, Step, Steps, Task
 from hera.workflows.models import (
     EnvVar,
     Gauge,
@@ -170,22 +170,50 @@ def score_template(cfg: RunConfig) -> Container:
     )
 
 
-def update_template(cfg: RunConfig) -> Container | Resource:
-    """torchrun in one pod, or a PyTorchJob over trainer.nodes nodes that Argo creates and waits on."""
+UPDATE_CLEAR, UPDATE_JOB = "update-clear", "update-job"
+
+
+def update_template(cfg: RunConfig) -> Container | Steps:
+    """torchrun in one pod, or a PyTorchJob over trainer.nodes nodes (pytorchjob.py says why it is built so):
+    each attempt of `update` first deletes the iteration's job and waits until its pods are gone, then
+    creates it anew and waits for its Master to succeed or for its Failed condition."""
     if cfg.trainer.nodes == 1:
         args = pytorchjob.torchrun_args(cfg, ITERATION)
         return _iteration_step(cfg, "update", "trainer", cfg.images.trainer, ["torchrun"], args)
-    return Resource(
+    argument = {"iteration": ITERATION}
+    return Steps(
         name="update",
+        inputs=[Parameter(name="iteration")],
+        retry_strategy=retry_for(cfg.retries["trainer"], spot=False),
+        sub_steps=[
+            Step(name="clear", template=UPDATE_CLEAR, arguments=argument),
+            Step(name="job", template=UPDATE_JOB, arguments=argument),
+        ],
+    )
+
+
+def update_job_templates(cfg: RunConfig) -> list[Resource]:
+    """The two resource templates of a multi-node update: delete the iteration's job, create and wait."""
+    clear = Resource(
+        name=UPDATE_CLEAR,
+        action="delete",  # Argo adds --ignore-not-found
+        flags=["--cascade=foreground", "--wait=true"],  # returns once the job's pods are gone
+        manifest=yaml.safe_dump(pytorchjob.reference(cfg, ITERATION), sort_keys=False),
+        inputs=[Parameter(name="iteration")],
+        labels=pl.labels(cfg, UPDATE_CLEAR, ITERATION),
+    )
+    job = Resource(
+        name=UPDATE_JOB,
         action="create",
         set_owner_reference=True,  # the job goes when the Workflow goes
         manifest=pytorchjob.manifest_yaml(cfg, ITERATION),
         success_condition=pytorchjob.SUCCESS_CONDITION,
         failure_condition=pytorchjob.FAILURE_CONDITION,
+        active_deadline_seconds=pytorchjob.WAIT_DEADLINE_SECONDS,
         inputs=[Parameter(name="iteration")],
-        retry_strategy=retry_for(cfg.retries["trainer"], spot=False),
         labels=pl.labels(cfg, "update", ITERATION),
     )
+    return [clear, job]
 
 
 def publish_template(cfg: RunConfig) -> Container:
@@ -261,6 +289,7 @@ def templates(cfg: RunConfig, segment: graph.Segment, next_template: str | None)
         rollout_template(cfg),
         score_template(cfg),
         update_template(cfg),
+        *(update_job_templates(cfg) if cfg.trainer.nodes > 1 else []),
         publish_template(cfg),
         report_template(cfg),
     ]
