@@ -112,12 +112,15 @@ class Mesh:
 
 
 def resolve_ep_size(world_size: int, num_experts: int, requested: int | None = None) -> int:
-    """The EP group size: `requested`, or by default the largest size that divides both the world and E."""
+    """The EP group size: `requested` (trainer.ep_size), or by default the largest size that divides both the
+    world and E. The data-parallel size is world_size // ep."""
     ep = requested if requested else math.gcd(world_size, num_experts)
     if world_size % ep or num_experts % ep:
+        fits = [d for d in range(1, world_size + 1) if world_size % d == 0 and num_experts % d == 0]
         raise MoerlError(
-            f"expert-parallel size {ep} must divide both the number of trainer ranks ({world_size}) and "
-            f"num_experts ({num_experts}); choose an ep size that divides both, or change nproc_per_node/nodes"
+            f"trainer.ep_size {ep}: must divide both the number of trainer ranks ({world_size}) and the "
+            f"checkpoint's num_experts ({num_experts}); set trainer.ep_size to one of {fits}, or change "
+            "nproc_per_node/nodes"
         )
     return ep
 
