@@ -479,7 +479,8 @@ def test_node_pools_place_each_role_where_it_belongs():
     def requirement(pool: str, key: str) -> list[str]:
         return resolve(pools[pool], f"spec.template.spec.requirements.[key={key}].values")
 
-    assert requirement("moerl-trainer", "karpenter.sh/capacity-type") == ["on-demand"]
+    # Karpenter labels nodes launched into a capacity reservation (ODCR, Capacity Block) `reserved`
+    assert requirement("moerl-trainer", "karpenter.sh/capacity-type") == ["reserved", "on-demand"]
     assert requirement("moerl-rollout", "karpenter.sh/capacity-type") == ["spot"]
     assert requirement("moerl-memory", "karpenter.sh/capacity-type") == ["on-demand"]
     assert requirement("moerl-memory", "karpenter.k8s.aws/instance-family") == ["r7i"]
@@ -488,6 +489,8 @@ def test_node_pools_place_each_role_where_it_belongs():
     node_classes = {c["metadata"]["name"]: c for c in docs_of_kind(ALL_LOCAL, "EC2NodeClass")}
     trainer_class = node_classes[pools["moerl-trainer"]["spec"]["template"]["spec"]["nodeClassRef"]["name"]]
     assert "vm.nr_hugepages" in trainer_class["spec"]["userData"], "EFA's huge pages are reserved at boot"
+    assert "PeerMappingOverride=1" in trainer_class["spec"]["userData"], "EFA GPUDirect (NCCL GIN) needs it"
+    assert trainer_class["spec"]["capacityReservationSelectorTerms"], "ODCRs and Capacity Blocks are selected"
     assert trainer_class["spec"]["associatePublicIPAddress"] is False, "multi-EFA launches refuse public IPs"
     for name, pool in pools.items():
         zone = requirement(name, "topology.kubernetes.io/zone")

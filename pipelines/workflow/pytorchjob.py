@@ -91,6 +91,7 @@ def manifest(cfg: RunConfig, iteration: str) -> dict[str, Any]:
             "serviceAccountName": cfg.service_account,
             "priorityClassName": p.priority_class,
             "nodeSelector": pl.node_selector(cfg, "trainer"),
+            "affinity": pl.node_affinity(cfg, "trainer"),
             "tolerations": pl.tolerations(p),
             "securityContext": pl.pod_security_context(),
             "containers": [container],

@@ -14,6 +14,7 @@ import json
 import yaml
 from hera.workflows import DAG, Artifact, Container, NoneArchiveStrategy, Parameter, Resource, Step, Steps, Task
 from hera.workflows.models import (
+    Affinity,
     EnvVar,
     Gauge,
     MetricLabel,
@@ -72,6 +73,7 @@ def _step_container(
         env=extra.pop("env", None) or [EnvVar(**e) for e in pl.env()],
         resources=ResourceRequirements(**res) if res else None,
         node_selector=pl.node_selector(cfg, role) or None,
+        affinity=Affinity.model_validate(affinity) if (affinity := pl.node_affinity(cfg, role)) else None,
         tolerations=[Toleration(**t) for t in pl.tolerations(p)] or None,
         priority_class_name=p.priority_class,
         retry_strategy=retry_for(cfg.retries[role], p.spot),
