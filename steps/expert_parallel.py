@@ -761,6 +761,14 @@ class DeepEPDispatch:
 # ----------------------------------------------------------------------------------------------------
 
 
+def ep_group_within_node(mesh: Mesh, local_world_size: int | None = None) -> bool:
+    """Whether this rank's EP group lies inside one node: its ranks dp*ep .. dp*ep+ep-1 are consecutive, so
+    they share a node when the node's rank count (torchrun's LOCAL_WORLD_SIZE) is a multiple of ep."""
+    if local_world_size is None:
+        local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", str(mesh.world_size)))
+    return local_world_size % mesh.ep_size == 0
+
+
 def make_dispatch(
     backend: str,
     mesh: Mesh,
@@ -790,6 +798,10 @@ def make_dispatch(
             "trainer.ep_backend 'deepep' needs CUDA GPUs (DeepEP is GPU-only); run the trainer on GPU nodes "
             "or set trainer.ep_backend: alltoall"
         )
+    if ep_group_within_node(mesh):
+        # NVLink only: DeepEP's non-Gin path, so that an EP group inside a node needs neither the OFI
+        # plugin's GIN nor GDRCopy's /dev/gdrdrv (DeepEP asserts GIN for any group of 2+ ranks otherwise).
+        os.environ.setdefault("EP_DISABLE_GIN", "1")
     return DeepEPDispatch(
         mesh.ep_group, num_experts, num_experts // mesh.ep_size, hidden_size, top_k, max_tokens_per_rank, timer,
     )  # fmt: skip

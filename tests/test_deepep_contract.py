@@ -17,7 +17,14 @@ from safetensors.torch import load_file, save_file
 from test_expert_parallel import EXPERTS, HIDDEN, TOKENS, TOP_K, inputs, make_block, reference, run_gloo, token_split
 
 from steps.errors import MoerlError
-from steps.expert_parallel import DeepEPDispatch, build_mesh, deepep_bandwidths, sync_gradients
+from steps.expert_parallel import (
+    DeepEPDispatch,
+    Mesh,
+    build_mesh,
+    deepep_bandwidths,
+    ep_group_within_node,
+    sync_gradients,
+)
 
 
 @pytest.fixture
@@ -99,3 +106,10 @@ def test_deepep_bandwidths_come_from_the_environment_or_p5en(monkeypatch):
     monkeypatch.setenv("MOERL_DEEPEP_RDMA_GBS", "0")
     with pytest.raises(MoerlError, match="MOERL_DEEPEP_RDMA_GBS='0': not a positive bandwidth"):
         deepep_bandwidths()
+
+
+def test_an_ep_group_inside_a_node_is_told_so_and_one_across_nodes_is_not():
+    """Inside a node DeepEP runs its non-Gin path (EP_DISABLE_GIN=1): neither GIN nor /dev/gdrdrv needed."""
+    assert ep_group_within_node(Mesh(rank=9, world_size=128, ep_size=8), local_world_size=8)
+    assert not ep_group_within_node(Mesh(rank=9, world_size=128, ep_size=16), local_world_size=8)
+    assert not ep_group_within_node(Mesh(rank=9, world_size=128, ep_size=128), local_world_size=8)

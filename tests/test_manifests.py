@@ -790,3 +790,21 @@ def test_rbac_grants_the_workflow_every_verb_its_templates_need():
     needed = _verbs_the_workflows_need()
     assert ("argoproj.io", "workflows", "create") in needed  # next-segment: a run longer than a segment
     assert needed - granted == set()
+
+
+def test_gdrcopy_reaches_the_trainer_without_a_host_path():
+    """NCCL GIN (DeepEP across nodes) opens /dev/gdrdrv; Pod Security baseline forbids hostPath volumes, so
+    the NVIDIA container toolkit injects the device: the device plugin asks for it for every GPU container,
+    and the trainer image asks for it too."""
+    plugin = one(ALL_LOCAL, "DaemonSet", "nvidia-device-plugin")
+    env = {e["name"]: e["value"] for e in plugin["spec"]["template"]["spec"]["containers"][0].get("env", [])}
+    assert env.get("GDRCOPY_ENABLED") == "true"
+    assert "NVIDIA_GDRCOPY=enabled" in (REPO / "images" / "trainer" / "Dockerfile").read_text()
+    namespace = one(ALL_LOCAL, "Namespace", "moerl")
+    assert namespace["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "baseline"
+    from pipelines.config import load_config
+    from pipelines.workflow import pytorchjob
+
+    job = pytorchjob.manifest(load_config(REPO / "configs" / "eks-p5en.yaml"), "1")
+    for replica in job["spec"]["pytorchReplicaSpecs"].values():
+        assert not any("hostPath" in v for v in replica["template"]["spec"].get("volumes", []))
