@@ -763,7 +763,8 @@ def _verbs_the_workflows_need() -> set[tuple[str, str, str]]:
     from pipelines.config import load_config
     from pipelines.workflow.build import workflow_templates
 
-    plural = {"PyTorchJob": ("kubeflow.org", "pytorchjobs"), "Workflow": ("argoproj.io", "workflows")}
+    plural = {"PyTorchJob": ("kubeflow.org", "pytorchjobs"), "Workflow": ("argoproj.io", "workflows"),
+              "CronWorkflow": ("argoproj.io", "cronworkflows")}  # fmt: skip
     needed = {("argoproj.io", "workflowtaskresults", "create"), ("argoproj.io", "workflowtaskresults", "patch")}
     cfg = load_config(REPO / "configs" / "eks-p5en.yaml").model_copy(update={"iterations": 45})
     for template in workflow_templates(cfg):
@@ -775,8 +776,8 @@ def _verbs_the_workflows_need() -> set[tuple[str, str, str]]:
             needed.add((group, resources, resource["action"]))
             if resource["action"] == "delete" and "--wait=true" in resource.get("flags", []):
                 needed |= {(group, resources, "get"), (group, resources, "watch")}
-            if resource.get("successCondition") or resource.get("failureCondition"):
-                needed.add((group, resources, "get"))
+            if resource.get("successCondition") or resource.get("failureCondition") or t.get("outputs"):
+                needed.add((group, resources, "get"))  # the wait polls it; output parameters kubectl-get it
     needed |= {("kubeflow.org", "pytorchjobs", v) for v in ("create", "get", "delete")}  # KFP's launcher
     return needed
 
@@ -789,6 +790,7 @@ def test_rbac_grants_the_workflow_every_verb_its_templates_need():
                for g in rule["apiGroups"] for r in rule["resources"] for v in rule["verbs"]}  # fmt: skip
     needed = _verbs_the_workflows_need()
     assert ("argoproj.io", "workflows", "create") in needed  # next-segment: a run longer than a segment
+    assert ("argoproj.io", "cronworkflows", "get") in needed  # next-segment: is there a cron to belong to
     assert needed - granted == set()
 
 

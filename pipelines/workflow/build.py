@@ -137,10 +137,11 @@ def workflow_from_template(cfg: RunConfig) -> Workflow:
 
 
 def cron_workflow(cfg: RunConfig, schedules: list[str] | None = None) -> CronWorkflow:
-    """Continue the run on a schedule. Forbid: a start is skipped while the previous one still runs."""
+    """Continue the run on a schedule. Forbid: a start is skipped while the previous one, or any segment
+    that it handed on to (templates.next_segment_templates makes them the cron's children), still runs."""
     s = cfg.schedule
     return CronWorkflow(
-        name=f"{cfg.name}-continue",
+        name=tpl.cron_name(cfg),
         namespace=cfg.namespace,
         labels=_labels(cfg, None),
         annotations={

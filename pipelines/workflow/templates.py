@@ -42,6 +42,7 @@ SCORE_METRICS_PATH = "/tmp/metrics.json"
 SCORE_METRIC_KEYS = {"reward_mean": "moerl_reward_mean", "accuracy": "moerl_accuracy"}
 REPORT_OUT = "/tmp/report"
 MAIN = "main"
+CRON_LABEL = "workflows.argoproj.io/cron-workflow"  # what Argo's cron controller puts on its Workflows
 
 
 def flags(**values: object) -> list[str]:
@@ -234,23 +235,60 @@ def report_template(cfg: RunConfig) -> Container:
     )
 
 
-def next_segment_template(cfg: RunConfig, next_template: str, segment_index: int) -> Resource:
-    """Submit the next segment's Workflow; the run's mutex holds it until this one has finished."""
-    workflow = {
-        "apiVersion": "argoproj.io/v1alpha1",
-        "kind": "Workflow",
-        "metadata": {
-            "generateName": f"{cfg.name}-",
-            "labels": {pl.RUN_LABEL: cfg.name, pl.SEGMENT_LABEL: str(segment_index)},
-        },
-        "spec": {"workflowTemplateRef": {"name": next_template}},
-    }
-    return Resource(
-        name=graph.NEXT_SEGMENT,
-        action="create",
-        manifest=yaml.safe_dump(workflow, sort_keys=False),
-        retry_strategy=retry_for(cfg.retries["control"], False),
-    )
+NEXT_SEGMENT_CRON = "next-segment-cron"  # looks the run's CronWorkflow up
+NEXT_SEGMENT_OWNED, NEXT_SEGMENT_ALONE = "next-segment-owned", "next-segment-alone"  # as its child, or plain
+CRON_UID = "cron-uid"
+
+
+def cron_name(cfg: RunConfig) -> str:
+    return f"{cfg.name}-continue"
+
+
+def next_segment_templates(cfg: RunConfig, next_template: str, segment_index: int) -> list[Steps | Resource]:
+    """Submit the next segment's Workflow; the run's mutex holds it until this one has finished.
+
+    With the run's CronWorkflow present, the next segment is created as the cron's own child (its controller
+    ownerReference and its label): Argo's cron controller counts every unfinished Workflow so owned as active
+    (cron/controller.go groupWorkflows, operator.go reconcileActiveWfs), so `concurrencyPolicy: Forbid` skips
+    a firing while any segment of the run is still going, instead of starting a second chain of segments
+    that would queue on the mutex and the semaphore. Without a cron the Workflow is created plain."""
+    labels = {pl.RUN_LABEL: cfg.name, pl.SEGMENT_LABEL: str(segment_index)}
+
+    def workflow(owned: bool) -> str:
+        metadata: dict = {"generateName": f"{cfg.name}-", "labels": dict(labels)}
+        if owned:
+            metadata["labels"][CRON_LABEL] = cron_name(cfg)
+            metadata["ownerReferences"] = [
+                {"apiVersion": "argoproj.io/v1alpha1", "kind": "CronWorkflow", "name": cron_name(cfg),
+                 "uid": f"{{{{inputs.parameters.{CRON_UID}}}}}", "controller": True, "blockOwnerDeletion": False}
+            ]  # fmt: skip
+        body = {"apiVersion": "argoproj.io/v1alpha1", "kind": "Workflow", "metadata": metadata,
+                "spec": {"workflowTemplateRef": {"name": next_template}}}  # fmt: skip
+        return yaml.safe_dump(body, sort_keys=False)
+
+    retry = retry_for(cfg.retries["control"], False)
+    cron = {"apiVersion": "argoproj.io/v1alpha1", "kind": "CronWorkflow", "metadata": {"name": cron_name(cfg)}}
+    uid = Parameter(name=CRON_UID, default="", value_from=ValueFrom(json_path="{.metadata.uid}", default=""))
+    found = f"{{{{steps.cron.outputs.parameters.{CRON_UID}}}}}"
+    return [
+        Steps(
+            name=graph.NEXT_SEGMENT,
+            sub_steps=[
+                Step(name="cron", template=NEXT_SEGMENT_CRON),
+                [
+                    Step(name="owned", template=NEXT_SEGMENT_OWNED, when=f"'{found}' != ''",
+                         arguments={CRON_UID: found}),  # fmt: skip
+                    Step(name="alone", template=NEXT_SEGMENT_ALONE, when=f"'{found}' == ''"),
+                ],
+            ],
+        ),
+        # --ignore-not-found: no cron, empty output, and Argo gives the output parameter its default
+        Resource(name=NEXT_SEGMENT_CRON, action="get", flags=["--ignore-not-found"],
+                 manifest=yaml.safe_dump(cron, sort_keys=False), outputs=[uid], retry_strategy=retry),  # fmt: skip
+        Resource(name=NEXT_SEGMENT_OWNED, action="create", manifest=workflow(True),
+                 inputs=[Parameter(name=CRON_UID)], retry_strategy=retry),  # fmt: skip
+        Resource(name=NEXT_SEGMENT_ALONE, action="create", manifest=workflow(False), retry_strategy=retry),
+    ]
 
 
 def main_dag(cfg: RunConfig, segment: graph.Segment) -> DAG:
@@ -296,5 +334,5 @@ def templates(cfg: RunConfig, segment: graph.Segment, next_template: str | None)
         report_template(cfg),
     ]
     if next_template is not None:
-        out.append(next_segment_template(cfg, next_template, segment.index + 1))
+        out += next_segment_templates(cfg, next_template, segment.index + 1)
     return out
