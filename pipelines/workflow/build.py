@@ -167,11 +167,12 @@ class ArgoObjects:
     workflow: Workflow
     cron: CronWorkflow
 
-    def create(self, wait: bool = False) -> Any:
-        """Create or update the templates, then submit the Workflow; returns the submitted Workflow."""
+    def create(self) -> Any:
+        """Create or update the templates, then submit the Workflow; returns the submitted Workflow (to wait for
+        the run, see wait.wait_for_run: Hera's own wait returns while the Workflow is still Pending)."""
         for template in self.templates:
             template.update()  # creates it when absent
-        return self.workflow.create(wait=wait)
+        return self.workflow.create()
 
     def schedule(self) -> Any:
         """Create or update the templates, then the CronWorkflow; returns the CronWorkflow."""

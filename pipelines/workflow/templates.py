@@ -34,6 +34,7 @@ from pipelines.config import RunConfig
 from pipelines.workflow import graph, pytorchjob
 from pipelines.workflow import placement as pl
 from pipelines.workflow.retry import retry_for
+from pipelines.workflow.wait import PARENT_LABEL
 
 ITERATION = "{{inputs.parameters.iteration}}"
 PLAN_OUT = "/tmp/plan"
@@ -252,7 +253,8 @@ def next_segment_templates(cfg: RunConfig, next_template: str, segment_index: in
     (cron/controller.go groupWorkflows, operator.go reconcileActiveWfs), so `concurrencyPolicy: Forbid` skips
     a firing while any segment of the run is still going, instead of starting a second chain of segments
     that would queue on the mutex and the semaphore. Without a cron the Workflow is created plain."""
-    labels = {pl.RUN_LABEL: cfg.name, pl.SEGMENT_LABEL: str(segment_index)}
+    # The parent's name lets `moerl submit --wait` follow the run from segment to segment (wait.py).
+    labels = {pl.RUN_LABEL: cfg.name, pl.SEGMENT_LABEL: str(segment_index), PARENT_LABEL: "{{workflow.name}}"}
 
     def workflow(owned: bool) -> str:
         metadata: dict = {"generateName": f"{cfg.name}-", "labels": dict(labels)}
