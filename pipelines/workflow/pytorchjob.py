@@ -44,8 +44,9 @@ from pipelines.workflow import placement as pl
 
 GROUP, VERSION, PLURAL = "kubeflow.org", "v1", "pytorchjobs"
 SUCCESS_CONDITION = "status.replicaStatuses.Master.succeeded > 0"
-# Created, Running|Restarting, Suspended, Succeeded, Failed: a Failed condition sits at index 1 to 4.
-FAILED_CONDITION_INDEXES = range(1, 5)
+# Created, Running|Restarting, Suspended, Succeeded, Failed: at most five conditions, and a Failed one sits
+# at index 1 to 4 (0 too, should a job miss its Created condition).
+FAILED_CONDITION_INDEXES = range(5)
 FAILURE_CONDITION = ", ".join(f"status.conditions.{i}.type == Failed" for i in FAILED_CONDITION_INDEXES)
 # The operator fails a job that has been active this long (a hung collective, a rank that never joins);
 # Argo's own deadline on the wait is a little longer, so that the job's comes first and cleans up its pods.
