@@ -117,6 +117,14 @@ class TrainerConfig(_Section):
         "routed rows are even, from the previous update's per-expert row counts; contiguous on iteration 1) or "
         "'contiguous' (rank r holds experts [r*E/ep, (r+1)*E/ep) in every layer)",
     )
+    ep_size: int | None = _field(
+        None,
+        "expert-parallel group size: the trainer ranks that split each MoE layer's experts; the data-parallel "
+        "size is the ranks (nodes x nproc_per_node) / ep_size. Must divide the ranks and num_experts; "
+        "nproc_per_node or less keeps every expert exchange inside a node. null: the largest size that divides "
+        "both the ranks and num_experts",
+        ge=1,
+    )
     nproc_per_node: int = _field(2, "torchrun processes per node (GPUs per node on a cluster)", ge=1, le=64)
     nodes: int = _field(1, "trainer nodes; more than 1 runs the update as a Kubeflow PyTorchJob", ge=1)
     micro_batch_size: int = _field(32, "sequences per forward/backward pass on one rank", ge=1)
@@ -415,6 +423,13 @@ def semantic_problems(cfg: RunConfig) -> list[tuple[str, str]]:
         bad(
             "trainer.ep_backend",
             "'local' runs one rank; set nproc_per_node: 1 and nodes: 1, or use 'alltoall'",
+        )
+    ranks = cfg.trainer.nodes * cfg.trainer.nproc_per_node
+    if cfg.trainer.ep_size is not None and ranks % cfg.trainer.ep_size:
+        bad(
+            "trainer.ep_size",
+            f"{cfg.trainer.ep_size} does not divide the {ranks} trainer ranks (nodes x nproc_per_node); use a "
+            f"divisor of {ranks} (at most nproc_per_node={cfg.trainer.nproc_per_node} keeps EP inside a node)",
         )
     if not all(0 <= b < 1 for b in cfg.trainer.betas):
         bad("trainer.betas", f"{list(cfg.trainer.betas)} must be two numbers in [0, 1), e.g. [0.9, 0.999]")

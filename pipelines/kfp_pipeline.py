@@ -75,6 +75,9 @@ def _place(task: Any, cfg: RunConfig, role: str, step: str, iteration: int | Non
     task.set_display_name(step if iteration is None else f"{step}-slot-{iteration}")
     for key, value in pl.node_selector(cfg, role).items():
         kubernetes.add_node_selector(task, key, value)
+    if (affinity := pl.node_affinity(cfg, role)) is not None:  # on-demand or reserved capacity
+        for term in affinity["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]:
+            kubernetes.add_node_affinity(task, match_expressions=term["matchExpressions"])  # no weight: required
     for t in p.tolerations:
         kubernetes.add_toleration(
             task,

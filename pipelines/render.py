@@ -24,6 +24,7 @@ from typing import Any
 
 from pipelines.config import RunConfig, cron_problem, load_config, parse_overrides
 from pipelines.workflow import argo_objects, cron_workflow, workflow, workflow_from_template, workflow_templates
+from pipelines.workflow.wait import wait_for_run
 from steps.errors import MoerlError
 
 WORKFLOW_TEMPLATE = "workflow-template.yaml"
@@ -102,12 +103,13 @@ def cmd_submit(args: argparse.Namespace) -> int:
     host, token, verify = _server(args)
     namespace = args.namespace or os.environ.get("ARGO_NAMESPACE") or None
     objects = argo_objects(cfg, host=host, token=token, namespace=namespace, verify_ssl=verify)
-    submitted = _talk(host, lambda: objects.create(wait=args.wait))
+    submitted = _talk(host, objects.create)
     name = submitted.metadata.name
     print(f"submitted Workflow {objects.workflow.namespace}/{name} from template {objects.templates[0].name}")
-    if args.wait:
-        phase = submitted.status.phase if submitted.status else "unknown"
-        print(f"Workflow {name} ended {phase}")
+    if args.wait:  # Pending on the mutex or the semaphore included, and every segment after this one
+        service, ns = objects.workflow.workflows_service, objects.workflow.namespace
+        phase = _talk(host, lambda: wait_for_run(service, ns, name, log=lambda line: print(line, flush=True)))
+        print(f"run {cfg.name} ended {phase}")
         return 0 if phase == "Succeeded" else 1
     return 0
 
@@ -169,7 +171,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("submit", help="create/update the WorkflowTemplate and submit a Workflow")
     _common(p)
     _server_flags(p)
-    p.add_argument("--wait", action="store_true", help="wait for the Workflow to end; exit 0 iff it Succeeded")
+    p.add_argument(
+        "--wait", action="store_true",
+        help="wait for the run to end, queued (Pending) time and every later segment included; exit 0 iff it "
+        "Succeeded",
+    )  # fmt: skip
     p.set_defaults(func=cmd_submit)
 
     p = subparsers.add_parser("schedule", help="create/update the CronWorkflow that continues the run from LATEST")

@@ -18,7 +18,10 @@ Dispatch backends, one `ExpertDispatch` contract (steps/moe.py):
             stay on this rank.
   deepep    DeepEP 2.x ElasticBuffer dispatch/combine (NVLink in a node, RDMA/EFA across nodes), GPU only,
             imported when first used. DeepEP sends tokens (not slots) in bf16; the owner applies the router
-            weights and combine sums the ranks' partial outputs.
+            weights and combine sums the ranks' partial outputs. Every dispatch passes num_sms (DeepEP's
+            own SM model, run once with bandwidths given, `deepep_bandwidths`): left at 0, DeepEP detects
+            the RDMA bandwidth with ibstat, which finds nothing on EFA, and the backward's cached dispatch
+            fails before it reads the handle (tests/test_deepep_contract.py holds both rules).
 
 Gradients (`sync_gradients`): each rank's loss is scaled to be its estimate of the global objective
 (loss_r = R * sum of its token losses / global tokens), so that
@@ -109,12 +112,15 @@ class Mesh:
 
 
 def resolve_ep_size(world_size: int, num_experts: int, requested: int | None = None) -> int:
-    """The EP group size: `requested`, or by default the largest size that divides both the world and E."""
+    """The EP group size: `requested` (trainer.ep_size), or by default the largest size that divides both the
+    world and E. The data-parallel size is world_size // ep."""
     ep = requested if requested else math.gcd(world_size, num_experts)
     if world_size % ep or num_experts % ep:
+        fits = [d for d in range(1, world_size + 1) if world_size % d == 0 and num_experts % d == 0]
         raise MoerlError(
-            f"expert-parallel size {ep} must divide both the number of trainer ranks ({world_size}) and "
-            f"num_experts ({num_experts}); choose an ep size that divides both, or change nproc_per_node/nodes"
+            f"trainer.ep_size {ep}: must divide both the number of trainer ranks ({world_size}) and the "
+            f"checkpoint's num_experts ({num_experts}); set trainer.ep_size to one of {fits}, or change "
+            "nproc_per_node/nodes"
         )
     return ep
 
@@ -569,6 +575,30 @@ def import_deep_ep() -> object:
     return deep_ep
 
 
+# What DeepEP would otherwise detect for its SM model, on p5en (H200 + EFA): get_rdma_gbs() parses `ibstat`
+# for an mlx5_0 NIC, finds none on EFA, returns 0 and DeepEP divides by it as soon as the group spans two
+# nodes (ZeroDivisionError; upstream fix only in the open PR deepseek-ai/DeepEP#612); get_nvlink_gbs() runs
+# nvidia-smi, which a container may lack. p5en: 16 x 200 Gb/s EFA for 8 GPUs = 50 GB/s a GPU; H200: 18
+# NVLink 4 links of 26.6 GB/s, times DeepEP's own 0.9 efficiency. Other hardware: set the variables.
+RDMA_GBS_ENV, NVLINK_GBS_ENV = "MOERL_DEEPEP_RDMA_GBS", "MOERL_DEEPEP_NVLINK_GBS"
+P5EN_RDMA_GBS, H200_NVLINK_GBS = 50.0, 430.0
+
+
+def deepep_bandwidths() -> tuple[float, float]:
+    """(RDMA GB/s a GPU, NVLink GB/s a GPU) for DeepEP's SM model: the environment's, else p5en's."""
+    values = []
+    for name, default in ((RDMA_GBS_ENV, P5EN_RDMA_GBS), (NVLINK_GBS_ENV, H200_NVLINK_GBS)):
+        text = os.environ.get(name, "")
+        try:
+            value = float(text) if text else default
+        except ValueError:
+            value = -1.0
+        if not value > 0:
+            raise MoerlError(f"{name}={text!r}: not a positive bandwidth in GB/s; set e.g. {name}={default:g}")
+        values.append(value)
+    return values[0], values[1]
+
+
 class _DeepEPDispatchFn(torch.autograd.Function):
     """Tokens to the ranks that own any of their experts; backward: combine of the gradients."""
 
@@ -587,6 +617,7 @@ class _DeepEPDispatchFn(torch.autograd.Function):
                 topk_weights=topk_weights,
                 num_experts=owner.num_experts,
                 num_max_tokens_per_rank=owner.max_tokens_per_rank,
+                num_sms=owner.num_sms,
             )
         ctx.owner, ctx.handle = owner, handle  # type: ignore[attr-defined]
         owner.last_handle = handle
@@ -626,7 +657,9 @@ class _DeepEPCombineFn(torch.autograd.Function):
     def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> tuple:  # type: ignore[override]
         owner, handle = ctx.owner, ctx.handle  # type: ignore[attr-defined]
         with owner.timer.measure(grad.device):
-            grad_y, _, _, _, _ = owner.buffer.dispatch(grad.contiguous(), handle=handle)
+            # num_sms explicitly: with 0, DeepEP sizes the SMs from num_experts before it reads the handle,
+            # and a cached dispatch passes no num_experts (TypeError on None % int).
+            grad_y, _, _, _, _ = owner.buffer.dispatch(grad.contiguous(), handle=handle, num_sms=handle.num_sms)
         return grad_y, None, None
 
 
@@ -664,18 +697,27 @@ class DeepEPDispatch:
         self.max_tokens_per_rank = max_tokens_per_rank
         self.timer = timer or CommTimer()
         self.last_handle: object = None
+        self.num_sms = 0  # set with the buffer: the SMs every dispatch and combine of this layer use
         self._buffer: object = None
 
     @property
     def buffer(self) -> object:
         if self._buffer is None:
-            self._buffer = self.deep_ep.ElasticBuffer(  # type: ignore[attr-defined]
+            buffer = self.deep_ep.ElasticBuffer(  # type: ignore[attr-defined]
                 self.group,
                 num_max_tokens_per_rank=self.max_tokens_per_rank,
                 hidden=self.hidden_size,
                 num_topk=self.top_k,
                 deterministic=True,
             )
+            # DeepEP's own SM model, with the bandwidths given rather than detected (see deepep_bandwidths).
+            rdma_gbs, nvlink_gbs = deepep_bandwidths()
+            self.num_sms = int(
+                buffer.get_theoretical_num_sms(  # type: ignore[attr-defined]
+                    self.num_experts, self.top_k, rdma_gbs=rdma_gbs, nvlink_gbs=nvlink_gbs
+                )
+            )
+            self._buffer = buffer
         return self._buffer
 
     def __call__(
@@ -719,6 +761,14 @@ class DeepEPDispatch:
 # ----------------------------------------------------------------------------------------------------
 
 
+def ep_group_within_node(mesh: Mesh, local_world_size: int | None = None) -> bool:
+    """Whether this rank's EP group lies inside one node: its ranks dp*ep .. dp*ep+ep-1 are consecutive, so
+    they share a node when the node's rank count (torchrun's LOCAL_WORLD_SIZE) is a multiple of ep."""
+    if local_world_size is None:
+        local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", str(mesh.world_size)))
+    return local_world_size % mesh.ep_size == 0
+
+
 def make_dispatch(
     backend: str,
     mesh: Mesh,
@@ -748,6 +798,10 @@ def make_dispatch(
             "trainer.ep_backend 'deepep' needs CUDA GPUs (DeepEP is GPU-only); run the trainer on GPU nodes "
             "or set trainer.ep_backend: alltoall"
         )
+    if ep_group_within_node(mesh):
+        # NVLink only: DeepEP's non-Gin path, so that an EP group inside a node needs neither the OFI
+        # plugin's GIN nor GDRCopy's /dev/gdrdrv (DeepEP asserts GIN for any group of 2+ ranks otherwise).
+        os.environ.setdefault("EP_DISABLE_GIN", "1")
     return DeepEPDispatch(
         mesh.ep_group, num_experts, num_experts // mesh.ep_size, hidden_size, top_k, max_tokens_per_rank, timer,
     )  # fmt: skip

@@ -6,6 +6,9 @@ else in moerl needs it installed.
 How the interface maps onto SGLang (names as in SGLang's ServerArgs, SamplingParams and GenerateReqInput):
     checkpoint dir          Engine(model_path=dir, skip_tokenizer_init=True): we pass token ids and read token
                             ids back, so SGLang never tokenizes (our tokenizer travels with the checkpoint)
+    weights' dtype          Engine(dtype=...) from the checkpoint's config.json (`dtype`, or transformers'
+                            older `torch_dtype`; none: float32, as SGLang and transformers read it). Never
+                            "auto": SGLang's _get_and_verify_dtype serves a float32 checkpoint in float16
     expert parallelism      Engine(tp_size, ep_size, moe_a2a_backend="deepep" | "none", mem_fraction_static)
     determinism             Engine(enable_deterministic_inference=True, random_seed): batch-invariant kernels,
                             so a sample does not depend on what else is in the batch
@@ -20,6 +23,13 @@ How the interface maps onto SGLang (names as in SGLang's ServerArgs, SamplingPar
                             trainer recomputes (steps/engine.py)
     finish reason           meta_info["finish_reason"]["type"]: "stop" or "length" ("abort" is an error)
 
+SIGTERM: SGLang's first generate (TokenizerManager.auto_create_handle_loop) hands SIGTERM to its asyncio
+loop, whose handler drains the requests and then SIGKILLs its own process tree, the engine's process
+included: the step would end with 137 (and keep generating for a while) instead of stopping at once with
+the rollout step's 143. The engine makes SGLang create that loop right after start-up, takes SIGTERM back
+from it and puts back the handler that was there (the rollout step's), so a Spot reclaim stops the step at
+once, as with the torch engine. SGLang installs its handler only once per engine, so it stays ours.
+
 SGLang draws its own random numbers, so its samples differ from the torch engine's for the same seeds; what
 both guarantee is that a sample depends only on its request (prompt, seed, sampling settings, weights).
 """
@@ -27,8 +37,11 @@ both guarantee is that a sample depends only on its request (prompt, seed, sampl
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
+import signal
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from steps.engine import (
@@ -63,6 +76,36 @@ def _version_tuple(version: str) -> tuple[int, ...]:
         digits = "".join(c for c in piece if c.isdigit())
         parts.append(int(digits) if digits else 0)
     return tuple(parts)
+
+
+SGLANG_DTYPES = {"float32": "float32", "float": "float32", "bfloat16": "bfloat16", "float16": "float16",
+                 "half": "float16"}  # fmt: skip
+
+
+def checkpoint_dtype(model_dir: str | os.PathLike) -> str:
+    """SGLang's `dtype` for a checkpoint: the dtype its config.json records (float32 when it records none)."""
+    path = Path(model_dir) / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise MoerlError(f"{path}: cannot read the checkpoint's config ({err}); republish the checkpoint") from err
+    recorded = config.get("dtype") or config.get("torch_dtype") or "float32"
+    name = str(recorded).removeprefix("torch.")
+    if name not in SGLANG_DTYPES:
+        raise MoerlError(
+            f"{path}: dtype {recorded!r} is not one SGLang serves; publish the checkpoint in "
+            "bfloat16, float16 or float32"
+        )
+    return SGLANG_DTYPES[name]
+
+
+def take_back_sigterm(engine: Any) -> None:
+    """Create SGLang's request loop now and take SIGTERM back from it (module docstring, "SIGTERM")."""
+    ours = signal.getsignal(signal.SIGTERM)
+    manager = engine.tokenizer_manager
+    manager.auto_create_handle_loop()
+    manager.event_loop.remove_signal_handler(signal.SIGTERM)
+    signal.signal(signal.SIGTERM, ours if ours is not None else signal.SIG_DFL)
 
 
 def sampling_params_for(request: GenerationRequest, params: SamplingParams) -> dict[str, Any]:
@@ -120,6 +163,7 @@ class SGLangEngine:
             )
         kwargs: dict[str, Any] = {
             "model_path": str(model_dir),
+            "dtype": checkpoint_dtype(model_dir),
             "skip_tokenizer_init": True,
             "tp_size": settings.tp_size,
             "ep_size": settings.ep_size,
@@ -131,6 +175,7 @@ class SGLangEngine:
         if settings.moe_a2a_backend != "none":
             kwargs["moe_a2a_backend"] = settings.moe_a2a_backend
         self.engine = sglang.Engine(**kwargs)
+        take_back_sigterm(self.engine)
 
     def generate(
         self,

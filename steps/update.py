@@ -98,6 +98,7 @@ MARKER = "CANDIDATE.json"
 CANDIDATE_INDEX = "candidate.index.json"
 OPTIMIZER_INDEX = "optimizer.index.json"
 T = TypeVar("T")
+COLLECTIVE_TIMEOUT_SECONDS = 60 * 60
 
 
 def check_token_ids(samples: list, vocab_size: int, where: str) -> None:
@@ -168,10 +169,12 @@ def agreed(mesh: Mesh, fn: Callable[[], T]) -> T:
 
 
 def fetch_checkpoint(run: Store, version: int, mesh: Mesh, local_rank: int) -> Path:
-    """Download a published version once per node (local rank 0), then let the other ranks verify it."""
+    """Download a published version once per node: local rank 0 fetches it into the node's cache and checks
+    every file's size and sha256 against its MANIFEST while the other ranks wait in the same collective;
+    they then read the directory it verified (hashing it on every rank would cost 8 x ~120 GB a node)."""
     checkpoint.require_manifest(run, version)
     agreed(mesh, lambda: checkpoint.fetch(run, version) if local_rank == 0 else None)
-    return agreed(mesh, lambda: checkpoint.fetch(run, version))  # verifies the digests of what is there
+    return checkpoint.cache_dir_for(run, version)
 
 
 def read_optimizer_state(run: Store, version: int, names: list[str], workdir: Path) -> dict[str, torch.Tensor]:
@@ -421,10 +424,13 @@ def init_distributed() -> tuple[int, int, int, torch.device]:
     else:
         device = torch.device("cpu")
     if world > 1 and not dist.is_initialized():
+        # Long enough for local rank 0 to download and hash a ~120 GB checkpoint while the node's other ranks
+        # wait for it in a collective (NCCL's default is 10 minutes).
+        timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_SECONDS)
         if device.type == "cuda":
-            dist.init_process_group("nccl", device_id=device)
+            dist.init_process_group("nccl", device_id=device, timeout=timeout)
         else:
-            dist.init_process_group("gloo")
+            dist.init_process_group("gloo", timeout=timeout)
     return rank, world, local_rank, device
 
 
@@ -479,8 +485,7 @@ def _update(
     model_config = load_config(parent_dir)
     num_experts = model_config.num_experts
     check_token_ids(samples, model_config.vocab_size, run.url(scored_key(iteration)))
-    requested = ep_size or getattr(cfg.trainer, "ep_size", None)
-    mesh = build_mesh(rank, world, resolve_ep_size(world, num_experts, requested), device)
+    mesh = build_mesh(rank, world, resolve_ep_size(world, num_experts, ep_size or cfg.trainer.ep_size), device)
     placement, placement_reason = agreed_placement(run, iteration, cfg.trainer.expert_placement, model_config, mesh)
     _say(rank, f"expert placement: {placement_reason}")
     # Trained in fp32 whatever the run's checkpoint dtype (the parent's: every version keeps v000000's);
@@ -520,7 +525,7 @@ def _update(
         trainer = PolicyTrainer(model, mesh, settings, optimizer, ref_model, pad_id=cfg_model.pad_token_id or 0)
         # progress: the optimizer steps, then the candidate's write as one more unit
         metrics = trainer.train(samples, iteration, on_step=lambda done, steps: progress.report(done, steps + 1))
-        info = {"policy_version": version, "world_size": world, "ep_size": mesh.ep_size,
+        info = {"policy_version": version, "world_size": world, "ep_size": mesh.ep_size, "dp_size": mesh.dp_size,
                 "ep_backend": cfg.trainer.ep_backend}  # fmt: skip
         metrics.update(info)
         metrics.update(placement_metrics(placement, placement_reason, all_reduce_sum(model.routed_rows(), mesh)))
@@ -560,7 +565,8 @@ def main() -> int:
     parser.add_argument("--iteration", required=True, type=int, help="the iteration to train (>= 1)")
     parser.add_argument(
         "--ep-size", type=int, default=None,
-        help="expert-parallel group size (default: the largest that divides both the ranks and num_experts)",
+        help="expert-parallel group size (default: the run's trainer.ep_size, else the largest that divides "
+        "both the ranks and num_experts)",
     )  # fmt: skip
     parser.add_argument("--force", action="store_true", help="retrain even if the candidate is complete")
     argv = sys.argv[1:]

@@ -1,6 +1,12 @@
 """How the SGLang engine talks to SGLang: the per-request sampling_params it sends and how it reads SGLang's
 output dicts back. These run everywhere; generation itself is in test_engine_contract.py (GPU only)."""
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from steps.engine import FINISH_LENGTH, FINISH_STOP, GenerationRequest, SamplingParams, SGLangSettings
@@ -8,6 +14,7 @@ from steps.errors import MoerlError
 from steps.sglang_engine import (
     SGLANG_SEED_MODULUS,
     SGLangEngine,
+    checkpoint_dtype,
     generation_from_output,
     sampling_params_for,
     sglang_unavailable_reason,
@@ -70,3 +77,71 @@ def test_without_sglang_or_a_gpu_the_engine_says_why():
     assert reason.startswith(("SGLang not installed", "no CUDA GPU"))
     with pytest.raises(MoerlError, match="rollout.engine 'sglang': .*set rollout.engine: torch"):
         SGLangEngine("/nonexistent", SGLangSettings())
+
+
+FAKE_SGLANG = Path(__file__).parent / "fake_sglang"
+ROLLOUT_WITH_SGLANG = """
+import sys
+sys.path.insert(0, sys.argv[1])
+import steps.sglang_engine as se
+from steps.engine import GenerationRequest, SamplingParams, SGLangSettings
+from steps.rollout import EXIT_PREEMPTED, Preempted, Preemption
+se.sglang_unavailable_reason = lambda: None  # the fake needs no GPU
+preemption = Preemption()
+preemption.install()  # as steps.rollout's main does, before the engine starts
+engine = se.SGLangEngine(sys.argv[2], SGLangSettings())
+request = GenerationRequest("p", (1, 2), 0, seed=1)
+try:
+    print(engine.generate([request], SamplingParams(stop_token_ids=(2,))))
+except Preempted:
+    sys.exit(EXIT_PREEMPTED)
+"""
+
+
+def run_rollout_with_fake_sglang(tmp_path, config: dict, sigterm: bool) -> tuple[subprocess.CompletedProcess, dict]:
+    model = tmp_path / "model"
+    model.mkdir(exist_ok=True)
+    (model / "config.json").write_text(json.dumps(config))
+    record = tmp_path / "engine-kwargs.json"
+    env = {**os.environ, "FAKE_SGLANG_RECORD": str(record), "PYTHONPATH": str(Path(__file__).parents[1])}
+    if sigterm:
+        env["FAKE_SGLANG_SIGTERM_DURING_GENERATE"] = "1"
+    done = subprocess.run(
+        [sys.executable, "-c", ROLLOUT_WITH_SGLANG, str(FAKE_SGLANG), str(model)],
+        env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    return done, (json.loads(record.read_text()) if record.exists() else {})
+
+
+def test_a_sigterm_during_sglang_generation_ends_the_step_with_143(tmp_path):
+    """SGLang's own SIGTERM handler would drain and SIGKILL the process (exit 137, -9 to subprocess)."""
+    done, _ = run_rollout_with_fake_sglang(tmp_path, {"dtype": "bfloat16"}, sigterm=True)
+    assert done.returncode == 143, (done.returncode, done.stderr[-2000:])
+    done, _ = run_rollout_with_fake_sglang(tmp_path, {"dtype": "bfloat16"}, sigterm=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+@pytest.mark.parametrize(
+    "config,dtype",
+    [({"dtype": "float32"}, "float32"), ({"torch_dtype": "bfloat16"}, "bfloat16"), ({}, "float32"),
+     ({"dtype": "float16"}, "float16")],
+)  # fmt: skip
+def test_sglang_serves_the_checkpoints_own_dtype_never_auto(tmp_path, config, dtype):
+    """`auto` would serve a float32 checkpoint in float16 (sglang model_config._get_and_verify_dtype)."""
+    assert checkpoint_dtype_of(tmp_path, config) == dtype
+
+
+def test_the_engine_passes_the_dtype_to_sglang(tmp_path):
+    done, kwargs = run_rollout_with_fake_sglang(tmp_path, {"dtype": "float32"}, sigterm=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert kwargs["dtype"] == "float32"
+
+
+def checkpoint_dtype_of(tmp_path, config: dict) -> str:
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return checkpoint_dtype(tmp_path)
+
+
+def test_a_dtype_sglang_cannot_serve_is_a_clear_error(tmp_path):
+    with pytest.raises(MoerlError, match=r"config.json: dtype 'int8' is not one SGLang serves; publish"):
+        checkpoint_dtype_of(tmp_path, {"dtype": "int8"})

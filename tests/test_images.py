@@ -489,3 +489,16 @@ def test_trainer_installs_every_moerl_requirement_but_torch_before_replacing_ncc
              '"nvidia-nccl-cu13==${NCCL_VERSION}"', "deep_ep-*.whl", "pip install --no-deps -c constraints.txt ."]
     positions = [text.index(marker) for marker in order]
     assert positions == sorted(positions)
+
+
+def test_trainer_versions_meet_what_nccl_gin_over_efa_needs():
+    """DeepEP 2.x asserts NCCL GIN for any EP group of 2+ ranks (unless EP_DISABLE_GIN=1): aws-ofi-nccl
+    with GIN comes with EFA installer 1.50.0, and needs NCCL >= 2.31.2 and GDRCopy >= 2.5."""
+
+    def at_least(name: str, minimum: tuple[int, ...]) -> None:
+        value = read_versions()[name]
+        assert tuple(int(x) for x in value.split(".")) >= minimum, f"{name}={value} is below {minimum}"
+
+    at_least("EFA_INSTALLER_VERSION", (1, 50, 0))
+    at_least("NCCL_VERSION", (2, 31, 2))
+    at_least("GDRCOPY_VERSION", (2, 5))

@@ -479,7 +479,8 @@ def test_node_pools_place_each_role_where_it_belongs():
     def requirement(pool: str, key: str) -> list[str]:
         return resolve(pools[pool], f"spec.template.spec.requirements.[key={key}].values")
 
-    assert requirement("moerl-trainer", "karpenter.sh/capacity-type") == ["on-demand"]
+    # Karpenter labels nodes launched into a capacity reservation (ODCR, Capacity Block) `reserved`
+    assert requirement("moerl-trainer", "karpenter.sh/capacity-type") == ["reserved", "on-demand"]
     assert requirement("moerl-rollout", "karpenter.sh/capacity-type") == ["spot"]
     assert requirement("moerl-memory", "karpenter.sh/capacity-type") == ["on-demand"]
     assert requirement("moerl-memory", "karpenter.k8s.aws/instance-family") == ["r7i"]
@@ -488,6 +489,8 @@ def test_node_pools_place_each_role_where_it_belongs():
     node_classes = {c["metadata"]["name"]: c for c in docs_of_kind(ALL_LOCAL, "EC2NodeClass")}
     trainer_class = node_classes[pools["moerl-trainer"]["spec"]["template"]["spec"]["nodeClassRef"]["name"]]
     assert "vm.nr_hugepages" in trainer_class["spec"]["userData"], "EFA's huge pages are reserved at boot"
+    assert "PeerMappingOverride=1" in trainer_class["spec"]["userData"], "EFA GPUDirect (NCCL GIN) needs it"
+    assert trainer_class["spec"]["capacityReservationSelectorTerms"], "ODCRs and Capacity Blocks are selected"
     assert trainer_class["spec"]["associatePublicIPAddress"] is False, "multi-EFA launches refuse public IPs"
     for name, pool in pools.items():
         zone = requirement(name, "topology.kubernetes.io/zone")
@@ -749,3 +752,61 @@ def test_docs_name_the_versions_the_manifests_pin():
                  "--out manifests/rendered", "port-forward svc/argo-server", "create-capacity-reservation",
                  "--role-only"]:
         assert step in docs, step
+
+
+def _verbs_the_workflows_need() -> set[tuple[str, str, str]]:
+    """(apiGroup, resource, verb) of every API call the workflow's service account makes, read off the
+    rendered manifests of the EKS config: Argo's executor reports through WorkflowTaskResults
+    (workflow-rbac.md); a resource template runs `kubectl <action>` (resource.go; delete adds --wait, which
+    gets and watches the object) and, with success/failure conditions, GETs the object until one holds;
+    KFP's update launcher creates, gets and deletes the PyTorchJob."""
+    from pipelines.config import load_config
+    from pipelines.workflow.build import workflow_templates
+
+    plural = {"PyTorchJob": ("kubeflow.org", "pytorchjobs"), "Workflow": ("argoproj.io", "workflows"),
+              "CronWorkflow": ("argoproj.io", "cronworkflows")}  # fmt: skip
+    needed = {("argoproj.io", "workflowtaskresults", "create"), ("argoproj.io", "workflowtaskresults", "patch")}
+    cfg = load_config(REPO / "configs" / "eks-p5en.yaml").model_copy(update={"iterations": 45})
+    for template in workflow_templates(cfg):
+        for t in template.to_dict()["spec"]["templates"]:
+            resource = t.get("resource")
+            if resource is None:
+                continue
+            group, resources = plural[yaml.safe_load(re.sub(r"\{\{[^}]*\}\}", "x", resource["manifest"]))["kind"]]
+            needed.add((group, resources, resource["action"]))
+            if resource["action"] == "delete" and "--wait=true" in resource.get("flags", []):
+                needed |= {(group, resources, "get"), (group, resources, "watch")}
+            if resource.get("successCondition") or resource.get("failureCondition") or t.get("outputs"):
+                needed.add((group, resources, "get"))  # the wait polls it; output parameters kubectl-get it
+    needed |= {("kubeflow.org", "pytorchjobs", v) for v in ("create", "get", "delete")}  # KFP's launcher
+    return needed
+
+
+def test_rbac_grants_the_workflow_every_verb_its_templates_need():
+    roles = {r["metadata"]["name"]: r for r in docs_of_kind(ALL_LOCAL, "Role")}
+    bound = [b["roleRef"]["name"] for b in docs_of_kind(ALL_LOCAL, "RoleBinding")
+             if any(s["name"] == "moerl-workflow" for s in b["subjects"])]  # fmt: skip
+    granted = {(g, r, v) for name in bound for rule in roles[name]["rules"]
+               for g in rule["apiGroups"] for r in rule["resources"] for v in rule["verbs"]}  # fmt: skip
+    needed = _verbs_the_workflows_need()
+    assert ("argoproj.io", "workflows", "create") in needed  # next-segment: a run longer than a segment
+    assert ("argoproj.io", "cronworkflows", "get") in needed  # next-segment: is there a cron to belong to
+    assert needed - granted == set()
+
+
+def test_gdrcopy_reaches_the_trainer_without_a_host_path():
+    """NCCL GIN (DeepEP across nodes) opens /dev/gdrdrv; Pod Security baseline forbids hostPath volumes, so
+    the NVIDIA container toolkit injects the device: the device plugin asks for it for every GPU container,
+    and the trainer image asks for it too."""
+    plugin = one(ALL_LOCAL, "DaemonSet", "nvidia-device-plugin")
+    env = {e["name"]: e["value"] for e in plugin["spec"]["template"]["spec"]["containers"][0].get("env", [])}
+    assert env.get("GDRCOPY_ENABLED") == "true"
+    assert "NVIDIA_GDRCOPY=enabled" in (REPO / "images" / "trainer" / "Dockerfile").read_text()
+    namespace = one(ALL_LOCAL, "Namespace", "moerl")
+    assert namespace["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "baseline"
+    from pipelines.config import load_config
+    from pipelines.workflow import pytorchjob
+
+    job = pytorchjob.manifest(load_config(REPO / "configs" / "eks-p5en.yaml"), "1")
+    for replica in job["spec"]["pytorchReplicaSpecs"].values():
+        assert not any("hostPath" in v for v in replica["template"]["spec"].get("volumes", []))

@@ -153,7 +153,12 @@ def test_spot_roles_retry_always_elsewhere_and_on_demand_roles_on_error_only(nod
     for name in ("update", "publish", "plan", "import-sft"):
         strategy = templates[name]["retryStrategy"]
         assert strategy["retryPolicy"] == "OnError" and "expression" not in strategy and "affinity" not in strategy
-    assert templates["publish"]["nodeSelector"] == {"karpenter.sh/capacity-type": "on-demand"}
+    # Off Spot: on-demand or reserved (Karpenter labels ODCR and Capacity Block nodes `reserved`).
+    assert "nodeSelector" not in templates["publish"]
+    assert templates["publish"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"] == {
+        "nodeSelectorTerms": [{"matchExpressions": [
+            {"key": "karpenter.sh/capacity-type", "operator": "In", "values": ["on-demand", "reserved"]}]}]
+    }  # fmt: skip
 
 
 def test_the_capacity_label_can_be_turned_off_or_set_by_hand():

@@ -82,8 +82,9 @@ def test_long_runs_split_into_segments_that_hand_on():
     assert depends(middle["rollout-7"]) == {"publish-5"}
     # Every segment but the last submits the next one once its last iteration is published.
     assert depends(first["next-segment"]) == {"publish-4"} and "next-segment" not in last
-    next_template = next(t for t in templates[1]["spec"]["templates"] if t["name"] == "next-segment")
-    assert "name: demo-seg-002" in next_template["resource"]["manifest"]
+    for name in ("next-segment-owned", "next-segment-alone"):
+        next_template = next(t for t in templates[1]["spec"]["templates"] if t["name"] == name)
+        assert "name: demo-seg-002" in next_template["resource"]["manifest"]
     plan = next(t for t in templates[1]["spec"]["templates"] if t["name"] == "plan")
     args = plan["container"]["args"]
     assert args[args.index("--first") + 1] == "5" and args[args.index("--last") + 1] == "8"

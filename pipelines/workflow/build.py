@@ -137,10 +137,11 @@ def workflow_from_template(cfg: RunConfig) -> Workflow:
 
 
 def cron_workflow(cfg: RunConfig, schedules: list[str] | None = None) -> CronWorkflow:
-    """Continue the run on a schedule. Forbid: a start is skipped while the previous one still runs."""
+    """Continue the run on a schedule. Forbid: a start is skipped while the previous one, or any segment
+    that it handed on to (templates.next_segment_templates makes them the cron's children), still runs."""
     s = cfg.schedule
     return CronWorkflow(
-        name=f"{cfg.name}-continue",
+        name=tpl.cron_name(cfg),
         namespace=cfg.namespace,
         labels=_labels(cfg, None),
         annotations={
@@ -166,11 +167,12 @@ class ArgoObjects:
     workflow: Workflow
     cron: CronWorkflow
 
-    def create(self, wait: bool = False) -> Any:
-        """Create or update the templates, then submit the Workflow; returns the submitted Workflow."""
+    def create(self) -> Any:
+        """Create or update the templates, then submit the Workflow; returns the submitted Workflow (to wait for
+        the run, see wait.wait_for_run: Hera's own wait returns while the Workflow is still Pending)."""
         for template in self.templates:
             template.update()  # creates it when absent
-        return self.workflow.create(wait=wait)
+        return self.workflow.create()
 
     def schedule(self) -> Any:
         """Create or update the templates, then the CronWorkflow; returns the CronWorkflow."""

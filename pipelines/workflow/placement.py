@@ -26,13 +26,31 @@ RUN_AS_GID = 10001
 READ_ONLY_ROOT_ENV = {"HOME": "/tmp"}
 
 
+# Karpenter's capacity types (karpenter.sh/capacity-type): a node launched into a capacity reservation (an
+# ODCR that the EC2NodeClass selects, or an EC2 Capacity Block for ML) is labelled `reserved`, not
+# `on-demand`, so a role off Spot runs on either.
+SPOT_CAPACITY = ("spot",)
+NON_SPOT_CAPACITY = ("on-demand", "reserved")
+
+
 def node_selector(cfg: RunConfig, role: str) -> dict[str, str]:
-    """The role's node selector, pinned to Spot or on-demand capacity by cfg.capacity_label."""
+    """The role's node selector; a Spot role is pinned to Spot capacity by cfg.capacity_label (the others
+    by node_affinity: a node selector holds one value)."""
     p = cfg.placement[role]
     out = dict(p.node_selector)
-    if cfg.capacity_label is not None and cfg.capacity_label not in out:
-        out[cfg.capacity_label] = "spot" if p.spot else "on-demand"
+    if cfg.capacity_label is not None and cfg.capacity_label not in out and p.spot:
+        out[cfg.capacity_label] = SPOT_CAPACITY[0]
     return out
+
+
+def node_affinity(cfg: RunConfig, role: str) -> dict[str, Any] | None:
+    """A role off Spot: a required node affinity to on-demand or reserved capacity (None for Spot roles, or
+    when the role's node_selector names the capacity label itself, or there is no capacity label)."""
+    p = cfg.placement[role]
+    if cfg.capacity_label is None or cfg.capacity_label in p.node_selector or p.spot:
+        return None
+    term = {"matchExpressions": [{"key": cfg.capacity_label, "operator": "In", "values": list(NON_SPOT_CAPACITY)}]}
+    return {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [term]}}}
 
 
 def tolerations(p: Placement) -> list[dict[str, Any]]:

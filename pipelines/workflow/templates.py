@@ -12,8 +12,9 @@ from __future__ import annotations
 import json
 
 import yaml
-from hera.workflows import DAG, Artifact, Container, NoneArchiveStrategy, Parameter, Resource, Task
+from hera.workflows import DAG, Artifact, Container, NoneArchiveStrategy, Parameter, Resource, Step, Steps, Task
 from hera.workflows.models import (
+    Affinity,
     EnvVar,
     Gauge,
     MetricLabel,
@@ -33,6 +34,7 @@ from pipelines.config import RunConfig
 from pipelines.workflow import graph, pytorchjob
 from pipelines.workflow import placement as pl
 from pipelines.workflow.retry import retry_for
+from pipelines.workflow.wait import PARENT_LABEL
 from steps.progress import PROGRESS_ANNOTATION
 
 ITERATION = "{{inputs.parameters.iteration}}"
@@ -42,6 +44,7 @@ SCORE_METRICS_PATH = "/tmp/metrics.json"
 SCORE_METRIC_KEYS = {"reward_mean": "moerl_reward_mean", "accuracy": "moerl_accuracy"}
 REPORT_OUT = "/tmp/report"
 MAIN = "main"
+CRON_LABEL = "workflows.argoproj.io/cron-workflow"  # what Argo's cron controller puts on its Workflows
 
 
 def flags(**values: object) -> list[str]:
@@ -76,6 +79,7 @@ def _step_container(
         env=extra.pop("env", None) or [EnvVar(**e) for e in pl.env()],
         resources=ResourceRequirements(**res) if res else None,
         node_selector=pl.node_selector(cfg, role) or None,
+        affinity=Affinity.model_validate(affinity) if (affinity := pl.node_affinity(cfg, role)) else None,
         tolerations=[Toleration(**t) for t in pl.tolerations(p)] or None,
         priority_class_name=p.priority_class,
         retry_strategy=retry_for(cfg.retries[role], p.spot),
@@ -179,23 +183,50 @@ def score_template(cfg: RunConfig) -> Container:
     )
 
 
-def update_template(cfg: RunConfig) -> Container | Resource:
-    """torchrun in one pod, or a PyTorchJob over trainer.nodes nodes that Argo creates and waits on."""
+UPDATE_CLEAR, UPDATE_JOB = "update-clear", "update-job"
+
+
+def update_template(cfg: RunConfig) -> Container | Steps:
+    """torchrun in one pod, or a PyTorchJob over trainer.nodes nodes (pytorchjob.py says why it is built so):
+    each attempt of `update` first deletes the iteration's job and waits until its pods are gone, then
+    creates it anew and waits for its Master to succeed or for its Failed condition."""
     if cfg.trainer.nodes == 1:
         args = pytorchjob.torchrun_args(cfg, ITERATION)
         return _iteration_step(cfg, "update", "trainer", cfg.images.trainer, ["torchrun"], args, reports_progress=True)
-    return Resource(
+    argument = {"iteration": ITERATION}
+    return Steps(
         name="update",
+        inputs=[Parameter(name="iteration")],
+        retry_strategy=retry_for(cfg.retries["trainer"], spot=False),
+        sub_steps=[
+            Step(name="clear", template=UPDATE_CLEAR, arguments=argument),
+            Step(name="job", template=UPDATE_JOB, arguments=argument),
+        ],
+    )
+
+
+def update_job_templates(cfg: RunConfig) -> list[Resource]:
+    """The two resource templates of a multi-node update: delete the iteration's job, create and wait."""
+    clear = Resource(
+        name=UPDATE_CLEAR,
+        action="delete",  # Argo adds --ignore-not-found
+        flags=["--cascade=foreground", "--wait=true"],  # returns once the job's pods are gone
+        manifest=yaml.safe_dump(pytorchjob.reference(cfg, ITERATION), sort_keys=False),
+        inputs=[Parameter(name="iteration")],
+        labels=pl.labels(cfg, UPDATE_CLEAR, ITERATION),
+    )
+    job = Resource(
+        name=UPDATE_JOB,
         action="create",
         set_owner_reference=True,  # the job goes when the Workflow goes
         manifest=pytorchjob.manifest_yaml(cfg, ITERATION),
         success_condition=pytorchjob.SUCCESS_CONDITION,
         failure_condition=pytorchjob.FAILURE_CONDITION,
+        active_deadline_seconds=pytorchjob.WAIT_DEADLINE_SECONDS,
         inputs=[Parameter(name="iteration")],
-        retry_strategy=retry_for(cfg.retries["trainer"], spot=False),
         labels=pl.labels(cfg, "update", ITERATION),
-        annotations={PROGRESS_ANNOTATION: "0/1"},  # what the local executor runs as torchrun reports it
     )
+    return [clear, job]
 
 
 def publish_template(cfg: RunConfig) -> Container:
@@ -216,23 +247,61 @@ def report_template(cfg: RunConfig) -> Container:
     )
 
 
-def next_segment_template(cfg: RunConfig, next_template: str, segment_index: int) -> Resource:
-    """Submit the next segment's Workflow; the run's mutex holds it until this one has finished."""
-    workflow = {
-        "apiVersion": "argoproj.io/v1alpha1",
-        "kind": "Workflow",
-        "metadata": {
-            "generateName": f"{cfg.name}-",
-            "labels": {pl.RUN_LABEL: cfg.name, pl.SEGMENT_LABEL: str(segment_index)},
-        },
-        "spec": {"workflowTemplateRef": {"name": next_template}},
-    }
-    return Resource(
-        name=graph.NEXT_SEGMENT,
-        action="create",
-        manifest=yaml.safe_dump(workflow, sort_keys=False),
-        retry_strategy=retry_for(cfg.retries["control"], False),
-    )
+NEXT_SEGMENT_CRON = "next-segment-cron"  # looks the run's CronWorkflow up
+NEXT_SEGMENT_OWNED, NEXT_SEGMENT_ALONE = "next-segment-owned", "next-segment-alone"  # as its child, or plain
+CRON_UID = "cron-uid"
+
+
+def cron_name(cfg: RunConfig) -> str:
+    return f"{cfg.name}-continue"
+
+
+def next_segment_templates(cfg: RunConfig, next_template: str, segment_index: int) -> list[Steps | Resource]:
+    """Submit the next segment's Workflow; the run's mutex holds it until this one has finished.
+
+    With the run's CronWorkflow present, the next segment is created as the cron's own child (its controller
+    ownerReference and its label): Argo's cron controller counts every unfinished Workflow so owned as active
+    (cron/controller.go groupWorkflows, operator.go reconcileActiveWfs), so `concurrencyPolicy: Forbid` skips
+    a firing while any segment of the run is still going, instead of starting a second chain of segments
+    that would queue on the mutex and the semaphore. Without a cron the Workflow is created plain."""
+    # The parent's name lets `moerl submit --wait` follow the run from segment to segment (wait.py).
+    labels = {pl.RUN_LABEL: cfg.name, pl.SEGMENT_LABEL: str(segment_index), PARENT_LABEL: "{{workflow.name}}"}
+
+    def workflow(owned: bool) -> str:
+        metadata: dict = {"generateName": f"{cfg.name}-", "labels": dict(labels)}
+        if owned:
+            metadata["labels"][CRON_LABEL] = cron_name(cfg)
+            metadata["ownerReferences"] = [
+                {"apiVersion": "argoproj.io/v1alpha1", "kind": "CronWorkflow", "name": cron_name(cfg),
+                 "uid": f"{{{{inputs.parameters.{CRON_UID}}}}}", "controller": True, "blockOwnerDeletion": False}
+            ]  # fmt: skip
+        body = {"apiVersion": "argoproj.io/v1alpha1", "kind": "Workflow", "metadata": metadata,
+                "spec": {"workflowTemplateRef": {"name": next_template}}}  # fmt: skip
+        return yaml.safe_dump(body, sort_keys=False)
+
+    retry = retry_for(cfg.retries["control"], False)
+    cron = {"apiVersion": "argoproj.io/v1alpha1", "kind": "CronWorkflow", "metadata": {"name": cron_name(cfg)}}
+    uid = Parameter(name=CRON_UID, default="", value_from=ValueFrom(json_path="{.metadata.uid}", default=""))
+    found = f"{{{{steps.cron.outputs.parameters.{CRON_UID}}}}}"
+    return [
+        Steps(
+            name=graph.NEXT_SEGMENT,
+            sub_steps=[
+                Step(name="cron", template=NEXT_SEGMENT_CRON),
+                [
+                    Step(name="owned", template=NEXT_SEGMENT_OWNED, when=f"'{found}' != ''",
+                         arguments={CRON_UID: found}),  # fmt: skip
+                    Step(name="alone", template=NEXT_SEGMENT_ALONE, when=f"'{found}' == ''"),
+                ],
+            ],
+        ),
+        # --ignore-not-found: no cron, empty output, and Argo gives the output parameter its default
+        Resource(name=NEXT_SEGMENT_CRON, action="get", flags=["--ignore-not-found"],
+                 manifest=yaml.safe_dump(cron, sort_keys=False), outputs=[uid], retry_strategy=retry),  # fmt: skip
+        Resource(name=NEXT_SEGMENT_OWNED, action="create", manifest=workflow(True),
+                 inputs=[Parameter(name=CRON_UID)], retry_strategy=retry),  # fmt: skip
+        Resource(name=NEXT_SEGMENT_ALONE, action="create", manifest=workflow(False), retry_strategy=retry),
+    ]
 
 
 def main_dag(cfg: RunConfig, segment: graph.Segment) -> DAG:
@@ -273,9 +342,10 @@ def templates(cfg: RunConfig, segment: graph.Segment, next_template: str | None)
         rollout_template(cfg),
         score_template(cfg),
         update_template(cfg),
+        *(update_job_templates(cfg) if cfg.trainer.nodes > 1 else []),
         publish_template(cfg),
         report_template(cfg),
     ]
     if next_template is not None:
-        out.append(next_segment_template(cfg, next_template, segment.index + 1))
+        out += next_segment_templates(cfg, next_template, segment.index + 1)
     return out
