@@ -38,7 +38,7 @@ from pipelines.local.expressions import (
     substitute,
 )
 from pipelines.local.functions import go_json
-from pipelines.local.manifest import LEAF_TYPES, Workflow, template_type
+from pipelines.local.manifest import LEAF_TYPES, Workflow, merge_defaults, template_type
 from pipelines.local.pods import (
     DEADLINE_MESSAGE,
     PlanError,
@@ -155,6 +155,12 @@ class Controller:
         if seconds is not None:
             self.deadline = float(int(self.now)) + float(int(seconds))
         try:
+            self.apply_workflow_metadata()
+        except (MoerlError, exprlang.ExprError) as err:  # Argo marks the workflow Error before any node runs
+            self.status.phase, self.status.message, self.status.finished_at = ERROR, str(err), time.time()
+            self.write_status(force=True)
+            return self.status.to_argo(self.nodes)
+        try:
             if self.starter is not None:  # the servers import while the first pods (plan, downloads) run
                 for argv, env in warm_start_candidates(list(self.wf.templates.values())):
                     self.starter.prestart(argv, env)
@@ -185,6 +191,26 @@ class Controller:
             if self.view is not None:
                 self.view.finish(self)
         return self.status.to_argo(self.nodes)
+
+    def apply_workflow_metadata(self) -> None:
+        """Argo's updateWorkflowMetadata: spec.workflowMetadata's labels, annotations and labelsFrom
+        expressions become the workflow's own, and so `{{workflow.labels.NAME}}`."""
+        metadata = self.wf.spec.get("workflowMetadata") or {}
+        for name, value in (metadata.get("labels") or {}).items():
+            self.wf.labels[str(name)] = text_of(value)
+        for name, value in (metadata.get("annotations") or {}).items():
+            self.wf.annotations[str(name)] = text_of(value)
+        self._globals = None
+        for name, source in (metadata.get("labelsFrom") or {}).items():
+            expression = str((source or {}).get("expression", ""))
+            value = exprlang.evaluate(expression, expand(self.globals()))
+            if not isinstance(value, str):
+                raise MoerlError(
+                    f'workflowMetadata.labelsFrom.{name}: failed to evaluate label "{name}" expression '
+                    f'"{expression}" evaluted to {type(value).__name__} but must be a string'
+                )
+            self.wf.labels[str(name)] = value
+        self._globals = None
 
     def operate(self) -> bool:
         """One reconciliation; True once the workflow has finished."""
@@ -278,8 +304,10 @@ class Controller:
         if not waiting:
             time.sleep(timeout)
             return
-        ready, _, _ = select.select(list(waiting), [], [], timeout)
-        for fd in ready:
+        poller = select.poll()  # not select(): it cannot take a descriptor numbered 1024 or more (~1,000 pods)
+        for fd in waiting:
+            poller.register(fd, select.POLLIN)
+        for fd, _ in poller.poll(timeout * 1000):
             waiting[fd].exit_seen()
 
     def reconcile_pods(self) -> None:
@@ -426,7 +454,11 @@ class Controller:
         return template, scope
 
     def retry_strategy(self, template: dict) -> dict | None:
-        return template.get("retryStrategy") or self.wf.spec.get("retryStrategy")
+        """Argo's retryStrategy(): the template's, else the workflow's. `retryStrategy: {}` is a strategy
+        (retry until success), not none."""
+        if template.get("retryStrategy") is not None:
+            return template["retryStrategy"]
+        return self.wf.spec.get("retryStrategy")
 
     def process_args(self, template: dict, arguments: dict | None, local: dict[str, Any]) -> dict:
         """Argo's ProcessArgs: input values from arguments (or defaults), then substitution of the
@@ -466,7 +498,7 @@ class Controller:
                 local["steps.name"] = call.holder.get("name")
             if call.kind == "task":
                 local["tasks.name"] = call.holder.get("name")
-            if template_type(template) in LEAF_TYPES and not self.retry_strategy(template):
+            if template_type(template) in LEAF_TYPES and self.retry_strategy(template) is None:
                 local["pod.name"] = pod_name(self.wf.name, node_name, template.get("name", ""))
             processed = self.process_args(template, call.holder.get("arguments"), local)
         except (TemplateError, SubstitutionError) as err:
@@ -655,6 +687,12 @@ class Controller:
         deadlines = []
         if template.get("activeDeadlineSeconds") is not None:
             deadlines.append(node.started_at + float(template["activeDeadlineSeconds"]))
+        if template.get("timeout"):  # Argo sets the pod's activeDeadlineSeconds from it (checkTemplateTimeouts)
+            try:
+                deadlines.append(node.started_at + parse_duration(str(template["timeout"])))
+            except ValueError as err:
+                self.nodes.mark(node, ERROR, f"timeout: {err}")
+                return
         if opts.execution_deadline is not None:
             deadlines.append(opts.execution_deadline)
         injection = None
@@ -791,23 +829,3 @@ def is_transient(message: str) -> bool:
     if pattern and re.search(pattern, message):
         return True
     return any(text in message for text in TRANSIENT_MESSAGES) or message.endswith("EOF")
-
-
-def merge_defaults(defaults: dict, template: dict) -> dict:
-    """spec.templateDefaults under a template (a strategic merge, approximated as a deep merge in
-    which the template wins); defaults for another template type are dropped."""
-    kind = template_type(template)
-    merged = copy.deepcopy(
-        {k: v for k, v in defaults.items() if k not in LEAF_TYPES + ("steps", "dag", "suspend") or k == kind}
-    )
-    return _deep_merge(merged, template)
-
-
-def _deep_merge(base: dict, override: dict) -> dict:
-    out = dict(base)
-    for key, value in override.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = _deep_merge(out[key], value)
-        else:
-            out[key] = copy.deepcopy(value)
-    return out

@@ -106,7 +106,8 @@ SHAPES: dict[str, dict[str, Any]] = {
         "plugin": Unsupported("plugin templates run in Argo's agent pod"),
         "failFast": Unsupported("template-level failFast is not implemented; use dag.failFast"),
         **{name: RECORDED for name in SCHEDULING + [
-            "metadata", "archiveLocation", "memoize", "timeout", "pendingTimeout", "annotations"]},
+            "metadata", "archiveLocation", "memoize", "pendingTimeout", "annotations"]},
+        "timeout": RUN,
     },
     "WorkflowStep": {
         "name": RUN, "template": RUN, "templateRef": "TemplateRef", "arguments": "Arguments", "when": RUN,
@@ -204,7 +205,7 @@ class Workflow:
 
     @property
     def templates(self) -> dict[str, dict]:
-        return {t["name"]: t for t in self.spec.get("templates", [])}
+        return {t["name"]: t for t in self.spec.get("templates") or []}
 
 
 def load_workflow(
@@ -328,8 +329,8 @@ def _merge_workflow_template_ref(spec: dict, library_docs: dict, where: str) -> 
         if name == "workflowTemplateRef":
             continue
         if name == "arguments":
-            params = {p["name"]: p for p in (merged.get("arguments") or {}).get("parameters", [])}
-            params.update({p["name"]: p for p in value.get("parameters", [])})
+            params = {p["name"]: p for p in (merged.get("arguments") or {}).get("parameters") or []}
+            params.update({p["name"]: p for p in (value or {}).get("parameters") or []})
             merged["arguments"] = {"parameters": list(params.values())}
         else:
             merged[name] = copy.deepcopy(value)
@@ -339,12 +340,16 @@ def _merge_workflow_template_ref(spec: dict, library_docs: dict, where: str) -> 
 def _template_library(spec: dict, library_docs: dict) -> dict[tuple[bool, str], dict[str, dict]]:
     library = {}
     for key, (_, doc) in library_docs.items():
-        library[key] = {t.get("name"): t for t in (doc.get("spec") or {}).get("templates", [])}
+        library[key] = {t.get("name"): t for t in (doc.get("spec") or {}).get("templates") or []}
     return library
 
 
 def _apply_parameters(spec: dict, parameters: dict[str, str], where: str) -> None:
-    declared = (spec.setdefault("arguments", {}) or {}).setdefault("parameters", [])
+    if not isinstance(spec.get("arguments"), dict):  # `arguments:` or `parameters:` left null is none
+        spec["arguments"] = {}
+    if spec["arguments"].get("parameters") is None:
+        spec["arguments"]["parameters"] = []
+    declared = spec["arguments"]["parameters"]
     names = [p.get("name") for p in declared]
     for name, value in parameters.items():
         if name not in names:
@@ -425,6 +430,26 @@ def template_type(template: dict) -> str:
     return next((t for t in TEMPLATE_TYPES if t in template), "")
 
 
+def merge_defaults(defaults: dict, template: dict) -> dict:
+    """spec.templateDefaults under a template (a strategic merge, approximated as a deep merge in
+    which the template wins); defaults for another template type are dropped."""
+    kind = template_type(template)
+    merged = copy.deepcopy(
+        {k: v for k, v in defaults.items() if k not in LEAF_TYPES + ("steps", "dag", "suspend") or k == kind}
+    )
+    return _deep_merge(merged, template)
+
+
+def _deep_merge(base: dict, override: dict) -> dict:
+    out = dict(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _deep_merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
 def validate_spec(spec: dict, library: dict, where: str) -> None:
     """Argo's submit-time validation, for what can go wrong before anything runs."""
     templates = spec.get("templates") or []
@@ -449,7 +474,7 @@ def validate_spec(spec: dict, library: dict, where: str) -> None:
         check.positive_int(spec["parallelism"], "spec.parallelism")
     if spec.get("activeDeadlineSeconds") is not None:
         check.positive_int(spec["activeDeadlineSeconds"], "spec.activeDeadlineSeconds")
-    if spec.get("retryStrategy"):
+    if spec.get("retryStrategy") is not None:
         check.retry_strategy(spec["retryStrategy"], "spec.retryStrategy")
     for i, template in enumerate(templates):
         check.template(template, f"spec.templates[{i}]")
@@ -494,8 +519,8 @@ class _Checker:
 
     def reference(self, holder: dict, path: str, arguments: dict) -> None:
         template = self.target(holder, path)
-        supplied = {p.get("name") for p in (arguments or {}).get("parameters", [])}
-        for param in (template.get("inputs") or {}).get("parameters", []):
+        supplied = {p.get("name") for p in (arguments or {}).get("parameters") or []}
+        for param in (template.get("inputs") or {}).get("parameters") or []:
             has_value = "value" in param or "default" in param or "default" in (param.get("valueFrom") or {})
             if not has_value and param.get("name") not in supplied:
                 self.fail(f"{path}: inputs.parameters.{param.get('name')} was not supplied")
@@ -567,6 +592,8 @@ class _Checker:
     def template(self, template: dict, path: str) -> None:
         name = template.get("name")
         path = f"{path} ({name!r})"
+        if self.spec.get("templateDefaults"):  # what runs is the template over the defaults (an image, a command)
+            template = merge_defaults(self.spec["templateDefaults"], template)
         types = [t for t in TEMPLATE_TYPES if t in template]
         if len(types) != 1:
             how = "unspecified" if not types else "multiple template types specified"
@@ -580,7 +607,7 @@ class _Checker:
             self.positive_int(template["activeDeadlineSeconds"], f"{path}.activeDeadlineSeconds")
         if template.get("parallelism") is not None and kind not in ("steps", "dag"):
             self.fail(f"templates.{name}.parallelism is only valid for steps and dag templates")
-        if template.get("retryStrategy"):
+        if template.get("retryStrategy") is not None:
             self.retry_strategy(template["retryStrategy"], f"{path}.retryStrategy")
         if kind in ("container", "script") and not (template[kind] or {}).get("image"):
             self.fail(f"templates.{name}.{kind}.image may not be empty")
@@ -595,8 +622,15 @@ class _Checker:
             )
         if kind == "resource":
             self.resource(template["resource"] or {}, f"{path}.resource")
-        for i, param in enumerate((template.get("outputs") or {}).get("parameters", [])):
-            source = param.get("valueFrom") or {}
+        for i, param in enumerate((template.get("outputs") or {}).get("parameters") or []):
+            ref = f"templates.{name}.outputs.parameters.{param.get('name')}"
+            if param.get("valueFrom") is not None and param.get("value") is not None:
+                self.fail(f"{ref} has both valueFrom and value specified, choose one")
+            if param.get("valueFrom") is None:  # a literal `value` is the output (validateOutputParameter)
+                if param.get("value") is None:
+                    self.fail(f"{ref} does not have valueFrom or value specified")
+                continue
+            source = param["valueFrom"]
             if kind in ("container", "script") and not source.get("path"):
                 self.fail(f"{path}.outputs.parameters[{i}].valueFrom.path must be specified for {kind} templates")
             if kind in ("steps", "dag") and not (source.get("parameter") or source.get("expression")):

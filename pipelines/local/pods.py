@@ -143,8 +143,8 @@ def plan_pod(
     argv = [sandbox.rewrite(a) for a in command + args]
     argv[0] = host_program(argv[0])
     script = None
-    if kind == "script":
-        script = sandbox.rewrite(str(container.get("source") or ""))
+    if kind == "script" and container.get("source"):  # Argo appends the script's path for a non-empty source
+        script = sandbox.rewrite(str(container["source"]))
         argv.append(str(pod_dir / "script"))
     if job is not None:
         argv = pytorchjob.torchrun_argv(argv, job.world_size)
@@ -290,8 +290,10 @@ class Pod:
         self.outcome: PodOutcome | None = None
         plan.pod_dir.mkdir(parents=True, exist_ok=True)
         plan.sandbox.prepare()
-        if plan.script is not None:
-            (plan.pod_dir / "script").write_text(plan.script)
+        if plan.script is not None:  # staged 0755, as Argo's executor stages it: `sh -c SCRIPT` execs it
+            script_path = plan.pod_dir / "script"
+            script_path.write_text(plan.script)
+            script_path.chmod(0o755)
         self.stdout_path = plan.pod_dir / "stdout.log"
         self.stderr_path = plan.pod_dir / "stderr.log"
         self.stdout_path.write_bytes(b"")
@@ -489,6 +491,8 @@ class Pod:
                 value = value[:-1] if value.endswith("\n") else value
             elif "default" in source:
                 value = str(source["default"])
+            elif "valueFrom" not in param and param.get("value") is not None:  # a literal output value
+                value = str(param["value"])
             if value is not None:
                 found.append({**param, "value": value})
         return found

@@ -127,6 +127,9 @@ def template_outputs(template: dict, scope: dict) -> dict | None:
     out = []
     for param in params:
         source = param.get("valueFrom") or {}
+        if "valueFrom" not in param and param.get("value") is not None:  # a literal output value
+            out.append(dict(param))
+            continue
         try:
             if source.get("parameter") is not None:
                 value = resolve_var(str(source["parameter"]), scope)

@@ -60,8 +60,10 @@ def execute_steps(ctl: Controller, node_name: str, template: dict, opts: Opts, s
 def succeed_with_outputs(ctl: Controller, node: Node, template: dict, scope: dict[str, Any]) -> Node:
     """A steps or DAG node whose children all succeeded: its outputs resolved from their scope, then
     Succeeded, or Error when an output cannot be resolved."""
+    inputs = (template.get("inputs") or {}).get("parameters") or []  # Argo's createScope puts the inputs in
+    own = {f"inputs.parameters.{p['name']}": p.get("value") for p in inputs if p.get("value") is not None}
     try:
-        outputs = template_outputs(template, {**ctl.globals(), **scope})
+        outputs = template_outputs(template, {**ctl.globals(), **own, **scope})
     except UnresolvedOutput as err:
         return ctl.nodes.mark(node, ERROR, str(err))
     if outputs is not None:
