@@ -30,7 +30,9 @@ SCHEMA_DEFINITIONS = {
     "Script": ARGO + "ScriptTemplate", "EnvVar": CORE + "EnvVar", "EnvVarSource": CORE + "EnvVarSource",
     "VolumeMount": CORE + "VolumeMount", "Volume": CORE + "Volume",
     "PersistentVolumeClaim": CORE + "PersistentVolumeClaim", "ResourceTemplate": ARGO + "ResourceTemplate",
-    "SuspendTemplate": ARGO + "SuspendTemplate",
+    "SuspendTemplate": ARGO + "SuspendTemplate", "Synchronization": ARGO + "Synchronization",
+    "Mutex": ARGO + "Mutex", "SemaphoreRef": ARGO + "SemaphoreRef", "Memoize": ARGO + "Memoize",
+    "Cache": ARGO + "Cache",
 }  # fmt: skip
 
 
@@ -88,7 +90,7 @@ def test_scheduling_fields_are_accepted_and_recorded(tmp_path: Path):
         nodeSelector={"karpenter.sh/capacity-type": "spot"},
         tolerations=[{"key": "spot", "operator": "Exists"}],
         metrics={"prometheus": []},
-        synchronization={"mutex": {"name": "m"}},
+        synchronization={"mutexes": [{"name": "m"}]},
         metadata={"labels": {"a": "b"}},
     )
     manifest["spec"].update(podGC={"strategy": "OnPodSuccess"}, ttlStrategy={"secondsAfterCompletion": 10})

@@ -39,6 +39,7 @@ from pipelines.local.expressions import (
 )
 from pipelines.local.functions import go_json
 from pipelines.local.manifest import LEAF_TYPES, Workflow, merge_defaults, template_type
+from pipelines.local.memoize import MemoizeError, Memoizer
 from pipelines.local.pods import (
     DEADLINE_MESSAGE,
     PlanError,
@@ -46,6 +47,7 @@ from pipelines.local.pods import (
     PodOutcome,
     Termination,
     plan_pod,
+    read_progress,
     warm_start_candidates,
 )  # fmt: skip
 from pipelines.local.scope import add_node_ref, last_attempt, result_referenced
@@ -73,10 +75,13 @@ from pipelines.local.status import (
     write_json_atomic,
 )
 from pipelines.local.steps_template import execute_steps
+from pipelines.local.sync import LockError, LockManager
 from pipelines.local.warm import WarmStarter, warm_starts_enabled
 from steps.errors import MoerlError
 
 DEADLINE_EXCEEDED = "Step exceeded its deadline"
+WORKFLOW_HOLDER = "workflow"  # the holder of spec.synchronization's locks (node IDs hold the templates')
+NODE_TYPES = {"container": POD, "script": POD, "resource": POD, "steps": STEPS, "dag": DAG, "suspend": SUSPEND}
 IDLE_WAIT_SECONDS = 0.1  # the longest sleep between passes while nothing happens (see Executor.wait_for_pods)
 POLL_SECONDS = 0.02  # the sleep between passes while a pod can only be polled
 MAX_PASSES_WITHOUT_WAIT = 10  # passes in a row that changed something before a sleep anyway
@@ -101,6 +106,10 @@ def time_scale_from_env() -> float:
             f"MOERL_LOCAL_TIME_SCALE={raw!r}: expected a number above 0 (1 is real time, 0.01 is 100x faster backoffs)"
         )
     return scale
+
+
+class _WorkflowEnded(Exception):
+    """The workflow ended before its entrypoint ran (a lock that cannot be set up); the status says why."""
 
 
 class View(Protocol):
@@ -135,6 +144,10 @@ class Controller:
         self.global_outputs: dict[str, str] = {}
         self.exit_scope: dict[str, str] = {}  # workflow.status and workflow.failures, once main is done
         self.deadline: float | None = None
+        # mutexes and semaphores (sync.py), shared through the workdir with other runs
+        self.locks = LockManager(Path(workdir) / ".sync", workflow.namespace, workflow.configmaps)
+        self.lock_granted: set[str] = set()  # node IDs that waited for a lock, got it, and have yet to start
+        self.memo = Memoizer(Path(workdir) / ".memoize")
         self.now = time.time()
         self._last_status_write = 0.0
         self._globals: dict[str, Any] | None = None
@@ -180,17 +193,71 @@ class Controller:
                     continue
                 passes_without_wait = 0
                 self.wait_for_pods()
+        except _WorkflowEnded:
+            self.status.finished_at = time.time()
         except BaseException:  # Ctrl-C, or a bug: stop the pods and leave a status that says so
             self.abort("the local executor was interrupted")
             raise
         finally:
             self.stop_all_pods()
+            self.locks.release_all()
             if self.starter is not None:
                 self.starter.close()
             self.write_status(force=True)
             if self.view is not None:
                 self.view.finish(self)
         return self.status.to_argo(self.nodes)
+
+    def workflow_lock_acquired(self) -> bool:
+        """Argo's workflow-level synchronization: the workflow stays Pending, with the lock's message, until
+        it holds every lock of spec.synchronization (released when it ends)."""
+        sync = self.wf.spec.get("synchronization")
+        if not sync or self.locks.holding(WORKFLOW_HOLDER):
+            return True
+        try:
+            acquired, message = self.locks.try_acquire(WORKFLOW_HOLDER, sync)
+        except LockError as err:
+            self.status.phase, self.status.message = FAILED, f"Failed to acquire the synchronization lock. {err}"
+            raise _WorkflowEnded from err
+        if not acquired:
+            self.status.phase, self.status.message = PENDING, message
+            return False
+        self.status.phase, self.status.message = RUNNING, ""
+        return True
+
+    def settle_fulfilled_holders(self) -> None:
+        """Release the locks of nodes that have finished, and put the outputs of memoized nodes that
+        succeeded in their cache (Argo does both once it sees the node fulfilled)."""
+        for holder in list(self.locks.held):
+            node = self.nodes.get(holder)
+            if holder != WORKFLOW_HOLDER and (node is None or node.fulfilled):
+                self.locks.release(holder)
+        for id_ in list(self.memo.pending):
+            node = self.nodes.get(id_)
+            if node is not None and node.fulfilled:
+                self.memo.settle(node)
+
+    def wait_for_locks(self, node: Node | None, node_name: str, template: dict, call: Call, opts: Opts) -> Node | None:
+        """A template's synchronization: None once the node holds every lock; else its node, Pending with
+        Argo's waiting message (created as the node the template will run as)."""
+        id_ = node_id(self.wf.name, node_name)
+        try:
+            acquired, message = self.locks.try_acquire(id_, template["synchronization"])
+        except LockError as err:
+            return self.error_node(node, node_name, call, opts, str(err))
+        if acquired:
+            if node is not None and node.phase == PENDING:  # it waited: now it runs
+                node.message = ""
+                if node.type == POD:
+                    self.lock_granted.add(node.id)
+                else:
+                    node.phase = RUNNING
+            return None
+        if node is None:
+            kind = RETRY if self.retry_strategy(template) is not None else NODE_TYPES[template_type(template)]
+            return self.create_node(node_name, kind, template, opts, PENDING, message)
+        node.message = message
+        return node
 
     def apply_workflow_metadata(self) -> None:
         """Argo's updateWorkflowMetadata: spec.workflowMetadata's labels, annotations and labelsFrom
@@ -216,6 +283,9 @@ class Controller:
         """One reconciliation; True once the workflow has finished."""
         self._globals = None
         self.reconcile_pods()
+        self.settle_fulfilled_holders()
+        if not self.workflow_lock_acquired():
+            return False
         root = self.execute_template(
             self.wf.name,
             Call({"template": self.wf.spec["entrypoint"], "arguments": self.wf.spec.get("arguments") or {}}, "root"),
@@ -278,6 +348,7 @@ class Controller:
         if self.status_out is None or (not force and time.time() - self._last_status_write < 1.0):
             return
         self._last_status_write = time.time()
+        self.read_reported_progress()
         write_json_atomic(self.status_out, self.status.to_argo(self.nodes))
 
     # ------------------------------------------------------------------------- pods
@@ -322,6 +393,7 @@ class Controller:
             if outcome is None:
                 continue
             del self.pods[id_]
+            node.reported_progress = read_progress(pod.plan.pod_dir)
             if pod.injection is not None and self.chaos is not None:
                 if pod.injection.fired:
                     self.hit.add(id_)
@@ -329,6 +401,13 @@ class Controller:
                     self.chaos.missed(pod.injection)
             if not node.fulfilled:
                 self.apply_outcome(node, outcome)
+
+    def read_reported_progress(self) -> None:
+        """What the running pods wrote to their ARGO_PROGRESS_FILE (read when the status is written)."""
+        for id_, pod in self.pods.items():
+            node = self.nodes.get(id_)
+            if node is not None:
+                node.reported_progress = read_progress(pod.plan.pod_dir) or node.reported_progress
 
     def enforce(self, node: Node, pod: Pod, now: float) -> None:
         past_workflow_deadline = self.deadline is not None and now > self.deadline
@@ -505,10 +584,36 @@ class Controller:
             return self.error_node(node, node_name, call, opts, str(err))
         if node is None and self.boundary_parallelism_reached(opts.boundary_id):
             return None
+        if processed.get("synchronization") and not self.locks.holding(node_id(self.wf.name, node_name)):
+            waiting = self.wait_for_locks(node, node_name, processed, call, opts)
+            if waiting is not None:
+                return waiting
+            node = self.nodes.by_name(node_name)
+        if processed.get("memoize") and (node is None or node.id in self.lock_granted or node.phase == PENDING):
+            try:
+                hit = self.memo.lookup(processed["memoize"])
+            except MemoizeError as err:
+                return self.error_node(node, node_name, call, opts, str(err))
+            if hit is not None:
+                return self.cache_hit_node(node, node_name, processed, opts, hit)
         retry = self.retry_strategy(processed)
         if retry is None:
-            return self.dispatch(node_name, processed, call, opts, scope)
-        return self.execute_retries(node, node_name, processed, call, opts, scope, retry)
+            started = self.dispatch(node_name, processed, call, opts, scope)
+        else:
+            started = self.execute_retries(node, node_name, processed, call, opts, scope, retry)
+        if started is not None and processed.get("memoize") and started.memoization is None:
+            started.memoization = self.memo.miss(started, processed["memoize"])
+        return started
+
+    def cache_hit_node(self, node: Node | None, node_name: str, template: dict, opts: Opts, hit: dict) -> Node:
+        """Argo's initializeCacheHitNode: the node, Succeeded at once with the cached outputs."""
+        if node is None:
+            node = self.create_node(node_name, NODE_TYPES[template_type(template)], template, opts, RUNNING)
+        self.lock_granted.discard(node.id)
+        node.outputs = hit["outputs"]
+        node.memoization = {"hit": True, "key": hit["key"], "cacheName": hit["cacheName"]}
+        self.add_global_outputs(node.outputs)
+        return self.nodes.mark(node, SUCCEEDED, "")
 
     def dispatch(self, node_name: str, template: dict, call: Call, opts: Opts, scope: Any) -> Node | None:
         kind = template_type(template)
@@ -651,12 +756,15 @@ class Controller:
 
     def execute_pod(self, node_name: str, template: dict, opts: Opts) -> Node | None:
         node = self.nodes.by_name(node_name)
-        if node is not None:
+        if node is not None and node.id not in self.lock_granted:
             return node
         parallelism = self.wf.spec.get("parallelism")
-        if parallelism is not None and self.active_pods() >= int(parallelism):
+        if parallelism is not None and self.active_pods() >= int(parallelism) + (node is not None):
             return None
-        node = self.create_node(node_name, POD, template, opts, PENDING)
+        if node is None:
+            node = self.create_node(node_name, POD, template, opts, PENDING)
+        else:  # it waited for a lock (sync.py) and holds it now
+            self.lock_granted.discard(node.id)
         if self.deadline is not None and time.time() > self.deadline and not opts.on_exit:
             return self.nodes.mark(node, FAILED, DEADLINE_EXCEEDED)
         self.start_pod(node, template, opts)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import copy
 import random
 import re
+import shlex
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -106,8 +107,8 @@ SHAPES: dict[str, dict[str, Any]] = {
         "plugin": Unsupported("plugin templates run in Argo's agent pod"),
         "failFast": Unsupported("template-level failFast is not implemented; use dag.failFast"),
         **{name: RECORDED for name in SCHEDULING + [
-            "metadata", "archiveLocation", "memoize", "pendingTimeout", "annotations"]},
-        "timeout": RUN,
+            "metadata", "archiveLocation", "pendingTimeout", "annotations"]},
+        "timeout": RUN, "memoize": "Memoize",
     },
     "WorkflowStep": {
         "name": RUN, "template": RUN, "templateRef": "TemplateRef", "arguments": "Arguments", "when": RUN,
@@ -178,7 +179,13 @@ SHAPES: dict[str, dict[str, Any]] = {
         "manifestFrom": NO_ARTIFACTS,
     },
     "SuspendTemplate": {"duration": RUN},
+    "Synchronization": {"mutexes": ("list", "Mutex"), "semaphores": ("list", "SemaphoreRef")},
+    "Mutex": {"name": RUN, "namespace": RUN, "database": RUN},
+    "SemaphoreRef": {"configMapKeyRef": RUN, "namespace": RUN, "database": RUN},
+    "Memoize": {"key": RUN, "maxAge": RUN, "cache": "Cache"},
+    "Cache": {"configMap": RUN},  # the ConfigMap's name names the cache file under <workdir>/.memoize/
 }  # fmt: skip
+SHAPES["WorkflowSpec"]["synchronization"] = SHAPES["Template"]["synchronization"] = "Synchronization"
 SHAPES["Script"] = {**SHAPES["Container"], "source": RUN}
 SHAPES["DAGTask"] = {**SHAPES["WorkflowStep"], "dependencies": RUN, "depends": RUN}
 SHAPES["WorkflowTemplate"] = {k: v for k, v in SHAPES["Workflow"].items() if k != "status"}
@@ -202,6 +209,9 @@ class Workflow:
     # Templates reachable through templateRef: (cluster scope?, WorkflowTemplate name) -> templates by name
     library: dict[tuple[bool, str], dict[str, dict]] = field(default_factory=dict)
     source: Path | None = None
+    # image -> the host command its ENTRYPOINT stands for (`--entrypoint IMAGE=COMMAND`), for containers without one
+    entrypoints: dict[str, list[str]] = field(default_factory=dict)
+    configmaps: dict[str, dict[str, str]] = field(default_factory=dict)  # ConfigMap name -> data (synchronization)
 
     @property
     def templates(self) -> dict[str, dict]:
@@ -212,8 +222,14 @@ def load_workflow(
     manifest: str | Path | dict,
     parameters: dict[str, str] | None = None,
     name: str | None = None,
+    entrypoints: dict[str, list[str]] | None = None,
+    configmap_files: list[Path] | None = None,
 ) -> Workflow:
-    """Read, resolve and validate a manifest; raises MoerlError naming the first problem."""
+    """Read, resolve and validate a manifest; raises MoerlError naming the first problem.
+
+    entrypoints: image -> host command, run for a container of that image that gives no command (the
+    image's ENTRYPOINT, which is not known here). configmap_files: YAML files of ConfigMaps (the semaphores'
+    limits), read with those in the manifest's file and beside it."""
     source = None
     if isinstance(manifest, dict):
         documents = [manifest]
@@ -237,6 +253,16 @@ def load_workflow(
             key = (doc["kind"] == "ClusterWorkflowTemplate", str((doc.get("metadata") or {}).get("name")))
             library_docs[key] = (origin, doc)
 
+    configmaps: dict[str, dict[str, str]] = {}
+    given = [(str(f), d) for f in configmap_files or [] for d in _read_documents(f)]
+    for _, doc in siblings + others + given:  # a file given with --configmap wins
+        if doc.get("kind") == "ConfigMap":
+            data = doc.get("data") or {}
+            configmaps[str((doc.get("metadata") or {}).get("name"))] = {str(k): str(v) for k, v in data.items()}
+    for origin, doc in given:
+        if doc.get("kind") != "ConfigMap":
+            raise MoerlError(f"--configmap {origin}: a {doc.get('kind')} in it; give a file of ConfigMap documents")
+
     check_fields(main, main["kind"], "")
     if main.get("apiVersion") != API_VERSION:
         raise MoerlError(f"{where}: apiVersion is {main.get('apiVersion')!r}; Argo manifests use {API_VERSION}")
@@ -249,7 +275,8 @@ def load_workflow(
     spec = _merge_workflow_template_ref(spec, library_docs, where)
     library = _template_library(spec, library_docs)
     _apply_parameters(spec, parameters or {}, where)
-    validate_spec(spec, library, where)
+    validate_spec(spec, library, where, entrypoints or {})
+    _check_synchronization(spec, library, configmaps, where)
 
     if name is None:  # a Workflow keeps its name; a template or cron workflow gets a generated one
         name = metadata.get("name") if main["kind"] == "Workflow" else None
@@ -264,6 +291,8 @@ def load_workflow(
         spec=spec,
         library=library,
         source=source,
+        entrypoints=dict(entrypoints or {}),
+        configmaps=configmaps,
     )
 
 
@@ -289,7 +318,7 @@ def _read_documents(path: Path) -> list[dict]:
 
 
 def _sibling_templates(path: Path) -> list[tuple[str, dict]]:
-    """WorkflowTemplates in the files beside the manifest (unreadable files are skipped: they only
+    """WorkflowTemplates (and ConfigMaps) in the files beside the manifest (unreadable files are skipped: they only
     matter if referenced, and then the missing reference is reported)."""
     found = []
     for sibling in sorted(path.parent.glob("*.y*ml")):
@@ -302,9 +331,56 @@ def _sibling_templates(path: Path) -> list[tuple[str, dict]]:
         found += [
             (str(sibling), d)
             for d in docs
-            if isinstance(d, dict) and d.get("kind") in ("WorkflowTemplate", "ClusterWorkflowTemplate")
+            if isinstance(d, dict) and d.get("kind") in ("WorkflowTemplate", "ClusterWorkflowTemplate", "ConfigMap")
         ]
     return found
+
+
+def _check_synchronization(spec: dict, library: dict, configmaps: dict[str, dict[str, str]], where: str) -> None:
+    """Each semaphore's limit must be readable before the run starts: from a ConfigMap beside the manifest
+    or given with --configmap (Argo reads it from the cluster); a database lock has no database here."""
+    holders = [("spec", spec)] + [
+        (f"spec.templates[{i}] ({t.get('name')!r})", t) for i, t in enumerate(spec.get("templates") or [])
+    ]
+    holders += [(f"WorkflowTemplate {key[1]}.templates.{n}", t) for key, ts in library.items() for n, t in ts.items()]
+    for path, holder in holders:
+        sync = holder.get("synchronization")
+        if not sync:
+            continue
+        for i, mutex in enumerate(sync.get("mutexes") or []):
+            if (mutex or {}).get("database"):
+                raise MoerlError(
+                    f"unsupported: synchronization.mutexes[{i}].database at {path}: there is no synchronization "
+                    f"database here; drop database: true (the mutex is then kept by this machine)"
+                )
+            if not (mutex or {}).get("name"):
+                raise MoerlError(f"{where}: {path}.synchronization.mutexes[{i}].name is required")
+        for i, semaphore in enumerate(sync.get("semaphores") or []):
+            semaphore = semaphore or {}
+            if semaphore.get("database"):
+                raise MoerlError(
+                    f"unsupported: synchronization.semaphores[{i}].database at {path}: there is no synchronization "
+                    f"database here; use configMapKeyRef and --configmap FILE"
+                )
+            ref = semaphore.get("configMapKeyRef") or {}
+            name, key = ref.get("name"), ref.get("key")
+            if not name or not key:
+                raise MoerlError(
+                    f"{where}: {path}.synchronization.semaphores[{i}]: configMapKeyRef with name and key is required"
+                )
+            if "{{" in f"{name}{key}":
+                continue  # resolved when the template runs; a missing ConfigMap then errors its node
+            limit = (configmaps.get(str(name)) or {}).get(str(key))
+            if limit is None:
+                raise MoerlError(
+                    f"{where}: {path}.synchronization.semaphores[{i}] reads its limit from ConfigMap {name!r} key "
+                    f"{key!r}, which is not given; pass --configmap FILE with that ConfigMap (data: {{{key}: \"1\"}}) "
+                    f"or put it beside the manifest"
+                )
+            if not str(limit).strip().isdigit():
+                raise MoerlError(
+                    f"{where}: ConfigMap {name!r} key {key!r} is {limit!r}; a semaphore's limit is a whole number"
+                )
 
 
 def _merge_workflow_template_ref(spec: dict, library_docs: dict, where: str) -> dict:
@@ -450,7 +526,22 @@ def _deep_merge(base: dict, override: dict) -> dict:
     return out
 
 
-def validate_spec(spec: dict, library: dict, where: str) -> None:
+def parse_entrypoint(item: str) -> tuple[str, list[str]]:
+    """`IMAGE=COMMAND` of `moerl local --entrypoint`: the image as the manifest names it, the command as a
+    shell would split it."""
+    image, sep, command = item.partition("=")
+    try:
+        argv = shlex.split(command)
+    except ValueError:
+        argv = []
+    if not sep or not image.strip() or not argv:
+        raise MoerlError(
+            f"--entrypoint {item!r}: expected IMAGE=COMMAND, e.g. --entrypoint 'busybox=sh -c'"
+        )
+    return image.strip(), argv
+
+
+def validate_spec(spec: dict, library: dict, where: str, entrypoints: dict[str, list[str]] | None = None) -> None:
     """Argo's submit-time validation, for what can go wrong before anything runs."""
     templates = spec.get("templates") or []
     by_name: dict[str, dict] = {}
@@ -464,7 +555,7 @@ def validate_spec(spec: dict, library: dict, where: str) -> None:
     entrypoint = spec.get("entrypoint")
     if not entrypoint:
         raise MoerlError(f"{where}: spec.entrypoint is required; name the template to start with")
-    check = _Checker(spec, by_name, library, where)
+    check = _Checker(spec, by_name, library, where, entrypoints or {})
     check.reference({"template": entrypoint}, "spec.entrypoint", spec.get("arguments") or {})
     if spec.get("onExit"):
         check.reference({"template": spec["onExit"]}, "spec.onExit", {})
@@ -487,8 +578,9 @@ def validate_spec(spec: dict, library: dict, where: str) -> None:
 
 
 class _Checker:
-    def __init__(self, spec: dict, by_name: dict, library: dict, where: str):
+    def __init__(self, spec: dict, by_name: dict, library: dict, where: str, entrypoints: dict[str, list[str]]):
         self.spec = spec
+        self.entrypoints = entrypoints
         self.by_name = by_name
         self.library = library
         self.where = where
@@ -611,11 +703,8 @@ class _Checker:
             self.retry_strategy(template["retryStrategy"], f"{path}.retryStrategy")
         if kind in ("container", "script") and not (template[kind] or {}).get("image"):
             self.fail(f"templates.{name}.{kind}.image may not be empty")
-        if kind in ("container", "script") and not (template[kind] or {}).get("command"):
-            raise MoerlError(
-                f"unsupported: {kind} without command at {path}: the image's entrypoint is not known here; "
-                f"give {kind}.command"
-            )
+        if kind in ("container", "script"):
+            self.command(template[kind] or {}, f"{path}.{kind}")
         if kind == "suspend" and not (template["suspend"] or {}).get("duration"):
             raise MoerlError(
                 f"unsupported: suspend without duration at {path}: it waits for `argo resume`; give suspend.duration"
@@ -645,6 +734,17 @@ class _Checker:
             self.steps(template, path)
         if kind == "dag":
             self.dag(template, path)
+
+    def command(self, container: dict, path: str) -> None:
+        """A container without `command` runs its image's ENTRYPOINT, which only the image knows."""
+        image = str(container.get("image") or "")
+        if container.get("command") or image in self.entrypoints:
+            return
+        raise MoerlError(
+            f"unsupported: container without command at {path}: image {image!r} would run its own ENTRYPOINT, "
+            f"which is not known here; give command, or map the image to a host command with "
+            f"`moerl local --entrypoint '{image}=COMMAND'`"
+        )
 
     def volume(self, volume: dict, path: str) -> None:
         if not volume.get("name"):
@@ -690,11 +790,7 @@ class _Checker:
                     f"{path}.manifest: exactly one (the trainer) is run"
                 )
             check_fields(containers[0], "Container", f"{path}.manifest.{role}.containers[0]")
-            if not containers[0].get("command"):
-                raise MoerlError(
-                    f"unsupported: container without command at {path}.manifest.{role}: the image's entrypoint "
-                    f"is not known here; give command"
-                )
+            self.command(containers[0], f"{path}.manifest.{role}.containers[0]")
 
     def call(self, step: dict, path: str) -> None:
         self.reference(step, path, step.get("arguments") or {})

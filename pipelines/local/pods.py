@@ -135,10 +135,12 @@ def plan_pod(
 
     command = [str(c) for c in container.get("command") or []]
     args = [str(a) for a in container.get("args") or []]
+    if not command:  # the image's ENTRYPOINT, as the user mapped it (--entrypoint IMAGE=COMMAND)
+        command = list(workflow.entrypoints.get(str(container.get("image", ""))) or [])
     if not command:
         raise PlanError(
             f"container of template {template.get('name')!r} has no command; the image's entrypoint "
-            f"is not known here, so give container.command"
+            f"is not known here, so give container.command or --entrypoint IMAGE=COMMAND"
         )
     argv = [sandbox.rewrite(a) for a in command + args]
     argv[0] = host_program(argv[0])
@@ -149,7 +151,8 @@ def plan_pod(
     if job is not None:
         argv = pytorchjob.torchrun_argv(argv, job.world_size)
 
-    env = {"MOERL_LOCAL_SANDBOX": str(sandbox.root)}
+    # ARGO_PROGRESS_FILE: the pod may write "N/M" there, which becomes its node's progress (as Argo's executor reads it)
+    env = {"MOERL_LOCAL_SANDBOX": str(sandbox.root), "ARGO_PROGRESS_FILE": str(pod_dir / "progress")}
     for entry in container.get("env") or []:
         env[entry["name"]] = sandbox.rewrite(_env_value(entry, pod_name, workflow))
     working_dir = container.get("workingDir")
@@ -533,3 +536,15 @@ def _pidfd(pid: int) -> int | None:
         return os.pidfd_open(pid)
     except (AttributeError, OSError):
         return None
+
+
+def read_progress(pod_dir: Path) -> tuple[int, int] | None:
+    """The "N/M" a pod wrote to its ARGO_PROGRESS_FILE, if it wrote a valid one (0 <= N <= M, M > 0)."""
+    try:
+        text = (pod_dir / "progress").read_text().strip()
+    except OSError:
+        return None
+    done, sep, total = text.partition("/")
+    if not sep or not done.isdigit() or not total.isdigit() or not 0 <= int(done) <= int(total) or int(total) == 0:
+        return None
+    return int(done), int(total)
