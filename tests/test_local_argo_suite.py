@@ -1,0 +1,521 @@
+"""`moerl local` held to Argo's own test suite (argoproj/argo-workflows v4.1.2: examples/ and the workflows
+test/e2e/*_test.go submits). Each test names the upstream workflow that showed the rule and the Argo source
+that defines it. Upstream files are read from ../shared/argo/examples where that selection has them;
+otherwise the test writes the smallest workflow that reproduces the rule (no upstream file is copied here)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pipelines.local import run_workflow
+from pipelines.local.cli import main as cli_main
+from pipelines.local.manifest import load_workflow, parse_entrypoint
+from pipelines.local.status import pod_name
+from pipelines.local.sync import LockManager
+from steps.errors import MoerlError
+
+# argoproj/argosay's ENTRYPOINT is `/argosay`: `argosay echo X` prints X, `argosay sleep 30s` sleeps.
+ARGOSAY = 'sh -c \'case $0 in echo) echo "$@";; sleep) sleep "${1%s}";; exit) exit "$1";; esac\''
+
+
+@pytest.fixture(autouse=True)
+def fast_waits(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MOERL_LOCAL_TIME_SCALE", "0.01")  # backoffs and grace periods
+
+
+def workflow(templates: list[dict], entrypoint: str = "main", **spec) -> dict:
+    return {
+        "apiVersion": "argoproj.io/v1alpha1",
+        "kind": "Workflow",
+        "metadata": {"generateName": "t-"},
+        "spec": {"entrypoint": entrypoint, "templates": templates, **spec},
+    }
+
+
+def sh(name: str, script: str, **fields) -> dict:
+    return {"name": name, "container": {"image": "alpine", "command": ["sh", "-c", script]}, **fields}
+
+
+def run(manifest: dict | Path, tmp_path: Path, **kwargs):
+    result = run_workflow(manifest, workdir=tmp_path / "runs", view=None, **kwargs)
+    nodes = {n["displayName"]: n for n in result.status["nodes"].values()}
+    return result, nodes
+
+
+def stdout(result, node: dict) -> str:
+    pod_dir = result.run_dir / "pods" / pod_name(result.name, node["name"], node["templateName"])
+    return (pod_dir / "stdout.log").read_text()
+
+
+def output(node: dict, name: str) -> str:
+    return next(p["value"] for p in node["outputs"]["parameters"] if p["name"] == name)
+
+
+def argosay() -> dict[str, list[str]]:
+    return dict(
+        [parse_entrypoint(f"argoproj/argosay:v2={ARGOSAY}"), parse_entrypoint(f"argoproj/argosay:v1={ARGOSAY}")]
+    )
+
+
+# ----------------------------------------------------------------------------- scripts
+
+
+def test_a_script_is_staged_executable_so_sh_c_runs_it(tmp_path):
+    """examples/scripts-bash.yaml and test/e2e/functional/retry-script.yaml run `command: [sh, -c]` with the
+    script's path as the argument, which sh execs: Argo stages the file 0755 (workflow/executor/executor.go
+    StageFiles), so it runs instead of exiting 126."""
+    manifest = workflow(
+        [
+            {"name": "main", "steps": [[{"name": "generate", "template": "gen"}]]},
+            {"name": "gen", "script": {"image": "alpine", "command": ["sh", "-c"], "source": "echo 42\n"}},
+        ]
+    )
+    result, nodes = run(manifest, tmp_path)
+    assert result.phase == "Succeeded", nodes["generate"].get("message")
+    assert stdout(result, nodes["generate"]) == "42\n"
+    pod_dir = result.run_dir / "pods" / pod_name(result.name, nodes["generate"]["name"], "gen")
+    assert (pod_dir / "script").stat().st_mode & 0o777 == 0o755
+
+
+def test_an_empty_script_source_gets_no_script_path(tmp_path):
+    """test/e2e/functional/loops-empty-param.yaml's gen-number-list is a script with no source: Argo appends the
+    script's path to the args only for a non-empty source (workflow/controller/operator.go executeScript)."""
+    manifest = workflow([{"name": "main", "script": {"image": "alpine", "command": ["echo"], "args": ["[]"]}}])
+    result, nodes = run(manifest, tmp_path)
+    assert result.phase == "Succeeded"
+    assert stdout(result, nodes[result.name]) == "[]\n"
+
+
+# ----------------------------------------------------------------------------- loops
+
+
+def empty_param_workflow(kind: str, generated: str) -> dict:
+    """The shape of test/e2e/functional/loops-empty-param.yaml (steps) and dag-empty-param.yaml (DAG)."""
+    gen = {"name": "gen-number-list", "script": {"image": "argoproj/argosay:v2", "args": ["echo", generated]}}
+    sleep = {
+        "name": "sleep-n-sec",
+        "inputs": {"parameters": [{"name": "seconds"}]},
+        "container": {
+            "image": "argoproj/argosay:v1",
+            "command": ["sh", "-c"],
+            "args": ["echo sleeping for {{inputs.parameters.seconds}} seconds; echo done"],
+        },
+    }
+    call = {
+        "name": "sleep",
+        "template": "sleep-n-sec",
+        "arguments": {"parameters": [{"name": "seconds", "value": "{{item}}"}]},
+    }
+    if kind == "steps":
+        call["withParam"] = "{{steps.generate.outputs.result}}"
+        main = {"name": "main", "steps": [[{"name": "generate", "template": "gen-number-list"}], [call]]}
+    else:
+        call.update(withParam="{{tasks.generate.outputs.result}}", dependencies=["generate"])
+        main = {"name": "main", "dag": {"tasks": [{"name": "generate", "template": "gen-number-list"}, call]}}
+    return workflow([main, gen, sleep])
+
+
+@pytest.mark.parametrize(("kind", "node_count"), [("steps", 5), ("dag", 3)])
+def test_an_empty_with_param_skips_the_step(tmp_path, kind, node_count):
+    """TestLoopEmptyParam / TestDAGEmptyParam (test/e2e/functional_test.go): `[]` gives a Skipped node
+    "Skipped, empty params" and the workflow Succeeds (workflow/controller/steps.go expandStepGroup,
+    dag.go). The generator runs argosay without a command, through --entrypoint."""
+    result, nodes = run(empty_param_workflow(kind, "[]"), tmp_path, entrypoints=argosay())
+    assert result.phase == "Succeeded"
+    assert len(result.status["nodes"]) == node_count
+    assert (nodes["sleep"]["phase"], nodes["sleep"]["message"]) == ("Skipped", "Skipped, empty params")
+
+
+@pytest.mark.parametrize("kind", ["steps", "dag"])
+def test_a_with_param_that_is_not_a_json_list_errors_and_does_not_hang(tmp_path, kind):
+    """Argo: "withParam value could not be parsed as a JSON list" (workflow/controller/steps.go expandStep,
+    dag.go expandTask); the step does not run with `{{item}}` left in it, and a DAG ends."""
+    result, nodes = run(empty_param_workflow(kind, "not-json"), tmp_path, entrypoints=argosay())
+    assert result.phase in ("Failed", "Error")
+    erred = nodes["sleep"] if kind == "dag" else nodes["[1]"]
+    assert erred["phase"] == "Error"
+    assert erred["message"].startswith("withParam value could not be parsed as a JSON list: not-json")
+    assert not any(n.get("templateName") == "sleep-n-sec" and n["type"] == "Pod" for n in result.status["nodes"].values())
+
+
+# ----------------------------------------------------------------------------- timeouts and retries
+
+
+def test_template_timeout_stops_the_pod_like_its_active_deadline(tmp_path):
+    """TestTemplateLevelTimeout (test/e2e/functional_test.go), examples/step-level-timeout.yaml and
+    dag-task-level-timeout.yaml: `timeout: "{{inputs.parameters.x}}"` becomes the pod's activeDeadlineSeconds,
+    counted from the node's start (workflow/controller/operator.go checkTemplateTimeouts, workflowpod.go)."""
+    sleep = {
+        "name": "sleep",
+        "timeout": "{{inputs.parameters.timeout}}",
+        "inputs": {"parameters": [{"name": "timeout"}, {"name": "seconds"}]},
+        "container": {"image": "alpine", "command": ["sleep", "{{inputs.parameters.seconds}}"]},
+    }
+
+    def task(name: str, timeout: str, seconds: str, **fields) -> dict:
+        arguments = {"parameters": [{"name": "timeout", "value": timeout}, {"name": "seconds", "value": seconds}]}
+        return {"name": name, "template": "sleep", "arguments": arguments, **fields}
+
+    dag = {"name": "main", "dag": {"tasks": [task("A", "60s", "0"), task("B", "1s", "60", depends="A")]}}
+    result, nodes = run(workflow([dag, sleep]), tmp_path)
+    assert result.phase == "Failed"
+    assert nodes["A"]["phase"] == "Succeeded"
+    assert (nodes["B"]["phase"], nodes["B"]["message"]) == (
+        "Failed",
+        "Pod was active on the node longer than the specified deadline",
+    )
+
+
+def test_an_empty_retry_strategy_retries_until_success(tmp_path):
+    """`retryStrategy: {}` retries without limit (docs/retries.md; workflow/controller/operator.go makes a
+    Retry node for any non-nil strategy, retryStrategy() returns it, and processNodeRetries has no limit)."""
+    counter = tmp_path / "attempts"
+    flaky = sh("flaky", f"echo x >> {counter}; [ $(wc -l < {counter}) -ge 3 ]", retryStrategy={})
+    result, nodes = run(workflow([flaky], entrypoint="flaky"), tmp_path)
+    assert result.phase == "Succeeded"
+    assert nodes[result.name]["type"] == "Retry"
+    attempts = [n for n in result.status["nodes"].values() if n["type"] == "Pod"]
+    assert [n["phase"] for n in sorted(attempts, key=lambda n: n["name"])] == ["Failed", "Failed", "Succeeded"]
+
+
+# ----------------------------------------------------------------------------- scopes
+
+
+def test_output_expressions_of_steps_templates_see_their_inputs(tmp_path):
+    """examples/fibonacci-seq-conditional-param.yaml: a steps template's output expression reads
+    `inputs.parameters.num` (workflow/controller/scope.go createScope puts the inputs in the scope that
+    getTemplateOutputsFromScope resolves against)."""
+    fib = {
+        "name": "fibonacci",
+        "inputs": {"parameters": [{"name": "num"}]},
+        "steps": [[{"name": "helper", "template": "echo", "when": "{{inputs.parameters.num}} != 1"}]],
+        "outputs": {
+            "parameters": [
+                {
+                    "name": "fib",
+                    "valueFrom": {
+                        "expression": "asInt(inputs.parameters.num) == 1 ? 1 : steps['helper'].outputs.result"
+                    },
+                }
+            ]
+        },
+    }
+    main = {
+        "name": "main",
+        "steps": [
+            [
+                {"name": "one", "template": "fibonacci", "arguments": {"parameters": [{"name": "num", "value": "1"}]}},
+                {"name": "two", "template": "fibonacci", "arguments": {"parameters": [{"name": "num", "value": "2"}]}},
+            ]
+        ],
+    }
+    echo = sh("echo", "echo 7")
+    result, nodes = run(workflow([main, fib, echo]), tmp_path)
+    assert result.phase == "Succeeded", result.message
+    assert output(nodes["one"], "fib") == "1"
+    assert output(nodes["two"], "fib") == "7"
+
+
+def test_workflow_metadata_labels_are_workflow_labels(tmp_path):
+    """{{workflow.labels.NAME}} of spec.workflowMetadata.labels and labelsFrom (examples/label-value-from-
+    workflow.yaml; workflow/controller/operator.go updateWorkflowMetadata)."""
+    manifest = workflow(
+        [sh("main", "echo {{workflow.labels.team}} {{workflow.labels.foo}}")],
+        arguments={"parameters": [{"name": "foo", "value": "bar"}]},
+        workflowMetadata={"labels": {"team": "rl"}, "labelsFrom": {"foo": {"expression": "workflow.parameters.foo"}}},
+    )
+    result, nodes = run(manifest, tmp_path)
+    assert result.phase == "Succeeded"
+    assert stdout(result, nodes[result.name]) == "rl bar\n"
+
+
+def test_null_arguments_parameters_are_no_parameters(tmp_path):
+    """`arguments: {parameters: null}` (YAML `parameters:` with nothing after it) decodes to no parameters
+    in Argo (Go's nil slice); it used to raise TypeError (pipelines/local/manifest.py)."""
+    result, _ = run(workflow([sh("main", "true")], arguments={"parameters": None}), tmp_path)
+    assert result.phase == "Succeeded"
+
+
+def test_a_literal_output_value_and_an_image_from_template_defaults(tmp_path):
+    """An output parameter with a literal `value` (workflow/validate/validate.go validateOutputParameter
+    accepts value or valueFrom), and a template whose image and command come from spec.templateDefaults
+    (test/e2e/functional/template-default-image.yaml; operator.go mergedTemplateDefaultsInto)."""
+    main = {
+        "name": "main",
+        "steps": [[{"name": "c", "template": "c"}]],
+        "outputs": {"parameters": [{"name": "fixed", "value": "v"}]},
+    }
+    c = {
+        "name": "c",
+        "container": {"args": ["echo from-defaults"]},
+        "outputs": {"parameters": [{"name": "p", "value": "q"}]},
+    }
+    manifest = workflow([main, c], templateDefaults={"container": {"image": "alpine", "command": ["sh", "-c"]}})
+    result, nodes = run(manifest, tmp_path)
+    assert result.phase == "Succeeded", result.message
+    assert stdout(result, nodes["c"]) == "from-defaults\n"
+    assert output(nodes["c"], "p") == "q" and output(nodes[result.name], "fixed") == "v"
+
+
+# ----------------------------------------------------------------------------- progress
+
+
+def test_progress_counts_failed_pods_as_not_done_and_reads_argo_progress_file(tmp_path):
+    """Argo's progress (workflow/progress/updater.go UpdateProgress): a pod is 0/1 until Succeeded (a Failed
+    one stays 0/1), or what it wrote to $ARGO_PROGRESS_FILE (workflow/executor/executor.go monitorProgress)."""
+    main = {
+        "name": "main",
+        "steps": [
+            [
+                {"name": "bad", "template": "bad", "continueOn": {"failed": True}},
+                {"name": "partial", "template": "partial", "continueOn": {"failed": True}},
+                {"name": "good", "template": "good"},
+            ]
+        ],
+    }
+    templates = [
+        main,
+        sh("bad", "exit 1"),
+        sh("partial", 'echo 3/10 > "$ARGO_PROGRESS_FILE"; exit 1'),
+        sh("good", "true"),
+    ]
+    result, nodes = run(workflow(templates), tmp_path)
+    assert result.phase == "Succeeded"
+    assert nodes["bad"]["progress"] == "0/1"
+    assert nodes["partial"]["progress"] == "3/10"
+    assert nodes["good"]["progress"] == "1/1"
+    assert result.status["progress"] == "4/12"
+
+
+# ----------------------------------------------------------------------------- crashes and leaks
+
+
+def test_pods_whose_descriptors_are_numbered_over_1024_are_waited_for(tmp_path):
+    """Over ~1,000 concurrent pods the pidfds are numbered 1024 and up, which select() cannot take
+    ("ValueError: filedescriptor out of range in select()"); the executor polls them instead."""
+    held = []
+    try:
+        while not held or held[-1] < 1100:
+            held.append(os.open(os.devnull, os.O_RDONLY))
+        result, _ = run(workflow([sh("main", "sleep 0.2")]), tmp_path, warm_start=False)
+    finally:
+        for fd in held:
+            os.close(fd)
+    assert result.phase == "Succeeded"
+
+
+def test_sigterm_to_moerl_local_stops_every_pod(tmp_path):
+    """SIGTERM to `moerl local` while pods run stops their process groups before it exits (143), as Ctrl-C
+    does; it used to leave the pods running."""
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    manifest = workflow(
+        [
+            {"name": "main", "steps": [[{"name": f"s{i}", "template": "sleeper"} for i in range(3)]]},
+            sh("sleeper", f"echo $$ > {pids}/$$; sleep 600"),
+        ]
+    )
+    path = tmp_path / "wf.yaml"
+    path.write_text(yaml.safe_dump(manifest))
+    code = "import sys; from pipelines.cli import main; sys.exit(main())"
+    process = subprocess.Popen(
+        [sys.executable, "-c", code, "local", str(path), "--workdir", str(tmp_path / "w"), "--cold-start"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 120
+    while len(list(pids.iterdir())) < 3 and time.monotonic() < deadline and process.poll() is None:
+        time.sleep(0.05)
+    started = [int(p.name) for p in pids.iterdir()]
+    assert len(started) == 3
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=120) == 143
+    for pid in started:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+# ----------------------------------------------------------------------------- containers without a command
+
+
+def test_a_container_without_command_is_refused_with_the_fix_named(tmp_path):
+    """204 of Argo's 600 workflow files run the image's ENTRYPOINT (no `command`), e.g. examples/dag-daemon-
+    task.yaml's influxdb; which program that is only the image knows. Refused before anything runs, naming
+    both fixes."""
+    manifest = workflow([{"name": "main", "container": {"image": "argoproj/argosay:v2", "args": ["echo", "hi"]}}])
+    with pytest.raises(MoerlError) as err:
+        load_workflow(manifest)
+    assert "container without command" in str(err.value)
+    assert "--entrypoint 'argoproj/argosay:v2=COMMAND'" in str(err.value)
+
+
+def test_entrypoint_maps_an_image_to_a_host_command(tmp_path, capsys):
+    """`moerl local --entrypoint IMAGE=COMMAND`: the container's args follow the mapped command."""
+    path = tmp_path / "wf.yaml"
+    path.write_text(
+        yaml.safe_dump(
+            workflow([{"name": "main", "container": {"image": "argoproj/argosay:v2", "args": ["echo", "hi"]}}])
+        )
+    )
+    args = argparse.Namespace(
+        manifest=path, parameter=[], chaos=None, status_out=tmp_path / "s.json", workdir=tmp_path / "w",
+        cold_start=False, entrypoint=[f"argoproj/argosay:v2={ARGOSAY}"], configmap=[],
+    )  # fmt: skip
+    assert cli_main(args) == 0
+    status = json.loads((tmp_path / "s.json").read_text())
+    pod_dir = next((tmp_path / "w").glob("*/pods/*"))
+    assert status["phase"] == "Succeeded"
+    assert (pod_dir / "stdout.log").read_text() == "hi\n"
+    with pytest.raises(MoerlError, match="expected IMAGE=COMMAND"):
+        parse_entrypoint("argoproj/argosay:v2")
+
+
+# ----------------------------------------------------------------------------- synchronization
+
+
+def locked_step(name: str, log: Path, sync: dict) -> dict:
+    """A pod that logs its start and end to a shared file, holding `sync`."""
+    return sh(name, f"echo start {{{{pod.name}}}} >> {log}; sleep 0.3; echo end {{{{pod.name}}}} >> {log}",
+              synchronization=sync)  # fmt: skip
+
+
+def most_at_once(log: Path) -> int:
+    running, most = 0, 0
+    for line in log.read_text().splitlines():
+        running += 1 if line.startswith("start") else -1
+        most = max(most, running)
+    return most
+
+
+def test_a_template_mutex_lets_one_pod_run_at_a_time(tmp_path):
+    """examples/synchronization-mutex-tmpl-level.yaml: the five items of a loop over a template holding mutex
+    `welcome` run one at a time, while the other template's mutex is its own (workflow/sync/mutex.go, a
+    semaphore of limit 1; operator.go executeTemplate takes it before the node runs and releases it once
+    the node is fulfilled)."""
+    welcome, test = tmp_path / "welcome.log", tmp_path / "test.log"
+    items = '["1","2","3"]'
+    main = {
+        "name": "main",
+        "steps": [
+            [
+                {"name": "acquire-lock", "template": "acquire-lock", "withParam": items},
+                {"name": "acquire-lock-1", "template": "acquire-lock-1", "withParam": items},
+            ]
+        ],
+    }
+    manifest = workflow(
+        [main, locked_step("acquire-lock", welcome, {"mutexes": [{"name": "welcome"}]}),
+         locked_step("acquire-lock-1", test, {"mutexes": [{"name": "test"}]})]
+    )  # fmt: skip
+    result, _ = run(manifest, tmp_path)
+    assert result.phase == "Succeeded"
+    assert most_at_once(welcome) == 1 and most_at_once(test) == 1
+    assert len(welcome.read_text().splitlines()) == 6
+    assert (
+        not list((tmp_path / "runs" / ".sync").glob("*"))
+        or LockManager(tmp_path / "runs" / ".sync", "default", {}).try_acquire(
+            "probe", {"mutexes": [{"name": "welcome"}]}
+        )[0]
+    )  # released at the end
+
+
+def test_a_template_semaphore_takes_its_limit_from_a_configmap(tmp_path):
+    """examples/synchronization-tmpl-level.yaml: semaphore ConfigMap my-config key template (limit 2 here),
+    given beside the manifest; at most two of the loop's pods hold it (workflow/sync/semaphore.go)."""
+    log = tmp_path / "sem.log"
+    main = {
+        "name": "main",
+        "steps": [[{"name": "acquire-lock", "template": "acquire-lock", "withParam": '["1","2","3","4"]'}]],
+    }
+    sync = {"semaphores": [{"configMapKeyRef": {"name": "my-config", "key": "template"}}]}
+    (tmp_path / "wf.yaml").write_text(yaml.safe_dump(workflow([main, locked_step("acquire-lock", log, sync)])))
+    configmap = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "my-config"}, "data": {"template": "2"}}
+    (tmp_path / "my-config.yaml").write_text(yaml.safe_dump(configmap))
+    result, _ = run(tmp_path / "wf.yaml", tmp_path)
+    assert result.phase == "Succeeded"
+    assert most_at_once(log) == 2
+
+
+def test_a_semaphore_without_its_configmap_is_refused_before_anything_runs(tmp_path):
+    """examples/synchronization-wf-level.yaml reads ConfigMap my-config key workflow, which Argo reads from the
+    cluster; here it must be given (--configmap or beside the manifest)."""
+    sync = {"semaphores": [{"configMapKeyRef": {"name": "my-config", "key": "workflow"}}]}
+    with pytest.raises(MoerlError, match="ConfigMap 'my-config' key 'workflow', which is not given; pass --configmap"):
+        load_workflow(workflow([sh("main", "true")], synchronization=sync))
+
+
+def test_a_workflow_mutex_held_by_another_run_keeps_the_workflow_pending(tmp_path):
+    """examples/synchronization-mutex-wf-level.yaml: a Workflow whose spec.synchronization mutex another
+    workflow holds stays Pending with Argo's message "Waiting for NAMESPACE/Mutex/NAME lock. Lock status:
+    0/1" (workflow/sync/semaphore.go checkAcquire; operator.go operate marks the workflow's phase with it),
+    and runs once the holder lets go. Runs sharing a workdir share their locks (moerl's run mutex)."""
+    other_run = LockManager(tmp_path / "runs" / ".sync", "default", {})
+    assert other_run.try_acquire("default/other", {"mutexes": [{"name": "welcome"}]}) == (True, "")
+    status_out = tmp_path / "status.json"
+    manifest = workflow([sh("main", "echo ran")], synchronization={"mutexes": [{"name": "welcome"}]})
+    done: dict = {}
+    thread = threading.Thread(target=lambda: done.update(result=run(manifest, tmp_path, status_out=status_out)[0]))
+    thread.start()
+    seen = None
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and seen is None:
+        try:
+            status = json.loads(status_out.read_text())
+        except (OSError, ValueError):
+            status = {}
+        if status.get("phase") == "Pending":
+            seen = status
+        time.sleep(0.05)
+    other_run.release("default/other")
+    thread.join(timeout=120)
+    assert seen is not None and seen["message"] == "Waiting for default/Mutex/welcome lock. Lock status: 0/1"
+    assert seen["nodes"] == {}
+    assert done["result"].phase == "Succeeded"
+
+
+# ----------------------------------------------------------------------------- memoize
+
+
+def memoized(max_age: str = "10s") -> dict:
+    """examples/memoize-simple.yaml's template: outputs cached in cache-config under key cache-key."""
+    return {
+        "name": "world-to-file",
+        "memoize": {"key": "cache-key", "maxAge": max_age, "cache": {"configMap": {"name": "cache-config"}}},
+        "container": {"image": "busybox", "command": ["sh", "-c"], "args": ["echo world > /tmp/hello_world.txt"]},
+        "outputs": {"parameters": [{"name": "hello", "valueFrom": {"path": "/tmp/hello_world.txt"}}]},
+    }
+
+
+def test_memoize_reuses_outputs_of_a_run_that_succeeded(tmp_path):
+    """examples/memoize-simple.yaml run twice: the second run is a cache hit, Succeeded with the cached outputs
+    and no pod (workflow/controller/operator.go executeTemplate, initializeCacheHitNode; the cache is a
+    ConfigMap in Argo, a file under the workdir here)."""
+    first, nodes = run(workflow([memoized()], entrypoint="world-to-file"), tmp_path)
+    assert first.phase == "Succeeded"
+    assert nodes[first.name]["memoizationStatus"] == {"hit": False, "key": "cache-key", "cacheName": "cache-config"}
+    second, nodes = run(workflow([memoized()], entrypoint="world-to-file"), tmp_path)
+    assert second.phase == "Succeeded"
+    assert nodes[second.name]["memoizationStatus"] == {"hit": True, "key": "cache-key", "cacheName": "cache-config"}
+    assert output(nodes[second.name], "hello") == "world"
+    assert not (second.run_dir / "pods").exists()
+
+
+def test_memoize_misses_an_entry_older_than_max_age(tmp_path):
+    """maxAge: an entry older than it is not a hit (operator.go, GetOutputsWithMaxAge)."""
+    first, _ = run(workflow([memoized("0s")], entrypoint="world-to-file"), tmp_path)
+    time.sleep(0.01)
+    second, nodes = run(workflow([memoized("0s")], entrypoint="world-to-file"), tmp_path)
+    assert second.phase == "Succeeded"
+    assert nodes[second.name]["memoizationStatus"]["hit"] is False
+    assert (second.run_dir / "pods").is_dir()
