@@ -146,7 +146,9 @@ def test_a_with_param_that_is_not_a_json_list_errors_and_does_not_hang(tmp_path,
     erred = nodes["sleep"] if kind == "dag" else nodes["[1]"]
     assert erred["phase"] == "Error"
     assert erred["message"].startswith("withParam value could not be parsed as a JSON list: not-json")
-    assert not any(n.get("templateName") == "sleep-n-sec" and n["type"] == "Pod" for n in result.status["nodes"].values())
+    assert not any(
+        n.get("templateName") == "sleep-n-sec" and n["type"] == "Pod" for n in result.status["nodes"].values()
+    )
 
 
 # ----------------------------------------------------------------------------- timeouts and retries
