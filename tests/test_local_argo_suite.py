@@ -9,6 +9,7 @@ import argparse
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -521,3 +522,119 @@ def test_memoize_misses_an_entry_older_than_max_age(tmp_path):
     assert second.phase == "Succeeded"
     assert nodes[second.name]["memoizationStatus"]["hit"] is False
     assert (second.run_dir / "pods").is_dir()
+
+
+# ----------------------------------------------------------------------------- daemons
+
+# A stand-in for influxdb:1.2's ENTRYPOINT (given with --entrypoint): /ping answers 204 once it listens,
+# /write keeps the body, GET /query returns what was written.
+INFLUX = """
+import http.server, sys
+points = []
+class Handler(http.server.BaseHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+    def reply(self, code, body=b""):
+        self.send_response(code)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+    def do_GET(self):
+        self.reply(204) if self.path.startswith("/ping") else self.reply(200, "\\n".join(points).encode())
+    def do_POST(self):
+        body = self.rfile.read(int(self.headers.get("Content-Length") or 0)).decode()
+        if self.path.startswith("/write"):
+            points.append(body)
+        self.reply(204)
+http.server.ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), Handler).serve_forever()
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def daemon_workflow(kind: str, port: int) -> dict:
+    """examples/daemon-step.yaml (steps) and dag-daemon-task.yaml (DAG): an influxdb daemon with a readiness
+    probe on /ping, clients that reach it at {{steps.influx.ip}} / {{tasks.influx.ip}}, a consumer that reads
+    back what the producers wrote (the port is a free one, so that tests on one machine do not collide, and
+    the probe's initialDelaySeconds is 0 instead of 5)."""
+    prefix = "steps" if kind == "steps" else "tasks"
+    url = f"http://{{{{{prefix}.influx.ip}}}}:{port}"
+
+    def client(name: str, cmd: str, **fields) -> dict:
+        arguments = {"parameters": [{"name": "cmd", "value": cmd}]}
+        return {"name": name, "template": "influxdb-client", "arguments": arguments, **fields}
+
+    init = client("init-database", f"curl -sf -XPOST '{url}/query' --data-urlencode 'q=CREATE DATABASE mydb'")
+    producers = [
+        client(f"producer-{i}", f"curl -sf -XPOST '{url}/write?db=mydb' -d 'cpu,host=server0{i} load={i}'")
+        for i in (1, 2, 3)
+    ]
+    consumer = client("consumer", f"curl -sf -G '{url}/query?pretty=true' --data-urlencode 'db=mydb'")
+    if kind == "steps":
+        main = {"name": "main", "steps": [[{"name": "influx", "template": "influxdb"}], [init], producers, [consumer]]}
+    else:
+        init["depends"] = "influx"
+        for producer in producers:
+            producer["depends"] = "init-database"
+        consumer["depends"] = "producer-1 && producer-2 && producer-3"
+        main = {
+            "name": "main",
+            "dag": {"tasks": [{"name": "influx", "template": "influxdb"}, init, *producers, consumer]},
+        }
+    influxdb = {
+        "name": "influxdb",
+        "daemon": True,
+        "container": {
+            "image": "influxdb:1.2",
+            "args": [str(port)],
+            "readinessProbe": {
+                "httpGet": {"path": "/ping", "port": port},
+                "initialDelaySeconds": 0,
+                "timeoutSeconds": 1,
+            },
+        },
+    }
+    client_template = {
+        "name": "influxdb-client",
+        "inputs": {"parameters": [{"name": "cmd"}]},
+        "container": {
+            "image": "curlimages/curl:latest",
+            "command": ["sh", "-c"],
+            "args": ["{{inputs.parameters.cmd}}"],
+        },
+    }
+    return workflow([main, influxdb, client_template])
+
+
+@pytest.mark.parametrize("kind", ["steps", "dag"])
+def test_a_daemon_serves_the_steps_after_it_and_ends_with_its_scope(tmp_path, kind):
+    """A `daemon: true` node is fulfilled once its pod runs and its readinessProbe passes (Argo:
+    NodeStatus.Fulfilled with IsDaemoned; operator.go podReconciliation marks it daemoned when running and
+    ready); the steps or tasks after it reach it at 127.0.0.1 ({{steps.X.ip}}); when its steps/DAG node is
+    fulfilled its pod is stopped and its node Succeeded (exec_control.go killDaemonedChildren)."""
+    port = free_port()
+    entrypoints = {"influxdb:1.2": [sys.executable, "-c", INFLUX]}
+    result, nodes = run(daemon_workflow(kind, port), tmp_path, entrypoints=entrypoints)
+    assert result.phase == "Succeeded", [(n["displayName"], n.get("message")) for n in nodes.values()]
+    assert nodes["influx"]["phase"] == "Succeeded" and "daemoned" not in nodes["influx"]
+    assert sorted(stdout(result, nodes["consumer"]).splitlines()) == [
+        f"cpu,host=server0{i} load={i}" for i in (1, 2, 3)
+    ]
+    with pytest.raises(OSError):  # the daemon was stopped with its scope
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+
+
+def test_a_daemon_that_exits_on_its_own_fails(tmp_path):
+    """A daemon's pod that succeeds is marked Failed: a daemon should run until its scope ends
+    (operator.go podReconciliation, "Daemoned pod succeeded. Marking it as failed")."""
+    main = {"name": "main", "steps": [[{"name": "d", "template": "d"}], [{"name": "after", "template": "after"}]]}
+    manifest = workflow([main, sh("d", "exit 0", daemon=True, **{}), sh("after", "sleep 5")])
+    manifest["spec"]["templates"][1]["container"]["readinessProbe"] = {"exec": {"command": ["false"]}}
+    result, nodes = run(manifest, tmp_path)
+    assert result.phase == "Failed"
+    assert nodes["d"]["phase"] == "Failed"
+    assert "after" not in nodes

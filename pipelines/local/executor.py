@@ -69,6 +69,7 @@ from pipelines.local.status import (
     Node,
     Nodes,
     WorkflowStatus,
+    fulfilled,
     node_id,
     pod_name,
     timestamp,
@@ -208,6 +209,27 @@ class Controller:
                 self.view.finish(self)
         return self.status.to_argo(self.nodes)
 
+    def stop_daemons_out_of_scope(self, root: Node | None) -> None:
+        """Argo's killDaemonedChildren: once the steps or DAG node a daemon belongs to is fulfilled (the
+        workflow's root, for one at the top), its pod is stopped and its node Succeeded. A Retry node whose
+        daemon attempt ended on its own is no longer daemoned, so that it retries."""
+        for node in self.nodes:
+            if not node.daemoned:
+                continue
+            if node.type == RETRY:
+                last = last_attempt(node, self.nodes)
+                if last is None or not last.daemoned and fulfilled(last.phase):
+                    node.daemoned = False
+                    continue
+            boundary = self.nodes.get(node.boundary_id) if node.boundary_id else root
+            if boundary is None or not fulfilled(boundary.phase):
+                continue
+            node.daemoned = False
+            pod = self.pods.get(node.id)
+            if pod is not None:
+                pod.terminate(Termination(SUCCEEDED, "", keep_exit_code=False), pod.plan.grace_seconds)
+            self.nodes.mark(node, SUCCEEDED)
+
     def workflow_lock_acquired(self) -> bool:
         """Argo's workflow-level synchronization: the workflow stays Pending, with the lock's message, until
         it holds every lock of spec.synchronization (released when it ends)."""
@@ -291,6 +313,7 @@ class Controller:
             Call({"template": self.wf.spec["entrypoint"], "arguments": self.wf.spec.get("arguments") or {}}, "root"),
             Opts(),
         )
+        self.stop_daemons_out_of_scope(root)
         if root is None or not root.fulfilled:
             return False
         workflow_phase = {
@@ -387,10 +410,12 @@ class Controller:
         for id_, pod in list(self.pods.items()):
             node = self.nodes.get(id_)
             assert node is not None
-            if pod.running and not node.fulfilled:
+            if pod.running and not fulfilled(node.phase):  # (a daemoned node is fulfilled, yet still running)
                 self.enforce(node, pod, now)
             outcome = pod.poll(now)
             if outcome is None:
+                if pod.plan.daemon and not node.daemoned and node.phase == RUNNING and pod.ready(now):
+                    node.daemoned = True  # Argo: running and ready, so the steps and tasks after it may start
                 continue
             del self.pods[id_]
             node.reported_progress = read_progress(pod.plan.pod_dir)
@@ -399,7 +424,7 @@ class Controller:
                     self.hit.add(id_)
                 else:
                     self.chaos.missed(pod.injection)
-            if not node.fulfilled:
+            if not fulfilled(node.phase):
                 self.apply_outcome(node, outcome)
 
     def read_reported_progress(self) -> None:
@@ -440,6 +465,7 @@ class Controller:
         if outcome.exit_code is not None:
             outputs["exitCode"] = str(outcome.exit_code)
         node.outputs = outputs or None
+        node.daemoned = False
         self.add_global_outputs(node.outputs)
         self.nodes.mark(node, outcome.phase, outcome.message)
 
@@ -707,6 +733,9 @@ class Controller:
         if not attempts or not attempts[-1].fulfilled:
             return True
         last = attempts[-1]
+        if last.daemoned:  # a daemon attempt runs on: the Retry node is daemoned with it
+            node.daemoned = True
+            return False
         now = time.time()
         if not last.failed_or_error:
             self.nodes.mark(node, SUCCEEDED)

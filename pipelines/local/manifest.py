@@ -100,7 +100,7 @@ SHAPES: dict[str, dict[str, Any]] = {
         "suspend": "SuspendTemplate", "retryStrategy": "RetryStrategy", "activeDeadlineSeconds": RUN,
         "parallelism": RUN, "volumes": ("list", "Volume"),
         "initContainers": ONE_PROCESS, "sidecars": ONE_PROCESS,
-        "daemon": Unsupported("daemon steps need a pod network to be reached at"),
+        "daemon": RUN,
         "containerSet": ONE_PROCESS,
         "data": Unsupported("data templates read artifacts"),
         "http": Unsupported("http templates run in Argo's agent pod"),

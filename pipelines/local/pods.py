@@ -27,6 +27,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -63,6 +64,8 @@ class PodPlan:
     job: pytorchjob.PyTorchJob | None = None
     script: str | None = None
     recorded: dict = field(default_factory=dict)
+    daemon: bool = False  # `daemon: true`: runs until its scope ends; exiting on its own is a failure
+    readiness_probe: dict | None = None
 
 
 @dataclass
@@ -212,6 +215,8 @@ def plan_pod(
         job=job,
         script=script,
         recorded=recorded,
+        daemon=bool(template.get("daemon")),
+        readiness_probe=container.get("readinessProbe") if template.get("daemon") else None,
     )
 
 
@@ -306,6 +311,7 @@ class Pod:
         self.env = {**os.environ, **plan.env}
         self.starter = starter
         self._exit_fd: int | None = None  # a pidfd of the pod's process (exit_fd)
+        self._next_probe = 0.0  # when a daemon's readinessProbe may run again
         self._exit_seen = False
         # A Python pod that finds its warm server still importing waits for it (like an image pull) rather
         # than importing everything itself on the same cores: poll starts it once the server is ready.
@@ -398,6 +404,20 @@ class Pod:
         self.outcome = self._finish(128 - code if code < 0 else code)
         return self.outcome
 
+    def ready(self, now: float) -> bool:
+        """Whether a running daemon's container is ready: its readinessProbe (httpGet, tcpSocket or exec,
+        against this machine, after initialDelaySeconds, at most once per periodSeconds capped at 1 s here)
+        passed, or it has none (Kubernetes: ready once started)."""
+        if self.process is None or self.outcome is not None:
+            return False
+        probe = self.plan.readiness_probe
+        if not probe:
+            return True
+        if now < self.started_at + float(probe.get("initialDelaySeconds") or 0) or now < self._next_probe:
+            return False
+        self._next_probe = now + min(float(probe.get("periodSeconds") or 10), 1.0)
+        return _probe(probe, self.plan.cwd, self.env)
+
     def terminate(self, termination: Termination, grace_seconds: float) -> None:
         """SIGTERM now, SIGKILL after the grace period (the kubelet's way of stopping a pod)."""
         if self.termination is not None or self.outcome is not None:
@@ -443,6 +463,8 @@ class Pod:
             return PodOutcome(termination.phase, termination.message, code, result, parameters)
         if exit_code != 0:
             return PodOutcome(FAILED, f"main: Error (exit code {exit_code})", exit_code, result, parameters)
+        if plan.daemon:  # Argo: "Daemoned pod succeeded. Marking it as failed" (a daemon should run on)
+            return PodOutcome(FAILED, "", exit_code, result, parameters)
         found = {q["name"] for q in parameters or []}
         missing = [p for p in plan.output_parameters if p["name"] in plan.output_paths and p["name"] not in found]
         if missing:
@@ -548,3 +570,33 @@ def read_progress(pod_dir: Path) -> tuple[int, int] | None:
     if not sep or not done.isdigit() or not total.isdigit() or not 0 <= int(done) <= int(total) or int(total) == 0:
         return None
     return int(done), int(total)
+
+
+def _probe(probe: dict, cwd: Path, env: dict[str, str]) -> bool:
+    """One readinessProbe, as the kubelet runs it, against 127.0.0.1 (timeoutSeconds capped at 1 s)."""
+    timeout = min(float(probe.get("timeoutSeconds") or 1), 1.0)
+    if probe.get("httpGet"):
+        get = probe["httpGet"]
+        scheme = str(get.get("scheme") or "HTTP").lower()
+        url = f"{scheme}://{get.get('host') or '127.0.0.1'}:{get.get('port')}{get.get('path') or '/'}"
+        request = urllib.request.Request(url, headers={h["name"]: h["value"] for h in get.get("httpHeaders") or []})
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as response:
+                return 200 <= response.status < 400
+        except (OSError, ValueError):  # refused, timed out, or an HTTP error status (>= 400)
+            return False
+    if probe.get("tcpSocket"):
+        sock = probe["tcpSocket"]
+        try:
+            with socket.create_connection((sock.get("host") or "127.0.0.1", int(sock.get("port"))), timeout=timeout):
+                return True
+        except (OSError, ValueError):
+            return False
+    if probe.get("exec"):
+        argv = [str(a) for a in probe["exec"].get("command") or []]
+        try:
+            done = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, timeout=timeout, check=False)
+        except (OSError, subprocess.TimeoutExpired):
+            return False
+        return done.returncode == 0
+    return True

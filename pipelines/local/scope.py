@@ -36,6 +36,8 @@ def add_node_ref(scope: dict, prefix: str, name: str, node: Node, nodes: Nodes) 
     if node.finished_at is not None:
         scope[f"{base}.finishedAt"] = timestamp(node.finished_at)
     scope[f"{base}.status"] = node.phase
+    if node.type == "Pod":  # every pod's IP is this machine's loopback (a daemon's server listens there)
+        scope[f"{base}.ip"] = "127.0.0.1"
     outputs = node.outputs or {}
     if "result" in outputs:
         scope[f"{base}.outputs.result"] = outputs["result"]

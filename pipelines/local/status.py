@@ -96,12 +96,14 @@ class Node:
     retried: bool = False  # an attempt under a Retry node (Argo's nodeFlag.retried)
     reported_progress: tuple[int, int] | None = None  # what a pod wrote to its ARGO_PROGRESS_FILE ("N/M")
     memoization: dict | None = None  # Argo's memoizationStatus: hit, key, cacheName
+    daemoned: bool = False  # a daemon's pod, running and ready: fulfilled for the steps and tasks after it
     # Not part of Argo's status: the node the terminal view nests this one under.
     display_parent: str | None = None
 
     @property
     def fulfilled(self) -> bool:
-        return fulfilled(self.phase)
+        """Argo's NodeStatus.Fulfilled: done, skipped or omitted, or daemoned (and not Pending)."""
+        return fulfilled(self.phase) or (self.daemoned and self.phase != PENDING)
 
     @property
     def completed(self) -> bool:
@@ -135,6 +137,7 @@ class Node:
             "children": self.children,
             "outboundNodes": self.outbound_nodes,
             "memoizationStatus": self.memoization,
+            "daemoned": self.daemoned or None,
         }
         if self.hooked or self.retried:
             out["nodeFlag"] = {k: True for k, v in (("hooked", self.hooked), ("retried", self.retried)) if v}
@@ -217,7 +220,7 @@ class Nodes:
         node.phase = phase
         if message is not None:
             node.message = message
-        if node.fulfilled and node.finished_at is None:
+        if fulfilled(node.phase) and node.finished_at is None:
             node.finished_at = time.time()
         return node
 
