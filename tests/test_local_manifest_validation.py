@@ -60,7 +60,6 @@ def hello(**template_fields) -> dict:
             hello(sidecars=[{"name": "s", "image": "x"}]),
             "unsupported: sidecars at spec.templates[0] ('main'): the local executor runs one process per step",
         ),
-        (hello(daemon=True), "unsupported: daemon at spec.templates[0] ('main')"),
         (
             hello(outputs={"artifacts": [{"name": "a", "path": "/tmp/a"}]}),
             "unsupported: artifacts at spec.templates[0].outputs",
