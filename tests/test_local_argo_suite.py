@@ -638,3 +638,144 @@ def test_a_daemon_that_exits_on_its_own_fails(tmp_path):
     assert result.phase == "Failed"
     assert nodes["d"]["phase"] == "Failed"
     assert "after" not in nodes
+
+
+# ----------------------------------------------------------------------------- refused valid input, messages
+
+
+def test_a_referenced_workflow_template_calls_its_own_templates_by_name(tmp_path):
+    """examples/workflow-template/templates.yaml: workflow-template-inner-steps' steps call `template:
+    print-message`, a template of that same WorkflowTemplate, reached through templateRef from the Workflow
+    (workflow/templateresolution/context.go WithTemplateHolder: a template resolves in its own holder)."""
+    library = {
+        "apiVersion": "argoproj.io/v1alpha1",
+        "kind": "WorkflowTemplate",
+        "metadata": {"name": "workflow-template-inner-steps"},
+        "spec": {
+            "templates": [
+                {
+                    "name": "print-message",
+                    "inputs": {"parameters": [{"name": "message"}]},
+                    "container": {"image": "busybox", "command": ["echo"], "args": ["{{inputs.parameters.message}}"]},
+                },
+                {
+                    "name": "inner-steps",
+                    "steps": [
+                        [
+                            {
+                                "name": "inner-hello",
+                                "template": "print-message",
+                                "arguments": {"parameters": [{"name": "message", "value": "inner"}]},
+                            }
+                        ]
+                    ],
+                },
+            ]
+        },
+    }
+    (tmp_path / "templates.yaml").write_text(yaml.safe_dump(library))
+    ref = {"name": "workflow-template-inner-steps", "template": "inner-steps"}
+    main = {"name": "main", "steps": [[{"name": "hello", "templateRef": ref}]]}
+    (tmp_path / "wf.yaml").write_text(yaml.safe_dump(workflow([main])))
+    result, nodes = run(tmp_path / "wf.yaml", tmp_path)
+    assert result.phase == "Succeeded", result.message
+    assert stdout(result, nodes["inner-hello"]) == "inner\n"
+
+
+def test_the_expression_pipe_operator(tmp_path):
+    """expr-lang's pipe, `a | f(b)` for `f(a, b)` (expr parser parsePipe), as Argo's expression tags take it."""
+    manifest = workflow(
+        [sh("main", "echo {{='ab' | upper()}} {{=[1, 2, 3] | filter(# > 1) | len()}} {{='a' | sprig.upper()}}")]
+    )
+    result, nodes = run(manifest, tmp_path)
+    assert result.phase == "Succeeded", result.message
+    assert stdout(result, nodes[result.name]) == "AB 2 A\n"
+
+
+def test_the_real_blocker_is_named_before_an_unknown_field_and_no_strict_drops_those(tmp_path):
+    """Argo's controller drops fields that are not in its types (the e2e suite submits `metadata.label`); `argo
+    submit` refuses them (--strict, its default). Refused here too, but only after the whole manifest is read,
+    so that an unsupported field is named first; --no-strict drops them with a warning."""
+    manifest = workflow([sh("main", "echo hi", initContainers=[{"name": "i", "image": "x"}])])
+    manifest["metadata"]["label"] = {"a": "b"}
+    with pytest.raises(MoerlError, match="unsupported: initContainers"):
+        load_workflow(manifest)
+    manifest = workflow([sh("main", "echo hi")])
+    manifest["metadata"]["label"] = {"a": "b"}
+    with pytest.raises(MoerlError, match="unknown field: label at metadata .*--no-strict drops"):
+        load_workflow(manifest)
+    result, _ = run(manifest, tmp_path, strict=False)
+    assert result.phase == "Succeeded"
+
+
+def test_the_removed_single_mutex_is_refused_with_its_replacement_named():
+    """Argo v3.6 replaced synchronization.mutex/semaphore with lists; v4's types no longer have them, so its
+    decoder drops them and the lock silently does not exist. Named here, with the list form."""
+    manifest = workflow([sh("main", "true")], synchronization={"mutex": {"name": "m"}})
+    with pytest.raises(MoerlError, match=r"unknown field: mutex .*mutexes: \[\{name: \.\.\.\}\]"):
+        load_workflow(manifest)
+
+
+def test_an_argument_from_a_skipped_step_without_a_default_errors_with_argos_message(tmp_path):
+    """An argument that is a pure reference to a skipped step's output with no default, for an input with no
+    default: "inputs.parameters.X: argument references an absent optional (skipped/omitted node output with
+    no default)" (workflow/common/util.go ProcessArgs; steps.go markAbsentOptionalArgs)."""
+    producer = {
+        "name": "producer",
+        "container": {"image": "alpine", "command": ["sh", "-c", "echo 1 > /tmp/o"]},
+        "outputs": {"parameters": [{"name": "o", "valueFrom": {"path": "/tmp/o"}}]},
+    }
+    consumer = {
+        "name": "consumer",
+        "inputs": {"parameters": [{"name": "x"}]},
+        "container": {"image": "alpine", "command": ["echo", "{{inputs.parameters.x}}"]},
+    }
+    arguments = {"parameters": [{"name": "x", "value": "{{steps.p.outputs.parameters.o}}"}]}
+    main = {
+        "name": "main",
+        "steps": [
+            [{"name": "p", "template": "producer", "when": "1 == 2"}],
+            [{"name": "c", "template": "consumer", "arguments": arguments}],
+        ],
+    }
+    result, nodes = run(workflow([main, producer, consumer]), tmp_path)
+    assert result.phase in ("Failed", "Error")
+    assert nodes["c"]["message"] == (
+        "inputs.parameters.x: argument references an absent optional (skipped/omitted node output with no default)"
+    )
+
+
+def test_entry_and_exit_template_errors_are_the_workflows_error(tmp_path):
+    """operator.go operate: an error from executing the entrypoint (or the exit handler), here a memoize key
+    that a ConfigMap cannot hold, is the workflow's Error: "error in entry template execution: ..." ("error in
+    exit template execution : ..."), and the exit handler does not run after it."""
+    memo = {"key": "{{workflow.name}} has spaces", "cache": {"configMap": {"name": "c"}}}
+    bad = {"name": "bad", "memoize": memo, "container": {"image": "alpine", "command": ["true"]}}
+    result, _ = run(workflow([bad, sh("bye", "echo bye")], entrypoint="bad", onExit="bye"), tmp_path)
+    assert result.phase == "Error"
+    assert result.message.startswith("error in entry template execution: memoize.key ")
+    assert not any(n["displayName"].endswith("onExit") for n in result.status["nodes"].values())
+    result, _ = run(workflow([sh("main", "true"), bad], onExit="bad"), tmp_path)
+    assert result.phase == "Error"
+    assert result.message.startswith("error in exit template execution : memoize.key ")
+
+
+def test_pod_spec_patch_reaches_the_main_container(tmp_path):
+    """examples/pod-spec-patch.yaml: podSpecPatch's `containers: [{name: main, ...}]` is merged into the main
+    container (workflow/controller/workflowpod.go processPodSpecPatch, a strategic merge: env by name)."""
+    main_patch = {
+        "name": "main",
+        "resources": {"limits": {"cpu": "{{workflow.parameters.cpu-limit}}"}},
+        "env": [{"name": "GREETING", "value": "patched"}],
+    }
+    patch = json.dumps({"containers": [main_patch]})
+    template = sh("main", "echo $GREETING", podSpecPatch=patch)
+    template["container"]["env"] = [{"name": "GREETING", "value": "plain"}, {"name": "OTHER", "value": "kept"}]
+    manifest = workflow([template], arguments={"parameters": [{"name": "cpu-limit", "value": "100m"}]})
+    result, nodes = run(manifest, tmp_path)
+    assert result.phase == "Succeeded"
+    assert stdout(result, nodes[result.name]) == "patched\n"
+    pod = json.loads(next((result.run_dir / "pods").glob("*/pod.json")).read_text())
+    main = pod["spec"]["containers"][0]
+    assert main["resources"] == {"limits": {"cpu": "100m"}}
+    assert {e["name"]: e["value"] for e in main["env"]} == {"GREETING": "patched", "OTHER": "kept"}

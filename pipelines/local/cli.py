@@ -56,6 +56,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "from (ConfigMaps in the manifest's file and beside it are read too); repeatable",
     )
     parser.add_argument(
+        "--no-strict",
+        action="store_true",
+        help="drop fields that are not Argo's, with a warning, as Argo's controller decodes what kubectl "
+        "created; by default they are refused, as `argo submit` (--strict) refuses them",
+    )
+    parser.add_argument(
         "--cold-start",
         action="store_true",
         help="start every pod as a new process; by default `python -m` pods are forks of a Python that has "
@@ -85,6 +91,7 @@ def main(args: argparse.Namespace) -> int:
             warm_start=False if args.cold_start else None,
             entrypoints=dict(parse_entrypoint(item) for item in args.entrypoint),
             configmaps=args.configmap,
+            strict=not getattr(args, "no_strict", False),
         )
     except KeyboardInterrupt:  # the pods are stopped and the status says so; no traceback
         print("moerl local: interrupted", file=sys.stderr)

@@ -75,7 +75,7 @@ from pipelines.local.status import (
     timestamp,
     write_json_atomic,
 )
-from pipelines.local.steps_template import execute_steps
+from pipelines.local.steps_template import ABSENT_OPTIONAL, execute_steps
 from pipelines.local.sync import LockError, LockManager
 from pipelines.local.warm import WarmStarter, warm_starts_enabled
 from steps.errors import MoerlError
@@ -147,6 +147,8 @@ class Controller:
         self.deadline: float | None = None
         # mutexes and semaphores (sync.py), shared through the workdir with other runs
         self.locks = LockManager(Path(workdir) / ".sync", workflow.namespace, workflow.configmaps)
+        self.stop_requested: int | None = None  # an exit status: a SIGTERM asked the run to stop (run.py)
+        self.template_errors: set[str] = set()  # node IDs whose template could not be executed (error_node)
         self.lock_granted: set[str] = set()  # node IDs that waited for a lock, got it, and have yet to start
         self.memo = Memoizer(Path(workdir) / ".memoize")
         self.now = time.time()
@@ -180,6 +182,8 @@ class Controller:
                     self.starter.prestart(argv, env)
             progress, passes_without_wait = self.progress(), 0
             while True:
+                if self.stop_requested is not None:
+                    raise SystemExit(self.stop_requested)
                 self.now = time.time()
                 if self.operate():
                     break
@@ -314,6 +318,9 @@ class Controller:
             Opts(),
         )
         self.stop_daemons_out_of_scope(root)
+        if root is not None and root.id in self.template_errors:  # operate(): the workflow errs at once
+            self.settle_error(f"error in entry template execution: {root.message}")
+            return True
         if root is None or not root.fulfilled:
             return False
         workflow_phase = {
@@ -334,6 +341,9 @@ class Controller:
             exit_node = self.execute_template(
                 f"{self.wf.name}.onExit", Call(hook, "hook"), Opts(on_exit=True, hooked=True)
             )
+            if exit_node is not None and exit_node.id in self.template_errors:
+                self.settle_error(f"error in exit template execution : {exit_node.message}")
+                return True
             if exit_node is None or not exit_node.fulfilled:
                 return False
         self.settle(workflow_phase, root, exit_node)
@@ -351,6 +361,10 @@ class Controller:
         self.status.finished_at = time.time()
         if self.global_outputs:
             self.status.outputs = {"parameters": [{"name": k, "value": v} for k, v in self.global_outputs.items()]}
+
+    def settle_error(self, message: str) -> None:
+        """Argo's markWorkflowError after executeTemplate returned an error for the entrypoint or exit handler."""
+        self.status.phase, self.status.message, self.status.finished_at = ERROR, message, time.time()
 
     def abort(self, message: str) -> None:
         for node in self.nodes:
@@ -574,7 +588,13 @@ class Controller:
             if value is None:
                 value = (param.get("valueFrom") or {}).get("default", param.get("default"))
             argument = supplied.get(param["name"])
-            if argument is not None and argument.get("value") is not None:
+            if argument is not None and argument.get("value") == ABSENT_OPTIONAL:  # (common/util.go ProcessArgs)
+                if value is None and param.get("valueFrom") is None:
+                    raise TemplateError(
+                        f"inputs.parameters.{param['name']}: argument references an absent optional "
+                        f"(skipped/omitted node output with no default)"
+                    )
+            elif argument is not None and argument.get("value") is not None:
                 value = argument["value"]
             if value is None:
                 raise TemplateError(f"inputs.parameters.{param['name']} was not supplied")
@@ -673,7 +693,8 @@ class Controller:
 
     def error_node(self, node: Node | None, name: str, call: Call, opts: Opts, message: str) -> Node:
         """Argo's initializeNodeOrMarkError: a new node of type Skipped in phase Error, or the
-        existing node marked Error."""
+        existing node marked Error. (executeTemplate returns the error too: template_errors.)"""
+        self.template_errors.add(node_id(self.wf.name, name))
         if node is not None:
             return self.nodes.mark(node, ERROR, message)
         template_name = str(call.holder.get("template") or (call.holder.get("templateRef") or {}).get("template", ""))

@@ -25,6 +25,7 @@ import copy
 import random
 import re
 import shlex
+import sys
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -224,12 +225,14 @@ def load_workflow(
     name: str | None = None,
     entrypoints: dict[str, list[str]] | None = None,
     configmap_files: list[Path] | None = None,
+    strict: bool = True,
 ) -> Workflow:
     """Read, resolve and validate a manifest; raises MoerlError naming the first problem.
 
     entrypoints: image -> host command, run for a container of that image that gives no command (the
     image's ENTRYPOINT, which is not known here). configmap_files: YAML files of ConfigMaps (the semaphores'
-    limits), read with those in the manifest's file and beside it."""
+    limits), read with those in the manifest's file and beside it. strict=False: fields that are not Argo's
+    are dropped with a warning (`argo submit --strict=false`) instead of refused."""
     source = None
     if isinstance(manifest, dict):
         documents = [manifest]
@@ -263,7 +266,7 @@ def load_workflow(
         if doc.get("kind") != "ConfigMap":
             raise MoerlError(f"--configmap {origin}: a {doc.get('kind')} in it; give a file of ConfigMap documents")
 
-    check_fields(main, main["kind"], "")
+    check_fields(main, main["kind"], "", strict)
     if main.get("apiVersion") != API_VERSION:
         raise MoerlError(f"{where}: apiVersion is {main.get('apiVersion')!r}; Argo manifests use {API_VERSION}")
 
@@ -272,7 +275,7 @@ def load_workflow(
     if main["kind"] == "CronWorkflow":
         metadata = {**metadata, **(spec.get("workflowMetadata") or {})}
         spec = spec.get("workflowSpec") or {}
-    spec = _merge_workflow_template_ref(spec, library_docs, where)
+    spec = _merge_workflow_template_ref(spec, library_docs, where, strict)
     library = _template_library(spec, library_docs)
     _apply_parameters(spec, parameters or {}, where)
     validate_spec(spec, library, where, entrypoints or {})
@@ -383,7 +386,7 @@ def _check_synchronization(spec: dict, library: dict, configmaps: dict[str, dict
                 )
 
 
-def _merge_workflow_template_ref(spec: dict, library_docs: dict, where: str) -> dict:
+def _merge_workflow_template_ref(spec: dict, library_docs: dict, where: str, strict: bool = True) -> dict:
     """Argo's execWf: the referenced template's spec, overridden field by field by the Workflow's,
     with arguments merged by parameter name."""
     ref = spec.get("workflowTemplateRef")
@@ -397,7 +400,7 @@ def _merge_workflow_template_ref(spec: dict, library_docs: dict, where: str) -> 
             f"manifest nor a YAML file beside it; put its manifest next to this one"
         )
     origin, doc = library_docs[key]
-    check_fields(doc, doc["kind"], "")
+    check_fields(doc, doc["kind"], "", strict)
     if spec.get("templates"):
         raise MoerlError(f"{where}: Templates is invalid field in spec if workflow referred WorkflowTemplate reference")
     merged = copy.deepcopy(doc.get("spec") or {})
@@ -451,24 +454,46 @@ def _apply_parameters(spec: dict, parameters: dict[str, str], where: str) -> Non
 # ----------------------------------------------------------------------------- field tables
 
 
-def check_fields(value: Any, shape: str | tuple, path: str) -> None:
-    """Walk `value` against SHAPES; the first field that is unknown or unsupported raises."""
+# Fields Argo had once: its v4 decoder drops them (so the lock, say, silently does not exist there).
+REMOVED = {
+    ("Synchronization", "mutex"): "Argo v3.6 replaced it with a list, mutexes: [{name: ...}]",
+    ("Synchronization", "semaphore"): "Argo v3.6 replaced it with a list, semaphores: [{configMapKeyRef: ...}]",
+}
+
+
+def check_fields(value: Any, shape: str | tuple, path: str, strict: bool = True) -> None:
+    """Walk `value` against SHAPES. An unsupported field raises at once; an unknown one (not Argo's) raises
+    after the whole walk, so that the message names a real blocker first. strict=False drops the unknown
+    ones instead, with a warning, as Argo's controller decodes what kubectl created (`argo submit` refuses
+    them: --strict is its default)."""
+    unknown: list[tuple[dict, str, str]] = []
+    _walk_fields(value, shape, path, unknown)
+    if not unknown:
+        return
+    if strict:
+        raise MoerlError(unknown[0][2] + "; --no-strict drops unknown fields, as Argo's controller does")
+    for parent, name, message in unknown:
+        parent.pop(name, None)
+        print(f"warning: {message}: dropped (--no-strict)", file=sys.stderr)
+
+
+def _walk_fields(value: Any, shape: str | tuple, path: str, unknown: list[tuple[dict, str, str]]) -> None:
     if isinstance(shape, tuple):
         kind, inner = shape
         if kind == "list":
             _expect(value, list, path)
             for i, item in enumerate(value):
-                check_fields(item, inner, f"{path}[{i}]")
+                _walk_fields(item, inner, f"{path}[{i}]", unknown)
         elif kind == "map":
             _expect(value, dict, path)
             for key, item in value.items():
-                check_fields(item, inner, f"{path}.{key}")
+                _walk_fields(item, inner, f"{path}.{key}", unknown)
         elif kind == "steps":  # a list of parallel groups, each a list of steps
             _expect(value, list, path)
             for i, group in enumerate(value):
                 _expect(group, list, f"{path}[{i}]")
                 for j, step in enumerate(group):
-                    check_fields(step, inner, f"{path}[{i}][{j}]")
+                    _walk_fields(step, inner, f"{path}[{i}][{j}]", unknown)
         return
     table = SHAPES[shape]
     _expect(value, dict, path)
@@ -476,12 +501,14 @@ def check_fields(value: Any, shape: str | tuple, path: str) -> None:
         rule = table.get(name)
         here = _describe(path, value)
         if rule is None:
-            raise MoerlError(f"unknown field: {name} at {here} (not a field of Argo's {shape}; a typo?)")
+            why = REMOVED.get((shape, name), "a typo?")
+            unknown.append((value, name, f"unknown field: {name} at {here} (not a field of Argo's {shape}; {why})"))
+            continue
         if isinstance(rule, Unsupported):
             raise MoerlError(f"unsupported: {name} at {here}: {rule.why}")
         if rule in (RUN, RECORDED) or item is None:
             continue
-        check_fields(item, rule, f"{path}.{name}" if path else name)
+        _walk_fields(item, rule, f"{path}.{name}" if path else name, unknown)
 
 
 def _describe(path: str, value: dict) -> str:
@@ -569,12 +596,16 @@ def validate_spec(spec: dict, library: dict, where: str, entrypoints: dict[str, 
         check.retry_strategy(spec["retryStrategy"], "spec.retryStrategy")
     for i, template in enumerate(templates):
         check.template(template, f"spec.templates[{i}]")
-    for key, templates_of in library.items():
-        for name, template in templates_of.items():
-            if name in check.referenced_library.get(key, set()):
-                check.template(
-                    template, f"{'ClusterWorkflowTemplate' if key[0] else 'WorkflowTemplate'} {key[1]}.templates.{name}"
-                )
+    # Every WorkflowTemplate reached through templateRef, whole; its templates call each other by name
+    # (templateresolution/context.go WithTemplateHolder: a referenced template resolves in its own holder).
+    checked: set[tuple[bool, str]] = set()
+    while pending := [key for key in check.referenced_library if key not in checked]:
+        for key in pending:
+            checked.add(key)
+            check.by_name = library[key]
+            kind = "ClusterWorkflowTemplate" if key[0] else "WorkflowTemplate"
+            for name, template in library[key].items():
+                check.template(template, f"{kind} {key[1]}.templates.{name}")
 
 
 class _Checker:

@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from pipelines.local import pytorchjob
 from pipelines.local.chaos import Injection
 from pipelines.local.sandbox import Sandbox
@@ -130,6 +132,7 @@ def plan_pod(
         container = job.container
     else:
         container = template[kind]
+        container = _patched_main(container, (workflow.spec.get("podSpecPatch"), template.get("podSpecPatch")))
     outputs = (template.get("outputs") or {}).get("parameters") or []
     # output parameter -> the container file it is read from
     from_files = {p["name"]: p["valueFrom"]["path"] for p in outputs if (p.get("valueFrom") or {}).get("path")}
@@ -218,6 +221,36 @@ def plan_pod(
         daemon=bool(template.get("daemon")),
         readiness_probe=container.get("readinessProbe") if template.get("daemon") else None,
     )
+
+
+def _patched_main(container: dict, patches: tuple) -> dict:
+    """The main container with the podSpecPatches' `containers: [{name: main, ...}]` merged over it (the
+    workflow's, then the template's), as Kubernetes' strategic merge does: maps deep, `env` by name, other
+    lists replaced (workflowpod.go processPodSpecPatch). The scheduling fields are chaos.placement's."""
+    for text in patches:
+        if not text:
+            continue
+        patch = yaml.safe_load(text) if isinstance(text, str) else text
+        if not isinstance(patch, dict):
+            raise PlanError(f"podSpecPatch must be a JSON or YAML mapping, got {text!r}")
+        for entry in patch.get("containers") or []:
+            if isinstance(entry, dict) and entry.get("name") == "main":
+                container = _strategic_merge(container, {k: v for k, v in entry.items() if k != "name"})
+    return container
+
+
+def _strategic_merge(base: dict, patch: dict) -> dict:
+    out = dict(base)
+    for key, value in patch.items():
+        if key == "env" and isinstance(value, list):
+            by_name = {e.get("name"): e for e in out.get("env") or []}
+            by_name.update({e.get("name"): e for e in value if isinstance(e, dict)})
+            out["env"] = list(by_name.values())
+        elif isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _strategic_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
 
 
 def warm_start_candidates(templates: list[dict]) -> list[tuple[list[str], dict[str, str]]]:

@@ -51,6 +51,7 @@ def run_workflow(
     warm_start: bool | WarmStarter | None = None,
     entrypoints: dict[str, list[str]] | None = None,
     configmaps: list[str | Path] | None = None,
+    strict: bool = True,
 ) -> RunResult:
     """Load, validate and run a workflow manifest (a path, or an already-loaded mapping).
 
@@ -58,6 +59,7 @@ def run_workflow(
     warm_start: start `python -m` pods as forks of a warm Python (warm.py); None: unless MOERL_LOCAL_WARM=0.
     entrypoints: image -> host command for containers that give no command (`--entrypoint IMAGE=COMMAND`).
     configmaps: YAML files of ConfigMaps, for synchronization semaphores' limits.
+    strict: refuse fields that are not Argo's (as `argo submit`); False drops them with a warning.
     Raises MoerlError, before anything runs, for a manifest this executor cannot run."""
     spec = parse_chaos(chaos)
     workflow = load_workflow(
@@ -66,6 +68,7 @@ def run_workflow(
         name=name,
         entrypoints=entrypoints,
         configmap_files=[Path(f) for f in configmaps or []],
+        strict=strict,
     )
     if view == "auto":
         view = LiveView() if sys.stdout.isatty() else PlainView()
@@ -79,21 +82,23 @@ def run_workflow(
         view=view,  # type: ignore[arg-type]
         warm_start=warm_start,
     )
-    with _sigterm_stops_the_run():
+    with _sigterm_stops_the_run(controller):
         status = controller.run()
     return RunResult(workflow.name, status["phase"], status.get("message", ""), status, controller.run_dir)
 
 
 @contextmanager
-def _sigterm_stops_the_run() -> Iterator[None]:
+def _sigterm_stops_the_run(controller: Controller) -> Iterator[None]:
     """SIGTERM (a `kill`, a CI timeout) ends the run as Ctrl-C does: the executor stops every pod's process
-    group before it exits, instead of dying and leaving them running. Exit status 143, as for a SIGTERM."""
+    group before it exits, instead of dying and leaving them running. Exit status 143, as for a SIGTERM.
+    The handler only asks: the executor stops between passes, never halfway through starting a pod (whose
+    process would then be known to no one)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
     def stop(signum: int, _frame: object) -> None:
-        raise SystemExit(128 + signum)
+        controller.stop_requested = 128 + signum
 
     previous = signal.signal(signal.SIGTERM, stop)
     try:
