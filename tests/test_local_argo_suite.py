@@ -779,3 +779,46 @@ def test_pod_spec_patch_reaches_the_main_container(tmp_path):
     main = pod["spec"]["containers"][0]
     assert main["resources"] == {"limits": {"cpu": "100m"}}
     assert {e["name"]: e["value"] for e in main["env"]} == {"GREETING": "patched", "OTHER": "kept"}
+
+
+def test_a_retried_daemon_serves_clients_that_hold_a_templated_mutex(tmp_path):
+    """examples/steps-daemon-retry-strategy.yaml: a daemon server with a retryStrategy (its first attempt dies
+    before it is ready here, so the Retry node retries it), and clients reaching {{steps.server.ip}} one at a
+    time under mutex `client-{{workflow.uid}}` (the server is a Python one on a free port, not nginx on 80)."""
+    port, marker, log = free_port(), tmp_path / "crashed-once", tmp_path / "clients.log"
+    serve = (
+        f"import http.server, os, sys\n"
+        f"if not os.path.exists({str(marker)!r}):\n    open({str(marker)!r}, 'w').close(); sys.exit(1)\n"
+        f"http.server.ThreadingHTTPServer(('127.0.0.1', {port}), http.server.SimpleHTTPRequestHandler).serve_forever()"
+    )
+    server = {
+        "name": "server",
+        "retryStrategy": {"limit": "10"},
+        "daemon": True,
+        "container": {
+            "image": "nginx:1.13",
+            "command": ["python3", "-c", serve],
+            "workingDir": str(tmp_path),
+            "readinessProbe": {"httpGet": {"path": "/", "port": port}, "timeoutSeconds": 1},
+        },
+    }
+    client = locked_step("client", log, {"mutexes": [{"name": "client-{{workflow.uid}}"}]})
+    client["inputs"] = {"parameters": [{"name": "server-ip"}]}
+    client["container"]["command"][2] += f" && curl -sf http://{{{{inputs.parameters.server-ip}}}}:{port}/ >/dev/null"
+    arguments = {"parameters": [{"name": "server-ip", "value": "{{steps.server.ip}}"}]}
+    main = {
+        "name": "main",
+        "steps": [
+            [{"name": "server", "template": "server"}],
+            [{"name": "client", "template": "client", "arguments": arguments, "withSequence": {"count": "3"}}],
+        ],
+    }
+    result, nodes = run(workflow([main, server, client]), tmp_path)
+    assert result.phase == "Succeeded", [(n["displayName"], n.get("message")) for n in nodes.values()]
+    attempts = sorted(
+        (n for n in result.status["nodes"].values() if n.get("templateName") == "server" and n["type"] == "Pod"),
+        key=lambda n: n["name"],
+    )
+    assert [a["phase"] for a in attempts] == ["Failed", "Succeeded"]  # the second one, stopped with its scope
+    assert nodes["server"]["type"] == "Retry" and nodes["server"]["phase"] == "Succeeded"
+    assert most_at_once(log) == 1 and len(log.read_text().splitlines()) == 6
