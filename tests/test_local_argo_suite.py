@@ -822,3 +822,24 @@ def test_a_retried_daemon_serves_clients_that_hold_a_templated_mutex(tmp_path):
     assert [a["phase"] for a in attempts] == ["Failed", "Succeeded"]  # the second one, stopped with its scope
     assert nodes["server"]["type"] == "Retry" and nodes["server"]["phase"] == "Succeeded"
     assert most_at_once(log) == 1 and len(log.read_text().splitlines()) == 6
+
+
+def test_a_node_that_waited_for_its_mutex_reads_the_cache_its_holder_filled(tmp_path):
+    """A template with both a mutex and memoize: the second of two parallel steps waits for the mutex, and
+    once it holds it finds the first one's outputs in the cache (operator.go executeTemplate: the cache is
+    read when the node is created or unlocked, "Node is using mutex with memoize. Cache is hit.")."""
+    counter = tmp_path / "ran"
+    template = {
+        "name": "once",
+        "synchronization": {"mutexes": [{"name": "once"}]},
+        "memoize": {"key": "k", "cache": {"configMap": {"name": "once-cache"}}},
+        "container": {"image": "alpine", "command": ["sh", "-c", f"echo x >> {counter}; echo v > /tmp/o"]},
+        "outputs": {"parameters": [{"name": "o", "valueFrom": {"path": "/tmp/o"}}]},
+    }
+    main = {"name": "main", "steps": [[{"name": "a", "template": "once"}, {"name": "b", "template": "once"}]]}
+    result, nodes = run(workflow([main, template]), tmp_path)
+    assert result.phase == "Succeeded"
+    assert counter.read_text() == "x\n"  # one pod ran
+    hits = sorted(nodes[n]["memoizationStatus"]["hit"] for n in ("a", "b"))
+    assert hits == [False, True]
+    assert output(nodes["a"], "o") == output(nodes["b"], "o") == "v"

@@ -630,12 +630,13 @@ class Controller:
             return self.error_node(node, node_name, call, opts, str(err))
         if node is None and self.boundary_parallelism_reached(opts.boundary_id):
             return None
+        unlocked = False  # a node that waited for its locks and holds them now (Argo's unlockedNode)
         if processed.get("synchronization") and not self.locks.holding(node_id(self.wf.name, node_name)):
             waiting = self.wait_for_locks(node, node_name, processed, call, opts)
             if waiting is not None:
                 return waiting
-            node = self.nodes.by_name(node_name)
-        if processed.get("memoize") and (node is None or node.id in self.lock_granted or node.phase == PENDING):
+            unlocked = node is not None
+        if processed.get("memoize") and (node is None or unlocked):  # the cache is read before the node runs
             try:
                 hit = self.memo.lookup(processed["memoize"])
             except MemoizeError as err:
