@@ -843,3 +843,16 @@ def test_a_node_that_waited_for_its_mutex_reads_the_cache_its_holder_filled(tmp_
     hits = sorted(nodes[n]["memoizationStatus"]["hit"] for n in ("a", "b"))
     assert hits == [False, True]
     assert output(nodes["a"], "o") == output(nodes["b"], "o") == "v"
+
+
+def test_a_node_waiting_for_a_lock_past_its_timeout_fails(tmp_path):
+    """TestTemplateLevelTimeoutWithForbidden's rule (test/e2e/functional_test.go): a node that is still Pending
+    (here: waiting for a mutex another run holds) when its template's `timeout` runs out is Failed "timeout"
+    (operator.go checkTemplateTimeouts, ErrTimeout)."""
+    other_run = LockManager(tmp_path / "runs" / ".sync", "default", {})
+    assert other_run.try_acquire("default/other", {"mutexes": [{"name": "busy"}]})[0]
+    waiting = sh("waiting", "echo never", timeout="1s", synchronization={"mutexes": [{"name": "busy"}]})
+    result, nodes = run(workflow([waiting], entrypoint="waiting"), tmp_path)
+    other_run.release_all()
+    assert result.phase == "Failed"
+    assert (nodes[result.name]["phase"], nodes[result.name]["message"]) == ("Failed", "timeout")

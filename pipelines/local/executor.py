@@ -282,6 +282,13 @@ class Controller:
         if node is None:
             kind = RETRY if self.retry_strategy(template) is not None else NODE_TYPES[template_type(template)]
             return self.create_node(node_name, kind, template, opts, PENDING, message)
+        for key in ("timeout", "pendingTimeout"):  # checkTemplateTimeouts: a Pending node past either fails
+            try:
+                past = bool(template.get(key)) and time.time() > node.started_at + parse_duration(str(template[key]))
+            except ValueError as err:
+                return self.error_node(node, node_name, call, opts, f"{key}: {err}")
+            if past:
+                return self.nodes.mark(node, FAILED, "timeout")
         node.message = message
         return node
 

@@ -108,8 +108,8 @@ SHAPES: dict[str, dict[str, Any]] = {
         "plugin": Unsupported("plugin templates run in Argo's agent pod"),
         "failFast": Unsupported("template-level failFast is not implemented; use dag.failFast"),
         **{name: RECORDED for name in SCHEDULING + [
-            "metadata", "archiveLocation", "pendingTimeout", "annotations"]},
-        "timeout": RUN, "memoize": "Memoize",
+            "metadata", "archiveLocation", "annotations"]},
+        "timeout": RUN, "pendingTimeout": RUN, "memoize": "Memoize",
     },
     "WorkflowStep": {
         "name": RUN, "template": RUN, "templateRef": "TemplateRef", "arguments": "Arguments", "when": RUN,
@@ -728,6 +728,12 @@ class _Checker:
             if kind not in LEAF_TYPES:
                 self.fail(f"templates.{name}.activeDeadlineSeconds is only valid for leaf templates")
             self.positive_int(template["activeDeadlineSeconds"], f"{path}.activeDeadlineSeconds")
+        for key in ("timeout", "pendingTimeout"):
+            if template.get(key) and "{{" not in str(template[key]):
+                try:
+                    parse_duration(template[key])
+                except ValueError as err:
+                    self.fail(f"templates.{name}.{key}: {err}")
         if template.get("parallelism") is not None and kind not in ("steps", "dag"):
             self.fail(f"templates.{name}.parallelism is only valid for steps and dag templates")
         if template.get("retryStrategy") is not None:
