@@ -856,3 +856,35 @@ def test_a_node_waiting_for_a_lock_past_its_timeout_fails(tmp_path):
     other_run.release_all()
     assert result.phase == "Failed"
     assert (nodes[result.name]["phase"], nodes[result.name]["message"]) == ("Failed", "timeout")
+
+
+def test_a_free_slot_goes_to_the_workflow_at_the_front_of_argos_queue(tmp_path):
+    """workflow/sync/semaphore.go checkAcquire and its priorityQueue: between workflows, a free slot goes to
+    the one at the front, highest spec.priority first, then the oldest; the others wait, told how many slots
+    are free ("Lock status: 1/1"). A queue entry whose run is gone is dropped."""
+    mutex = {"mutexes": [{"name": "m"}]}
+
+    def run_of(name: str, priority: int, created: float) -> LockManager:
+        return LockManager(
+            tmp_path, "default", {}, workflow_key=f"default/{name}", priority=priority, created_at=created
+        )
+
+    holder, old_low, new_high = run_of("holder", 0, 0.0), run_of("old-low", 0, 1.0), run_of("new-high", 5, 2.0)
+    assert holder.try_acquire("default/holder", mutex) == (True, "")
+    assert old_low.try_acquire("default/old-low", mutex) == (
+        False,
+        "Waiting for default/Mutex/m lock. Lock status: 0/1",
+    )
+    assert new_high.try_acquire("default/new-high", mutex)[0] is False
+    holder.release_all()
+    assert old_low.try_acquire("default/old-low", mutex) == (
+        False,
+        "Waiting for default/Mutex/m lock. Lock status: 1/1",
+    )
+    assert new_high.try_acquire("default/new-high", mutex) == (True, "")
+    new_high.release_all()
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    entry = {"workflow": "default/gone", "priority": 9, "created": 0.0, "pid": int(gone.stdout)}
+    (tmp_path / "default_Mutex_m.queue" / "default_gone").write_text(json.dumps(entry))
+    assert old_low.try_acquire("default/old-low", mutex) == (True, "")
+    assert not (tmp_path / "default_Mutex_m.queue" / "default_gone").exists()

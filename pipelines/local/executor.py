@@ -146,7 +146,14 @@ class Controller:
         self.exit_scope: dict[str, str] = {}  # workflow.status and workflow.failures, once main is done
         self.deadline: float | None = None
         # mutexes and semaphores (sync.py), shared through the workdir with other runs
-        self.locks = LockManager(Path(workdir) / ".sync", workflow.namespace, workflow.configmaps)
+        self.locks = LockManager(
+            Path(workdir) / ".sync",
+            workflow.namespace,
+            workflow.configmaps,
+            workflow_key=f"{workflow.namespace}/{workflow.name}",
+            priority=int(workflow.spec.get("priority") or 0),
+            created_at=workflow.created_at,
+        )
         self.stop_requested: int | None = None  # an exit status: a SIGTERM asked the run to stop (run.py)
         self.template_errors: set[str] = set()  # node IDs whose template could not be executed (error_node)
         self.lock_granted: set[str] = set()  # node IDs that waited for a lock, got it, and have yet to start
