@@ -14,9 +14,12 @@ Atomic publication: no reader ever sees a half-written object.
 Digests: every write records the object's sha256 and every read verifies it.
   - S3: user metadata `x-amz-meta-sha256`, sent in the same PUT (or CreateMultipartUpload), and read back
     from the very GET response that carries the bytes, so digest and bytes always belong together.
-  - local: a sidecar `.moerl-sha256-<name>` in the same directory, renamed into place just before the
-    object. A reader that lands between those two renames of an overwrite sees a mismatch, so a mismatch
-    is re-read a few times before it is reported; a persistent one is corruption.
+  - local: a sidecar `.moerl-sha256-<hash of name>` in the same directory (a sha256sum line naming the
+    object), renamed into place just before the object. Its name holds no part of the object's name, so
+    no data pattern (`*.safetensors`, `model*.safetensors*`, `*model*`) globs it; sidecars written
+    before as `.moerl-sha256-<name>` are still read, and replaced or deleted with their object. A reader
+    that lands between those two renames of an overwrite sees a mismatch, so a mismatch is re-read a few
+    times before it is reported; a persistent one is corruption.
   Objects written by other tools carry no digest and read unverified. Names starting with `.moerl-` are
   reserved for this bookkeeping: list() hides them and keys may not use them.
 
@@ -329,6 +332,12 @@ class _LocalBackend:
         return self.root.joinpath(*key.split("/"))
 
     def sidecar(self, path: Path) -> Path:
+        """Where path's digest is kept: named by a hash of path's name, so that no glob of data files can
+        match it (`.moerl-sha256-model.safetensors` used to match `*.safetensors`)."""
+        return path.with_name(SIDECAR_PREFIX + hashlib.sha256(path.name.encode()).hexdigest()[:32])
+
+    def old_sidecar(self, path: Path) -> Path:
+        """The name sidecars had before (`.moerl-sha256-<name>`): read when there is no new one."""
         return path.with_name(SIDECAR_PREFIX + path.name)
 
     def _errors(self, key: str) -> contextlib.AbstractContextManager:
@@ -348,6 +357,8 @@ class _LocalBackend:
             with _staged(path, fill) as staged, _staged(sidecar, lambda f: f.write(digest_line)) as staged_digest:
                 os.replace(staged_digest, sidecar)
                 os.replace(staged, path)
+            with contextlib.suppress(FileNotFoundError):  # the old-named digest of an older write is stale now
+                self.old_sidecar(path).unlink()
             _fsync_dir(path.parent)
 
     def put_bytes(self, key: str, data: bytes, sha: str) -> None:
@@ -375,10 +386,14 @@ class _LocalBackend:
         return recorded
 
     def _recorded(self, path: Path) -> str | None:
-        try:
-            return self.sidecar(path).read_text(errors="replace").split()[0]  # garbage reads as a mismatch
-        except (FileNotFoundError, IndexError):
-            return None
+        for sidecar in (self.sidecar(path), self.old_sidecar(path)):
+            try:
+                return sidecar.read_text(errors="replace").split()[0]  # garbage reads as a mismatch
+            except FileNotFoundError:
+                continue
+            except IndexError:
+                return None
+        return None
 
     def head(self, key: str) -> tuple[int, str | None] | None:
         path = self.path(key)
@@ -399,7 +414,7 @@ class _LocalBackend:
     def delete(self, key: str) -> None:
         path = self.path(key)
         with self._errors(key):
-            for victim in (path, self.sidecar(path)):  # object first: a crash leaves no unverified object
+            for victim in (path, self.sidecar(path), self.old_sidecar(path)):  # object first: no unverified object
                 with contextlib.suppress(FileNotFoundError, NotADirectoryError):
                     victim.unlink()
 

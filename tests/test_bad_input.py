@@ -522,8 +522,8 @@ MANIFEST_CASES = [
     ("unknown-template", hello(templates=[{"name": "main", "steps": [[{"name": "a", "template": "missing"}]]}]),
      "spec.templates[0] ('main').steps[0][0] ('a'): template name 'missing' undefined"),
     ("bad-expression", hello(templates=TWO_STEPS), "spec.templates[0] ('main').steps[0][0].when: unexpected"),
-    ("unsupported-field", hello(templates=[{**HELLO["spec"]["templates"][0], "daemon": True}]),
-     "unsupported: daemon at spec.templates[0] ('main')"),
+    ("unsupported-field", hello(templates=[{**HELLO["spec"]["templates"][0], "sidecars": [{"name": "s"}]}]),
+     "unsupported: sidecars at spec.templates[0] ('main')"),
     ("typo", hello(templates=[{**HELLO["spec"]["templates"][0], "retryStrategy": {"limt": 3}}]),
      "unknown field: limt at spec.templates[0].retryStrategy"),
 ]  # fmt: skip

@@ -30,7 +30,9 @@ SCHEMA_DEFINITIONS = {
     "Script": ARGO + "ScriptTemplate", "EnvVar": CORE + "EnvVar", "EnvVarSource": CORE + "EnvVarSource",
     "VolumeMount": CORE + "VolumeMount", "Volume": CORE + "Volume",
     "PersistentVolumeClaim": CORE + "PersistentVolumeClaim", "ResourceTemplate": ARGO + "ResourceTemplate",
-    "SuspendTemplate": ARGO + "SuspendTemplate",
+    "SuspendTemplate": ARGO + "SuspendTemplate", "Synchronization": ARGO + "Synchronization",
+    "Mutex": ARGO + "Mutex", "SemaphoreRef": ARGO + "SemaphoreRef", "Memoize": ARGO + "Memoize",
+    "Cache": ARGO + "Cache",
 }  # fmt: skip
 
 
@@ -58,7 +60,6 @@ def hello(**template_fields) -> dict:
             hello(sidecars=[{"name": "s", "image": "x"}]),
             "unsupported: sidecars at spec.templates[0] ('main'): the local executor runs one process per step",
         ),
-        (hello(daemon=True), "unsupported: daemon at spec.templates[0] ('main')"),
         (
             hello(outputs={"artifacts": [{"name": "a", "path": "/tmp/a"}]}),
             "unsupported: artifacts at spec.templates[0].outputs",
@@ -88,7 +89,7 @@ def test_scheduling_fields_are_accepted_and_recorded(tmp_path: Path):
         nodeSelector={"karpenter.sh/capacity-type": "spot"},
         tolerations=[{"key": "spot", "operator": "Exists"}],
         metrics={"prometheus": []},
-        synchronization={"mutex": {"name": "m"}},
+        synchronization={"mutexes": [{"name": "m"}]},
         metadata={"labels": {"a": "b"}},
     )
     manifest["spec"].update(podGC={"strategy": "OnPodSuccess"}, ttlStrategy={"secondsAfterCompletion": 10})

@@ -288,8 +288,9 @@ def test_local_bookkeeping_is_hidden_and_digest_is_a_sha256sum_line(tmp_path):
     store = Store.open(str(tmp_path / "s"))
     digest = store.put_bytes("d/model.bin", b"weights")
     on_disk = sorted(p.name for p in (tmp_path / "s" / "d").iterdir())
-    assert on_disk == [".moerl-sha256-model.bin", "model.bin"]
-    assert (tmp_path / "s" / "d" / ".moerl-sha256-model.bin").read_text() == f"{digest}  model.bin\n"
+    sidecar = ".moerl-sha256-" + hashlib.sha256(b"model.bin").hexdigest()[:32]
+    assert on_disk == [sidecar, "model.bin"]
+    assert (tmp_path / "s" / "d" / sidecar).read_text() == f"{digest}  model.bin\n"
     (tmp_path / "s" / "d" / ".moerl-tmp-0123abcd").write_bytes(b"half a write from a killed process")
     assert store.list() == ["d/model.bin"]
     store.delete("d/model.bin")
@@ -340,3 +341,38 @@ def test_key_that_is_also_a_prefix_is_a_clear_error_on_local_disk(tmp_path):
     store.put_bytes("a/b", b"1")
     with pytest.raises(MoerlError, match="cannot be both an object and a prefix"):
         store.put_bytes("a", b"2")
+
+
+def test_no_data_glob_matches_a_sidecar(tmp_path):
+    """Issue 19: `.moerl-sha256-model-00001-of-00002.safetensors` beside the weights matched `*.safetensors`
+    for anything that globs with pathlib. The sidecar's name now holds no part of the object's name."""
+    store = Store.open(str(tmp_path / "s"))
+    names = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "config.json"]
+    for name in names:
+        store.put_bytes(f"ckpt/{name}", name.encode())
+    directory = tmp_path / "s" / "ckpt"
+    for pattern in ("*.safetensors", "model*.safetensors*", "*model*", "*.json", "*config*", "*-of-*"):
+        assert all(not p.name.startswith(".moerl-") for p in directory.glob(pattern)), pattern
+        assert all(not p.name.startswith(".moerl-") for p in (tmp_path / "s").rglob(pattern)), pattern
+    assert sorted(p.name for p in directory.glob("*.safetensors")) == names[:2]
+    assert store.get_bytes("ckpt/config.json") == b"config.json"
+
+
+def test_sidecars_under_their_old_names_are_still_verified_then_replaced(tmp_path):
+    """A store written before the rename (`.moerl-sha256-<name>`) still reads verified; a rewrite or a delete
+    of the object takes the old sidecar with it."""
+    store = Store.open(str(tmp_path / "s"))
+    digest = store.put_bytes("d/w.bin", b"weights")
+    directory = tmp_path / "s" / "d"
+    new = next(p for p in directory.iterdir() if p.name.startswith(".moerl-sha256-"))
+    old = directory / ".moerl-sha256-w.bin"
+    new.rename(old)  # as an older moerl left it
+    assert store.get_bytes("d/w.bin") == b"weights" and store.sha256("d/w.bin") == digest
+    (directory / "w.bin").write_bytes(b"tampered")
+    with pytest.raises(MoerlError, match="corrupted"):
+        store.get_bytes("d/w.bin")
+    store.put_bytes("d/w.bin", b"new weights")
+    assert not old.exists()
+    assert store.get_bytes("d/w.bin") == b"new weights"
+    store.delete("d/w.bin")
+    assert list(directory.iterdir()) == []

@@ -1,4 +1,5 @@
-"""`moerl local MANIFEST [-p NAME=VALUE ...] [--chaos SPEC] [--status-out FILE] [--workdir DIR]`."""
+"""`moerl local MANIFEST [-p NAME=VALUE ...] [--chaos SPEC] [--status-out FILE] [--workdir DIR]
+[--entrypoint IMAGE=COMMAND ...] [--configmap FILE ...]`."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from pipelines.local.manifest import parse_entrypoint
 from pipelines.local.run import DEFAULT_WORKDIR, run_workflow
 from steps.errors import MoerlError
 
@@ -42,6 +44,29 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help=f"where each run keeps its pods' logs and sandboxes (default {DEFAULT_WORKDIR})",
     )
     parser.add_argument(
+        "--entrypoint",
+        action="append",
+        default=[],
+        metavar="IMAGE=COMMAND",
+        help="the host command that stands for IMAGE's ENTRYPOINT, for its containers that give no command "
+        "(their args follow it), e.g. --entrypoint 'argoproj/argosay:v2=sh -c \"echo $0 $@\"'; repeatable",
+    )
+    parser.add_argument(
+        "--configmap",
+        action="append",
+        default=[],
+        type=Path,
+        metavar="FILE",
+        help="a YAML file of ConfigMaps whose data the workflow's synchronization semaphores read their limits "
+        "from (ConfigMaps in the manifest's file and beside it are read too); repeatable",
+    )
+    parser.add_argument(
+        "--no-strict",
+        action="store_true",
+        help="drop fields that are not Argo's, with a warning, as Argo's controller decodes what kubectl "
+        "created; by default they are refused, as `argo submit` (--strict) refuses them",
+    )
+    parser.add_argument(
         "--cold-start",
         action="store_true",
         help="start every pod as a new process; by default `python -m` pods are forks of a Python that has "
@@ -69,6 +94,9 @@ def main(args: argparse.Namespace) -> int:
             status_out=args.status_out,
             workdir=args.workdir,
             warm_start=False if args.cold_start else None,
+            entrypoints=dict(parse_entrypoint(item) for item in args.entrypoint),
+            configmaps=args.configmap,
+            strict=not getattr(args, "no_strict", False),
         )
     except KeyboardInterrupt:  # the pods are stopped and the status says so; no traceback
         print("moerl local: interrupted", file=sys.stderr)

@@ -248,7 +248,7 @@ class DagWalk:
             ):
                 return None
             child_phases = [self.ctl.nodes.by_id[c].phase for c in node.children] if node.type == TASK_GROUP else None
-            results[dep] = task_results(node.phase, child_phases)
+            results[dep] = task_results(node.phase, child_phases, node.daemoned)
         return evaluate_depends(self.dependencies[name][1], results)
 
     def assess_phase(self, targets: list[str]) -> str:

@@ -60,8 +60,9 @@ def task_dependencies(task: dict, tasks: dict[str, dict]) -> tuple[list[str], st
     return dependencies, "".join(pieces)
 
 
-def task_results(phase: str, child_phases: list[str] | None) -> dict[str, bool]:
-    """Argo's TaskResults of one dependency; child_phases is given for an expanded task (TaskGroup)."""
+def task_results(phase: str, child_phases: list[str] | None, daemoned: bool = False) -> dict[str, bool]:
+    """Argo's TaskResults of one dependency; child_phases is given for an expanded task (TaskGroup); daemoned:
+    a daemon that is running and ready (Argo: IsDaemoned() && phase != Pending)."""
     any_succeeded = any(p == SUCCEEDED for p in child_phases or [])
     all_failed = bool(child_phases) and all(p == FAILED for p in child_phases or [])
     return {
@@ -70,7 +71,7 @@ def task_results(phase: str, child_phases: list[str] | None) -> dict[str, bool]:
         "Errored": phase == ERROR,
         "Skipped": phase == SKIPPED_PHASE,
         "Omitted": phase == OMITTED,
-        "Daemoned": False,  # daemon templates are not supported here
+        "Daemoned": daemoned,
         "AnySucceeded": any_succeeded,
         "AllFailed": all_failed,
     }

@@ -38,7 +38,8 @@ from pipelines.local.expressions import (
     substitute,
 )
 from pipelines.local.functions import go_json
-from pipelines.local.manifest import LEAF_TYPES, Workflow, template_type
+from pipelines.local.manifest import LEAF_TYPES, Workflow, merge_defaults, template_type
+from pipelines.local.memoize import MemoizeError, Memoizer
 from pipelines.local.pods import (
     DEADLINE_MESSAGE,
     STRIKE_MARKER,
@@ -47,6 +48,7 @@ from pipelines.local.pods import (
     PodOutcome,
     Termination,
     plan_pod,
+    read_progress,
     warm_start_candidates,
 )  # fmt: skip
 from pipelines.local.scope import add_node_ref, last_attempt, result_referenced
@@ -68,17 +70,21 @@ from pipelines.local.status import (
     Node,
     Nodes,
     WorkflowStatus,
+    fulfilled,
     node_id,
     pod_name,
     timestamp,
     write_json_atomic,
 )
-from pipelines.local.steps_template import execute_steps
+from pipelines.local.steps_template import ABSENT_OPTIONAL, execute_steps
+from pipelines.local.sync import LockError, LockManager
 from pipelines.local.warm import WarmStarter, warm_starts_enabled
 from steps.errors import MoerlError
 from steps.progress import PROGRESS_ANNOTATION, STRIKE_ENV
 
 DEADLINE_EXCEEDED = "Step exceeded its deadline"
+WORKFLOW_HOLDER = "workflow"  # the holder of spec.synchronization's locks (node IDs hold the templates')
+NODE_TYPES = {"container": POD, "script": POD, "resource": POD, "steps": STEPS, "dag": DAG, "suspend": SUSPEND}
 IDLE_WAIT_SECONDS = 0.1  # the longest sleep between passes while nothing happens (see Executor.wait_for_pods)
 POLL_SECONDS = 0.02  # the sleep between passes while a pod can only be polled
 MAX_PASSES_WITHOUT_WAIT = 10  # passes in a row that changed something before a sleep anyway
@@ -103,6 +109,10 @@ def time_scale_from_env() -> float:
             f"MOERL_LOCAL_TIME_SCALE={raw!r}: expected a number above 0 (1 is real time, 0.01 is 100x faster backoffs)"
         )
     return scale
+
+
+class _WorkflowEnded(Exception):
+    """The workflow ended before its entrypoint ran (a lock that cannot be set up); the status says why."""
 
 
 class View(Protocol):
@@ -140,6 +150,19 @@ class Controller:
         self.global_outputs: dict[str, str] = {}
         self.exit_scope: dict[str, str] = {}  # workflow.status and workflow.failures, once main is done
         self.deadline: float | None = None
+        # mutexes and semaphores (sync.py), shared through the workdir with other runs
+        self.locks = LockManager(
+            Path(workdir) / ".sync",
+            workflow.namespace,
+            workflow.configmaps,
+            workflow_key=f"{workflow.namespace}/{workflow.name}",
+            priority=int(workflow.spec.get("priority") or 0),
+            created_at=workflow.created_at,
+        )
+        self.stop_requested: int | None = None  # an exit status: a SIGTERM asked the run to stop (run.py)
+        self.template_errors: set[str] = set()  # node IDs whose template could not be executed (error_node)
+        self.lock_granted: set[str] = set()  # node IDs that waited for a lock, got it, and have yet to start
+        self.memo = Memoizer(Path(workdir) / ".memoize")
         self.now = time.time()
         self._last_status_write = 0.0
         self._globals: dict[str, Any] | None = None
@@ -160,11 +183,19 @@ class Controller:
         if seconds is not None:
             self.deadline = float(int(self.now)) + float(int(seconds))
         try:
+            self.apply_workflow_metadata()
+        except (MoerlError, exprlang.ExprError) as err:  # Argo marks the workflow Error before any node runs
+            self.status.phase, self.status.message, self.status.finished_at = ERROR, str(err), time.time()
+            self.write_status(force=True)
+            return self.status.to_argo(self.nodes)
+        try:
             if self.starter is not None:  # the servers import while the first pods (plan, downloads) run
                 for argv, env in warm_start_candidates(list(self.wf.templates.values())):
                     self.starter.prestart(argv, env)
             progress, passes_without_wait = self.progress(), 0
             while True:
+                if self.stop_requested is not None:
+                    raise SystemExit(self.stop_requested)
                 self.now = time.time()
                 if self.operate():
                     break
@@ -179,11 +210,14 @@ class Controller:
                     continue
                 passes_without_wait = 0
                 self.wait_for_pods()
+        except _WorkflowEnded:
+            self.status.finished_at = time.time()
         except BaseException:  # Ctrl-C, or a bug: stop the pods and leave a status that says so
             self.abort("the local executor was interrupted")
             raise
         finally:
             self.stop_all_pods()
+            self.locks.release_all()
             if self.starter is not None:
                 self.starter.close()
             self.write_status(force=True)
@@ -191,15 +225,121 @@ class Controller:
                 self.view.finish(self)
         return self.status.to_argo(self.nodes)
 
+    def stop_daemons_out_of_scope(self, root: Node | None) -> None:
+        """Argo's killDaemonedChildren: once the steps or DAG node a daemon belongs to is fulfilled (the
+        workflow's root, for one at the top), its pod is stopped and its node Succeeded. A Retry node whose
+        daemon attempt ended on its own is no longer daemoned, so that it retries."""
+        for node in self.nodes:
+            if not node.daemoned:
+                continue
+            if node.type == RETRY:
+                last = last_attempt(node, self.nodes)
+                if last is None or not last.daemoned and fulfilled(last.phase):
+                    node.daemoned = False
+                    continue
+            boundary = self.nodes.get(node.boundary_id) if node.boundary_id else root
+            if boundary is None or not fulfilled(boundary.phase):
+                continue
+            node.daemoned = False
+            pod = self.pods.get(node.id)
+            if pod is not None:
+                pod.terminate(Termination(SUCCEEDED, "", keep_exit_code=False), pod.plan.grace_seconds)
+            self.nodes.mark(node, SUCCEEDED)
+
+    def workflow_lock_acquired(self) -> bool:
+        """Argo's workflow-level synchronization: the workflow stays Pending, with the lock's message, until
+        it holds every lock of spec.synchronization (released when it ends)."""
+        sync = self.wf.spec.get("synchronization")
+        if not sync or self.locks.holding(WORKFLOW_HOLDER):
+            return True
+        try:
+            acquired, message = self.locks.try_acquire(WORKFLOW_HOLDER, sync)
+        except LockError as err:
+            self.status.phase, self.status.message = FAILED, f"Failed to acquire the synchronization lock. {err}"
+            raise _WorkflowEnded from err
+        if not acquired:
+            self.status.phase, self.status.message = PENDING, message
+            return False
+        self.status.phase, self.status.message = RUNNING, ""
+        return True
+
+    def settle_fulfilled_holders(self) -> None:
+        """Release the locks of nodes that have finished, and put the outputs of memoized nodes that
+        succeeded in their cache (Argo does both once it sees the node fulfilled)."""
+        for holder in list(self.locks.held):
+            node = self.nodes.get(holder)
+            if holder != WORKFLOW_HOLDER and (node is None or node.fulfilled):
+                self.locks.release(holder)
+        for id_ in list(self.memo.pending):
+            node = self.nodes.get(id_)
+            if node is not None and node.fulfilled:
+                self.memo.settle(node)
+
+    def wait_for_locks(self, node: Node | None, node_name: str, template: dict, call: Call, opts: Opts) -> Node | None:
+        """A template's synchronization: None once the node holds every lock; else its node, Pending with
+        Argo's waiting message (created as the node the template will run as)."""
+        id_ = node_id(self.wf.name, node_name)
+        try:
+            acquired, message = self.locks.try_acquire(id_, template["synchronization"])
+        except LockError as err:
+            return self.error_node(node, node_name, call, opts, str(err))
+        if acquired:
+            if node is not None and node.phase == PENDING:  # it waited: now it runs
+                node.message = ""
+                if node.type == POD:
+                    self.lock_granted.add(node.id)
+                else:
+                    node.phase = RUNNING
+            return None
+        if node is None:
+            kind = RETRY if self.retry_strategy(template) is not None else NODE_TYPES[template_type(template)]
+            return self.create_node(node_name, kind, template, opts, PENDING, message)
+        for key in ("timeout", "pendingTimeout"):  # checkTemplateTimeouts: a Pending node past either fails
+            try:
+                past = bool(template.get(key)) and time.time() > node.started_at + parse_duration(str(template[key]))
+            except ValueError as err:
+                return self.error_node(node, node_name, call, opts, f"{key}: {err}")
+            if past:
+                return self.nodes.mark(node, FAILED, "timeout")
+        node.message = message
+        return node
+
+    def apply_workflow_metadata(self) -> None:
+        """Argo's updateWorkflowMetadata: spec.workflowMetadata's labels, annotations and labelsFrom
+        expressions become the workflow's own, and so `{{workflow.labels.NAME}}`."""
+        metadata = self.wf.spec.get("workflowMetadata") or {}
+        for name, value in (metadata.get("labels") or {}).items():
+            self.wf.labels[str(name)] = text_of(value)
+        for name, value in (metadata.get("annotations") or {}).items():
+            self.wf.annotations[str(name)] = text_of(value)
+        self._globals = None
+        for name, source in (metadata.get("labelsFrom") or {}).items():
+            expression = str((source or {}).get("expression", ""))
+            value = exprlang.evaluate(expression, expand(self.globals()))
+            if not isinstance(value, str):
+                raise MoerlError(
+                    f'workflowMetadata.labelsFrom.{name}: failed to evaluate label "{name}" expression '
+                    f'"{expression}" evaluted to {type(value).__name__} but must be a string'
+                )
+            self.wf.labels[str(name)] = value
+        self._globals = None
+
     def operate(self) -> bool:
         """One reconciliation; True once the workflow has finished."""
         self._globals = None
         self.reconcile_pods()
+        self.settle_fulfilled_holders()
+        if not self.workflow_lock_acquired():
+            return False
         root = self.execute_template(
             self.wf.name,
             Call({"template": self.wf.spec["entrypoint"], "arguments": self.wf.spec.get("arguments") or {}}, "root"),
             Opts(),
         )
+        self.stop_daemons_out_of_scope(root)
+        if root is not None and root.id in self.template_errors:  # operate(): the workflow errs at once
+            self.settle_error(f"error in entry template execution: {root.message}")
+            return True
         if root is None or not root.fulfilled:
             return False
         workflow_phase = {
@@ -220,6 +360,9 @@ class Controller:
             exit_node = self.execute_template(
                 f"{self.wf.name}.onExit", Call(hook, "hook"), Opts(on_exit=True, hooked=True)
             )
+            if exit_node is not None and exit_node.id in self.template_errors:
+                self.settle_error(f"error in exit template execution : {exit_node.message}")
+                return True
             if exit_node is None or not exit_node.fulfilled:
                 return False
         self.settle(workflow_phase, root, exit_node)
@@ -237,6 +380,10 @@ class Controller:
         self.status.finished_at = time.time()
         if self.global_outputs:
             self.status.outputs = {"parameters": [{"name": k, "value": v} for k, v in self.global_outputs.items()]}
+
+    def settle_error(self, message: str) -> None:
+        """Argo's markWorkflowError after executeTemplate returned an error for the entrypoint or exit handler."""
+        self.status.phase, self.status.message, self.status.finished_at = ERROR, message, time.time()
 
     def abort(self, message: str) -> None:
         for node in self.nodes:
@@ -257,6 +404,7 @@ class Controller:
         if self.status_out is None or (not force and time.time() - self._last_status_write < 1.0):
             return
         self._last_status_write = time.time()
+        self.read_reported_progress()
         write_json_atomic(self.status_out, self.status.to_argo(self.nodes))
 
     # ------------------------------------------------------------------------- pods
@@ -283,8 +431,10 @@ class Controller:
         if not waiting:
             time.sleep(timeout)
             return
-        ready, _, _ = select.select(list(waiting), [], [], timeout)
-        for fd in ready:
+        poller = select.poll()  # not select(): it cannot take a descriptor numbered 1024 or more (~1,000 pods)
+        for fd in waiting:
+            poller.register(fd, select.POLLIN)
+        for fd, _ in poller.poll(timeout * 1000):
             waiting[fd].exit_seen()
 
     def reconcile_pods(self) -> None:
@@ -293,19 +443,29 @@ class Controller:
         for id_, pod in list(self.pods.items()):
             node = self.nodes.get(id_)
             assert node is not None
-            if pod.running and not node.fulfilled:
+            if pod.running and not fulfilled(node.phase):  # (a daemoned node is fulfilled, yet still running)
                 self.enforce(node, pod, now)
             outcome = pod.poll(now)
             if outcome is None:
+                if pod.plan.daemon and not node.daemoned and node.phase == RUNNING and pod.ready(now):
+                    node.daemoned = True  # Argo: running and ready, so the steps and tasks after it may start
                 continue
             del self.pods[id_]
+            node.reported_progress = read_progress(pod.plan.pod_dir)
             if pod.injection is not None and self.chaos is not None:
                 if pod.injection.fired:
                     self.hit.add(id_)
                 else:
                     self.chaos.missed(pod.injection)
-            if not node.fulfilled:
+            if not fulfilled(node.phase):
                 self.apply_outcome(node, outcome)
+
+    def read_reported_progress(self) -> None:
+        """What the running pods wrote to their ARGO_PROGRESS_FILE (read when the status is written)."""
+        for id_, pod in self.pods.items():
+            node = self.nodes.get(id_)
+            if node is not None:
+                node.reported_progress = read_progress(pod.plan.pod_dir) or node.reported_progress
 
     def enforce(self, node: Node, pod: Pod, now: float) -> None:
         past_workflow_deadline = self.deadline is not None and now > self.deadline
@@ -349,6 +509,7 @@ class Controller:
         if outcome.exit_code is not None:
             outputs["exitCode"] = str(outcome.exit_code)
         node.outputs = outputs or None
+        node.daemoned = False
         self.add_global_outputs(node.outputs)
         self.nodes.mark(node, outcome.phase, outcome.message)
 
@@ -442,7 +603,11 @@ class Controller:
         return template, scope
 
     def retry_strategy(self, template: dict) -> dict | None:
-        return template.get("retryStrategy") or self.wf.spec.get("retryStrategy")
+        """Argo's retryStrategy(): the template's, else the workflow's. `retryStrategy: {}` is a strategy
+        (retry until success), not none."""
+        if template.get("retryStrategy") is not None:
+            return template["retryStrategy"]
+        return self.wf.spec.get("retryStrategy")
 
     def process_args(self, template: dict, arguments: dict | None, local: dict[str, Any]) -> dict:
         """Argo's ProcessArgs: input values from arguments (or defaults), then substitution of the
@@ -453,7 +618,13 @@ class Controller:
             if value is None:
                 value = (param.get("valueFrom") or {}).get("default", param.get("default"))
             argument = supplied.get(param["name"])
-            if argument is not None and argument.get("value") is not None:
+            if argument is not None and argument.get("value") == ABSENT_OPTIONAL:  # (common/util.go ProcessArgs)
+                if value is None and param.get("valueFrom") is None:
+                    raise TemplateError(
+                        f"inputs.parameters.{param['name']}: argument references an absent optional "
+                        f"(skipped/omitted node output with no default)"
+                    )
+            elif argument is not None and argument.get("value") is not None:
                 value = argument["value"]
             if value is None:
                 raise TemplateError(f"inputs.parameters.{param['name']} was not supplied")
@@ -482,17 +653,44 @@ class Controller:
                 local["steps.name"] = call.holder.get("name")
             if call.kind == "task":
                 local["tasks.name"] = call.holder.get("name")
-            if template_type(template) in LEAF_TYPES and not self.retry_strategy(template):
+            if template_type(template) in LEAF_TYPES and self.retry_strategy(template) is None:
                 local["pod.name"] = pod_name(self.wf.name, node_name, template.get("name", ""))
             processed = self.process_args(template, call.holder.get("arguments"), local)
         except (TemplateError, SubstitutionError) as err:
             return self.error_node(node, node_name, call, opts, str(err))
         if node is None and self.boundary_parallelism_reached(opts.boundary_id):
             return None
+        unlocked = False  # a node that waited for its locks and holds them now (Argo's unlockedNode)
+        if processed.get("synchronization") and not self.locks.holding(node_id(self.wf.name, node_name)):
+            waiting = self.wait_for_locks(node, node_name, processed, call, opts)
+            if waiting is not None:
+                return waiting
+            unlocked = node is not None
+        if processed.get("memoize") and (node is None or unlocked):  # the cache is read before the node runs
+            try:
+                hit = self.memo.lookup(processed["memoize"])
+            except MemoizeError as err:
+                return self.error_node(node, node_name, call, opts, str(err))
+            if hit is not None:
+                return self.cache_hit_node(node, node_name, processed, opts, hit)
         retry = self.retry_strategy(processed)
         if retry is None:
-            return self.dispatch(node_name, processed, call, opts, scope)
-        return self.execute_retries(node, node_name, processed, call, opts, scope, retry)
+            started = self.dispatch(node_name, processed, call, opts, scope)
+        else:
+            started = self.execute_retries(node, node_name, processed, call, opts, scope, retry)
+        if started is not None and processed.get("memoize") and started.memoization is None:
+            started.memoization = self.memo.miss(started, processed["memoize"])
+        return started
+
+    def cache_hit_node(self, node: Node | None, node_name: str, template: dict, opts: Opts, hit: dict) -> Node:
+        """Argo's initializeCacheHitNode: the node, Succeeded at once with the cached outputs."""
+        if node is None:
+            node = self.create_node(node_name, NODE_TYPES[template_type(template)], template, opts, RUNNING)
+        self.lock_granted.discard(node.id)
+        node.outputs = hit["outputs"]
+        node.memoization = {"hit": True, "key": hit["key"], "cacheName": hit["cacheName"]}
+        self.add_global_outputs(node.outputs)
+        return self.nodes.mark(node, SUCCEEDED, "")
 
     def dispatch(self, node_name: str, template: dict, call: Call, opts: Opts, scope: Any) -> Node | None:
         kind = template_type(template)
@@ -526,7 +724,8 @@ class Controller:
 
     def error_node(self, node: Node | None, name: str, call: Call, opts: Opts, message: str) -> Node:
         """Argo's initializeNodeOrMarkError: a new node of type Skipped in phase Error, or the
-        existing node marked Error."""
+        existing node marked Error. (executeTemplate returns the error too: template_errors.)"""
+        self.template_errors.add(node_id(self.wf.name, name))
         if node is not None:
             return self.nodes.mark(node, ERROR, message)
         template_name = str(call.holder.get("template") or (call.holder.get("templateRef") or {}).get("template", ""))
@@ -586,6 +785,9 @@ class Controller:
         if not attempts or not attempts[-1].fulfilled:
             return True
         last = attempts[-1]
+        if last.daemoned:  # a daemon attempt runs on: the Retry node is daemoned with it
+            node.daemoned = True
+            return False
         now = time.time()
         if not last.failed_or_error:
             self.nodes.mark(node, SUCCEEDED)
@@ -635,12 +837,15 @@ class Controller:
 
     def execute_pod(self, node_name: str, template: dict, opts: Opts) -> Node | None:
         node = self.nodes.by_name(node_name)
-        if node is not None:
+        if node is not None and node.id not in self.lock_granted:
             return node
         parallelism = self.wf.spec.get("parallelism")
-        if parallelism is not None and self.active_pods() >= int(parallelism):
+        if parallelism is not None and self.active_pods() >= int(parallelism) + (node is not None):
             return None
-        node = self.create_node(node_name, POD, template, opts, PENDING)
+        if node is None:
+            node = self.create_node(node_name, POD, template, opts, PENDING)
+        else:  # it waited for a lock (sync.py) and holds it now
+            self.lock_granted.discard(node.id)
         if self.deadline is not None and time.time() > self.deadline and not opts.on_exit:
             return self.nodes.mark(node, FAILED, DEADLINE_EXCEEDED)
         self.start_pod(node, template, opts)
@@ -669,6 +874,12 @@ class Controller:
         deadlines = []
         if template.get("activeDeadlineSeconds") is not None:
             deadlines.append(node.started_at + float(template["activeDeadlineSeconds"]))
+        if template.get("timeout"):  # Argo sets the pod's activeDeadlineSeconds from it (checkTemplateTimeouts)
+            try:
+                deadlines.append(node.started_at + parse_duration(str(template["timeout"])))
+            except ValueError as err:
+                self.nodes.mark(node, ERROR, f"timeout: {err}")
+                return
         if opts.execution_deadline is not None:
             deadlines.append(opts.execution_deadline)
         injection = None
@@ -815,23 +1026,3 @@ def is_transient(message: str) -> bool:
     if pattern and re.search(pattern, message):
         return True
     return any(text in message for text in TRANSIENT_MESSAGES) or message.endswith("EOF")
-
-
-def merge_defaults(defaults: dict, template: dict) -> dict:
-    """spec.templateDefaults under a template (a strategic merge, approximated as a deep merge in
-    which the template wins); defaults for another template type are dropped."""
-    kind = template_type(template)
-    merged = copy.deepcopy(
-        {k: v for k, v in defaults.items() if k not in LEAF_TYPES + ("steps", "dag", "suspend") or k == kind}
-    )
-    return _deep_merge(merged, template)
-
-
-def _deep_merge(base: dict, override: dict) -> dict:
-    out = dict(base)
-    for key, value in override.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = _deep_merge(out[key], value)
-        else:
-            out[key] = copy.deepcopy(value)
-    return out

@@ -142,6 +142,10 @@ class Parser:
             if kind == "op" and text == "not" and self.peek(1)[1] in NEGATABLE:
                 negate = True
                 text = self.peek(1)[1]
+            if kind == "op" and text == "|" and precedence == 0:  # the pipe: `a | f(b)` is `f(a, b)`
+                self.take()
+                left = self.pipe(left)
+                continue
             if kind != "op" or text not in BINARY or BINARY[text] < precedence:
                 break
             self.take()
@@ -241,6 +245,27 @@ class Parser:
                 break
             self.take()
         self.expect(")")
+        return ("call", callee, args)
+
+    def pipe(self, left: Node) -> Node:
+        """expr-lang's parsePipe: the left side becomes the first argument of the call on the right."""
+        kind, name = self.take()
+        if kind != "name":
+            raise ExprError(f"expected a function after '|' but found {name or 'end of input'!r} in {self.source!r}")
+        callee: Node = ("name", name)
+        while self.peek()[1] == ".":  # a member function: `x | sprig.upper()`
+            self.take()
+            _, field = self.take()
+            callee, name = ("member", callee, ("lit", field), False), f"{name}.{field}"
+        args = [left]
+        if self.peek()[1] == "(":
+            self.take()
+            while self.peek()[1] != ")":
+                args.append(self.closure() if name in PREDICATES and len(args) == 1 else self.expression(0))
+                if self.peek()[1] != ",":
+                    break
+                self.take()
+            self.expect(")")
         return ("call", callee, args)
 
     def closure(self) -> Node:

@@ -24,6 +24,8 @@ from __future__ import annotations
 import copy
 import random
 import re
+import shlex
+import sys
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -99,14 +101,15 @@ SHAPES: dict[str, dict[str, Any]] = {
         "suspend": "SuspendTemplate", "retryStrategy": "RetryStrategy", "activeDeadlineSeconds": RUN,
         "parallelism": RUN, "volumes": ("list", "Volume"),
         "initContainers": ONE_PROCESS, "sidecars": ONE_PROCESS,
-        "daemon": Unsupported("daemon steps need a pod network to be reached at"),
+        "daemon": RUN,
         "containerSet": ONE_PROCESS,
         "data": Unsupported("data templates read artifacts"),
         "http": Unsupported("http templates run in Argo's agent pod"),
         "plugin": Unsupported("plugin templates run in Argo's agent pod"),
         "failFast": Unsupported("template-level failFast is not implemented; use dag.failFast"),
         **{name: RECORDED for name in SCHEDULING + [
-            "metadata", "archiveLocation", "memoize", "timeout", "pendingTimeout", "annotations"]},
+            "metadata", "archiveLocation", "annotations"]},
+        "timeout": RUN, "pendingTimeout": RUN, "memoize": "Memoize",
     },
     "WorkflowStep": {
         "name": RUN, "template": RUN, "templateRef": "TemplateRef", "arguments": "Arguments", "when": RUN,
@@ -177,7 +180,13 @@ SHAPES: dict[str, dict[str, Any]] = {
         "manifestFrom": NO_ARTIFACTS,
     },
     "SuspendTemplate": {"duration": RUN},
+    "Synchronization": {"mutexes": ("list", "Mutex"), "semaphores": ("list", "SemaphoreRef")},
+    "Mutex": {"name": RUN, "namespace": RUN, "database": RUN},
+    "SemaphoreRef": {"configMapKeyRef": RUN, "namespace": RUN, "database": RUN},
+    "Memoize": {"key": RUN, "maxAge": RUN, "cache": "Cache"},
+    "Cache": {"configMap": RUN},  # the ConfigMap's name names the cache file under <workdir>/.memoize/
 }  # fmt: skip
+SHAPES["WorkflowSpec"]["synchronization"] = SHAPES["Template"]["synchronization"] = "Synchronization"
 SHAPES["Script"] = {**SHAPES["Container"], "source": RUN}
 SHAPES["DAGTask"] = {**SHAPES["WorkflowStep"], "dependencies": RUN, "depends": RUN}
 SHAPES["WorkflowTemplate"] = {k: v for k, v in SHAPES["Workflow"].items() if k != "status"}
@@ -201,18 +210,29 @@ class Workflow:
     # Templates reachable through templateRef: (cluster scope?, WorkflowTemplate name) -> templates by name
     library: dict[tuple[bool, str], dict[str, dict]] = field(default_factory=dict)
     source: Path | None = None
+    # image -> the host command its ENTRYPOINT stands for (`--entrypoint IMAGE=COMMAND`), for containers without one
+    entrypoints: dict[str, list[str]] = field(default_factory=dict)
+    configmaps: dict[str, dict[str, str]] = field(default_factory=dict)  # ConfigMap name -> data (synchronization)
 
     @property
     def templates(self) -> dict[str, dict]:
-        return {t["name"]: t for t in self.spec.get("templates", [])}
+        return {t["name"]: t for t in self.spec.get("templates") or []}
 
 
 def load_workflow(
     manifest: str | Path | dict,
     parameters: dict[str, str] | None = None,
     name: str | None = None,
+    entrypoints: dict[str, list[str]] | None = None,
+    configmap_files: list[Path] | None = None,
+    strict: bool = True,
 ) -> Workflow:
-    """Read, resolve and validate a manifest; raises MoerlError naming the first problem."""
+    """Read, resolve and validate a manifest; raises MoerlError naming the first problem.
+
+    entrypoints: image -> host command, run for a container of that image that gives no command (the
+    image's ENTRYPOINT, which is not known here). configmap_files: YAML files of ConfigMaps (the semaphores'
+    limits), read with those in the manifest's file and beside it. strict=False: fields that are not Argo's
+    are dropped with a warning (`argo submit --strict=false`) instead of refused."""
     source = None
     if isinstance(manifest, dict):
         documents = [manifest]
@@ -236,7 +256,17 @@ def load_workflow(
             key = (doc["kind"] == "ClusterWorkflowTemplate", str((doc.get("metadata") or {}).get("name")))
             library_docs[key] = (origin, doc)
 
-    check_fields(main, main["kind"], "")
+    configmaps: dict[str, dict[str, str]] = {}
+    given = [(str(f), d) for f in configmap_files or [] for d in _read_documents(f)]
+    for _, doc in siblings + others + given:  # a file given with --configmap wins
+        if doc.get("kind") == "ConfigMap":
+            data = doc.get("data") or {}
+            configmaps[str((doc.get("metadata") or {}).get("name"))] = {str(k): str(v) for k, v in data.items()}
+    for origin, doc in given:
+        if doc.get("kind") != "ConfigMap":
+            raise MoerlError(f"--configmap {origin}: a {doc.get('kind')} in it; give a file of ConfigMap documents")
+
+    check_fields(main, main["kind"], "", strict)
     if main.get("apiVersion") != API_VERSION:
         raise MoerlError(f"{where}: apiVersion is {main.get('apiVersion')!r}; Argo manifests use {API_VERSION}")
 
@@ -245,10 +275,11 @@ def load_workflow(
     if main["kind"] == "CronWorkflow":
         metadata = {**metadata, **(spec.get("workflowMetadata") or {})}
         spec = spec.get("workflowSpec") or {}
-    spec = _merge_workflow_template_ref(spec, library_docs, where)
+    spec = _merge_workflow_template_ref(spec, library_docs, where, strict)
     library = _template_library(spec, library_docs)
     _apply_parameters(spec, parameters or {}, where)
-    validate_spec(spec, library, where)
+    validate_spec(spec, library, where, entrypoints or {})
+    _check_synchronization(spec, library, configmaps, where)
 
     if name is None:  # a Workflow keeps its name; a template or cron workflow gets a generated one
         name = metadata.get("name") if main["kind"] == "Workflow" else None
@@ -263,6 +294,8 @@ def load_workflow(
         spec=spec,
         library=library,
         source=source,
+        entrypoints=dict(entrypoints or {}),
+        configmaps=configmaps,
     )
 
 
@@ -288,7 +321,7 @@ def _read_documents(path: Path) -> list[dict]:
 
 
 def _sibling_templates(path: Path) -> list[tuple[str, dict]]:
-    """WorkflowTemplates in the files beside the manifest (unreadable files are skipped: they only
+    """WorkflowTemplates (and ConfigMaps) in the files beside the manifest (unreadable files are skipped: they only
     matter if referenced, and then the missing reference is reported)."""
     found = []
     for sibling in sorted(path.parent.glob("*.y*ml")):
@@ -301,12 +334,59 @@ def _sibling_templates(path: Path) -> list[tuple[str, dict]]:
         found += [
             (str(sibling), d)
             for d in docs
-            if isinstance(d, dict) and d.get("kind") in ("WorkflowTemplate", "ClusterWorkflowTemplate")
+            if isinstance(d, dict) and d.get("kind") in ("WorkflowTemplate", "ClusterWorkflowTemplate", "ConfigMap")
         ]
     return found
 
 
-def _merge_workflow_template_ref(spec: dict, library_docs: dict, where: str) -> dict:
+def _check_synchronization(spec: dict, library: dict, configmaps: dict[str, dict[str, str]], where: str) -> None:
+    """Each semaphore's limit must be readable before the run starts: from a ConfigMap beside the manifest
+    or given with --configmap (Argo reads it from the cluster); a database lock has no database here."""
+    holders = [("spec", spec)] + [
+        (f"spec.templates[{i}] ({t.get('name')!r})", t) for i, t in enumerate(spec.get("templates") or [])
+    ]
+    holders += [(f"WorkflowTemplate {key[1]}.templates.{n}", t) for key, ts in library.items() for n, t in ts.items()]
+    for path, holder in holders:
+        sync = holder.get("synchronization")
+        if not sync:
+            continue
+        for i, mutex in enumerate(sync.get("mutexes") or []):
+            if (mutex or {}).get("database"):
+                raise MoerlError(
+                    f"unsupported: synchronization.mutexes[{i}].database at {path}: there is no synchronization "
+                    f"database here; drop database: true (the mutex is then kept by this machine)"
+                )
+            if not (mutex or {}).get("name"):
+                raise MoerlError(f"{where}: {path}.synchronization.mutexes[{i}].name is required")
+        for i, semaphore in enumerate(sync.get("semaphores") or []):
+            semaphore = semaphore or {}
+            if semaphore.get("database"):
+                raise MoerlError(
+                    f"unsupported: synchronization.semaphores[{i}].database at {path}: there is no synchronization "
+                    f"database here; use configMapKeyRef and --configmap FILE"
+                )
+            ref = semaphore.get("configMapKeyRef") or {}
+            name, key = ref.get("name"), ref.get("key")
+            if not name or not key:
+                raise MoerlError(
+                    f"{where}: {path}.synchronization.semaphores[{i}]: configMapKeyRef with name and key is required"
+                )
+            if "{{" in f"{name}{key}":
+                continue  # resolved when the template runs; a missing ConfigMap then errors its node
+            limit = (configmaps.get(str(name)) or {}).get(str(key))
+            if limit is None:
+                raise MoerlError(
+                    f"{where}: {path}.synchronization.semaphores[{i}] reads its limit from ConfigMap {name!r} key "
+                    f"{key!r}, which is not given; pass --configmap FILE with that ConfigMap (data: {{{key}: \"1\"}}) "
+                    f"or put it beside the manifest"
+                )
+            if not str(limit).strip().isdigit():
+                raise MoerlError(
+                    f"{where}: ConfigMap {name!r} key {key!r} is {limit!r}; a semaphore's limit is a whole number"
+                )
+
+
+def _merge_workflow_template_ref(spec: dict, library_docs: dict, where: str, strict: bool = True) -> dict:
     """Argo's execWf: the referenced template's spec, overridden field by field by the Workflow's,
     with arguments merged by parameter name."""
     ref = spec.get("workflowTemplateRef")
@@ -320,7 +400,7 @@ def _merge_workflow_template_ref(spec: dict, library_docs: dict, where: str) -> 
             f"manifest nor a YAML file beside it; put its manifest next to this one"
         )
     origin, doc = library_docs[key]
-    check_fields(doc, doc["kind"], "")
+    check_fields(doc, doc["kind"], "", strict)
     if spec.get("templates"):
         raise MoerlError(f"{where}: Templates is invalid field in spec if workflow referred WorkflowTemplate reference")
     merged = copy.deepcopy(doc.get("spec") or {})
@@ -328,8 +408,8 @@ def _merge_workflow_template_ref(spec: dict, library_docs: dict, where: str) -> 
         if name == "workflowTemplateRef":
             continue
         if name == "arguments":
-            params = {p["name"]: p for p in (merged.get("arguments") or {}).get("parameters", [])}
-            params.update({p["name"]: p for p in value.get("parameters", [])})
+            params = {p["name"]: p for p in (merged.get("arguments") or {}).get("parameters") or []}
+            params.update({p["name"]: p for p in (value or {}).get("parameters") or []})
             merged["arguments"] = {"parameters": list(params.values())}
         else:
             merged[name] = copy.deepcopy(value)
@@ -339,12 +419,16 @@ def _merge_workflow_template_ref(spec: dict, library_docs: dict, where: str) -> 
 def _template_library(spec: dict, library_docs: dict) -> dict[tuple[bool, str], dict[str, dict]]:
     library = {}
     for key, (_, doc) in library_docs.items():
-        library[key] = {t.get("name"): t for t in (doc.get("spec") or {}).get("templates", [])}
+        library[key] = {t.get("name"): t for t in (doc.get("spec") or {}).get("templates") or []}
     return library
 
 
 def _apply_parameters(spec: dict, parameters: dict[str, str], where: str) -> None:
-    declared = (spec.setdefault("arguments", {}) or {}).setdefault("parameters", [])
+    if not isinstance(spec.get("arguments"), dict):  # `arguments:` or `parameters:` left null is none
+        spec["arguments"] = {}
+    if spec["arguments"].get("parameters") is None:
+        spec["arguments"]["parameters"] = []
+    declared = spec["arguments"]["parameters"]
     names = [p.get("name") for p in declared]
     for name, value in parameters.items():
         if name not in names:
@@ -370,24 +454,46 @@ def _apply_parameters(spec: dict, parameters: dict[str, str], where: str) -> Non
 # ----------------------------------------------------------------------------- field tables
 
 
-def check_fields(value: Any, shape: str | tuple, path: str) -> None:
-    """Walk `value` against SHAPES; the first field that is unknown or unsupported raises."""
+# Fields Argo had once: its v4 decoder drops them (so the lock, say, silently does not exist there).
+REMOVED = {
+    ("Synchronization", "mutex"): "Argo v3.6 replaced it with a list, mutexes: [{name: ...}]",
+    ("Synchronization", "semaphore"): "Argo v3.6 replaced it with a list, semaphores: [{configMapKeyRef: ...}]",
+}
+
+
+def check_fields(value: Any, shape: str | tuple, path: str, strict: bool = True) -> None:
+    """Walk `value` against SHAPES. An unsupported field raises at once; an unknown one (not Argo's) raises
+    after the whole walk, so that the message names a real blocker first. strict=False drops the unknown
+    ones instead, with a warning, as Argo's controller decodes what kubectl created (`argo submit` refuses
+    them: --strict is its default)."""
+    unknown: list[tuple[dict, str, str]] = []
+    _walk_fields(value, shape, path, unknown)
+    if not unknown:
+        return
+    if strict:
+        raise MoerlError(unknown[0][2] + "; --no-strict drops unknown fields, as Argo's controller does")
+    for parent, name, message in unknown:
+        parent.pop(name, None)
+        print(f"warning: {message}: dropped (--no-strict)", file=sys.stderr)
+
+
+def _walk_fields(value: Any, shape: str | tuple, path: str, unknown: list[tuple[dict, str, str]]) -> None:
     if isinstance(shape, tuple):
         kind, inner = shape
         if kind == "list":
             _expect(value, list, path)
             for i, item in enumerate(value):
-                check_fields(item, inner, f"{path}[{i}]")
+                _walk_fields(item, inner, f"{path}[{i}]", unknown)
         elif kind == "map":
             _expect(value, dict, path)
             for key, item in value.items():
-                check_fields(item, inner, f"{path}.{key}")
+                _walk_fields(item, inner, f"{path}.{key}", unknown)
         elif kind == "steps":  # a list of parallel groups, each a list of steps
             _expect(value, list, path)
             for i, group in enumerate(value):
                 _expect(group, list, f"{path}[{i}]")
                 for j, step in enumerate(group):
-                    check_fields(step, inner, f"{path}[{i}][{j}]")
+                    _walk_fields(step, inner, f"{path}[{i}][{j}]", unknown)
         return
     table = SHAPES[shape]
     _expect(value, dict, path)
@@ -395,12 +501,14 @@ def check_fields(value: Any, shape: str | tuple, path: str) -> None:
         rule = table.get(name)
         here = _describe(path, value)
         if rule is None:
-            raise MoerlError(f"unknown field: {name} at {here} (not a field of Argo's {shape}; a typo?)")
+            why = REMOVED.get((shape, name), "a typo?")
+            unknown.append((value, name, f"unknown field: {name} at {here} (not a field of Argo's {shape}; {why})"))
+            continue
         if isinstance(rule, Unsupported):
             raise MoerlError(f"unsupported: {name} at {here}: {rule.why}")
         if rule in (RUN, RECORDED) or item is None:
             continue
-        check_fields(item, rule, f"{path}.{name}" if path else name)
+        _walk_fields(item, rule, f"{path}.{name}" if path else name, unknown)
 
 
 def _describe(path: str, value: dict) -> str:
@@ -425,7 +533,42 @@ def template_type(template: dict) -> str:
     return next((t for t in TEMPLATE_TYPES if t in template), "")
 
 
-def validate_spec(spec: dict, library: dict, where: str) -> None:
+def merge_defaults(defaults: dict, template: dict) -> dict:
+    """spec.templateDefaults under a template (a strategic merge, approximated as a deep merge in
+    which the template wins); defaults for another template type are dropped."""
+    kind = template_type(template)
+    merged = copy.deepcopy(
+        {k: v for k, v in defaults.items() if k not in LEAF_TYPES + ("steps", "dag", "suspend") or k == kind}
+    )
+    return _deep_merge(merged, template)
+
+
+def _deep_merge(base: dict, override: dict) -> dict:
+    out = dict(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _deep_merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def parse_entrypoint(item: str) -> tuple[str, list[str]]:
+    """`IMAGE=COMMAND` of `moerl local --entrypoint`: the image as the manifest names it, the command as a
+    shell would split it."""
+    image, sep, command = item.partition("=")
+    try:
+        argv = shlex.split(command)
+    except ValueError:
+        argv = []
+    if not sep or not image.strip() or not argv:
+        raise MoerlError(
+            f"--entrypoint {item!r}: expected IMAGE=COMMAND, e.g. --entrypoint 'busybox=sh -c'"
+        )
+    return image.strip(), argv
+
+
+def validate_spec(spec: dict, library: dict, where: str, entrypoints: dict[str, list[str]] | None = None) -> None:
     """Argo's submit-time validation, for what can go wrong before anything runs."""
     templates = spec.get("templates") or []
     by_name: dict[str, dict] = {}
@@ -439,7 +582,7 @@ def validate_spec(spec: dict, library: dict, where: str) -> None:
     entrypoint = spec.get("entrypoint")
     if not entrypoint:
         raise MoerlError(f"{where}: spec.entrypoint is required; name the template to start with")
-    check = _Checker(spec, by_name, library, where)
+    check = _Checker(spec, by_name, library, where, entrypoints or {})
     check.reference({"template": entrypoint}, "spec.entrypoint", spec.get("arguments") or {})
     if spec.get("onExit"):
         check.reference({"template": spec["onExit"]}, "spec.onExit", {})
@@ -449,21 +592,26 @@ def validate_spec(spec: dict, library: dict, where: str) -> None:
         check.positive_int(spec["parallelism"], "spec.parallelism")
     if spec.get("activeDeadlineSeconds") is not None:
         check.positive_int(spec["activeDeadlineSeconds"], "spec.activeDeadlineSeconds")
-    if spec.get("retryStrategy"):
+    if spec.get("retryStrategy") is not None:
         check.retry_strategy(spec["retryStrategy"], "spec.retryStrategy")
     for i, template in enumerate(templates):
         check.template(template, f"spec.templates[{i}]")
-    for key, templates_of in library.items():
-        for name, template in templates_of.items():
-            if name in check.referenced_library.get(key, set()):
-                check.template(
-                    template, f"{'ClusterWorkflowTemplate' if key[0] else 'WorkflowTemplate'} {key[1]}.templates.{name}"
-                )
+    # Every WorkflowTemplate reached through templateRef, whole; its templates call each other by name
+    # (templateresolution/context.go WithTemplateHolder: a referenced template resolves in its own holder).
+    checked: set[tuple[bool, str]] = set()
+    while pending := [key for key in check.referenced_library if key not in checked]:
+        for key in pending:
+            checked.add(key)
+            check.by_name = library[key]
+            kind = "ClusterWorkflowTemplate" if key[0] else "WorkflowTemplate"
+            for name, template in library[key].items():
+                check.template(template, f"{kind} {key[1]}.templates.{name}")
 
 
 class _Checker:
-    def __init__(self, spec: dict, by_name: dict, library: dict, where: str):
+    def __init__(self, spec: dict, by_name: dict, library: dict, where: str, entrypoints: dict[str, list[str]]):
         self.spec = spec
+        self.entrypoints = entrypoints
         self.by_name = by_name
         self.library = library
         self.where = where
@@ -494,8 +642,8 @@ class _Checker:
 
     def reference(self, holder: dict, path: str, arguments: dict) -> None:
         template = self.target(holder, path)
-        supplied = {p.get("name") for p in (arguments or {}).get("parameters", [])}
-        for param in (template.get("inputs") or {}).get("parameters", []):
+        supplied = {p.get("name") for p in (arguments or {}).get("parameters") or []}
+        for param in (template.get("inputs") or {}).get("parameters") or []:
             has_value = "value" in param or "default" in param or "default" in (param.get("valueFrom") or {})
             if not has_value and param.get("name") not in supplied:
                 self.fail(f"{path}: inputs.parameters.{param.get('name')} was not supplied")
@@ -567,6 +715,8 @@ class _Checker:
     def template(self, template: dict, path: str) -> None:
         name = template.get("name")
         path = f"{path} ({name!r})"
+        if self.spec.get("templateDefaults"):  # what runs is the template over the defaults (an image, a command)
+            template = merge_defaults(self.spec["templateDefaults"], template)
         types = [t for t in TEMPLATE_TYPES if t in template]
         if len(types) != 1:
             how = "unspecified" if not types else "multiple template types specified"
@@ -578,25 +728,35 @@ class _Checker:
             if kind not in LEAF_TYPES:
                 self.fail(f"templates.{name}.activeDeadlineSeconds is only valid for leaf templates")
             self.positive_int(template["activeDeadlineSeconds"], f"{path}.activeDeadlineSeconds")
+        for key in ("timeout", "pendingTimeout"):
+            if template.get(key) and "{{" not in str(template[key]):
+                try:
+                    parse_duration(template[key])
+                except ValueError as err:
+                    self.fail(f"templates.{name}.{key}: {err}")
         if template.get("parallelism") is not None and kind not in ("steps", "dag"):
             self.fail(f"templates.{name}.parallelism is only valid for steps and dag templates")
-        if template.get("retryStrategy"):
+        if template.get("retryStrategy") is not None:
             self.retry_strategy(template["retryStrategy"], f"{path}.retryStrategy")
         if kind in ("container", "script") and not (template[kind] or {}).get("image"):
             self.fail(f"templates.{name}.{kind}.image may not be empty")
-        if kind in ("container", "script") and not (template[kind] or {}).get("command"):
-            raise MoerlError(
-                f"unsupported: {kind} without command at {path}: the image's entrypoint is not known here; "
-                f"give {kind}.command"
-            )
+        if kind in ("container", "script"):
+            self.command(template[kind] or {}, f"{path}.{kind}")
         if kind == "suspend" and not (template["suspend"] or {}).get("duration"):
             raise MoerlError(
                 f"unsupported: suspend without duration at {path}: it waits for `argo resume`; give suspend.duration"
             )
         if kind == "resource":
             self.resource(template["resource"] or {}, f"{path}.resource")
-        for i, param in enumerate((template.get("outputs") or {}).get("parameters", [])):
-            source = param.get("valueFrom") or {}
+        for i, param in enumerate((template.get("outputs") or {}).get("parameters") or []):
+            ref = f"templates.{name}.outputs.parameters.{param.get('name')}"
+            if param.get("valueFrom") is not None and param.get("value") is not None:
+                self.fail(f"{ref} has both valueFrom and value specified, choose one")
+            if param.get("valueFrom") is None:  # a literal `value` is the output (validateOutputParameter)
+                if param.get("value") is None:
+                    self.fail(f"{ref} does not have valueFrom or value specified")
+                continue
+            source = param["valueFrom"]
             if kind in ("container", "script") and not source.get("path"):
                 self.fail(f"{path}.outputs.parameters[{i}].valueFrom.path must be specified for {kind} templates")
             if kind in ("steps", "dag") and not (source.get("parameter") or source.get("expression")):
@@ -611,6 +771,17 @@ class _Checker:
             self.steps(template, path)
         if kind == "dag":
             self.dag(template, path)
+
+    def command(self, container: dict, path: str) -> None:
+        """A container without `command` runs its image's ENTRYPOINT, which only the image knows."""
+        image = str(container.get("image") or "")
+        if container.get("command") or image in self.entrypoints:
+            return
+        raise MoerlError(
+            f"unsupported: container without command at {path}: image {image!r} would run its own ENTRYPOINT, "
+            f"which is not known here; give command, or map the image to a host command with "
+            f"`moerl local --entrypoint '{image}=COMMAND'`"
+        )
 
     def volume(self, volume: dict, path: str) -> None:
         if not volume.get("name"):
@@ -656,11 +827,7 @@ class _Checker:
                     f"{path}.manifest: exactly one (the trainer) is run"
                 )
             check_fields(containers[0], "Container", f"{path}.manifest.{role}.containers[0]")
-            if not containers[0].get("command"):
-                raise MoerlError(
-                    f"unsupported: container without command at {path}.manifest.{role}: the image's entrypoint "
-                    f"is not known here; give command"
-                )
+            self.command(containers[0], f"{path}.manifest.{role}.containers[0]")
 
     def call(self, step: dict, path: str) -> None:
         self.reference(step, path, step.get("arguments") or {})

@@ -27,9 +27,12 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import yaml
 
 from pipelines.local import pytorchjob
 from pipelines.local.chaos import Injection
@@ -64,6 +67,8 @@ class PodPlan:
     job: pytorchjob.PyTorchJob | None = None
     script: str | None = None
     recorded: dict = field(default_factory=dict)
+    daemon: bool = False  # `daemon: true`: runs until its scope ends; exiting on its own is a failure
+    readiness_probe: dict | None = None
 
 
 @dataclass
@@ -128,6 +133,7 @@ def plan_pod(
         container = job.container
     else:
         container = template[kind]
+        container = _patched_main(container, (workflow.spec.get("podSpecPatch"), template.get("podSpecPatch")))
     outputs = (template.get("outputs") or {}).get("parameters") or []
     # output parameter -> the container file it is read from
     from_files = {p["name"]: p["valueFrom"]["path"] for p in outputs if (p.get("valueFrom") or {}).get("path")}
@@ -136,21 +142,24 @@ def plan_pod(
 
     command = [str(c) for c in container.get("command") or []]
     args = [str(a) for a in container.get("args") or []]
+    if not command:  # the image's ENTRYPOINT, as the user mapped it (--entrypoint IMAGE=COMMAND)
+        command = list(workflow.entrypoints.get(str(container.get("image", ""))) or [])
     if not command:
         raise PlanError(
             f"container of template {template.get('name')!r} has no command; the image's entrypoint "
-            f"is not known here, so give container.command"
+            f"is not known here, so give container.command or --entrypoint IMAGE=COMMAND"
         )
     argv = [sandbox.rewrite(a) for a in command + args]
     argv[0] = host_program(argv[0])
     script = None
-    if kind == "script":
-        script = sandbox.rewrite(str(container.get("source") or ""))
+    if kind == "script" and container.get("source"):  # Argo appends the script's path for a non-empty source
+        script = sandbox.rewrite(str(container["source"]))
         argv.append(str(pod_dir / "script"))
     if job is not None:
         argv = pytorchjob.torchrun_argv(argv, job.world_size)
 
-    env = {"MOERL_LOCAL_SANDBOX": str(sandbox.root)}
+    # ARGO_PROGRESS_FILE: the pod may write "N/M" there, which becomes its node's progress (as Argo's executor reads it)
+    env = {"MOERL_LOCAL_SANDBOX": str(sandbox.root), "ARGO_PROGRESS_FILE": str(pod_dir / "progress")}
     for entry in container.get("env") or []:
         env[entry["name"]] = sandbox.rewrite(_env_value(entry, pod_name, workflow))
     working_dir = container.get("workingDir")
@@ -210,7 +219,39 @@ def plan_pod(
         job=job,
         script=script,
         recorded=recorded,
+        daemon=bool(template.get("daemon")),
+        readiness_probe=container.get("readinessProbe") if template.get("daemon") else None,
     )
+
+
+def _patched_main(container: dict, patches: tuple) -> dict:
+    """The main container with the podSpecPatches' `containers: [{name: main, ...}]` merged over it (the
+    workflow's, then the template's), as Kubernetes' strategic merge does: maps deep, `env` by name, other
+    lists replaced (workflowpod.go processPodSpecPatch). The scheduling fields are chaos.placement's."""
+    for text in patches:
+        if not text:
+            continue
+        patch = yaml.safe_load(text) if isinstance(text, str) else text
+        if not isinstance(patch, dict):
+            raise PlanError(f"podSpecPatch must be a JSON or YAML mapping, got {text!r}")
+        for entry in patch.get("containers") or []:
+            if isinstance(entry, dict) and entry.get("name") == "main":
+                container = _strategic_merge(container, {k: v for k, v in entry.items() if k != "name"})
+    return container
+
+
+def _strategic_merge(base: dict, patch: dict) -> dict:
+    out = dict(base)
+    for key, value in patch.items():
+        if key == "env" and isinstance(value, list):
+            by_name = {e.get("name"): e for e in out.get("env") or []}
+            by_name.update({e.get("name"): e for e in value if isinstance(e, dict)})
+            out["env"] = list(by_name.values())
+        elif isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _strategic_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
 
 
 def warm_start_candidates(templates: list[dict]) -> list[tuple[list[str], dict[str, str]]]:
@@ -294,8 +335,10 @@ class Pod:
         self.struck_pid: int | None = None
         plan.pod_dir.mkdir(parents=True, exist_ok=True)
         plan.sandbox.prepare()
-        if plan.script is not None:
-            (plan.pod_dir / "script").write_text(plan.script)
+        if plan.script is not None:  # staged 0755, as Argo's executor stages it: `sh -c SCRIPT` execs it
+            script_path = plan.pod_dir / "script"
+            script_path.write_text(plan.script)
+            script_path.chmod(0o755)
         self.stdout_path = plan.pod_dir / "stdout.log"
         self.stderr_path = plan.pod_dir / "stderr.log"
         self.stdout_path.write_bytes(b"")
@@ -305,6 +348,7 @@ class Pod:
         self.env = {**os.environ, **plan.env}
         self.starter = starter
         self._exit_fd: int | None = None  # a pidfd of the pod's process (exit_fd)
+        self._next_probe = 0.0  # when a daemon's readinessProbe may run again
         self._exit_seen = False
         # A Python pod that finds its warm server still importing waits for it (like an image pull) rather
         # than importing everything itself on the same cores: poll starts it once the server is ready.
@@ -409,6 +453,20 @@ class Pod:
         state = stat.rsplit(")", 1)[-1].split()[0]  # the field after the command name, which may hold spaces
         return pid if state in ("T", "t") else None
 
+    def ready(self, now: float) -> bool:
+        """Whether a running daemon's container is ready: its readinessProbe (httpGet, tcpSocket or exec,
+        against this machine, after initialDelaySeconds, at most once per periodSeconds capped at 1 s here)
+        passed, or it has none (Kubernetes: ready once started)."""
+        if self.process is None or self.outcome is not None:
+            return False
+        probe = self.plan.readiness_probe
+        if not probe:
+            return True
+        if now < self.started_at + float(probe.get("initialDelaySeconds") or 0) or now < self._next_probe:
+            return False
+        self._next_probe = now + min(float(probe.get("periodSeconds") or 10), 1.0)
+        return _probe(probe, self.plan.cwd, self.env)
+
     def terminate(self, termination: Termination, grace_seconds: float) -> None:
         """SIGTERM now, SIGKILL after the grace period (the kubelet's way of stopping a pod)."""
         if self.termination is not None or self.outcome is not None:
@@ -460,6 +518,8 @@ class Pod:
             return PodOutcome(termination.phase, termination.message, code, result, parameters)
         if exit_code != 0:
             return PodOutcome(FAILED, f"main: Error (exit code {exit_code})", exit_code, result, parameters)
+        if plan.daemon:  # Argo: "Daemoned pod succeeded. Marking it as failed" (a daemon should run on)
+            return PodOutcome(FAILED, "", exit_code, result, parameters)
         found = {q["name"] for q in parameters or []}
         missing = [p for p in plan.output_parameters if p["name"] in plan.output_paths and p["name"] not in found]
         if missing:
@@ -511,6 +571,8 @@ class Pod:
                 value = value[:-1] if value.endswith("\n") else value
             elif "default" in source:
                 value = str(source["default"])
+            elif "valueFrom" not in param and param.get("value") is not None:  # a literal output value
+                value = str(param["value"])
             if value is not None:
                 found.append({**param, "value": value})
         return found
@@ -551,3 +613,45 @@ def _pidfd(pid: int) -> int | None:
         return os.pidfd_open(pid)
     except (AttributeError, OSError):
         return None
+
+
+def read_progress(pod_dir: Path) -> tuple[int, int] | None:
+    """The "N/M" a pod wrote to its ARGO_PROGRESS_FILE, if it wrote a valid one (0 <= N <= M, M > 0)."""
+    try:
+        text = (pod_dir / "progress").read_text().strip()
+    except OSError:
+        return None
+    done, sep, total = text.partition("/")
+    if not sep or not done.isdigit() or not total.isdigit() or not 0 <= int(done) <= int(total) or int(total) == 0:
+        return None
+    return int(done), int(total)
+
+
+def _probe(probe: dict, cwd: Path, env: dict[str, str]) -> bool:
+    """One readinessProbe, as the kubelet runs it, against 127.0.0.1 (timeoutSeconds capped at 1 s)."""
+    timeout = min(float(probe.get("timeoutSeconds") or 1), 1.0)
+    if probe.get("httpGet"):
+        get = probe["httpGet"]
+        scheme = str(get.get("scheme") or "HTTP").lower()
+        url = f"{scheme}://{get.get('host') or '127.0.0.1'}:{get.get('port')}{get.get('path') or '/'}"
+        request = urllib.request.Request(url, headers={h["name"]: h["value"] for h in get.get("httpHeaders") or []})
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as response:
+                return 200 <= response.status < 400
+        except (OSError, ValueError):  # refused, timed out, or an HTTP error status (>= 400)
+            return False
+    if probe.get("tcpSocket"):
+        sock = probe["tcpSocket"]
+        try:
+            with socket.create_connection((sock.get("host") or "127.0.0.1", int(sock.get("port"))), timeout=timeout):
+                return True
+        except (OSError, ValueError):
+            return False
+    if probe.get("exec"):
+        argv = [str(a) for a in probe["exec"].get("command") or []]
+        try:
+            done = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, timeout=timeout, check=False)
+        except (OSError, subprocess.TimeoutExpired):
+            return False
+        return done.returncode == 0
+    return True

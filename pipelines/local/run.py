@@ -7,8 +7,12 @@ result.succeeded, result.status["nodes"]
 
 from __future__ import annotations
 
+import signal
 import sys
 import tempfile
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,15 +51,28 @@ def run_workflow(
     view: View | str | None = "auto",
     name: str | None = None,
     warm_start: bool | WarmStarter | None = None,
+    entrypoints: dict[str, list[str]] | None = None,
+    configmaps: list[str | Path] | None = None,
+    strict: bool = True,
 ) -> RunResult:
     """Load, validate and run a workflow manifest (a path, or an already-loaded mapping).
 
     view: "auto" (a live tree on a terminal, log lines otherwise), "plain", None (silent), or a View.
     warm_start: start `python -m` pods as forks of a warm Python (warm.py); None: unless MOERL_LOCAL_WARM=0.
+    entrypoints: image -> host command for containers that give no command (`--entrypoint IMAGE=COMMAND`).
+    configmaps: YAML files of ConfigMaps, for synchronization semaphores' limits.
+    strict: refuse fields that are not Argo's (as `argo submit`); False drops them with a warning.
     Raises MoerlError, before anything runs, for a manifest this executor cannot run or a --chaos aim it lacks,
     and after a run that succeeded before every requested --chaos fault had landed."""
     spec = parse_chaos(chaos)
-    workflow = load_workflow(manifest, parameters or {}, name=name)
+    workflow = load_workflow(
+        manifest,
+        parameters or {},
+        name=name,
+        entrypoints=entrypoints,
+        configmap_files=[Path(f) for f in configmaps or []],
+        strict=strict,
+    )
     if view == "auto":
         view = LiveView() if sys.stdout.isatty() else PlainView()
     elif view == "plain":
@@ -68,9 +85,30 @@ def run_workflow(
         view=view,  # type: ignore[arg-type]
         warm_start=warm_start,
     )
-    status = controller.run()
+    with _sigterm_stops_the_run(controller):
+        status = controller.run()
     shortfall = controller.chaos.shortfall() if controller.chaos is not None else None
     if shortfall and status["phase"] == SUCCEEDED:  # a clean run is not passed off as a chaos run
         raise MoerlError(shortfall)
     faults = [i for i in controller.chaos.log if i.fired] if controller.chaos is not None else []
     return RunResult(workflow.name, status["phase"], status.get("message", ""), status, controller.run_dir, faults)
+
+
+@contextmanager
+def _sigterm_stops_the_run(controller: Controller) -> Iterator[None]:
+    """SIGTERM (a `kill`, a CI timeout) ends the run as Ctrl-C does: the executor stops every pod's process
+    group before it exits, instead of dying and leaving them running. Exit status 143, as for a SIGTERM.
+    The handler only asks: the executor stops between passes, never halfway through starting a pod (whose
+    process would then be known to no one)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum: int, _frame: object) -> None:
+        controller.stop_requested = 128 + signum
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -36,6 +36,8 @@ def add_node_ref(scope: dict, prefix: str, name: str, node: Node, nodes: Nodes) 
     if node.finished_at is not None:
         scope[f"{base}.finishedAt"] = timestamp(node.finished_at)
     scope[f"{base}.status"] = node.phase
+    if node.type == "Pod":  # every pod's IP is this machine's loopback (a daemon's server listens there)
+        scope[f"{base}.ip"] = "127.0.0.1"
     outputs = node.outputs or {}
     if "result" in outputs:
         scope[f"{base}.outputs.result"] = outputs["result"]
@@ -127,6 +129,9 @@ def template_outputs(template: dict, scope: dict) -> dict | None:
     out = []
     for param in params:
         source = param.get("valueFrom") or {}
+        if "valueFrom" not in param and param.get("value") is not None:  # a literal output value
+            out.append(dict(param))
+            continue
         try:
             if source.get("parameter") is not None:
                 value = resolve_var(str(source["parameter"]), scope)

@@ -94,12 +94,16 @@ class Node:
     outputs: dict | None = None
     hooked: bool = False  # an exit handler's node (Argo's nodeFlag.hooked)
     retried: bool = False  # an attempt under a Retry node (Argo's nodeFlag.retried)
+    reported_progress: tuple[int, int] | None = None  # what a pod wrote to its ARGO_PROGRESS_FILE ("N/M")
+    memoization: dict | None = None  # Argo's memoizationStatus: hit, key, cacheName
+    daemoned: bool = False  # a daemon's pod, running and ready: fulfilled for the steps and tasks after it
     # Not part of Argo's status: the node the terminal view nests this one under.
     display_parent: str | None = None
 
     @property
     def fulfilled(self) -> bool:
-        return fulfilled(self.phase)
+        """Argo's NodeStatus.Fulfilled: done, skipped or omitted, or daemoned (and not Pending)."""
+        return fulfilled(self.phase) or (self.daemoned and self.phase != PENDING)
 
     @property
     def completed(self) -> bool:
@@ -132,6 +136,8 @@ class Node:
             "outputs": self.outputs,
             "children": self.children,
             "outboundNodes": self.outbound_nodes,
+            "memoizationStatus": self.memoization,
+            "daemoned": self.daemoned or None,
         }
         if self.hooked or self.retried:
             out["nodeFlag"] = {k: True for k, v in (("hooked", self.hooked), ("retried", self.retried)) if v}
@@ -214,7 +220,7 @@ class Nodes:
         node.phase = phase
         if message is not None:
             node.message = message
-        if node.fulfilled and node.finished_at is None:
+        if fulfilled(node.phase) and node.finished_at is None:
             node.finished_at = time.time()
         return node
 
@@ -222,19 +228,24 @@ class Nodes:
         return [n for n in self if n.type == POD]
 
     def progress(self) -> dict[str | None, str]:
-        """Argo's progress "N/M", finished pods over all pods: of the workflow (key None) and of
-        every node, counting the pods nested under it in the tree the view draws."""
+        """Argo's progress "N/M" (workflow/progress/updater.go): a pod or suspend node is 0/1, or what its
+        pod reported in ARGO_PROGRESS_FILE, and complete (M/M) once Succeeded, Skipped or Omitted (a Failed
+        pod stays 0/1); the workflow (key None) and every other node sum the pods nested under them in the
+        tree the view draws."""
         done: dict[str | None, int] = {None: 0}
         total: dict[str | None, int] = {None: 0}
         for node in self:
             done.setdefault(node.id, 0)
             total.setdefault(node.id, 0)
-            if node.type != POD:
+            if node.type not in (POD, SUSPEND):
                 continue
+            node_done, node_total = node.reported_progress or (0, 1)
+            if node.phase in (SUCCEEDED, SKIPPED_PHASE, OMITTED):
+                node_done = node_total
             ancestor: str | None = node.id
             while True:
-                total[ancestor] = total.get(ancestor, 0) + 1
-                done[ancestor] = done.get(ancestor, 0) + int(node.fulfilled)
+                total[ancestor] = total.get(ancestor, 0) + node_total
+                done[ancestor] = done.get(ancestor, 0) + node_done
                 if ancestor is None:
                     break
                 parent = self.by_id.get(ancestor)

@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from pipelines.local.executor import Controller
 
 STRICT = ("steps", "tasks")
+ABSENT_OPTIONAL = "__argo-internal.absent-optional-output__"  # Argo's AbsentOptionalArgumentValue
 
 
 def execute_steps(ctl: Controller, node_name: str, template: dict, opts: Opts, scope_key: Any) -> Node:
@@ -60,8 +61,10 @@ def execute_steps(ctl: Controller, node_name: str, template: dict, opts: Opts, s
 def succeed_with_outputs(ctl: Controller, node: Node, template: dict, scope: dict[str, Any]) -> Node:
     """A steps or DAG node whose children all succeeded: its outputs resolved from their scope, then
     Succeeded, or Error when an output cannot be resolved."""
+    inputs = (template.get("inputs") or {}).get("parameters") or []  # Argo's createScope puts the inputs in
+    own = {f"inputs.parameters.{p['name']}": p.get("value") for p in inputs if p.get("value") is not None}
     try:
-        outputs = template_outputs(template, {**ctl.globals(), **scope})
+        outputs = template_outputs(template, {**ctl.globals(), **own, **scope})
     except UnresolvedOutput as err:
         return ctl.nodes.mark(node, ERROR, str(err))
     if outputs is not None:
@@ -121,7 +124,8 @@ def resolve_step(step: dict, scope: dict[str, Any]) -> dict:
 
 def drop_absent_arguments(step: dict, scope: dict[str, Any]) -> None:
     """An argument that is exactly a reference to a skipped step's output without a default is
-    dropped, so that the input's own default applies (Argo's markAbsentOptionalArgs)."""
+    marked absent, so that the input's own default applies, or the input errors with Argo's message
+    (markAbsentOptionalArgs; ProcessArgs reads the mark)."""
     params = (step.get("arguments") or {}).get("parameters")
     if not params:
         return
@@ -132,8 +136,8 @@ def drop_absent_arguments(step: dict, scope: dict[str, Any]) -> None:
         name = value[2:-2].strip()
         return name in scope and scope[name] is None
 
-    kept = [param for param in params if not absent(param.get("value"))]
-    step["arguments"] = {**step["arguments"], "parameters": kept}
+    marked = [{**param, "value": ABSENT_OPTIONAL} if absent(param.get("value")) else param for param in params]
+    step["arguments"] = {**step["arguments"], "parameters": marked}
 
 
 def execute_group(
