@@ -34,7 +34,7 @@ import numpy as np
 import pyarrow as pa
 from tokenizers import Tokenizer
 
-from steps import checkpoint
+from steps import checkpoint, tracking
 from steps.errors import MoerlError, run_cli
 from steps.evaluation import heldout_accuracy
 from steps.experience import (
@@ -153,6 +153,7 @@ def score_iteration(
         out.write_text(json.dumps(metrics, sort_keys=True) + "\n")
     summary = ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items())
     log(f"score iteration {iteration}: {summary}")
+    tracking.log_iteration(run, cfg, "score", iteration, metrics, log)
     return metrics
 
 

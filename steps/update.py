@@ -51,7 +51,7 @@ import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from steps import checkpoint
+from steps import checkpoint, tracking
 from steps.errors import MoerlError, run_cli
 from steps.experience import behaviour_version, load_run_config, scored_key
 from steps.expert_parallel import (
@@ -502,6 +502,8 @@ def _update(
         f"grad norm {metrics['grad_norm']:.4f}, {metrics['tokens_per_s']:.0f} tokens/s on {world} rank(s) "
         f"(ep {mesh.ep_size}); candidate {run.url(candidate_prefix(iteration))}",
     )
+    if rank == 0:  # the metrics are in the store (the candidate's metadata): now the trackers' copy
+        tracking.log_iteration(run, cfg, "update", iteration, metrics, lambda line: print(line, flush=True))
     return marker
 
 
