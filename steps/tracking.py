@@ -406,6 +406,8 @@ class WandbTracker(Tracker):
 
     def close(self) -> None:
         self.run.finish()
+        # Ends wandb-core, which closes the run's files: only then is the offline transaction log complete.
+        self.wandb.teardown()
         if self.settings.mode == "offline":
             self._keep_offline_files()
         shutil.rmtree(self.workdir, ignore_errors=True)
@@ -521,27 +523,41 @@ class Session:
                 pass
 
 
-def open_session(run: Store, cfg: Any, log: Log, label: str) -> Session | None:
-    """The configured trackers, each opened under the deadline (a tracker that cannot open is warned about
-    and left out). None when the run tracks nothing."""
+_LIBRARY = {"tensorboard": "tensorboard.summary.writer.record_writer", "mlflow": "mlflow.tracking", "wandb": "wandb"}
+
+
+def configured(cfg: Any) -> list[str]:
+    """The trackers a run config names, in the order they are opened."""
     tracking = cfg.tracking
-    if tracking.mlflow is None and tracking.tensorboard is None and tracking.wandb is None:
-        return None
-    if tracking.tensorboard is not None and not tracking.tensorboard.enabled and not tracking.mlflow \
-            and not tracking.wandb:  # fmt: skip
+    names = []
+    if tracking.tensorboard is not None and tracking.tensorboard.enabled:
+        names.append("tensorboard")
+    if tracking.mlflow is not None:
+        names.append("mlflow")
+    if tracking.wandb is not None:
+        names.append("wandb")
+    return names
+
+
+def open_session(run: Store, cfg: Any, log: Log, label: str, names: list[str] | None = None) -> Session | None:
+    """The trackers `names` (default: all configured), each opened under the deadline (one that cannot open
+    is warned about, and its points are reported as missed). None when there is none to open."""
+    tracking = cfg.tracking
+    names = configured(cfg) if names is None else names
+    if not names:
         return None
     config = cfg.model_dump(mode="json")
     session = Session(run, config, tracking.timeout_seconds, log, [], {})
-    makers: list[tuple[str, Callable[[], Tracker]]] = []
-    if tracking.tensorboard is not None and tracking.tensorboard.enabled:
-        makers.append(("tensorboard", lambda: TensorboardTracker(run)))
-    if tracking.mlflow is not None:
-        makers.append(("mlflow", lambda: MlflowTracker(run, tracking.mlflow, config, tracking.timeout_seconds)))
-    if tracking.wandb is not None:
-        makers.append(
-            ("wandb", lambda: WandbTracker(run, tracking.wandb, config, tracking.timeout_seconds, label))
-        )
-    for name, make in makers:
+    makers: dict[str, Callable[[], Tracker]] = {
+        "tensorboard": lambda: TensorboardTracker(run),
+        "mlflow": lambda: MlflowTracker(run, tracking.mlflow, config, tracking.timeout_seconds),
+        "wandb": lambda: WandbTracker(run, tracking.wandb, config, tracking.timeout_seconds, label),
+    }
+    for name in names:
+        make = makers[name]
+        # The library is imported first, outside the deadline: importing it is slow on a busy machine (MLflow
+        # 2-10 s), never hangs on the network, and is not what the deadline bounds.
+        __import__(_LIBRARY[name])
         try:
             session.trackers.append(bounded(make, tracking.timeout_seconds))
         except Missed as err:
@@ -555,7 +571,10 @@ def open_session(run: Store, cfg: Any, log: Log, label: str) -> Session | None:
 
 def log_iteration(run: Store, cfg: Any, source: str, iteration: int, metrics: dict[str, Any], log: Log = print) -> None:
     """A step's own metrics to every tracker, at step = iteration. Never raises for a tracker's sake."""
-    session = open_session(run, cfg, log, f"{source}-iter-{iteration:06d}")
+    # Only the trackers that lack these points are opened: a retry of a step that logged them touches none
+    # (and a W&B offline retry would otherwise replace the step's run files with an empty run).
+    names = [name for name in configured(cfg) if not run.exists(ledger_key(name, source, iteration))]
+    session = open_session(run, cfg, log, f"{source}-iter-{iteration:06d}", names)
     if session is None:
         return
     try:

@@ -1,0 +1,384 @@
+"""Experiment tracking against real backends: an MLflow tracking server on loopback, TensorBoard event files
+read back with tensorboard's EventAccumulator, W&B offline run files read back from the run directory; a
+tracker outage mid-run; no duplicate point whatever is retried."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pipelines.config import validate_config
+from steps import tracking
+from steps.errors import MoerlError
+from steps.store import Store
+from tests.wandb_records import history_rows, records, run_records
+
+REPO = Path(__file__).resolve().parents[1]
+# `make install` puts the MLflow server in a venv of its own: mlflow (the server) pins pyarrow<26 and the
+# project pins pyarrow 26; the steps need only the client, mlflow-skinny.
+MLFLOW_SERVER = Path(os.environ.get("MOERL_MLFLOW_SERVER", REPO / ".venv" / "mlflow-server" / "bin" / "mlflow"))
+SERVER_START_SECONDS = 180
+
+
+def run_config(store: Path, **tracking_section: object):
+    return validate_config(
+        {"sft_checkpoint": "file:///nonexistent", "run_store": store.as_uri(), "tracking": tracking_section}
+    )
+
+
+def score_metrics(i: int) -> dict:
+    return {"iteration": i, "policy_version": i - 1, "reward_mean": 0.5 + i / 10, "accuracy": i / 10,
+            "heldout_accuracy": 0.4 + i / 100, "score_seconds": 1.5}  # fmt: skip
+
+
+def update_metrics(i: int) -> dict:
+    return {"loss": 1.0 / i, "clip_fraction": 0.01 * i, "kl": 0.001, "entropy": 2.0, "grad_norm": 0.3,
+            "tokens_per_s": 1000.0 + i, "is_weight": {"mean": 1.0, "min": 0.9, "max": 1.1},
+            "grad_norms": [0.1, 0.3], "ep_backend": "alltoall"}  # fmt: skip
+
+
+def write_store_metrics(run: Store, i: int) -> None:
+    run.put_json(f"metrics/iter-{i:06d}.json", score_metrics(i))
+    run.put_json(f"metrics/iter-{i:06d}.update.json", {"update": update_metrics(i), "iteration": i})
+
+
+def argo_status(name: str, iterations: range, retried: dict[str, int] | None = None) -> dict:
+    """An Argo Workflow status as the controller (and the local executor) writes it: retry nodes with pod
+    attempts `<task>(N)`, rollout shards `rollout-i(s:s)`."""
+    retried = retried or {}
+    nodes = {name: {"displayName": name, "type": "DAG", "phase": "Succeeded", "startedAt": "2026-01-01T00:00:00Z",
+                    "finishedAt": "2026-01-01T01:00:00Z"}}  # fmt: skip
+    clock = 0
+
+    def pod(display: str, seconds: int, phase: str = "Succeeded") -> None:
+        nonlocal clock
+        start, clock = clock, clock + seconds
+        nodes[f"{name}-{len(nodes)}"] = {
+            "displayName": display, "type": "Pod", "phase": phase,
+            "startedAt": f"2026-01-01T00:{start // 60:02d}:{start % 60:02d}Z",
+            "finishedAt": f"2026-01-01T00:{clock // 60:02d}:{clock % 60:02d}Z",
+        }  # fmt: skip
+
+    for i in iterations:
+        for step in ("rollout", "score", "update", "publish"):
+            task = f"{step}-{i}"
+            nodes[f"{name}-{len(nodes)}"] = {"displayName": task, "type": "Retry", "phase": "Succeeded"}
+            tasks = [f"{task}(0:0)", f"{task}(1:1)"] if step == "rollout" else [task]
+            for t in tasks:
+                for attempt in range(retried.get(task, 0)):
+                    pod(f"{t}({attempt})", 2, "Failed")
+                pod(f"{t}({retried.get(task, 0)})", 3)
+    return {"phase": "Running", "nodes": nodes}
+
+
+# ------------------------------------------------------------------------------------------ TensorBoard
+
+
+def scalars(logdir: Path) -> dict[str, list[tuple[int, float]]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(logdir))
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def test_tensorboard_event_files_hold_one_point_per_iteration_read_back_by_tensorboard(tmp_path):
+    cfg = run_config(tmp_path / "run", tensorboard={})
+    run = Store.open(cfg.run_store)
+    for i in (1, 2, 3):
+        tracking.log_iteration(run, cfg, "score", i, score_metrics(i), log=lambda _: None)
+        tracking.log_iteration(run, cfg, "update", i, update_metrics(i), log=lambda _: None)
+    # A retried score-2, and one that died after writing its event file but before the ledger's record.
+    tracking.log_iteration(run, cfg, "score", 2, score_metrics(2), log=lambda _: None)
+    run.delete_prefix("tracking/logged/tensorboard/score-iter-000002.json")
+    tracking.log_iteration(run, cfg, "score", 2, score_metrics(2), log=lambda _: None)
+
+    found = scalars(tmp_path / "run" / "tensorboard")
+    assert found["score/accuracy"] == [(1, pytest.approx(0.1)), (2, pytest.approx(0.2)), (3, pytest.approx(0.3))]
+    assert [s for s, _ in found["update/is_weight/max"]] == [1, 2, 3]
+    for tag in ("update/loss", "update/clip_fraction", "update/kl", "update/entropy", "update/grad_norm",
+                "update/tokens_per_s", "update/is_weight/mean", "update/is_weight/min", "score/reward_mean"):
+        assert [s for s, _ in found[tag]] == [1, 2, 3], tag  # fmt: skip
+    assert "update/grad_norms" not in found and "score/iteration" not in found
+    # No digest sidecar in the log dir: tensorboard would read any name holding 'tfevents' as an event file.
+    assert all(p.name.startswith("events.out.tfevents.") for p in (tmp_path / "run" / "tensorboard").iterdir())
+
+
+def test_report_adds_workflow_times_and_retries_once_and_catches_up(tmp_path):
+    cfg = run_config(tmp_path / "run", tensorboard={})
+    run = Store.open(cfg.run_store)
+    for i in (1, 2):
+        write_store_metrics(run, i)  # as if the score and update steps had run while tensorboard was off
+    status_file = tmp_path / "status.json"
+    status_file.write_text(json.dumps(argo_status("demo-abc", range(1, 3), {"score-2": 2, "rollout-1": 1})))
+    os.environ[tracking.STATUS_FILE_ENV] = str(status_file)
+    try:
+        for _ in range(2):  # the report retried, or the exit handler of a resumed Workflow
+            tracking.log_run_end(run, cfg, tracking.stored_step_metrics(run), "demo-abc", "moerl", log=print)
+    finally:
+        del os.environ[tracking.STATUS_FILE_ENV]
+    found = scalars(tmp_path / "run" / "tensorboard")
+    assert found["workflow/score_retries"] == [(1, 0.0), (2, 2.0)]
+    assert found["workflow/rollout_retries"] == [(1, 2.0), (2, 0.0)]  # one retry on each of the two shards
+    assert found["workflow/score_seconds"] == [(1, 3.0), (2, 7.0)]  # two failed attempts of 2 s, then 3 s
+    assert [s for s, _ in found["update/loss"]] == [1, 2] and [s for s, _ in found["score/accuracy"]] == [1, 2]
+
+
+def test_workflow_points_leave_out_an_iteration_whose_publish_did_not_succeed():
+    status = argo_status("wf", range(1, 3))
+    for node in status["nodes"].values():
+        if node["displayName"] == "publish-2":
+            node["phase"] = "Failed"
+    points = tracking.workflow_points(status)
+    assert sorted(points) == [1]
+    assert set(points[1]) == {f"workflow/{s}_{k}" for s in tracking.WORKFLOW_STEPS for k in ("seconds", "retries")}
+
+
+# ------------------------------------------------------------------------------------------ MLflow
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class MlflowServer:
+    """`mlflow server` on 127.0.0.1, a sqlite store and local artifacts in a temp dir; killed by stop()."""
+
+    def __init__(self, root: Path, port: int):
+        self.root, self.port = root, port
+        self.uri = f"http://127.0.0.1:{port}"
+        self.process: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        argv = [str(MLFLOW_SERVER), "server", "--host", "127.0.0.1", "--port", str(self.port), "--workers", "1",
+                "--backend-store-uri", f"sqlite:///{self.root}/mlflow.db",
+                "--artifacts-destination", str(self.root / "artifacts")]  # fmt: skip
+        log = open(self.root / f"server-{time.monotonic_ns()}.log", "wb")
+        self.process = subprocess.Popen(argv, cwd=self.root, stdout=log, stderr=subprocess.STDOUT,
+                                        start_new_session=True)  # fmt: skip
+        deadline = time.monotonic() + SERVER_START_SECONDS
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"mlflow server exited with {self.process.returncode}; see {log.name}")
+            try:
+                with urllib.request.urlopen(f"{self.uri}/health", timeout=2) as response:
+                    if response.status == 200:
+                        return
+            except OSError:
+                time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"mlflow server did not answer /health within {SERVER_START_SECONDS} s")
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            os.killpg(self.process.pid, 9)  # the server and its worker processes, which share its session
+            self.process.wait(timeout=30)
+        self.process = None
+
+
+@pytest.fixture
+def mlflow_server(tmp_path):
+    if not MLFLOW_SERVER.is_file():
+        pytest.skip(f"no MLflow server at {MLFLOW_SERVER}: `make install` builds it (or set MOERL_MLFLOW_SERVER)")
+    root = tmp_path / "mlflow-server"
+    root.mkdir()
+    server = MlflowServer(root, free_port())
+    server.start()
+    yield server
+    server.stop()
+
+
+def mlflow_client(uri: str):
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri=uri)
+
+
+def history(client, run_id: str, key: str) -> list[int]:
+    return sorted(m.step for m in client.get_metric_history(run_id, key))
+
+
+def test_mlflow_server_gets_points_params_tags_and_artifacts_once(tmp_path, mlflow_server):
+    cfg = run_config(tmp_path / "run", mlflow={"tracking_uri": mlflow_server.uri, "experiment": "moerl-test"},
+                     argo_ui_url="https://argo.example.com/")  # fmt: skip
+    run = Store.open(cfg.run_store)
+    for i in (1, 2):
+        write_store_metrics(run, i)
+        tracking.log_iteration(run, cfg, "score", i, score_metrics(i), log=print)
+        tracking.log_iteration(run, cfg, "update", i, update_metrics(i), log=print)
+    tracking.log_iteration(run, cfg, "score", 2, score_metrics(2), log=print)  # a retry: the ledger skips it
+    # A retry of a step that died after the server took its points but before the ledger's record.
+    run.delete_prefix("tracking/logged/mlflow/update-iter-000002.json")
+    tracking.log_iteration(run, cfg, "update", 2, update_metrics(2), log=print)
+    report = tmp_path / "report"
+    report.mkdir()
+    (report / "report.md").write_text("# report\n")
+    (report / "report.png").write_bytes(b"\x89PNG\r\n\x1a\n")
+    status_file = tmp_path / "status.json"
+    status_file.write_text(json.dumps(argo_status("demo-xyz", range(1, 3), {"update-1": 1})))
+    os.environ[tracking.STATUS_FILE_ENV] = str(status_file)
+    try:
+        files = {"report.md": report / "report.md", "report.png": report / "report.png"}
+        for _ in range(2):
+            tracking.log_run_end(run, cfg, tracking.stored_step_metrics(run), "demo-xyz", "moerl", files, print)
+    finally:
+        del os.environ[tracking.STATUS_FILE_ENV]
+
+    client = mlflow_client(mlflow_server.uri)
+    run_id = run.get_json(tracking.MLFLOW_RUN_KEY)["run_id"]
+    for key in ("score/reward_mean", "score/accuracy", "update/loss", "update/clip_fraction", "update/kl",
+                "update/entropy", "update/is_weight/mean", "update/grad_norm", "update/tokens_per_s",
+                "workflow/update_retries", "workflow/rollout_seconds"):
+        assert history(client, run_id, key) == [1, 2], key  # fmt: skip
+    assert [m.value for m in client.get_metric_history(run_id, "workflow/update_retries")] == [1.0, 0.0]
+    got = client.get_run(run_id).data
+    assert got.params["trainer.lr"] == "0.0002" and got.params["tracking.mlflow.experiment"] == "moerl-test"
+    assert got.tags["argo.workflow"] == "demo-xyz"
+    assert got.tags["argo.ui"] == "https://argo.example.com/workflows/moerl/demo-xyz"
+    assert got.tags[tracking.RUN_STORE_TAG] == run.uri
+    artifacts = sorted(a.path for a in client.list_artifacts(run_id, "report"))
+    assert artifacts == ["report/report.md", "report/report.png"]
+    # The MLflow run is found again from the store: one run in the experiment.
+    experiment = client.get_experiment_by_name("moerl-test")
+    assert len(client.search_runs([experiment.experiment_id])) == 1
+
+
+def test_mlflow_outage_mid_run_warns_keeps_the_run_going_and_the_report_catches_up(tmp_path, mlflow_server):
+    cfg = run_config(tmp_path / "run", tensorboard={}, timeout_seconds=5,
+                     mlflow={"tracking_uri": mlflow_server.uri, "experiment": "outage"})  # fmt: skip
+    run = Store.open(cfg.run_store)
+    write_store_metrics(run, 1)
+    tracking.log_iteration(run, cfg, "score", 1, score_metrics(1), log=print)
+    mlflow_server.stop()  # the tracker goes down mid-run
+
+    lines: list[str] = []
+    write_store_metrics(run, 2)
+    tracking.log_iteration(run, cfg, "score", 2, score_metrics(2), log=lines.append)
+    tracking.log_iteration(run, cfg, "update", 2, update_metrics(2), log=lines.append)
+    assert any("mlflow missed score points of iteration 2" in line and "stay in the run store" in line
+               for line in lines), lines  # fmt: skip
+    assert any("mlflow missed update points of iteration 2" in line for line in lines), lines
+    assert not any(line.startswith("warning: tracking: tensorboard") for line in lines), lines
+    assert [s for s, _ in scalars(tmp_path / "run" / "tensorboard")["score/accuracy"]] == [1, 2]
+    assert not run.exists(tracking.ledger_key("mlflow", "score", 2))
+
+    mlflow_server.start()  # back up, same store: the report logs what it missed
+    tracking.log_run_end(run, cfg, tracking.stored_step_metrics(run), "wf", "moerl", log=print)
+    client = mlflow_client(mlflow_server.uri)
+    run_id = run.get_json(tracking.MLFLOW_RUN_KEY)["run_id"]
+    assert history(client, run_id, "score/accuracy") == [1, 2]
+    assert history(client, run_id, "update/loss") == [1, 2]
+
+
+def test_mlflow_down_from_the_start_fails_nothing(tmp_path):
+    port = free_port()  # nothing listens there
+    cfg = run_config(tmp_path / "run", timeout_seconds=3, mlflow={"tracking_uri": f"http://127.0.0.1:{port}"})
+    run = Store.open(cfg.run_store)
+    lines: list[str] = []
+    tracking.log_iteration(run, cfg, "score", 1, score_metrics(1), log=lines.append)
+    assert any("mlflow is unavailable" in line for line in lines), lines
+    assert any("mlflow missed score points of iteration 1" in line for line in lines), lines
+
+
+# ------------------------------------------------------------------------------------------ W&B
+
+
+def test_wandb_offline_run_files_hold_each_steps_points(tmp_path):
+    cfg = run_config(tmp_path / "run", wandb={"mode": "offline", "project": "moerl-test"})
+    run = Store.open(cfg.run_store)
+    tracking.log_iteration(run, cfg, "score", 1, score_metrics(1), log=print)
+    tracking.log_iteration(run, cfg, "update", 1, update_metrics(1), log=print)
+    tracking.log_iteration(run, cfg, "score", 1, score_metrics(1), log=print)  # a retry: touches nothing
+
+    run_id = tracking.wandb_run_id(run.uri)
+    score_dir = tmp_path / "run" / "wandb" / "score-iter-000001"
+    rows = history_rows(score_dir / f"run-{run_id}.wandb")
+    assert len(rows) == 1
+    assert json.loads(rows[0]["iteration"]) == 1
+    assert json.loads(rows[0]["score/accuracy"]) == pytest.approx(0.1)
+    update_rows = history_rows(tmp_path / "run" / "wandb" / "update-iter-000001" / f"run-{run_id}.wandb")
+    assert json.loads(update_rows[0]["update/is_weight/max"]) == pytest.approx(1.1)
+    runs = [r for r in run_records(score_dir / f"run-{run_id}.wandb")]
+    assert runs and all(r.run_id == run_id and r.project == "moerl-test" for r in runs)
+    # define_metric: every key is plotted against `iteration`, so score and update of one iteration align.
+    metrics = [r.metric for r in records(score_dir / f"run-{run_id}.wandb") if r.WhichOneof("record_type") == "metric"]
+    assert any(m.glob_name == "*" and m.step_metric == "iteration" for m in metrics), metrics
+
+
+# ------------------------------------------------------------------------------------------ config, render
+
+
+def test_no_tracking_imports_no_tracking_library(tmp_path):
+    code = (
+        "import sys\n"
+        "from pipelines.config import validate_config\n"
+        "from steps import tracking, score, report\n"
+        "from steps.store import Store\n"
+        f"cfg = validate_config({{'sft_checkpoint': 'file:///x', 'run_store': '{(tmp_path / 'run').as_uri()}'}})\n"
+        "tracking.log_iteration(Store.open(cfg.run_store), cfg, 'score', 1, {'accuracy': 1.0})\n"
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'mlflow', 'wandb', 'tensorboard'}))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    ("section", "path"),
+    [
+        ({"mlflow": {"tracking_uri": "mlflow.example.com"}}, "tracking.mlflow.tracking_uri"),
+        ({"mlflow": {"secret": "Not_A_Name"}}, "tracking.mlflow.secret"),
+        ({"wandb": {"api_key_secret": "wandb key"}}, "tracking.wandb.api_key_secret"),
+        ({"wandb": {"mode": "cloud"}}, "tracking.wandb.mode"),
+        ({"argo_ui_url": "argo"}, "tracking.argo_ui_url"),
+        ({"tensorbord": {}}, "tracking.tensorbord"),
+    ],
+)
+def test_bad_tracking_config_names_the_field(tmp_path, section, path):
+    with pytest.raises(MoerlError) as err:
+        run_config(tmp_path / "run", **section)
+    assert path in str(err.value)
+
+
+def test_rendered_credentials_are_secret_refs_never_values(tmp_path, monkeypatch):
+    from pipelines.render import WORKFLOW_TEMPLATE, render
+
+    monkeypatch.setenv("WANDB_API_KEY", "wandb-key-that-must-not-leak")
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", "mlflow-password-that-must-not-leak")
+    cfg = run_config(
+        tmp_path / "run",
+        mlflow={"secret": "mlflow-credentials", "experiment": "e"},
+        wandb={"project": "p", "api_key_secret": "wandb", "api_key_secret_key": "api-key"},
+    )
+    paths = render(cfg, tmp_path / "out", kfp=False)
+    text = Path(paths[WORKFLOW_TEMPLATE]).read_text()
+    assert "must-not-leak" not in text
+    templates = {t["name"]: t for t in yaml.safe_load(text)["spec"]["templates"]}
+    for name in ("score", "update", "report"):
+        env = {e["name"]: e for e in templates[name]["container"]["env"]}
+        assert env["WANDB_API_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "wandb", "key": "api-key",
+                                                                     "optional": True}  # fmt: skip
+        assert env["MLFLOW_TRACKING_URI"]["valueFrom"]["secretKeyRef"]["name"] == "mlflow-credentials"
+        assert all("value" not in e for k, e in env.items() if k.startswith(("WANDB", "MLFLOW"))), name
+    assert "WANDB_API_KEY" not in json.dumps(templates["rollout"])  # only the steps that log get credentials
+    report_args = templates["report"]["container"]["args"]
+    assert report_args[report_args.index("--workflow-name") + 1] == "{{workflow.name}}"
+
+
+def test_demo_config_writes_tensorboard_files_by_default():
+    from pipelines.demo import DEMO_CONFIG
+
+    cfg = validate_config({**yaml.safe_load(DEMO_CONFIG.read_text()), "sft_checkpoint": "file:///x",
+                           "run_store": "file:///y"})  # fmt: skip
+    assert tracking.configured(cfg) == ["tensorboard"]
