@@ -382,3 +382,51 @@ def test_demo_config_writes_tensorboard_files_by_default():
     cfg = validate_config({**yaml.safe_load(DEMO_CONFIG.read_text()), "sft_checkpoint": "file:///x",
                            "run_store": "file:///y"})  # fmt: skip
     assert tracking.configured(cfg) == ["tensorboard"]
+
+
+# ------------------------------------------------------------------------------------------ the whole run
+
+
+@pytest.mark.slow
+def test_local_run_with_kills_logs_every_step_once_to_mlflow_and_tensorboard(tmp_path, mlflow_server, monkeypatch):
+    """The tiny fault-test run, two iterations, through the local executor with hard kills in random steps:
+    score and update log as they finish, the report adds the workflow's step times and retries from the
+    executor's status; retried steps add no point."""
+    from faults_helpers import make_sft_checkpoint, tiny_config
+
+    from pipelines.demo import run_config as run_locally
+
+    monkeypatch.setenv("MOERL_LOCAL_TIME_SCALE", "0.05")
+    sft = make_sft_checkpoint(tmp_path / "sft")
+    config = tiny_config(sft.as_uri(), (tmp_path / "run").as_uri(), iterations=2)
+    config["tracking"] = {"tensorboard": {}, "argo_ui_url": "https://argo.example.com",
+                          "mlflow": {"tracking_uri": mlflow_server.uri, "experiment": "local-run"}}  # fmt: skip
+    result = run_locally(validate_config(config), tmp_path / "work", chaos="kill=3,seed=7")
+    assert result.succeeded, f"{result.message}; logs in {result.run_dir}/pods"
+
+    status = json.loads((tmp_path / "work" / "status.json").read_text())
+    expected = tracking.workflow_points(status)
+    assert sorted(expected) == [1, 2]
+    for i in (1, 2):  # a retry is an attempt that did not succeed, i.e. that chaos killed
+        for step in tracking.WORKFLOW_STEPS:
+            pods = [n for n in status["nodes"].values() if n["type"] == "Pod"]
+            mine = [n for n in pods if n["displayName"] == f"{step}-{i}" or n["displayName"].startswith(f"{step}-{i}(")]
+            failed = [n for n in mine if n["phase"] != "Succeeded"]
+            assert expected[i][f"workflow/{step}_retries"] == len(failed), (step, i)
+    found = scalars(tmp_path / "run" / "tensorboard")
+    for tag in ("score/reward_mean", "score/accuracy", "update/loss", "update/clip_fraction", "update/entropy",
+                "update/is_weight/mean", "update/grad_norm", "update/tokens_per_s", "workflow/update_seconds",
+                "workflow/rollout_retries"):
+        assert [s for s, _ in found[tag]] == [1, 2], tag  # fmt: skip
+    for i in (1, 2):
+        for key, value in expected[i].items():
+            assert dict(found[key])[i] == pytest.approx(value), (key, i)
+
+    client = mlflow_client(mlflow_server.uri)
+    run_id = Store.open(config["run_store"]).get_json(tracking.MLFLOW_RUN_KEY)["run_id"]
+    for key in ("score/accuracy", "update/loss", "update/kl", "workflow/score_retries", "workflow/publish_seconds"):
+        assert history(client, run_id, key) == [1, 2], key
+    tags = client.get_run(run_id).data.tags
+    assert tags["argo.workflow"] == result.name
+    assert tags["argo.ui"] == f"https://argo.example.com/workflows/moerl/{result.name}"
+    assert sorted(a.path for a in client.list_artifacts(run_id, "report")) == ["report/report.md", "report/report.png"]
