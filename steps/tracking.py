@@ -19,7 +19,7 @@ No duplicate points, whatever is retried or resumed:
   moerl.run_store), and before logging, the points the server already holds at that step are left out,
   which closes the window between a tracker's write and the ledger's;
 - W&B: one run per moerl run, its id derived from the run store URI; offline run files are copied to
-  `<run>/wandb/<source>-iter-NNNNNN/` under fixed names.
+  `<run>/wandb/<source>-iter-NNNNNN/offline-run-*/`, replacing an earlier attempt's.
 
 A tracker that is down never fails or slows the run: each call runs under tracking.timeout_seconds
 (a deadline on a daemon thread, with the client's own HTTP timeout and retries set below it); a tracker that
@@ -275,11 +275,11 @@ class MlflowTracker(Tracker):
     name = "mlflow"
 
     def __init__(self, run: Store, settings: Any, config: dict[str, Any], timeout: float):
-        # The client reads these per request (mlflow.environment_variables): one try and one retry, each
-        # within the deadline, instead of the default 7 retries with backoff of up to 120 s each.
-        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(max(1, int(timeout / 2))))
-        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
-        os.environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "0")
+        # The client reads these per request (mlflow.environment_variables): one try and one retry, each of
+        # half the deadline, instead of the default 7 retries with backoff and 120 s a request.
+        os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] = str(max(1, int(timeout / 2)))
+        os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] = "1"
+        os.environ["MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR"] = "0"
         from mlflow.tracking import MlflowClient
 
         uri = settings.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
@@ -347,7 +347,8 @@ def wandb_run_id(run_uri: str) -> str:
 class WandbTracker(Tracker):
     """One W&B run per moerl run, resumed by each step (id from the run store URI). Points carry
     `iteration` as their step metric (wandb.define_metric), so score and update of one iteration share it.
-    Offline, each step's run directory is copied to <run>/wandb/<source>-iter-NNNNNN/ (`wandb sync` it)."""
+    Offline, each step's run directory is copied to <run>/wandb/<source>-iter-NNNNNN/offline-run-*/ (for
+    `wandb sync`, which tells offline runs by that name)."""
 
     name = "wandb"
 
@@ -413,19 +414,24 @@ class WandbTracker(Tracker):
         shutil.rmtree(self.workdir, ignore_errors=True)
 
     def _keep_offline_files(self) -> None:
-        """The pod's disk goes with the pod: the offline run directory goes to the store, under a fixed name."""
-        for run_dir in sorted((self.workdir / "wandb").glob("offline-run-*")):
-            prefix = f"{WANDB_PREFIX}/{self.label}"
-            root = _local_root(self.store)
-            if root is None:
-                self.store.upload_dir(run_dir, prefix)
-                continue
-            target = root / prefix
-            staged = target.with_name(f".moerl-tmp-{target.name}-{os.getpid()}")
-            shutil.rmtree(staged, ignore_errors=True)
-            shutil.copytree(run_dir, staged)
-            shutil.rmtree(target, ignore_errors=True)
-            os.replace(staged, target)
+        """The pod's disk goes with the pod: the offline run directory goes to the store, as
+        <run>/wandb/<source>-iter-NNNNNN/offline-run-<time>-<id>/ (the name `wandb sync` tells offline runs by),
+        replacing what an earlier attempt of the same step left."""
+        runs = sorted((self.workdir / "wandb").glob("offline-run-*"))
+        prefix = f"{WANDB_PREFIX}/{self.label}"
+        root = _local_root(self.store)
+        if root is None:
+            self.store.delete_prefix(prefix)
+            for run_dir in runs:
+                self.store.upload_dir(run_dir, f"{prefix}/{run_dir.name}")
+            return
+        target = root / prefix
+        staged = target.with_name(f".moerl-tmp-{target.name}-{os.getpid()}")
+        shutil.rmtree(staged, ignore_errors=True)
+        for run_dir in runs:
+            shutil.copytree(run_dir, staged / run_dir.name)
+        shutil.rmtree(target, ignore_errors=True)
+        os.replace(staged, target)
 
 
 # ------------------------------------------------------------------------------------------ bounded calls

@@ -27,6 +27,8 @@ REPO = Path(__file__).resolve().parents[1]
 # project pins pyarrow 26; the steps need only the client, mlflow-skinny.
 MLFLOW_SERVER = Path(os.environ.get("MOERL_MLFLOW_SERVER", REPO / ".venv" / "mlflow-server" / "bin" / "mlflow"))
 SERVER_START_SECONDS = 180
+# A fresh server's first requests take seconds on a loaded machine: the tests that need answers wait long.
+PATIENT = 60
 
 
 def run_config(store: Path, **tracking_section: object):
@@ -211,7 +213,7 @@ def history(client, run_id: str, key: str) -> list[int]:
 
 def test_mlflow_server_gets_points_params_tags_and_artifacts_once(tmp_path, mlflow_server):
     cfg = run_config(tmp_path / "run", mlflow={"tracking_uri": mlflow_server.uri, "experiment": "moerl-test"},
-                     argo_ui_url="https://argo.example.com/")  # fmt: skip
+                     argo_ui_url="https://argo.example.com/", timeout_seconds=PATIENT)  # fmt: skip
     run = Store.open(cfg.run_store)
     for i in (1, 2):
         write_store_metrics(run, i)
@@ -255,7 +257,7 @@ def test_mlflow_server_gets_points_params_tags_and_artifacts_once(tmp_path, mlfl
 
 
 def test_mlflow_outage_mid_run_warns_keeps_the_run_going_and_the_report_catches_up(tmp_path, mlflow_server):
-    cfg = run_config(tmp_path / "run", tensorboard={}, timeout_seconds=5,
+    cfg = run_config(tmp_path / "run", tensorboard={}, timeout_seconds=PATIENT,
                      mlflow={"tracking_uri": mlflow_server.uri, "experiment": "outage"})  # fmt: skip
     run = Store.open(cfg.run_store)
     write_store_metrics(run, 1)
@@ -291,6 +293,23 @@ def test_mlflow_down_from_the_start_fails_nothing(tmp_path):
     assert any("mlflow missed score points of iteration 1" in line for line in lines), lines
 
 
+def test_a_tracker_that_never_answers_is_cut_off_by_the_deadline(tmp_path):
+    """A server that takes the connection and never answers (a hung proxy): the step goes on after the
+    deadline, with a warning; the points stay in the store and no ledger record claims them."""
+    with socket.socket() as hung:
+        hung.bind(("127.0.0.1", 0))
+        hung.listen(16)  # connections complete in the kernel's backlog; nothing ever reads or answers
+        uri = f"http://127.0.0.1:{hung.getsockname()[1]}"
+        cfg = run_config(tmp_path / "run", tensorboard={}, timeout_seconds=2, mlflow={"tracking_uri": uri})
+        run = Store.open(cfg.run_store)
+        lines: list[str] = []
+        tracking.log_iteration(run, cfg, "update", 4, update_metrics(4), log=lines.append)
+    assert any(line.startswith("warning: tracking: mlflow is unavailable") for line in lines), lines
+    assert any("mlflow missed update points of iteration 4" in line for line in lines), lines
+    assert not run.exists(tracking.ledger_key("mlflow", "update", 4))
+    assert run.exists(tracking.ledger_key("tensorboard", "update", 4))
+
+
 # ------------------------------------------------------------------------------------------ W&B
 
 
@@ -302,18 +321,30 @@ def test_wandb_offline_run_files_hold_each_steps_points(tmp_path):
     tracking.log_iteration(run, cfg, "score", 1, score_metrics(1), log=print)  # a retry: touches nothing
 
     run_id = tracking.wandb_run_id(run.uri)
-    score_dir = tmp_path / "run" / "wandb" / "score-iter-000001"
+    (score_dir,) = (tmp_path / "run" / "wandb" / "score-iter-000001").glob(f"offline-run-*-{run_id}")
     rows = history_rows(score_dir / f"run-{run_id}.wandb")
     assert len(rows) == 1
     assert json.loads(rows[0]["iteration"]) == 1
     assert json.loads(rows[0]["score/accuracy"]) == pytest.approx(0.1)
-    update_rows = history_rows(tmp_path / "run" / "wandb" / "update-iter-000001" / f"run-{run_id}.wandb")
+    (update_dir,) = (tmp_path / "run" / "wandb" / "update-iter-000001").glob(f"offline-run-*-{run_id}")
+    update_rows = history_rows(update_dir / f"run-{run_id}.wandb")
     assert json.loads(update_rows[0]["update/is_weight/max"]) == pytest.approx(1.1)
     runs = [r for r in run_records(score_dir / f"run-{run_id}.wandb")]
     assert runs and all(r.run_id == run_id and r.project == "moerl-test" for r in runs)
     # define_metric: every key is plotted against `iteration`, so score and update of one iteration align.
     metrics = [r.metric for r in records(score_dir / f"run-{run_id}.wandb") if r.WhichOneof("record_type") == "metric"]
     assert any(m.glob_name == "*" and m.step_metric == "iteration" for m in metrics), metrics
+
+    (tmp_path / "report.md").write_text("# report\n")
+    tracking.log_run_end(run, cfg, tracking.stored_step_metrics(run), "wf-1", "moerl",
+                         {"report.md": tmp_path / "report.md"}, print)  # fmt: skip
+    (report_dir,) = (tmp_path / "run" / "wandb" / "report-wf-1").glob(f"offline-run-*-{run_id}")
+    assert (report_dir / "files" / "report.md").read_text() == "# report\n"
+    # `wandb sync` takes the copied directories for offline runs of one W&B run, to upload in order.
+    wandb_cli = Path(sys.executable).with_name("wandb")
+    out = subprocess.run([str(wandb_cli), "sync", "--dry-run", *map(str, (score_dir, update_dir, report_dir))],
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path)  # fmt: skip
+    assert "Would sync 3 run(s)" in out.stdout + out.stderr, out.stdout + out.stderr
 
 
 # ------------------------------------------------------------------------------------------ config, render
@@ -399,7 +430,7 @@ def test_local_run_with_kills_logs_every_step_once_to_mlflow_and_tensorboard(tmp
     monkeypatch.setenv("MOERL_LOCAL_TIME_SCALE", "0.05")
     sft = make_sft_checkpoint(tmp_path / "sft")
     config = tiny_config(sft.as_uri(), (tmp_path / "run").as_uri(), iterations=2)
-    config["tracking"] = {"tensorboard": {}, "argo_ui_url": "https://argo.example.com",
+    config["tracking"] = {"tensorboard": {}, "argo_ui_url": "https://argo.example.com", "timeout_seconds": PATIENT,
                           "mlflow": {"tracking_uri": mlflow_server.uri, "experiment": "local-run"}}  # fmt: skip
     result = run_locally(validate_config(config), tmp_path / "work", chaos="kill=3,seed=7")
     assert result.succeeded, f"{result.message}; logs in {result.run_dir}/pods"
