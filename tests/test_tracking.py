@@ -115,6 +115,34 @@ def test_tensorboard_event_files_hold_one_point_per_iteration_read_back_by_tenso
     assert all(p.name.startswith("events.out.tfevents.") for p in (tmp_path / "run" / "tensorboard").iterdir())
 
 
+def test_the_readme_tensorboard_command_serves_the_points(tmp_path):
+    """`tensorboard --logdir <run>/tensorboard` (README), on loopback: its HTTP API has each step's points."""
+    cfg = run_config(tmp_path / "run", tensorboard={})
+    run = Store.open(cfg.run_store)
+    for i in (1, 2):
+        tracking.log_iteration(run, cfg, "update", i, update_metrics(i), log=print)
+    port = free_port()
+    argv = [str(Path(sys.executable).with_name("tensorboard")), "--logdir", str(tmp_path / "run" / "tensorboard"),
+            "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
+    server = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        url = f"http://127.0.0.1:{port}/data/plugin/scalars/scalars?tag=update/loss&run=."
+        deadline, points = time.monotonic() + SERVER_START_SECONDS, None
+        while time.monotonic() < deadline and server.poll() is None:
+            try:
+                with urllib.request.urlopen(url, timeout=5) as response:
+                    points = json.loads(response.read())
+                if len(points) == 2:
+                    break
+            except (OSError, ValueError):
+                pass
+            time.sleep(0.5)
+    finally:
+        os.killpg(server.pid, 15)
+        server.wait(timeout=30)
+    assert [(step, value) for _, step, value in points] == [(1, 1.0), (2, 0.5)]
+
+
 def test_report_adds_workflow_times_and_retries_once_and_catches_up(tmp_path):
     cfg = run_config(tmp_path / "run", tensorboard={})
     run = Store.open(cfg.run_store)
@@ -405,6 +433,9 @@ def test_rendered_credentials_are_secret_refs_never_values(tmp_path, monkeypatch
     assert "WANDB_API_KEY" not in json.dumps(templates["rollout"])  # only the steps that log get credentials
     report_args = templates["report"]["container"]["args"]
     assert report_args[report_args.index("--workflow-name") + 1] == "{{workflow.name}}"
+    # The Argo UI points at the trackers: the Workflow's description names them.
+    description = yaml.safe_load(text)["metadata"]["annotations"]["workflows.argoproj.io/description"]
+    assert "MLflow experiment `e`" in description and tracking.wandb_run_id(cfg.run_store) in description
 
 
 def test_demo_config_writes_tensorboard_files_by_default():
