@@ -1,6 +1,6 @@
 """Step report: the run's per-iteration metrics as a table, a Markdown page and a reward/accuracy plot.
 
-    python -m steps.report --run URI --out DIR [--status PHASE]
+    python -m steps.report --run URI --out DIR [--status PHASE] [--workflow-name NAME --namespace NS]
 
 Reads <run>/metrics/iter-*.json, prints the table, and writes report.md and report.png to DIR and to
 <run>/report/. An iteration's accuracy is that of the policy that generated its samples (score measures it);
@@ -8,6 +8,9 @@ the report measures the final published version itself, so the run's result read
 checkpoint) -> vN". It is the workflow's exit handler, so it runs however the run ended: iterations that wrote no
 metrics, and metrics that lack a field, show as '-'. Metrics files may nest their fields ({"update": {"kl":
 ...}}); a field is found by its name at any depth.
+
+Then the run's experiment trackers (steps/tracking.py) get the Workflow's step wall times and retries, the
+config, the report files and the Workflow's name and UI link, and any step points they missed.
 """
 
 from __future__ import annotations

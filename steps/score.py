@@ -13,6 +13,8 @@ sample_index); scores each sample (steps/rewards.py); writes
                                              all tie, and held-out greedy accuracy of the behaviour policy
     PATH (default /tmp/metrics.json)         the same metrics, for the workflow's output parameter
 
+and then hands the metrics to the run's experiment trackers (steps/tracking.py; none by default).
+
 Held-out accuracy (heldout_accuracy) is greedy exact match of the behaviour policy v(I-1-staleness) on
 `heldout_size` prompts of the task's held-out split, run with the torch engine when its weights are small
 enough to be cheap on CPU (at most HELDOUT_EVAL_MAX_BYTES); for bigger models it is left out.

@@ -17,7 +17,8 @@ Output: <run>/candidates/iter-I/
     CANDIDATE.json                             written LAST: every file with size + sha256
 and <run>/metrics/iter-I.update.json (loss, clip fraction, KL, importance weights, grad norm, entropy,
 tokens/s, the per-expert routed row counts and the expert placement used; a separate file so that score's
-metrics/iter-I.json is never rewritten).
+metrics/iter-I.json is never rewritten). Rank 0 then hands the metrics to the run's experiment trackers
+(steps/tracking.py; none by default).
 
 Expert placement (trainer.expert_placement, default balanced): which E/ep experts each EP rank holds, per
 MoE layer. Update I balances the EP ranks' routed rows with the per-expert row counts that update I-1
