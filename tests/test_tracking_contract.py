@@ -84,10 +84,11 @@ def test_tensorboard_record_writer_and_protos():
     from tensorboard.compat.proto import event_pb2
     from tensorboard.summary.writer.record_writer import RecordWriter
 
-    assert params(RecordWriter.__init__) == ["self", "writer"]
-    buffer = io.BytesIO()
-    RecordWriter(buffer).write(b"x")
-    assert len(buffer.getvalue()) == 8 + 4 + 1 + 4  # length, its crc, data, data crc: TFRecord framing
+    # tracking.tfrecord frames records as tensorboard's own writer does, byte for byte.
+    for payload in (b"", b"x", bytes(range(256)) * 5, event_pb2.Event(step=7).SerializeToString()):
+        buffer = io.BytesIO()
+        RecordWriter(buffer).write(payload)
+        assert tracking.tfrecord(payload) == buffer.getvalue()
     data = tracking.TensorboardTracker.event_file_bytes(3, {"score/accuracy": 0.5}, wall_time=1.0)
     assert data == tracking.TensorboardTracker.event_file_bytes(3, {"score/accuracy": 0.5}, wall_time=1.0)
     event = event_pb2.Event()
