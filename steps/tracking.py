@@ -117,6 +117,24 @@ def _stamp(text: str | None) -> datetime | None:
     return datetime.fromisoformat(text.replace("Z", "+00:00")) if text else None
 
 
+def status_nodes(status: dict[str, Any]) -> dict[str, Any]:
+    """A Workflow status's nodes. The controller stores a large node map gzipped and base64-encoded in
+    `compressedNodes` (argo util/file CompressEncodeString, gzip by default); an offloaded one
+    (`offloadNodeStatusVersion`, in Argo's database) or another algorithm cannot be read here: no nodes."""
+    if status.get("nodes"):
+        return status["nodes"]
+    packed = status.get("compressedNodes")
+    if packed:
+        import base64
+        import gzip
+
+        try:
+            return json.loads(gzip.decompress(base64.b64decode(packed)))
+        except (ValueError, OSError, EOFError):  # zstd or brotli (ARGO_COMPRESSION_ALGORITHM), or damaged
+            return {}
+    return {}
+
+
 def workflow_points(status: dict[str, Any]) -> dict[int, dict[str, float]]:
     """iteration -> {workflow/<step>_seconds, workflow/<step>_retries} of each iteration that finished.
 
@@ -127,7 +145,7 @@ def workflow_points(status: dict[str, Any]) -> dict[int, dict[str, float]]:
     spans: dict[tuple[int, str], list[datetime]] = {}
     retries: dict[tuple[int, str], int] = {}
     published: set[int] = set()
-    for node in (status.get("nodes") or {}).values():
+    for node in status_nodes(status).values():
         match = _DISPLAY.match(node.get("displayName") or "")
         if match is None or match["step"] not in WORKFLOW_STEPS:
             continue
@@ -164,7 +182,7 @@ def read_workflow_status(name: str | None, namespace: str | None, timeout: float
                 status = json.loads(Path(path).read_text())
             except (OSError, ValueError):
                 status = None
-            root = ((status or {}).get("nodes") or {}).get(name or "", {})
+            root = status_nodes(status or {}).get(name or "", {})
             if root.get("finishedAt") or time.monotonic() >= deadline:
                 return status
             time.sleep(0.2)

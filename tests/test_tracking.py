@@ -163,6 +163,18 @@ def test_report_adds_workflow_times_and_retries_once_and_catches_up(tmp_path):
     assert [s for s, _ in found["update/loss"]] == [1, 2] and [s for s, _ in found["score/accuracy"]] == [1, 2]
 
 
+def test_workflow_points_read_compressed_nodes():
+    import base64
+    import gzip
+
+    status = argo_status("wf", range(1, 3), {"publish-2": 1})
+    packed = {"phase": "Running", "compressedNodes": base64.b64encode(gzip.compress(json.dumps(status["nodes"])
+                                                                                    .encode())).decode()}  # fmt: skip
+    assert tracking.workflow_points(packed) == tracking.workflow_points(status)
+    assert tracking.workflow_points(packed)[2]["workflow/publish_retries"] == 1.0
+    assert tracking.workflow_points({"offloadNodeStatusVersion": "abc"}) == {}
+
+
 def test_workflow_points_leave_out_an_iteration_whose_publish_did_not_succeed():
     status = argo_status("wf", range(1, 3))
     for node in status["nodes"].values():
