@@ -167,7 +167,12 @@ def workflow_points(status: dict[str, Any]) -> dict[int, dict[str, float]]:
     return out
 
 
-def read_workflow_status(name: str | None, namespace: str | None, timeout: float, log: Log) -> dict | None:
+SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
+
+
+def read_workflow_status(
+    name: str | None, namespace: str | None, timeout: float, log: Log, service_account: Path = SERVICE_ACCOUNT_DIR
+) -> dict | None:
     """The running Workflow's Argo status: the local executor's status file ($MOERL_WORKFLOW_STATUS_FILE),
     or the Workflow object from the Kubernetes API with the pod's service account (in a cluster; the
     moerl-report Role grants `get` on workflows). None, with a note, where neither is there."""
@@ -186,7 +191,7 @@ def read_workflow_status(name: str | None, namespace: str | None, timeout: float
             if root.get("finishedAt") or time.monotonic() >= deadline:
                 return status
             time.sleep(0.2)
-    token_file = Path("/var/run/secrets/kubernetes.io/serviceaccount/token")
+    token_file = service_account / "token"
     host = os.environ.get("KUBERNETES_SERVICE_HOST")
     if not (name and namespace and host and token_file.is_file()):
         log("tracking: no workflow status here (no status file, not in a cluster): no step wall times or retries")

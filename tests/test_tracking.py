@@ -175,6 +175,79 @@ def test_workflow_points_read_compressed_nodes():
     assert tracking.workflow_points({"offloadNodeStatusVersion": "abc"}) == {}
 
 
+def self_signed_certificate(directory: Path) -> tuple[Path, Path]:
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "kubernetes")])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+        .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(hours=1))
+        .not_valid_after(now + datetime.timedelta(hours=1))
+        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
+        .sign(key, hashes.SHA256())
+    )  # fmt: skip
+    cert_file, key_file = directory / "ca.crt", directory / "server.key"
+    cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_file.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))  # fmt: skip
+    return cert_file, key_file
+
+
+def test_in_a_cluster_the_report_reads_its_workflow_from_the_kubernetes_api(tmp_path, monkeypatch):
+    """The Workflow object through the API server with the pod's service-account token and CA, as the
+    moerl-report Role allows: GET /apis/argoproj.io/v1alpha1/namespaces/NS/workflows/NAME (here a loopback
+    HTTPS server standing in for it)."""
+    import http.server
+    import ssl
+    import threading
+
+    account = tmp_path / "serviceaccount"
+    account.mkdir()
+    cert_file, key_file = self_signed_certificate(account)
+    (account / "token").write_text("pod-token\n")
+    status = argo_status("wf-7", range(1, 2))
+    seen: list[tuple[str, str]] = []
+
+    class ApiServer(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            seen.append((self.path, self.headers.get("Authorization", "")))
+            body = json.dumps({"kind": "Workflow", "status": status}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), ApiServer)
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert_file, key_file)
+    server.socket = context.wrap_socket(server.socket, server_side=True)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    monkeypatch.delenv(tracking.STATUS_FILE_ENV, raising=False)
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "127.0.0.1")
+    monkeypatch.setenv("KUBERNETES_SERVICE_PORT", str(server.server_address[1]))
+    try:
+        got = tracking.read_workflow_status("wf-7", "moerl", 30, print, service_account=account)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert seen == [("/apis/argoproj.io/v1alpha1/namespaces/moerl/workflows/wf-7", "Bearer pod-token")]
+    assert tracking.workflow_points(got) == tracking.workflow_points(status) != {}
+
+
 def test_workflow_points_leave_out_an_iteration_whose_publish_did_not_succeed():
     status = argo_status("wf", range(1, 3))
     for node in status["nodes"].values():
@@ -504,3 +577,11 @@ def test_local_run_with_kills_logs_every_step_once_to_mlflow_and_tensorboard(tmp
     assert tags["argo.workflow"] == result.name
     assert tags["argo.ui"] == f"https://argo.example.com/workflows/moerl/{result.name}"
     assert sorted(a.path for a in client.list_artifacts(run_id, "report")) == ["report/report.md", "report/report.png"]
+
+
+def test_report_role_grants_only_get_on_workflows_to_the_workflow_account():
+    docs = list(yaml.safe_load_all((REPO / "manifests" / "moerl" / "rbac.yaml").read_text()))
+    role = next(d for d in docs if d["kind"] == "Role" and d["metadata"]["name"] == "moerl-report")
+    assert role["rules"] == [{"apiGroups": ["argoproj.io"], "resources": ["workflows"], "verbs": ["get"]}]
+    binding = next(d for d in docs if d["kind"] == "RoleBinding" and d["roleRef"]["name"] == "moerl-report")
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "moerl-workflow"}]
