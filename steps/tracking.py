@@ -79,7 +79,7 @@ def metric_points(source: str, metrics: dict[str, Any]) -> dict[str, float]:
             for key, item in value.items():
                 walk(f"{prefix}/{key}", item)
         elif isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
-            out[prefix] = float(value)
+            out[_NOT_IN_A_KEY.sub("_", prefix)] = float(value)
 
     for key, value in metrics.items():
         if key != "iteration":
@@ -87,8 +87,12 @@ def metric_points(source: str, metrics: dict[str, Any]) -> dict[str, float]:
     return out
 
 
+_NOT_IN_A_KEY = re.compile(r"[^\w\-. /]")  # MLflow's key rule (mlflow.utils.validation): a bad key fails a batch
+
+
 def config_params(config: dict[str, Any]) -> dict[str, str]:
-    """The run config as flat parameters, `trainer.lr` -> '0.0002'."""
+    """The run config as flat parameters, `trainer.lr` -> '0.0002' (a user's label key such as
+    `a:b` becomes `a_b`)."""
     out: dict[str, str] = {}
 
     def walk(prefix: str, value: Any) -> None:
@@ -99,7 +103,7 @@ def config_params(config: dict[str, Any]) -> dict[str, str]:
             out[prefix] = value if isinstance(value, str) else json.dumps(value, sort_keys=True)
 
     walk("", config)
-    return out
+    return {_NOT_IN_A_KEY.sub("_", key): value for key, value in out.items()}
 
 
 def ledger_key(tracker: str, source: str, iteration: int) -> str:
@@ -450,8 +454,9 @@ class WandbTracker(Tracker):
         self.run.log({"iteration": iteration, **values})
 
     def set_tags(self, tags: dict[str, str]) -> None:
+        # W&B tags are short labels (64 characters at most): the link goes to the summary, whole.
         self.run.summary.update({f"tag/{k}": v for k, v in tags.items()})
-        self.run.tags = tuple(sorted({*self.run.tags, *(f"{k}={v}"[:64] for k, v in tags.items())}))
+        self.run.tags = tuple(sorted({*(self.run.tags or ()), *(f"{k}={v}"[:64] for k, v in tags.items())}))
 
     def log_artifacts(self, files: dict[str, Path]) -> None:
         for path in files.values():

@@ -109,3 +109,18 @@ def test_pinned_versions(module):
     expected = {"mlflow": ("mlflow-skinny", "3.17.2"), "wandb": ("wandb", "0.31.0"),
                 "tensorboard": ("tensorboard", "2.21.0")}[module]  # fmt: skip
     assert importlib.metadata.version(expected[0]) == expected[1]
+
+
+def test_every_parameter_and_metric_key_passes_mlflows_name_rules():
+    from mlflow.utils.validation import path_not_unique, validate_param_and_metric_name
+
+    from pipelines.config import validate_config
+
+    cfg = validate_config({"sft_checkpoint": "file:///x", "run_store": "file:///y",
+                           "argo": {"labels": {"team@x": "a", "example.com/owner": "b"}},
+                           "placement": {"trainer": {"resources": {"limits": {"nvidia.com/gpu": 8}}}}})  # fmt: skip
+    keys = list(tracking.config_params(cfg.model_dump(mode="json")))
+    keys += list(tracking.metric_points("update", {"is_weight": {"mean": 1.0}, "odd key!": 2.0}))
+    assert "argo.labels.team_x" in keys and "update/odd key_" in keys
+    for key in keys:
+        assert validate_param_and_metric_name(key) and not path_not_unique(key), key
