@@ -92,6 +92,8 @@ def print_summary(cfg: RunConfig, result: RunResult, seconds: float) -> None:
     if latest:
         print(f"checkpoints: {run.url('checkpoints')}/ (LATEST = {latest})")
     print(f"report: {run.url('report/report.md')} and {run.url('report/report.png')}")
+    if cfg.tracking.tensorboard is not None and cfg.tracking.tensorboard.enabled:
+        print(f"tensorboard: tensorboard --logdir {run.url('tensorboard').removeprefix('file://')}")
     print(f"step logs: {result.run_dir}/pods/")
 
 

@@ -3,8 +3,8 @@
 The run store stays the record; trackers get a copy. A step calls one function when its own metrics are in
 the store:
 
-    log_iteration(run, cfg, "score" | "update", iteration, metrics)   score and update (rank 0)
-    log_run_end(run, cfg, workflow=..., report_files=...)             the report step (the exit handler)
+    log_iteration(run, cfg, "score" | "update", iteration, metrics)      score and update (rank 0)
+    log_run_end(run, cfg, stored_step_metrics(run), workflow_name, ...)  the report step (the exit handler)
 
 log_run_end adds the workflow's step wall times and retries per finished iteration (`workflow/<step>_seconds`,
 `workflow/<step>_retries`, from the Argo Workflow's node status), the run's config as parameters, the Argo
@@ -16,8 +16,9 @@ No duplicate points, whatever is retried or resumed:
   has taken an iteration's points; a retried step, a resumed run and the report's catch-up skip what it holds;
 - TensorBoard: one event file per (iteration, source) under a fixed name, so a rewrite replaces it;
 - MLflow: one run per moerl run (its id kept in `tracking/mlflow-run.json`, found again by the tag
-  moerl.run_store), and before logging, the points the server already holds at that step are left out,
-  which closes the window between a tracker's write and the ledger's;
+  moerl.run_store); a `.pending.json` record goes before each write, and where one is left without its
+  ledger record (an attempt died between the two), the points the server already holds at that step are
+  left out;
 - W&B: one run per moerl run, its id derived from the run store URI; offline run files are copied to
   `<run>/wandb/<source>-iter-NNNNNN/offline-run-*/`, replacing an earlier attempt's.
 
@@ -32,7 +33,9 @@ stub: about 1 s a step).
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import inspect
 import json
 import math
 import os
@@ -108,6 +111,11 @@ def config_params(config: dict[str, Any]) -> dict[str, str]:
 
 def ledger_key(tracker: str, source: str, iteration: int) -> str:
     return f"{LEDGER_PREFIX}/{tracker}/{source}-iter-{iteration:06d}.json"
+
+
+def pending_key(tracker: str, source: str, iteration: int) -> str:
+    """Written before a tracker is sent an iteration's points; the ledger record (ledger_key) after."""
+    return f"{LEDGER_PREFIX}/{tracker}/{source}-iter-{iteration:06d}.pending.json"
 
 
 # ------------------------------------------------------------------------------------------ the workflow
@@ -568,10 +576,16 @@ class Session:
                          "they stay in the run store")  # fmt: skip
                 continue
 
-            def send(t: Tracker = tracker) -> None:
-                present = t.points_at(iteration, sorted(values))
+            # Two-phase: `pending` before the write, the record after it. A pending record without the final
+            # one means an attempt died in between, and only then is the tracker asked what it already has.
+            pending = pending_key(tracker.name, source, iteration)
+            interrupted = self.run.exists(pending)
+
+            def send(t: Tracker = tracker, check: bool = interrupted) -> None:
+                present = t.points_at(iteration, sorted(values)) if check else set()
                 t.log_points(source, iteration, {k: v for k, v in values.items() if k not in present})
 
+            self.run.put_json(pending, {"keys": sorted(values), "step": iteration})
             try:
                 self.call(tracker, what, send)
             except Missed:
@@ -632,6 +646,24 @@ def open_session(run: Store, cfg: Any, log: Log, label: str, names: list[str] | 
     return session
 
 
+def best_effort(fn: Callable[..., None]) -> Callable[..., None]:
+    """Tracking runs after a step's own outputs are in the store: nothing in it (a tracker, the ledger's store
+    writes, a bug) may fail the step. A failure is one warning."""
+
+    signature = inspect.signature(fn)
+
+    @functools.wraps(fn)
+    def guarded(*args: Any, **kwargs: Any) -> None:
+        log = signature.bind(*args, **kwargs).arguments.get("log", print)
+        try:
+            fn(*args, **kwargs)
+        except Exception as err:  # noqa: BLE001
+            log(f"warning: tracking: {fn.__name__} failed ({type(err).__name__}: {err}); the metrics are in the store")
+
+    return guarded
+
+
+@best_effort
 def log_iteration(run: Store, cfg: Any, source: str, iteration: int, metrics: dict[str, Any], log: Log = print) -> None:
     """A step's own metrics to every tracker, at step = iteration. Never raises for a tracker's sake."""
     # Only the trackers that lack these points are opened: a retry of a step that logged them touches none
@@ -679,6 +711,7 @@ def argo_tags(workflow_name: str | None, namespace: str | None, ui_url: str | No
     return tags
 
 
+@best_effort
 def log_run_end(
     run: Store,
     cfg: Any,

@@ -101,8 +101,9 @@ def test_tensorboard_event_files_hold_one_point_per_iteration_read_back_by_tenso
         tracking.log_iteration(run, cfg, "update", i, update_metrics(i), log=lambda _: None)
     # A retried score-2, and one that died after writing its event file but before the ledger's record.
     tracking.log_iteration(run, cfg, "score", 2, score_metrics(2), log=lambda _: None)
-    run.delete_prefix("tracking/logged/tensorboard/score-iter-000002.json")
+    run.delete(tracking.ledger_key("tensorboard", "score", 2))
     tracking.log_iteration(run, cfg, "score", 2, score_metrics(2), log=lambda _: None)
+    assert run.exists(tracking.ledger_key("tensorboard", "score", 2))  # logged again: the file rewritten whole
 
     found = scalars(tmp_path / "run" / "tensorboard")
     assert found["score/accuracy"] == [(1, pytest.approx(0.1)), (2, pytest.approx(0.2)), (3, pytest.approx(0.3))]
@@ -333,8 +334,10 @@ def test_mlflow_server_gets_points_params_tags_and_artifacts_once(tmp_path, mlfl
         tracking.log_iteration(run, cfg, "score", i, score_metrics(i), log=print)
         tracking.log_iteration(run, cfg, "update", i, update_metrics(i), log=print)
     tracking.log_iteration(run, cfg, "score", 2, score_metrics(2), log=print)  # a retry: the ledger skips it
-    # A retry of a step that died after the server took its points but before the ledger's record.
-    run.delete_prefix("tracking/logged/mlflow/update-iter-000002.json")
+    # A retry of a step that died after the server took its points but before the ledger's record (its
+    # pending record is there).
+    run.delete(tracking.ledger_key("mlflow", "update", 2))
+    assert run.exists(tracking.pending_key("mlflow", "update", 2))
     tracking.log_iteration(run, cfg, "update", 2, update_metrics(2), log=print)
     report = tmp_path / "report"
     report.mkdir()
@@ -585,3 +588,19 @@ def test_report_role_grants_only_get_on_workflows_to_the_workflow_account():
     assert role["rules"] == [{"apiGroups": ["argoproj.io"], "resources": ["workflows"], "verbs": ["get"]}]
     binding = next(d for d in docs if d["kind"] == "RoleBinding" and d["roleRef"]["name"] == "moerl-report")
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "moerl-workflow"}]
+
+
+def test_a_failure_inside_tracking_never_fails_the_step(tmp_path, monkeypatch):
+    cfg = run_config(tmp_path / "run", tensorboard={})
+    run = Store.open(cfg.run_store)
+
+    def broken(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(tracking.TensorboardTracker, "log_points", broken)
+    monkeypatch.setattr(Store, "put_json", broken)  # the ledger's writes too
+    lines: list[str] = []
+    tracking.log_iteration(run, cfg, "score", 1, score_metrics(1), lines.append)
+    tracking.log_run_end(run, cfg, {1: {"score": score_metrics(1)}}, "wf", "moerl", None, lines.append)
+    assert any("log_iteration failed (OSError: disk full)" in line for line in lines), lines
+    assert any("log_run_end failed" in line or "tensorboard missed" in line for line in lines), lines
