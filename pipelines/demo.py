@@ -41,6 +41,7 @@ def run_config(cfg: RunConfig, workdir: Path, chaos: str | None = None) -> RunRe
     The report step reads the Workflow's status (step wall times and retries, for the trackers) from the
     status file that the executor keeps: its path goes to the pods in their environment, set first, so
     that the warm server's environment has it too."""
+    outer_status_file = os.environ.get(STATUS_FILE_ENV)
     os.environ[STATUS_FILE_ENV] = str(workdir / "status.json")
     starter = WarmStarter() if warm_starts_enabled() else None
     try:
@@ -59,6 +60,10 @@ def run_config(cfg: RunConfig, workdir: Path, chaos: str | None = None) -> RunRe
     finally:
         if starter is not None:  # the executor closes it when the run ends; this is for a run that never started
             starter.close()
+        if outer_status_file is None:  # another run in this process must not read this run's status
+            os.environ.pop(STATUS_FILE_ENV, None)
+        else:
+            os.environ[STATUS_FILE_ENV] = outer_status_file
 
 
 def step_seconds(status: dict[str, Any]) -> dict[int, dict[str, float]]:

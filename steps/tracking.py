@@ -199,8 +199,11 @@ def read_workflow_status(
                 status = json.loads(Path(path).read_text())
             except (OSError, ValueError):
                 status = None
-            root = status_nodes(status or {}).get(name or "", {})
-            if root.get("finishedAt") or time.monotonic() >= deadline:
+            nodes = status_nodes(status or {})
+            if status is not None and name and nodes and name not in nodes:
+                log(f"tracking: {path} is the status of another Workflow than {name}: no step times or retries")
+                return None
+            if nodes.get(name or "", {}).get("finishedAt") or time.monotonic() >= deadline:
                 return status
             time.sleep(0.2)
     token_file = service_account / "token"

@@ -249,6 +249,16 @@ def test_in_a_cluster_the_report_reads_its_workflow_from_the_kubernetes_api(tmp_
     assert tracking.workflow_points(got) == tracking.workflow_points(status) != {}
 
 
+def test_a_status_file_of_another_workflow_is_not_read(tmp_path, monkeypatch):
+    status_file = tmp_path / "status.json"
+    status_file.write_text(json.dumps(argo_status("other-wf", range(1, 2))))
+    monkeypatch.setenv(tracking.STATUS_FILE_ENV, str(status_file))
+    lines: list[str] = []
+    assert tracking.read_workflow_status("this-wf", "moerl", 5, lines.append) is None
+    assert "another Workflow" in lines[0]
+    assert tracking.read_workflow_status("other-wf", "moerl", 5, lines.append)["nodes"]
+
+
 def test_workflow_points_leave_out_an_iteration_whose_publish_did_not_succeed():
     status = argo_status("wf", range(1, 3))
     for node in status["nodes"].values():
