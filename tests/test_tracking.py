@@ -614,3 +614,21 @@ def test_a_failure_inside_tracking_never_fails_the_step(tmp_path, monkeypatch):
     tracking.log_run_end(run, cfg, {1: {"score": score_metrics(1)}}, "wf", "moerl", None, lines.append)
     assert any("log_iteration failed (OSError: disk full)" in line for line in lines), lines
     assert any("log_run_end failed" in line or "tensorboard missed" in line for line in lines), lines
+
+
+def test_kfp_pipeline_takes_the_tracking_credentials_from_secrets(tmp_path, monkeypatch):
+    from pipelines.render import KFP_PIPELINE, render
+
+    monkeypatch.setenv("WANDB_API_KEY", "wandb-key-that-must-not-leak")
+    cfg = run_config(tmp_path / "run", mlflow={"secret": "mlflow-credentials"},
+                     wandb={"api_key_secret": "wandb", "api_key_secret_key": "api-key"})  # fmt: skip
+    text = Path(render(cfg, tmp_path / "out", kfp=True)[KFP_PIPELINE]).read_text()
+    assert "must-not-leak" not in text
+    platform = [d for d in yaml.safe_load_all(text) if d and "platforms" in d][0]
+    executors = platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
+    with_secrets = {name: spec["secretAsEnv"] for name, spec in executors.items() if spec.get("secretAsEnv")}
+    assert with_secrets and all(any(k in name for k in ("score", "update", "report")) for name in with_secrets)
+    refs = {(s["secretNameParameter"]["runtimeValue"]["constant"], m["secretKey"], m["envVar"], s.get("optional"))
+            for specs in with_secrets.values() for s in specs for m in s["keyToEnv"]}  # fmt: skip
+    assert ("wandb", "api-key", "WANDB_API_KEY", True) in refs
+    assert ("mlflow-credentials", "MLFLOW_TRACKING_URI", "MLFLOW_TRACKING_URI", True) in refs
