@@ -14,7 +14,14 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PIP) install -q -c constraints.txt -e ".[dev]"
 	touch $@
 
-install: $(VENV)/.installed
+# The tests' MLflow tracking server (tests/test_tracking.py): full mlflow pins pyarrow<26, so it gets its own venv.
+MLFLOW_SERVER_VENV := $(VENV)/mlflow-server
+$(MLFLOW_SERVER_VENV)/.installed: tests/mlflow-server-constraints.txt
+	$(PY) -m venv $(MLFLOW_SERVER_VENV)
+	$(MLFLOW_SERVER_VENV)/bin/pip install -q -c tests/mlflow-server-constraints.txt mlflow
+	touch $@
+
+install: $(VENV)/.installed $(MLFLOW_SERVER_VENV)/.installed
 
 demo: install
 	$(VENV)/bin/moerl demo

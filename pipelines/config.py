@@ -262,6 +262,52 @@ class ScheduleConfig(_Section):
     suspend: bool = _field(False, "create the CronWorkflow suspended")
 
 
+# ------------------------------------------------------------------------------------------ tracking
+
+
+class MlflowTracking(_Section):
+    tracking_uri: str | None = _field(
+        None, "MLflow tracking server (http(s)://host:port); null: the pods' MLFLOW_TRACKING_URI (from `secret`)"
+    )
+    experiment: str = _field("moerl", "MLflow experiment the run is logged to (created when missing)")
+    secret: str | None = _field(
+        None,
+        "Kubernetes Secret whose keys MLFLOW_TRACKING_URI, MLFLOW_TRACKING_TOKEN, MLFLOW_TRACKING_USERNAME and "
+        "MLFLOW_TRACKING_PASSWORD (each optional) become the tracked steps' env; never a value in the YAML",
+    )
+
+
+class TensorboardTracking(_Section):
+    enabled: bool = _field(True, "write TensorBoard event files under <run>/tensorboard/ (any store, S3 too)")
+
+
+class WandbTracking(_Section):
+    project: str = _field("moerl", "Weights & Biases project")
+    entity: str | None = _field(None, "Weights & Biases entity (team or user); null: the API key's default")
+    mode: Literal["online", "offline"] = _field(
+        "online", "'online' or 'offline' (no network: run files go to <run>/wandb/, upload with `wandb sync`)"
+    )
+    base_url: str | None = _field(None, "a self-hosted W&B server URL; null: WANDB_BASE_URL or wandb.ai")
+    api_key_secret: str | None = _field(
+        None, "Kubernetes Secret holding the API key; rendered as a secretKeyRef env WANDB_API_KEY, never a value"
+    )
+    api_key_secret_key: str = _field("WANDB_API_KEY", "the key of the API key inside api_key_secret")
+
+
+class TrackingConfig(_Section):
+    mlflow: MlflowTracking | None = _field(None, "log to an MLflow tracking server; null: not")
+    tensorboard: TensorboardTracking | None = _field(
+        None, "TensorBoard event files under <run>/tensorboard/ ({} turns them on; configs/demo.yaml does)"
+    )
+    wandb: WandbTracking | None = _field(None, "log to Weights & Biases; null: not")
+    timeout_seconds: float = _field(
+        10.0, "longest wait for one tracker call; a tracker that misses it is skipped with a warning", gt=0, le=300
+    )
+    argo_ui_url: str | None = _field(
+        None, "base URL of the Argo UI (https://argo.example.com), for the tracker's link to the Workflow"
+    )
+
+
 # ---------------------------------------------------------------------------------------------- root
 
 
@@ -303,6 +349,9 @@ class RunConfig(_Section):
     service_account: str = _field("moerl-workflow", "service account of the pods (IRSA gives it S3 access)")
     argo: ArgoConfig = _field(ArgoConfig(), "Argo Workflow settings")
     schedule: ScheduleConfig = _field(ScheduleConfig(), "the CronWorkflow that continues the run")
+    tracking: TrackingConfig = _field(
+        TrackingConfig(), "experiment trackers the steps log to: mlflow, tensorboard, wandb (default: none)"
+    )
 
     def model_post_init(self, context: Any) -> None:
         # Roles left out get their defaults, so `placement: {trainer: ...}` needs not repeat the others.
@@ -335,6 +384,32 @@ def training_view(config: dict[str, Any]) -> dict[str, Any]:
 
 def _is_uri(text: str) -> bool:
     return bool(_URI.match(text)) or "://" not in text
+
+
+_HTTP_URL = re.compile(r"^https?://[^\s/]+")
+_SECRET_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
+_ENV_KEY = re.compile(r"^[-._a-zA-Z0-9]+$")
+
+
+def _check_tracking(tracking: TrackingConfig, bad: typing.Callable[[str, str], None]) -> None:
+    """URLs are http(s), Secret names are Kubernetes names: a typo fails at load, not in the tracked step."""
+    urls = {"tracking.argo_ui_url": tracking.argo_ui_url}
+    names = {}
+    if tracking.mlflow is not None:
+        urls["tracking.mlflow.tracking_uri"] = tracking.mlflow.tracking_uri
+        names["tracking.mlflow.secret"] = tracking.mlflow.secret
+    if tracking.wandb is not None:
+        urls["tracking.wandb.base_url"] = tracking.wandb.base_url
+        names["tracking.wandb.api_key_secret"] = tracking.wandb.api_key_secret
+        if not _ENV_KEY.match(tracking.wandb.api_key_secret_key):
+            bad("tracking.wandb.api_key_secret_key", f"{tracking.wandb.api_key_secret_key!r} is not a Secret key; "
+                "use letters, digits, '-', '_' or '.', e.g. WANDB_API_KEY")  # fmt: skip
+    for path, url in urls.items():
+        if url is not None and not _HTTP_URL.match(url):
+            bad(path, f"{url!r} is not an http(s) URL; write e.g. https://mlflow.example.com")
+    for path, name in names.items():
+        if name is not None and (not _SECRET_NAME.match(name) or len(name) > 253):
+            bad(path, f"{name!r} is not a Kubernetes Secret name; use lowercase letters, digits, '-' and '.'")
 
 
 def _check_task_fits(cfg: RunConfig, bad: typing.Callable[[str, str], None]) -> None:
@@ -379,6 +454,7 @@ def semantic_problems(cfg: RunConfig) -> list[tuple[str, str]]:
                 path,
                 f"{value!r} is not a store URI; use file:///abs/path, s3://bucket/prefix or a plain path",
             )
+    _check_tracking(cfg.tracking, bad)
     if "{{" in cfg.model_dump_json():
         bad("(any string)", "'{{' would be read by Argo as a template variable; remove it from the config")
     if cfg.task is not None and cfg.prompt_file is not None:

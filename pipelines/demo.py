@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from collections import defaultdict
 from datetime import datetime
@@ -24,6 +25,7 @@ from pipelines.local.warm import WarmStarter, warm_starts_enabled
 from pipelines.workflow import placement
 from steps.errors import MoerlError
 from steps.store import Store
+from steps.tracking import STATUS_FILE_ENV
 
 DEMO_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
 STEP_KINDS = ("rollout", "score", "update", "publish")
@@ -34,7 +36,13 @@ def run_config(cfg: RunConfig, workdir: Path, chaos: str | None = None) -> RunRe
     The KFP pipeline is left to `moerl render`: compiling it (and importing kfp) would delay the first pod.
 
     The warm server of the step pods (pipelines/local/warm.py) starts first, from the environment every
-    rendered step pod gets (placement.env), so that its imports overlap the rendering and the first pods."""
+    rendered step pod gets (placement.env), so that its imports overlap the rendering and the first pods.
+
+    The report step reads the Workflow's status (step wall times and retries, for the trackers) from the
+    status file that the executor keeps: its path goes to the pods in their environment, set first, so
+    that the warm server's environment has it too."""
+    outer_status_file = os.environ.get(STATUS_FILE_ENV)
+    os.environ[STATUS_FILE_ENV] = str(workdir / "status.json")
     starter = WarmStarter() if warm_starts_enabled() else None
     try:
         if starter is not None:
@@ -52,6 +60,10 @@ def run_config(cfg: RunConfig, workdir: Path, chaos: str | None = None) -> RunRe
     finally:
         if starter is not None:  # the executor closes it when the run ends; this is for a run that never started
             starter.close()
+        if outer_status_file is None:  # another run in this process must not read this run's status
+            os.environ.pop(STATUS_FILE_ENV, None)
+        else:
+            os.environ[STATUS_FILE_ENV] = outer_status_file
 
 
 def step_seconds(status: dict[str, Any]) -> dict[int, dict[str, float]]:
@@ -85,6 +97,8 @@ def print_summary(cfg: RunConfig, result: RunResult, seconds: float) -> None:
     if latest:
         print(f"checkpoints: {run.url('checkpoints')}/ (LATEST = {latest})")
     print(f"report: {run.url('report/report.md')} and {run.url('report/report.png')}")
+    if cfg.tracking.tensorboard is not None and cfg.tracking.tensorboard.enabled:
+        print(f"tensorboard: tensorboard --logdir {run.url('tensorboard').removeprefix('file://')}")
     print(f"step logs: {result.run_dir}/pods/")
 
 

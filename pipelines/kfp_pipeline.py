@@ -104,6 +104,8 @@ def _place(task: Any, cfg: RunConfig, role: str, step: str, iteration: int | Non
     kubernetes.set_security_context(task, run_as_user=pl.RUN_AS_UID, run_as_group=pl.RUN_AS_GID, run_as_non_root=True)
     for name, value in pl.STEP_ENV.items():
         task.set_env_variable(name, value)
+    if step in TRACKED_STEPS:  # the trackers' credentials, as optional Secret refs (placement.tracking_env)
+        _tracking_secrets(task, cfg)
     if retry:
         r: Retry = cfg.retries[role]
         task.set_retry(
@@ -113,6 +115,18 @@ def _place(task: Any, cfg: RunConfig, role: str, step: str, iteration: int | Non
             backoff_max_duration=seconds(r.backoff.max_duration) if r.backoff.max_duration else None,
         )
     return task
+
+
+TRACKED_STEPS = ("score", "update", "report")
+
+
+def _tracking_secrets(task: Any, cfg: RunConfig) -> None:
+    by_secret: dict[tuple[str, bool], dict[str, str]] = {}
+    for entry in pl.tracking_env(cfg):
+        ref = entry["valueFrom"]["secretKeyRef"]
+        by_secret.setdefault((ref["name"], ref["optional"]), {})[ref["key"]] = entry["name"]
+    for (secret, optional), key_to_env in by_secret.items():
+        kubernetes.use_secret_as_env(task, secret_name=secret, secret_key_to_env=key_to_env, optional=optional)
 
 
 def _resources(task: Any, p: Placement) -> None:

@@ -1,6 +1,6 @@
 """Step report: the run's per-iteration metrics as a table, a Markdown page and a reward/accuracy plot.
 
-    python -m steps.report --run URI --out DIR [--status PHASE]
+    python -m steps.report --run URI --out DIR [--status PHASE] [--workflow-name NAME --namespace NS]
 
 Reads <run>/metrics/iter-*.json, prints the table, and writes report.md and report.png to DIR and to
 <run>/report/. An iteration's accuracy is that of the policy that generated its samples (score measures it);
@@ -8,6 +8,9 @@ the report measures the final published version itself, so the run's result read
 checkpoint) -> vN". It is the workflow's exit handler, so it runs however the run ended: iterations that wrote no
 metrics, and metrics that lack a field, show as '-'. Metrics files may nest their fields ({"update": {"kl":
 ...}}); a field is found by its name at any depth.
+
+Then the run's experiment trackers (steps/tracking.py) get the Workflow's step wall times and retries, the
+config, the report files and the Workflow's name and UI link, and any step points they missed.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from steps import tracking
 from steps.checkpoint import parse_version, read_latest
 from steps.errors import MoerlError, run_cli
 from steps.store import Store
@@ -215,8 +219,15 @@ def measure_final_accuracy(run: Store, report: Report) -> None:
         report.notes.append(f"held-out accuracy of {report.latest} not measured: {err}")
 
 
-def write_report(run_uri: str, out_dir: str | Path, status: str | None = None) -> Report:
-    """Collect the run's metrics and write report.md and report.png to out_dir and <run>/report/."""
+def write_report(
+    run_uri: str,
+    out_dir: str | Path,
+    status: str | None = None,
+    workflow_name: str | None = None,
+    namespace: str | None = None,
+) -> Report:
+    """Collect the run's metrics and write report.md and report.png to out_dir and <run>/report/; then hand
+    the trackers the workflow's step times and retries, the report files and the Argo workflow's name."""
     run = Store.open(run_uri)
     report = collect(run)
     report.status = status
@@ -228,7 +239,22 @@ def write_report(run_uri: str, out_dir: str | Path, status: str | None = None) -
     (out / "report.md").write_bytes(md)
     run.put_bytes(f"{REPORT_PREFIX}/report.png", png)
     run.put_bytes(f"{REPORT_PREFIX}/report.md", md)
+    track_run_end(run, out, workflow_name, namespace, report.notes.append)
     return report
+
+
+def track_run_end(run: Store, out: Path, workflow_name: str | None, namespace: str | None, note: Any) -> None:
+    """The trackers' part of the report; a run whose run.json cannot be read tracks nothing (a note says so)."""
+    from pipelines.config import validate_config
+
+    try:
+        cfg = validate_config(run.get_json("run.json"), run.url("run.json"))
+    except MoerlError as err:
+        note(f"tracking skipped: {err}")
+        return
+    files = {"report.md": out / "report.md", "report.png": out / "report.png"}
+    tracking.log_run_end(run, cfg, tracking.stored_step_metrics(run), workflow_name, namespace, files,
+                         lambda line: print(line, flush=True))  # fmt: skip
 
 
 def main() -> int:
@@ -236,8 +262,10 @@ def main() -> int:
     parser.add_argument("--run", required=True, help="run store URI")
     parser.add_argument("--out", required=True, type=Path, help="directory for report.md and report.png")
     parser.add_argument("--status", help="the workflow's phase, shown in the report")
+    parser.add_argument("--workflow-name", help="the Argo Workflow's name: a tag in the trackers, its step times")
+    parser.add_argument("--namespace", help="the Argo Workflow's namespace")
     args = parser.parse_args()
-    report = write_report(args.run, args.out, args.status)
+    report = write_report(args.run, args.out, args.status, args.workflow_name, args.namespace)
     print(report.table() if report.rows else "no iteration has written metrics yet")
     outcome = report.outcome()
     if outcome:

@@ -13,6 +13,8 @@ sample_index); scores each sample (steps/rewards.py); writes
                                              all tie, and held-out greedy accuracy of the behaviour policy
     PATH (default /tmp/metrics.json)         the same metrics, for the workflow's output parameter
 
+and then hands the metrics to the run's experiment trackers (steps/tracking.py; none by default).
+
 Held-out accuracy (heldout_accuracy) is greedy exact match of the behaviour policy v(I-1-staleness) on
 `heldout_size` prompts of the task's held-out split, run with the torch engine when its weights are small
 enough to be cheap on CPU (at most HELDOUT_EVAL_MAX_BYTES); for bigger models it is left out.
@@ -34,7 +36,7 @@ import numpy as np
 import pyarrow as pa
 from tokenizers import Tokenizer
 
-from steps import checkpoint, progress
+from steps import checkpoint, progress, tracking
 from steps.errors import MoerlError, run_cli
 from steps.evaluation import heldout_accuracy
 from steps.experience import (
@@ -156,6 +158,7 @@ def score_iteration(
     progress.report(2, 2)
     summary = ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items())
     log(f"score iteration {iteration}: {summary}")
+    tracking.log_iteration(run, cfg, "score", iteration, metrics, log)
     return metrics
 
 

@@ -22,7 +22,8 @@ Output: <run>/candidates/iter-I/
     CANDIDATE.json                             written LAST: every file with size + sha256
 and <run>/metrics/iter-I.update.json (loss, clip fraction, KL, importance weights, grad norm, entropy,
 tokens/s, the per-expert routed row counts and the expert placement used; a separate file so that score's
-metrics/iter-I.json is never rewritten).
+metrics/iter-I.json is never rewritten). Rank 0 then hands the metrics to the run's experiment trackers
+(steps/tracking.py; none by default).
 
 Expert placement (trainer.expert_placement, default balanced): which E/ep experts each EP rank holds, per
 MoE layer. Update I balances the EP ranks' routed rows with the per-expert row counts that update I-1
@@ -56,7 +57,7 @@ import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from steps import checkpoint, progress
+from steps import checkpoint, progress, tracking
 from steps.errors import MoerlError, run_cli
 from steps.experience import behaviour_version, load_run_config, scored_key
 from steps.expert_parallel import (
@@ -551,6 +552,8 @@ def _update(
         f"grad norm {metrics['grad_norm']:.4f}, {metrics['tokens_per_s']:.0f} tokens/s on {world} rank(s) "
         f"(ep {mesh.ep_size}); candidate {run.url(candidate_prefix(iteration))}",
     )
+    if rank == 0:  # the metrics are in the store (the candidate's metadata): now the trackers' copy
+        tracking.log_iteration(run, cfg, "update", iteration, metrics, lambda line: print(line, flush=True))
     return marker
 
 

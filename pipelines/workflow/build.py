@@ -37,6 +37,8 @@ from pipelines.config import RunConfig
 from pipelines.workflow import graph
 from pipelines.workflow import placement as pl
 from pipelines.workflow import templates as tpl
+from steps.store import Store
+from steps.tracking import wandb_run_id
 
 TITLE = "workflows.argoproj.io/title"
 DESCRIPTION = "workflows.argoproj.io/description"
@@ -67,8 +69,27 @@ def _annotations(cfg: RunConfig, segment: graph.Segment) -> dict[str, str]:
         f"Rollout: {cfg.rollout.num_shards} shards ({cfg.rollout.engine}). "
         f"Update: {t.nodes}x{t.nproc_per_node} ranks, expert parallel over {t.ep_backend}. "
         f"Store: `{cfg.run_store}`."
-    )
+    ) + _tracking_description(cfg)
     return {TITLE: f"moerl {cfg.name}: RL iterations {segment.first}-{segment.last}", DESCRIPTION: description}
+
+
+def _tracking_description(cfg: RunConfig) -> str:
+    """Where the run's trackers are, for the Argo UI (the trackers get the Workflow's link as a tag)."""
+    t = cfg.tracking
+    where = []
+    if t.tensorboard is not None and t.tensorboard.enabled:
+        where.append(f"TensorBoard `tensorboard --logdir {cfg.run_store}/tensorboard`")
+    if t.mlflow is not None:
+        server = f" at {t.mlflow.tracking_uri}" if t.mlflow.tracking_uri else ""
+        where.append(f"MLflow experiment `{t.mlflow.experiment}`{server}, run `{cfg.name}`")
+    if t.wandb is not None:
+        run_id = wandb_run_id(Store.open(cfg.run_store).uri)
+        if t.wandb.entity and t.wandb.mode == "online":
+            app = (t.wandb.base_url or "https://wandb.ai").rstrip("/")
+            where.append(f"W&B [{t.wandb.project}/{run_id}]({app}/{t.wandb.entity}/{t.wandb.project}/runs/{run_id})")
+        else:
+            where.append(f"W&B project `{t.wandb.project}`, run `{run_id}`")
+    return f" Tracking: {'; '.join(where)}." if where else ""
 
 
 def _spec(cfg: RunConfig, segment: graph.Segment, next_template: str | None) -> dict[str, Any]:

@@ -115,6 +115,29 @@ def annotations(role: str) -> dict[str, str]:
     return dict(DO_NOT_DISRUPT) if role == "trainer" else {}
 
 
+# The MLflow client's own variables (mlflow.environment_variables), taken from tracking.mlflow.secret.
+MLFLOW_SECRET_KEYS = ("MLFLOW_TRACKING_URI", "MLFLOW_TRACKING_TOKEN", "MLFLOW_TRACKING_USERNAME",
+                      "MLFLOW_TRACKING_PASSWORD")  # fmt: skip
+
+
+def tracking_env(cfg: RunConfig) -> list[dict[str, Any]]:
+    """The env of the steps that log to trackers (score, update, report): credentials as secretKeyRefs,
+    never values. Optional refs: a missing Secret leaves the variable unset, and a tracker without
+    credentials is skipped with a warning instead of the pod failing to start."""
+    out: list[dict[str, Any]] = []
+    mlflow, wandb = cfg.tracking.mlflow, cfg.tracking.wandb
+    if mlflow is not None and mlflow.secret is not None:
+        for key in MLFLOW_SECRET_KEYS:
+            if key == "MLFLOW_TRACKING_URI" and mlflow.tracking_uri is not None:
+                continue  # the config names the server; the client takes it from there
+            ref = {"name": mlflow.secret, "key": key, "optional": True}
+            out.append({"name": key, "valueFrom": {"secretKeyRef": ref}})
+    if wandb is not None and wandb.api_key_secret is not None:
+        ref = {"name": wandb.api_key_secret, "key": wandb.api_key_secret_key, "optional": True}
+        out.append({"name": "WANDB_API_KEY", "valueFrom": {"secretKeyRef": ref}})
+    return out
+
+
 def env() -> list[dict[str, str]]:
     """The environment of every step pod with a read-only root filesystem (Argo templates, PyTorchJob pods)."""
     return [{"name": k, "value": v} for k, v in (STEP_ENV | READ_ONLY_ROOT_ENV).items()]

@@ -81,7 +81,7 @@ def manifest(cfg: RunConfig, iteration: str) -> dict[str, Any]:
             "image": cfg.images.trainer,
             "command": ["torchrun"],
             "args": torchrun_args(cfg, iteration),
-            "env": pl.env(),
+            "env": pl.env() + pl.tracking_env(cfg),
             "resources": pl.resources(p),
             "volumeMounts": pl.volume_mounts(p),
             "securityContext": pl.container_security_context(),

@@ -93,6 +93,11 @@ def _step_container(
     )
 
 
+def _tracked_env(cfg: RunConfig) -> list[EnvVar]:
+    """Every step's env, plus the trackers' credentials (secretKeyRefs) for the steps that log to them."""
+    return [EnvVar.model_validate(e) for e in pl.env() + pl.tracking_env(cfg)]
+
+
 def _iteration_step(
     cfg: RunConfig, name: str, role: str, image: str, command: list[str], args: list[str], **extra: object
 ) -> Container:
@@ -180,6 +185,7 @@ def score_template(cfg: RunConfig) -> Container:
         outputs=[metrics_json],
         metrics=score_metrics(cfg),
         reports_progress=True,
+        env=_tracked_env(cfg),
     )
 
 
@@ -192,7 +198,10 @@ def update_template(cfg: RunConfig) -> Container | Steps:
     creates it anew and waits for its Master to succeed or for its Failed condition."""
     if cfg.trainer.nodes == 1:
         args = pytorchjob.torchrun_args(cfg, ITERATION)
-        return _iteration_step(cfg, "update", "trainer", cfg.images.trainer, ["torchrun"], args, reports_progress=True)
+        env = _tracked_env(cfg)
+        return _iteration_step(
+            cfg, "update", "trainer", cfg.images.trainer, ["torchrun"], args, env=env, reports_progress=True
+        )
     argument = {"iteration": ITERATION}
     return Steps(
         name="update",
@@ -238,13 +247,20 @@ def publish_template(cfg: RunConfig) -> Container:
 
 def report_template(cfg: RunConfig) -> Container:
     """The exit handler: metrics table, report.md and the reward/accuracy PNG, whatever the outcome."""
-    args = flags(run=cfg.run_store, out=REPORT_OUT, status="{{workflow.status}}")
+    args = flags(
+        run=cfg.run_store,
+        out=REPORT_OUT,
+        status="{{workflow.status}}",
+        workflow_name="{{workflow.name}}",  # the trackers' tag and link, and whose step times to read
+        namespace="{{workflow.namespace}}",
+    )
     # Unarchived, so that the Argo UI shows the PNG itself.
     png = Artifact(name="report-png", path=f"{REPORT_OUT}/report.png", archive=NoneArchiveStrategy())
     outputs = [png] if cfg.argo.report_artifact else None
     return _step_container(
-        cfg, graph.REPORT, "control", cfg.images.cpu, python_step("steps.report"), args, outputs=outputs
-    )
+        cfg, graph.REPORT, "control", cfg.images.cpu, python_step("steps.report"), args, outputs=outputs,
+        env=_tracked_env(cfg),
+    )  # fmt: skip
 
 
 NEXT_SEGMENT_CRON = "next-segment-cron"  # looks the run's CronWorkflow up
