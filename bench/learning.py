@@ -392,7 +392,7 @@ class VerifierReward:
 
     def __init__(self, cfg: RunConfig) -> None:
         from steps.rewards import RewardWeights
-        from steps.tokenizer import build_tokenizer
+        from steps.char_tokenizer import build_tokenizer
 
         self.weights = RewardWeights(cfg.rewards.exact_match_weight, cfg.rewards.format_weight, 0.0)
         self.tok = build_tokenizer()

@@ -19,7 +19,7 @@ import pytest
 from steps.errors import MoerlError
 from steps.experience import iteration_prompts
 from steps.rewards import RewardWeights, combine
-from steps.tokenizer import EOS_ID, build_tokenizer, encode
+from steps.char_tokenizer import EOS_ID, build_tokenizer, encode
 
 REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "bench" / "learning.py"

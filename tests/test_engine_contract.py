@@ -24,7 +24,7 @@ from steps.engine import (
 from steps.model import load_pretrained
 from steps.sglang_engine import sglang_unavailable_reason
 from steps.tasks import get_task
-from steps.tokenizer import EOS_ID, build_tokenizer, encode_prompt
+from steps.char_tokenizer import EOS_ID, build_tokenizer, encode_prompt
 
 TOK = build_tokenizer()
 PROMPTS = get_task("addition").prompts("train", 6, 1) + get_task("sort").prompts("train", 2, 1)

@@ -26,7 +26,7 @@ from steps.engine import (
     sample_uniforms,
 )
 from steps.tasks import get_task
-from steps.tokenizer import EOS_ID, build_tokenizer, encode, encode_prompt
+from steps.char_tokenizer import EOS_ID, build_tokenizer, encode, encode_prompt
 
 TOK = build_tokenizer()
 # Prompts of different lengths (left padding), including two samples' worth of the same prompt text.

@@ -26,7 +26,7 @@ from steps.experience import (
 )
 from steps.store import Store
 from steps.tasks import format_prompt_jsonl, get_task
-from steps.tokenizer import EOS_ID
+from steps.char_tokenizer import EOS_ID
 
 
 def config(**overrides):

@@ -15,7 +15,7 @@ from steps.errors import MoerlError
 from steps.import_sft import import_sft
 from steps.model import MoeConfig, MoeForCausalLM, save_pretrained
 from steps.store import Store
-from steps.tokenizer import VOCAB_SIZE, save_tokenizer
+from steps.char_tokenizer import VOCAB_SIZE, save_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 

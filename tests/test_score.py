@@ -29,7 +29,7 @@ from steps.experience import (
 from steps.rewards import group_advantages
 from steps.score import score_iteration
 from steps.store import Store
-from steps.tokenizer import EOS_ID, build_tokenizer, encode, encode_prompt
+from steps.char_tokenizer import EOS_ID, build_tokenizer, encode, encode_prompt
 
 TOK = build_tokenizer()
 CONFIG = dict(prompts_per_iteration=4, group_size=4, rollout={"num_shards": 2, "chunk_size": 2}, heldout_size=0,

@@ -21,7 +21,7 @@ from steps.tasks import (
     split_of,
     verify_ids,
 )
-from steps.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, build_tokenizer, encode, unknown_chars
+from steps.char_tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, build_tokenizer, encode, unknown_chars
 
 TOK = build_tokenizer()
 SMALL_TASKS = ["addition1", "addition2", "addition3", "sort3", "sort5", "sort8"]

@@ -6,7 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from steps.errors import MoerlError
-from steps.tokenizer import (
+from steps.char_tokenizer import (
     BOS_ID,
     EOS_ID,
     PAD_ID,
