@@ -21,11 +21,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from steps.char_tokenizer import EOS_ID, PAD_ID, build_tokenizer, encode_prompt  # noqa: E402
 from steps.engine import SamplingParams, TorchEngine, sample_requests, sample_seed  # noqa: E402
 from steps.model import MoeForCausalLM, token_logprobs  # noqa: E402
 from steps.sft import demo_model_config, write_checkpoint  # noqa: E402
 from steps.tasks import get_task  # noqa: E402
-from steps.char_tokenizer import EOS_ID, PAD_ID, build_tokenizer, encode_prompt  # noqa: E402
 
 
 def timed_cuda(fn):

@@ -391,8 +391,8 @@ class VerifierReward:
     __name__ = "verifier"
 
     def __init__(self, cfg: RunConfig) -> None:
-        from steps.rewards import RewardWeights
         from steps.char_tokenizer import build_tokenizer
+        from steps.rewards import RewardWeights
 
         self.weights = RewardWeights(cfg.rewards.exact_match_weight, cfg.rewards.format_weight, 0.0)
         self.tok = build_tokenizer()

@@ -18,6 +18,7 @@ COMMANDS = {
     "demo": "pipelines.demo",
     "run": "pipelines.demo",
     "sft-demo": "pipelines.sft_demo",
+    "check": "pipelines.render",
     "render": "pipelines.render",
     "submit": "pipelines.render",
     "schedule": "pipelines.render",

@@ -5,7 +5,6 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from steps.errors import MoerlError
 from steps.char_tokenizer import (
     BOS_ID,
     EOS_ID,
@@ -22,6 +21,7 @@ from steps.char_tokenizer import (
     response_end,
     save_tokenizer,
 )
+from steps.errors import MoerlError
 
 TOK = build_tokenizer()
 vocab_text = st.text(alphabet=VOCAB_CHARS, max_size=40)

@@ -12,6 +12,7 @@ import torch
 from experience_helpers import tiny_model, write_checkpoint
 from model_helpers import response_logits, response_logprobs
 
+from steps.char_tokenizer import EOS_ID, build_tokenizer, encode_prompt
 from steps.engine import (
     FINISH_LENGTH,
     FINISH_STOP,
@@ -24,7 +25,6 @@ from steps.engine import (
 from steps.model import load_pretrained
 from steps.sglang_engine import sglang_unavailable_reason
 from steps.tasks import get_task
-from steps.char_tokenizer import EOS_ID, build_tokenizer, encode_prompt
 
 TOK = build_tokenizer()
 PROMPTS = get_task("addition").prompts("train", 6, 1) + get_task("sort").prompts("train", 2, 1)

@@ -11,6 +11,7 @@ from experience_helpers import tiny_model, write_checkpoint
 from model_helpers import response_logits, response_logprobs
 from transformers import AutoModelForCausalLM
 
+from steps.char_tokenizer import EOS_ID, build_tokenizer, encode, encode_prompt
 from steps.engine import (
     FINISH_LENGTH,
     FINISH_STOP,
@@ -26,7 +27,6 @@ from steps.engine import (
     sample_uniforms,
 )
 from steps.tasks import get_task
-from steps.char_tokenizer import EOS_ID, build_tokenizer, encode, encode_prompt
 
 TOK = build_tokenizer()
 # Prompts of different lengths (left padding), including two samples' worth of the same prompt text.

@@ -7,6 +7,7 @@ import pyarrow as pa
 import pytest
 
 from pipelines.config import validate_config
+from steps.char_tokenizer import EOS_ID
 from steps.engine import Generation
 from steps.errors import MoerlError
 from steps.experience import (
@@ -26,7 +27,6 @@ from steps.experience import (
 )
 from steps.store import Store
 from steps.tasks import format_prompt_jsonl, get_task
-from steps.char_tokenizer import EOS_ID
 
 
 def config(**overrides):

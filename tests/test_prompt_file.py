@@ -5,9 +5,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from steps.char_tokenizer import DIGITS, VOCAB_CHARS
 from steps.errors import MoerlError
 from steps.tasks import TASKS, Prompt, format_prompt_jsonl, parse_prompt_jsonl, read_prompt_file
-from steps.char_tokenizer import DIGITS, VOCAB_CHARS
 
 SOURCE = "file:///runs/r1/prompts.jsonl"
 

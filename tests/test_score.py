@@ -14,6 +14,7 @@ import pytest
 import torch
 from experience_helpers import make_run, read_parquet, run_step, tiny_model, write_checkpoint
 
+from steps.char_tokenizer import EOS_ID, build_tokenizer, encode, encode_prompt
 from steps.engine import FINISH_LENGTH, FINISH_STOP, Generation, TorchEngine, evaluate_accuracy
 from steps.errors import MoerlError
 from steps.experience import (
@@ -29,7 +30,6 @@ from steps.experience import (
 from steps.rewards import group_advantages
 from steps.score import score_iteration
 from steps.store import Store
-from steps.char_tokenizer import EOS_ID, build_tokenizer, encode, encode_prompt
 
 TOK = build_tokenizer()
 CONFIG = dict(prompts_per_iteration=4, group_size=4, rollout={"num_shards": 2, "chunk_size": 2}, heldout_size=0,

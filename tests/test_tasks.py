@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from steps.char_tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, build_tokenizer, encode, unknown_chars
 from steps.errors import MoerlError
 from steps.tasks import (
     DEFAULT_ADDITION_DIGITS,
@@ -21,7 +22,6 @@ from steps.tasks import (
     split_of,
     verify_ids,
 )
-from steps.char_tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, build_tokenizer, encode, unknown_chars
 
 TOK = build_tokenizer()
 SMALL_TASKS = ["addition1", "addition2", "addition3", "sort3", "sort5", "sort8"]
