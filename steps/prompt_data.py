@@ -135,7 +135,9 @@ def _record_prompt(
         answer = None
     else:
         answer = str(answer)
-        if verifier is not None and (problem := verifier.answer_problem(answer)):
+        if not answer.strip():
+            problems.append("empty answer")
+        elif verifier is not None and (problem := verifier.answer_problem(answer)):
             problems.append(f"answer {_short(answer)}: {problem}")
 
     prompt_id = _lookup(record, fields.id)
