@@ -99,9 +99,9 @@ def _prompt_problems(cfg: RunConfig, tok: object, fmt: object, model_cfg: object
     longest: list[tuple[int, str]] = []
 
     def prompt_problem(prompt: object) -> str | None:
-        problem = tok.prompt_problem(prompt, fmt)  # type: ignore[union-attr]
+        ids, problem = tok.checked_prompt_ids(prompt, fmt)  # type: ignore[union-attr]
         if problem is None:
-            longest.append((len(tok.prompt_ids(prompt, fmt)), str(prompt)[:40]))  # type: ignore[union-attr]
+            longest.append((len(ids), str(prompt)[:40]))
         return problem
 
     task = run_task(cfg)

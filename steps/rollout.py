@@ -103,11 +103,11 @@ class ShardResult:
 def encoded_prompt(tok: CheckpointTokenizer, prompt: Prompt, plan: RolloutPlan) -> list[int]:
     """The prompt's ids as the policy sees them; a prompt the checkpoint's tokenizer cannot encode is refused
     (moerl check reports every such prompt before a run starts)."""
-    problem = tok.prompt_problem(prompt.content, plan.prompt_format)
+    ids, problem = tok.checked_prompt_ids(prompt.content, plan.prompt_format)
     if problem:
         raise MoerlError(f"prompt {prompt.prompt_id!r}: {problem}; fix the prompt or use a checkpoint whose tokenizer "
                          "covers it")  # fmt: skip
-    return tok.prompt_ids(prompt.content, plan.prompt_format)
+    return ids
 
 
 def rollout_shard(

@@ -12,6 +12,7 @@ the task's text with a chat template (`moerl demo --config configs/demo-chat.yam
 from __future__ import annotations
 
 import random
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,8 +49,16 @@ def teacher_forced_batch(
     return inputs, targets, response_mask
 
 
-def demo_model_config(tok: CheckpointTokenizer) -> MoeConfig:
+def char_checkpoint_tokenizer() -> CheckpointTokenizer:
+    """The demo's character tokenizer, read back as a checkpoint's (the default of the demo's SFT)."""
+    with tempfile.TemporaryDirectory(prefix="moerl-char-tokenizer-") as tmp:
+        char_tokenizer.save_tokenizer(tmp)
+        return CheckpointTokenizer.load(tmp)
+
+
+def demo_model_config(tok: CheckpointTokenizer | None = None) -> MoeConfig:
     """About 0.5M parameters: 8 experts, top-2, small enough to train in a minute or two on 2 cores."""
+    tok = tok or char_checkpoint_tokenizer()
     return MoeConfig(
         vocab_size=tok.vocab_size,
         hidden_size=96,
@@ -107,9 +116,13 @@ def write_tokenizer(settings: SftSettings, directory: Path) -> CheckpointTokeniz
 
 
 def train_sft(
-    settings: SftSettings, tok: CheckpointTokenizer, progress: Callable[[int, float], None] | None = None
+    settings: SftSettings,
+    tok: CheckpointTokenizer | None = None,
+    progress: Callable[[int, float], None] | None = None,
 ) -> MoeForCausalLM:
-    """Train the demo model on the task's train split; returns the model in eval mode."""
+    """Train the demo model on the task's train split (tok: the checkpoint's tokenizer, by default the demo's
+    characters); returns the model in eval mode."""
+    tok = tok or char_checkpoint_tokenizer()
     torch.manual_seed(settings.seed)
     model = MoeForCausalLM(demo_model_config(tok))
     task = get_task(settings.task)
@@ -136,7 +149,10 @@ def train_sft(
 
 
 def write_checkpoint(model: MoeForCausalLM, directory: Path) -> Path:
-    """An HF-format checkpoint: config.json, safetensors weights (beside the tokenizer write_tokenizer wrote)."""
+    """An HF-format checkpoint: config.json, safetensors weights, beside the tokenizer write_tokenizer wrote
+    (the demo's character tokenizer when there is none yet)."""
     directory = Path(directory)
     save_pretrained(model, directory)
+    if not (directory / "tokenizer.json").is_file():
+        char_tokenizer.save_tokenizer(directory)
     return directory

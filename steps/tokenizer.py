@@ -237,35 +237,45 @@ class CheckpointTokenizer:
 
     def prompt_ids(self, prompt: PromptInput, fmt: PromptFormat = RAW) -> list[int]:
         """The ids the policy sees for `prompt` (module docstring: BOS only where the tokenizer adds one)."""
-        text = self.prompt_text(prompt, fmt)
-        if fmt.kind == "raw":
-            return self.tokenizer.encode(text, add_special_tokens=True).ids
-        return self.encode_text(text)
+        return self._encode_prompt(self.prompt_text(prompt, fmt), fmt).ids
 
-    def unencodable(self, text: str) -> list[str]:
-        """The distinct pieces of `text` that the tokenizer can only map to its unknown token."""
+    def _encode_prompt(self, text: str, fmt: PromptFormat) -> Any:
+        # raw: the post-processor adds what this tokenizer adds (BOS or nothing); chat: the template wrote it
+        return self.tokenizer.encode(text, add_special_tokens=fmt.kind == "raw")
+
+    def _unknown_pieces(self, text: str, ids: Sequence[int], offsets: Sequence[tuple[int, int]]) -> list[str]:
         unk = self.token_id("unk_token")
         if unk is None:
             unk = self.tokenizer.token_to_id("<unk>")
         if unk is None:
             return []
-        encoding = self.tokenizer.encode(text, add_special_tokens=False)
-        pieces = [text[a:b] for i, (a, b) in zip(encoding.ids, encoding.offsets, strict=True) if i == unk]
+        pieces = [text[a:b] for i, (a, b) in zip(ids, offsets, strict=True) if i == unk]
         return list(dict.fromkeys(p for p in pieces if p != self.special_tokens.get("unk_token")))
 
-    def prompt_problem(self, prompt: PromptInput, fmt: PromptFormat = RAW) -> str | None:
-        """Why `prompt` cannot be a prompt for this checkpoint (format or tokenizer), or None."""
+    def unencodable(self, text: str) -> list[str]:
+        """The distinct pieces of `text` that the tokenizer can only map to its unknown token."""
+        encoding = self.tokenizer.encode(text, add_special_tokens=False)
+        return self._unknown_pieces(text, encoding.ids, encoding.offsets)
+
+    def checked_prompt_ids(self, prompt: PromptInput, fmt: PromptFormat = RAW) -> tuple[list[int], str | None]:
+        """(ids, None) for a prompt this checkpoint can take, else ([], why not): the format fits the prompt
+        (and the checkpoint has a chat template for chat), and the tokenizer encodes every piece of it."""
         try:
             text = self.prompt_text(prompt, fmt)
         except MoerlError as err:
-            return str(err)
-        bad = self.unencodable(text)
+            return [], str(err)
+        encoding = self._encode_prompt(text, fmt)
+        bad = self._unknown_pieces(text, encoding.ids, encoding.offsets)
         if bad:
             shown = ", ".join(repr(p) for p in bad[:8])
-            return f"the checkpoint's tokenizer cannot encode {shown} (it maps them to its unknown token)"
-        if not self.prompt_ids(prompt, fmt):
-            return "the prompt encodes to no tokens"
-        return None
+            return [], f"the checkpoint's tokenizer cannot encode {shown} (it maps them to its unknown token)"
+        if not encoding.ids:
+            return [], "the prompt encodes to no tokens"
+        return encoding.ids, None
+
+    def prompt_problem(self, prompt: PromptInput, fmt: PromptFormat = RAW) -> str | None:
+        """Why `prompt` cannot be a prompt for this checkpoint (format or tokenizer), or None."""
+        return self.checked_prompt_ids(prompt, fmt)[1]
 
     # ---------------------------------------------------------------------------------------- responses
 

@@ -109,7 +109,7 @@ CONFIG_CASES = [
     ("shards-vs-chunks", {"rollout": {"num_shards": 8, "chunk_size": 16}},
      "rollout.num_shards: 8 shards but only 4 chunks of 16 prompts per iteration; use at most 4 shards"),
     ("not-a-store-uri", {"run_store": "http://x/y"}, "run_store: 'http://x/y' is not a store URI"),
-    ("unknown-task", {"task": {"name": "additon"}}, "unknown task 'additon'; use 'addition' or 'sort' (did you mean"),
+    ("unknown-task", {"task": {"name": "additon"}}, "unknown task 'additon'; use one of addition, sort, sortdesc"),
     ("argo-braces", {"name": "a{{b}}"}, "'{{' would be read by Argo as a template variable"),
     ("run-name", {"name": "My_Run"}, "name: 'My_Run' is not a valid run name"),
     ("spot-trainer", {"placement": {"trainer": {"spot": True}}},

@@ -26,6 +26,7 @@ from steps.engine import (
     sample_seed,
     sample_uniforms,
 )
+from steps.sft import char_checkpoint_tokenizer
 from steps.tasks import get_task
 
 TOK = build_tokenizer()
@@ -205,6 +206,7 @@ class AnswerEngine:
 
 
 def test_evaluate_accuracy_is_greedy_exact_match(checkpoints):
+    tok = char_checkpoint_tokenizer()
     prompts = get_task("addition").prompts("heldout", 8, 0)
     right = {p.prompt_id: [*encode(TOK, p.answer), EOS_ID] for p in prompts}
     responses = dict(right)
@@ -212,14 +214,14 @@ def test_evaluate_accuracy_is_greedy_exact_match(checkpoints):
         responses[p.prompt_id] = [*encode(TOK, "9" + p.answer), EOS_ID]  # wrong answer
     responses[prompts[3].prompt_id] = encode(TOK, prompts[3].answer)  # right digits but never ended
     stub = AnswerEngine(responses)
-    assert evaluate_accuracy(stub, "addition", prompts, batch_size=3) == 4 / 8
-    assert all(p.greedy for p in stub.seen_params) and len(stub.seen_params) == 3
-    assert evaluate_accuracy(AnswerEngine(right), None, prompts) == 1.0
+    assert evaluate_accuracy(stub, tok, prompts, "addition", batch_size=3) == 4 / 8
+    assert all(p.greedy and p.stop_token_ids == (EOS_ID,) for p in stub.seen_params) and len(stub.seen_params) == 3
+    assert evaluate_accuracy(AnswerEngine(right), tok, prompts) == 1.0
 
     model = tiny_model(seed=3)
-    assert evaluate_accuracy(model, None, prompts) == evaluate_accuracy(TorchEngine(model), "addition", prompts)
+    assert evaluate_accuracy(model, tok, prompts) == evaluate_accuracy(TorchEngine(model), tok, prompts, "addition")
     with pytest.raises(ValueError, match="at least one prompt"):
-        evaluate_accuracy(stub, None, [])
+        evaluate_accuracy(stub, tok, [])
 
 
 def test_requests_without_prompt_tokens_are_refused(checkpoints):
