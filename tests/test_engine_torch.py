@@ -34,6 +34,8 @@ TOK = build_tokenizer()
 PROMPTS = get_task("addition").prompts("train", 5, 0) + get_task("sort").prompts("train", 3, 0)
 PROMPT_IDS = [(p.prompt_id, encode_prompt(TOK, p.text)) for p in PROMPTS]
 
+DEMO_STOP = (2,)  # the demo tokenizer's <eos>: these checkpoints stop there (steps.char_tokenizer.EOS_ID)
+
 
 def seeds(iteration=1):
     return lambda prompt_id, k: sample_seed(7, iteration, prompt_id, k)
@@ -58,9 +60,9 @@ def checkpoints(tmp_path_factory):
 @pytest.mark.parametrize(
     "params",
     [
-        SamplingParams(n=3, max_new_tokens=10),
-        SamplingParams(n=2, max_new_tokens=10, temperature=1.7, top_k=6, top_p=0.8),
-        SamplingParams(n=1, max_new_tokens=10, temperature=0.0),
+        SamplingParams(stop_token_ids=DEMO_STOP, n=3, max_new_tokens=10),
+        SamplingParams(stop_token_ids=DEMO_STOP, n=2, max_new_tokens=10, temperature=1.7, top_k=6, top_p=0.8),
+        SamplingParams(stop_token_ids=DEMO_STOP, n=1, max_new_tokens=10, temperature=0.0),
     ],
     ids=["plain", "temperature_topk_topp", "greedy"],
 )
@@ -109,13 +111,13 @@ def test_inverse_cdf_sampling_is_exactly_the_sampling_distribution():
     assert 1 < len(nucleus) < 20
     torch.testing.assert_close(frequencies(SamplingParams(temperature=0.7, top_p=0.6)), expected, atol=2 / grid, rtol=0)
 
-    greedy = frequencies(SamplingParams(temperature=0.0))
+    greedy = frequencies(SamplingParams(stop_token_ids=DEMO_STOP, temperature=0.0))
     assert greedy[logits[0].argmax()] == 1.0
 
 
 def test_a_sample_depends_only_on_its_own_request(checkpoints):
     engine = TorchEngine.from_checkpoint(checkpoints["dense_layer"])
-    params = SamplingParams(n=4, max_new_tokens=10)
+    params = SamplingParams(stop_token_ids=DEMO_STOP, n=4, max_new_tokens=10)
     requests = sample_requests(PROMPT_IDS, params, seeds())
     batch = engine.generate(requests, params)
     again = engine.generate(requests, params)
@@ -227,14 +229,14 @@ def test_evaluate_accuracy_is_greedy_exact_match(checkpoints):
 def test_requests_without_prompt_tokens_are_refused(checkpoints):
     engine = TorchEngine.from_checkpoint(checkpoints["dense_layer"])
     with pytest.raises(ValueError, match="no prompt tokens"):
-        engine.generate([GenerationRequest("p", (), 0, 1)], SamplingParams())
+        engine.generate([GenerationRequest("p", (), 0, 1)], SamplingParams(stop_token_ids=DEMO_STOP))
 
 
 def test_samples_that_drew_the_same_tokens_share_a_state(checkpoints):
     """Greedy samples of a prompt never split: four of them decode as one row and equal a single sample."""
     engine = TorchEngine.from_checkpoint(checkpoints["dense_layer"])
-    group = SamplingParams(n=4, max_new_tokens=9, temperature=0.0)
-    single = SamplingParams(n=1, max_new_tokens=9, temperature=0.0)
+    group = SamplingParams(stop_token_ids=DEMO_STOP, n=4, max_new_tokens=9, temperature=0.0)
+    single = SamplingParams(stop_token_ids=DEMO_STOP, n=1, max_new_tokens=9, temperature=0.0)
     rows_per_step = []
     real_step = engine.decoder.step
     engine.decoder.step = lambda tokens, batch: rows_per_step.append(len(tokens)) or real_step(tokens, batch)
