@@ -35,8 +35,19 @@ def _fetch_small_files(uri: str, local: Path) -> list[str]:
     return names
 
 
+def _probe(uri: str) -> None:
+    """Open the store that holds `uri` and look for it (raises when the store cannot be reached)."""
+    from steps.store import Store
+
+    parent, _, name = uri.rstrip("/").rpartition("/")
+    if parent and name:
+        Store.open(parent).exists(name)
+
+
 def _unreachable(uri: str, err: Exception) -> bool:
-    return uri.startswith("s3://") and not isinstance(err, MoerlError | ValueError)
+    """Whether reading `uri` failed because its store cannot be reached from here (an s3:// URI: no
+    credentials or no network on this machine), not because of what is there."""
+    return uri.startswith("s3://")
 
 
 def preflight(cfg: RunConfig, for_cluster: bool = False) -> tuple[list[str], list[str]]:
@@ -126,6 +137,12 @@ def _prompt_problems(cfg: RunConfig, tok: object, fmt: object, model_cfg: object
     for field, uri in (("prompt_file", cfg.prompt_file), ("heldout_file", cfg.heldout_file)):
         if uri is None:
             continue
+        try:
+            _probe(uri)
+        except Exception as err:  # noqa: BLE001
+            if _unreachable(uri, err):
+                notes.append(f"{field} {uri} not checked: unreachable from here ({err})")
+                continue
         try:
             check = prompt_problem if tok is not None and fmt is not None else None
             read_prompt_uri(uri, prompt_fields(cfg), verifier, check)  # type: ignore[arg-type]
