@@ -101,8 +101,8 @@ def argo(monkeypatch):
 
 def test_render_writes_the_argo_and_kfp_files(config, tmp_path, capsys):
     out = tmp_path / "out"
-    assert run(["render", str(config), "--skip-checks", "--out", str(out), "--set", "iterations=2", "--set", "staleness=1",
-                "--set", "checkpoint.keep_last=2"]) == 0  # fmt: skip
+    assert run(["render", str(config), "--skip-checks", "--out", str(out), "--set", "iterations=2",
+                "--set", "staleness=1", "--set", "checkpoint.keep_last=2"]) == 0  # fmt: skip
     names = {p.name for p in out.iterdir()}
     assert names == {"workflow-template.yaml", "workflow.yaml", "workflow-from-template.yaml",
                      "cron-workflow.yaml", "kfp-pipeline.yaml"}  # fmt: skip
@@ -120,7 +120,8 @@ def test_render_refuses_a_bad_config_with_its_message(config, tmp_path):
 
 
 def test_submit_creates_the_template_then_a_workflow_with_the_token_in_the_header_only(config, argo, capsys):
-    assert run(["submit", str(config), "--skip-checks", "--argo-server", argo.url, "--argo-token", TOKEN, "--namespace", "ml"]) == 0
+    assert run(["submit", str(config), "--skip-checks", "--argo-server", argo.url, "--argo-token", TOKEN,
+                "--namespace", "ml"]) == 0  # fmt: skip
     templates, workflows = argo.posts("workflow-templates"), argo.posts("workflows")
     assert [t["path"] for t in templates] == ["/api/v1/workflow-templates/ml"]
     assert templates[0]["body"]["template"]["metadata"]["name"] == "smoke"
