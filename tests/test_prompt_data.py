@@ -127,3 +127,16 @@ def test_heldout_from_a_second_file(tmp_path):
     assert len(heldout_prompts(cfg)) == 3 and {p.text for p in heldout_prompts(cfg)} < {f"h{i}?" for i in range(5)}
     assert [p.text for p in training_pool(cfg)] == ["a?"]
     assert heldout_prompts(cfg) == heldout_prompts(cfg)
+
+
+def test_bad_parquet_rows_are_named_by_row(tmp_path):
+    path = tmp_path / "bad.parquet"
+    pq.write_table(pa.Table.from_pylist([{"prompt": "a?", "answer": "1"}, {"prompt": None, "answer": "2"},
+                                         {"prompt": "c?", "answer": None}]), path)  # fmt: skip
+    with pytest.raises(MoerlError) as err:
+        read_prompt_uri(path.as_uri())
+    assert "row 2: field 'prompt' must be a string or a list of chat messages, got null" in str(err.value)
+    assert "row 3: field 'answer' must be a string or a number, got null" in str(err.value)
+    (tmp_path / "junk.parquet").write_bytes(b"PAR1 not really")
+    with pytest.raises(MoerlError, match="not a readable Parquet file"):
+        read_prompt_uri((tmp_path / "junk.parquet").as_uri())
