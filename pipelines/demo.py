@@ -34,18 +34,21 @@ if TYPE_CHECKING:
 STEP_KINDS = ("rollout", "score", "update", "publish")
 
 
-def run_config(cfg: RunConfig, workdir: Path, chaos: str | None = None) -> RunResult:
+def run_config(cfg: RunConfig, workdir: Path, chaos: str | None = None, check: bool = False) -> RunResult:
     """Render cfg's Argo manifests into workdir/rendered and run its workflow.yaml with the local executor.
     The KFP pipeline is left to `moerl render`: compiling it (and importing kfp) would delay the first pod.
 
     The warm server of the step pods (pipelines/local/warm.py) starts first, from the environment every
-    rendered step pod gets (placement.env), so that its imports overlap the rendering and the first pods."""
+    rendered step pod gets (placement.env), so that its imports overlap the rendering and the first pods, and
+    with `check` the inputs' checks (pipelines/preflight.py: they import torch too, on the other core)."""
     starter = WarmStarter() if warm_starts_enabled() else None
     try:
         if starter is not None:
             step = {"name": "step", "container": {"command": ["python", "-m", "steps.plan"], "env": placement.env()}}
             for argv, env in warm_start_candidates([step]):
                 starter.prestart(argv, env)
+        if check:
+            preflight_or_exit(cfg)
         # Imported once the server is importing torch on the other core: rendering needs Hera (~1 s to import).
         from pipelines.render import WORKFLOW, render
 
@@ -133,7 +136,6 @@ def demo(
         from pipelines.sft_demo import sft_demo
 
         sft_demo(str(sft_dir), demo_sft_settings(cfg, seed or 0))
-    preflight_or_exit(cfg)
     if Store.open(cfg.run_store).exists("run.json"):
         stored = Store.open(cfg.run_store).get_json("run.json")
         if stored != json.loads(cfg.model_dump_json()):
@@ -141,7 +143,7 @@ def demo(
                 f"{workdir}/run holds a run with other settings; pass a new --workdir or delete {workdir}/run"
             )
     start = time.monotonic()
-    result = run_config(cfg, workdir, chaos)
+    result = run_config(cfg, workdir, chaos, check=True)
     print_summary(cfg, result, time.monotonic() - start)
     return result
 
@@ -153,9 +155,8 @@ def run_demo(args: argparse.Namespace) -> int:
 
 def run_run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config)
-    preflight_or_exit(cfg)
     start = time.monotonic()
-    result = run_config(cfg, Path(args.workdir).resolve(), args.chaos)
+    result = run_config(cfg, Path(args.workdir).resolve(), args.chaos, check=True)
     print_summary(cfg, result, time.monotonic() - start)
     return 0 if result.succeeded else 1
 
