@@ -1,4 +1,4 @@
-"""Early checks of a run's inputs: `moerl check CONFIG`, and what render, submit, run and demo do first.
+"""Early checks of a run's inputs: `moerl check CONFIG`, and what render, submit and run do first.
 
 They read what the steps will read, before anything starts: the SFT checkpoint's config.json (a refused
 architecture is named, with what is supported) and its tokenizer (readable, stop tokens, a chat template for
