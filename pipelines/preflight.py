@@ -15,9 +15,14 @@ from __future__ import annotations
 import sys
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pipelines.config import RunConfig
 from steps.errors import MoerlError
+
+if TYPE_CHECKING:
+    from steps.model import MoeConfig
+    from steps.tokenizer import CheckpointTokenizer, PromptFormat, PromptInput
 
 MAX_TOKEN_PROBLEMS = 5
 
@@ -52,7 +57,7 @@ def _unreachable(uri: str, err: Exception) -> bool:
 
 def preflight(cfg: RunConfig, for_cluster: bool = False) -> tuple[list[str], list[str]]:
     """(problems, notes) of the run's inputs; see the module docstring."""
-    from steps.model import MoeConfig, load_config
+    from steps.model import load_config
     from steps.tokenizer import CheckpointTokenizer
 
     problems: list[str] = []
@@ -99,18 +104,28 @@ def preflight(cfg: RunConfig, for_cluster: bool = False) -> tuple[list[str], lis
     return problems, notes
 
 
-def _prompt_problems(cfg: RunConfig, tok: object, fmt: object, model_cfg: object, notes: list[str]) -> list[str]:
+def _prompt_problems(
+    cfg: RunConfig,
+    tok: CheckpointTokenizer | None,
+    fmt: PromptFormat | None,
+    model_cfg: MoeConfig | None,
+    notes: list[str],
+) -> list[str]:
     from steps.experience import prompt_fields, run_task
     from steps.prompt_data import read_prompt_uri
     from steps.rewards import sample_verifier
     from steps.tasks import sft_target
 
+    if TYPE_CHECKING:
+        from steps.verifiers import Verifier
+
     problems: list[str] = []
-    room = getattr(model_cfg, "max_position_embeddings", None)
+    room = model_cfg.max_position_embeddings if model_cfg is not None else None
     longest: list[tuple[int, str]] = []
 
-    def prompt_problem(prompt: object) -> str | None:
-        ids, problem = tok.checked_prompt_ids(prompt, fmt)  # type: ignore[union-attr]
+    def prompt_problem(prompt: PromptInput) -> str | None:
+        assert tok is not None and fmt is not None
+        ids, problem = tok.checked_prompt_ids(prompt, fmt)
         if problem is None:
             longest.append((len(ids), str(prompt)[:40]))
         return problem
@@ -122,13 +137,13 @@ def _prompt_problems(cfg: RunConfig, tok: object, fmt: object, model_cfg: object
             if problem := prompt_problem(p.content):
                 problems.append(f"task {task.name}: prompt {p.text!r}: {problem}")
                 break
-        needed = max(len(tok.encode_text(sft_target(p))) for p in sample) + 1  # type: ignore[union-attr]
+        needed = max(len(tok.encode_text(sft_target(p))) for p in sample) + 1
         if cfg.sampling.max_new_tokens < needed:
             problems.append(
                 f"sampling.max_new_tokens: {cfg.sampling.max_new_tokens} cannot hold {task.name}'s longest answer "
                 f"({needed - 1} tokens of the checkpoint's tokenizer) and its stop token; use at least {needed}"
             )
-    verifier = None
+    verifier: Verifier | None = None
     if task is None:
         try:
             verifier = sample_verifier("prompt_file", cfg.rewards.verifier, cfg.rewards.answer_pattern)
@@ -145,7 +160,7 @@ def _prompt_problems(cfg: RunConfig, tok: object, fmt: object, model_cfg: object
                 continue
         try:
             check = prompt_problem if tok is not None and fmt is not None else None
-            read_prompt_uri(uri, prompt_fields(cfg), verifier, check)  # type: ignore[arg-type]
+            read_prompt_uri(uri, prompt_fields(cfg), verifier, check)
         except MoerlError as err:
             problems.append(f"{field}: {err}")
         except Exception as err:  # noqa: BLE001

@@ -1,7 +1,7 @@
 """The prompt-file reader under fuzzing: whatever the bytes on the store, reading them ends in a list of prompts
 or one MoerlError that names the file, never another exception.
 
-tests/test_prompt_file.py fuzzes parse_prompt_jsonl with arbitrary text and JSON-shaped lines; this adds the
+tests/test_prompt_data.py checks each rule of the reader (steps/prompt_data.py); this fuzzes the
 byte level (read_prompt_uri through a store: encodings, byte-order marks, NUL bytes), corruptions of valid
 files (characters dropped, inserted, flipped, lines cut), JSON's non-standard literals and exotic line
 separators, and the URI form a run config names."""
