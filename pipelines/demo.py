@@ -34,21 +34,21 @@ if TYPE_CHECKING:
 STEP_KINDS = ("rollout", "score", "update", "publish")
 
 
-def run_config(cfg: RunConfig, workdir: Path, chaos: str | None = None, check: bool = False) -> RunResult:
+def run_config(cfg: RunConfig, workdir: Path, chaos: str | None = None, check: str | None = None) -> RunResult:
     """Render cfg's Argo manifests into workdir/rendered and run its workflow.yaml with the local executor.
     The KFP pipeline is left to `moerl render`: compiling it (and importing kfp) would delay the first pod.
 
     The warm server of the step pods (pipelines/local/warm.py) starts first, from the environment every
-    rendered step pod gets (placement.env), so that its imports overlap the rendering and the first pods, and
-    with `check` the inputs' checks (pipelines/preflight.py: they import torch too, on the other core)."""
+    rendered step pod gets (placement.env), so that its imports overlap the rendering and the first pods, and,
+    when `check` names the config, the checks of its inputs (pipelines/preflight.py: they import torch too)."""
     starter = WarmStarter() if warm_starts_enabled() else None
     try:
         if starter is not None:
             step = {"name": "step", "container": {"command": ["python", "-m", "steps.plan"], "env": placement.env()}}
             for argv, env in warm_start_candidates([step]):
                 starter.prestart(argv, env)
-        if check:
-            preflight_or_exit(cfg)
+        if check is not None:
+            preflight_or_exit(cfg, source=check)
         # Imported once the server is importing torch on the other core: rendering needs Hera (~1 s to import).
         from pipelines.render import WORKFLOW, render
 
@@ -158,7 +158,7 @@ def run_demo(args: argparse.Namespace) -> int:
 def run_run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config)
     start = time.monotonic()
-    result = run_config(cfg, Path(args.workdir).resolve(), args.chaos, check=True)
+    result = run_config(cfg, Path(args.workdir).resolve(), args.chaos, check=args.config)
     print_summary(cfg, result, time.monotonic() - start)
     return 0 if result.succeeded else 1
 
