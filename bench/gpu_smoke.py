@@ -109,10 +109,10 @@ def engine_section(args: argparse.Namespace) -> dict:
         from transformers import AutoModelForCausalLM
     except ImportError as err:
         return {"skipped": f"transformers is not installed ({err}); the engine's reference needs it"}
+    from steps.char_tokenizer import EOS_ID, PAD_ID, build_tokenizer, encode_prompt
     from steps.engine import SamplingParams, TorchEngine, sample_requests, sample_seed
     from steps.model import token_logprobs
     from steps.tasks import get_task
-    from steps.tokenizer import EOS_ID, PAD_ID, build_tokenizer, encode_prompt
 
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 parity, not TF32
     torch.backends.cudnn.allow_tf32 = False

@@ -392,10 +392,10 @@ class VerifierReward:
 
     def __init__(self, cfg: RunConfig) -> None:
         from steps.rewards import RewardWeights
-        from steps.tokenizer import build_tokenizer
+        from steps.sft import char_checkpoint_tokenizer
 
         self.weights = RewardWeights(cfg.rewards.exact_match_weight, cfg.rewards.format_weight, 0.0)
-        self.tok = build_tokenizer()
+        self.tok = char_checkpoint_tokenizer()  # the demo checkpoint's own
 
     def __call__(self, prompts: list, completions: list, completion_ids: list, task: list, answer: list,
                  **_: Any) -> list[float]:  # fmt: skip
@@ -431,6 +431,7 @@ def trl_worker(spec_path: str) -> int:
     from pipelines.config import RunConfig
     from steps.engine import TorchEngine, evaluate_accuracy
     from steps.experience import heldout_prompts
+    from steps.tokenizer import CheckpointTokenizer
 
     cfg = RunConfig.model_validate(spec["config"])
     heldout = heldout_prompts(cfg)
@@ -457,7 +458,7 @@ def trl_worker(spec_path: str) -> int:
             clock = began - start - result["eval_seconds"]
             with tempfile.TemporaryDirectory(prefix="moerl-bench-trl-") as tmp:
                 model.save_pretrained(tmp)  # per-expert tensor names, which steps.model loads
-                accuracy = evaluate_accuracy(TorchEngine.from_checkpoint(tmp), None, heldout,
+                accuracy = evaluate_accuracy(TorchEngine.from_checkpoint(tmp), CheckpointTokenizer.load(tmp), heldout,
                                              max_new_tokens=cfg.sampling.max_new_tokens)  # fmt: skip
             model.train()
             result["eval_seconds"] += time.time() - began
@@ -561,9 +562,11 @@ def plot(curves: list[Curve], target: float, path: Path) -> None:
 def sft_accuracy(cfg: RunConfig, sft_dir: Path) -> float:
     from steps.engine import TorchEngine, evaluate_accuracy
     from steps.experience import heldout_prompts
+    from steps.tokenizer import CheckpointTokenizer
 
     engine = TorchEngine.from_checkpoint(sft_dir)
-    return evaluate_accuracy(engine, None, heldout_prompts(cfg), max_new_tokens=cfg.sampling.max_new_tokens)
+    tok = CheckpointTokenizer.load(sft_dir)
+    return evaluate_accuracy(engine, tok, heldout_prompts(cfg), max_new_tokens=cfg.sampling.max_new_tokens)
 
 
 def main() -> int:

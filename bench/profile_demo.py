@@ -82,7 +82,7 @@ MODEL_LOAD_FUNCTIONS = {
     "check_finite",
     "read_optimizer_state",
     "load_tokenizer",
-    "policy_tokenizer",
+    "version_tokenizer",
 }
 DIST_FUNCTIONS = {"init_distributed", "init_process_group", "destroy_process_group"}
 

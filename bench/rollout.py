@@ -39,9 +39,9 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
+from steps.char_tokenizer import EOS_ID, PAD_ID, build_tokenizer, encode_prompt  # noqa: E402
 from steps.engine import SamplingParams, TorchEngine, sample_requests, sample_seed  # noqa: E402
 from steps.tasks import Task, get_task  # noqa: E402
-from steps.tokenizer import EOS_ID, PAD_ID, build_tokenizer, encode_prompt  # noqa: E402
 
 
 def rss_mib(field: str) -> float | None:

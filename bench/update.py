@@ -51,7 +51,7 @@ sys.path.insert(0, str(REPO))
 
 def synthetic_samples(count: int, seed: int = 0) -> list:
     """Demo-task-shaped sequences: a 10-16 token prompt and an 8-16 token response ending in EOS."""
-    from steps.tokenizer import BOS_ID, EOS_ID, VOCAB_SIZE
+    from steps.char_tokenizer import BOS_ID, EOS_ID, VOCAB_SIZE
     from steps.trainer import Sample
 
     rng = random.Random(seed)

@@ -19,6 +19,7 @@ COMMANDS = {
     "run": "pipelines.demo",
     "sft-demo": "pipelines.sft_demo",
     "render": "pipelines.render",
+    "check": "pipelines.render",
     "submit": "pipelines.render",
     "schedule": "pipelines.render",
     "local": "pipelines.local.cli",

@@ -52,6 +52,7 @@ OPERATIONAL_FIELDS = frozenset(
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _QUANTITY = re.compile(r"^[+]?(\d+(\.\d*)?|\.\d+)([KMGTPE]i|[numkMGTPE]|[eE][+-]?\d+)?$")
 _DURATION = re.compile(r"^\d+(\.\d+)?(ns|us|ms|s|m|h)?$")
+_DOTTED_FN = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*$")
 _URI = re.compile(r"^(file://|s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/|$))")
 
 
@@ -66,11 +67,21 @@ def _field(default: Any, description: str, **constraints: Any) -> Any:
 # ---------------------------------------------------------------------------------------------- what
 
 
+TASK_FAMILIES = ("addition", "sort", "sortdesc")  # steps.tasks.FAMILIES (not imported: no torch-free cost)
+VERIFIERS = ("exact", "numeric", "math", "regex")  # steps.verifiers.VERIFIERS
+
+
 class TaskConfig(_Section):
-    name: str = _field("addition", "a task of steps.tasks: 'addition' or 'sort'")
+    name: str = _field("addition", "a task of steps.tasks: 'addition', 'sort' or 'sortdesc'")
     params: dict[str, int | float | str | bool] = _field(
         {}, "difficulty parameters of the task, e.g. {digits: 3} for addition or {length: 6} for sort"
     )
+
+
+class PromptFieldsConfig(_Section):
+    prompt: str = _field("prompt", "field of a prompt-file record holding the prompt (a string or chat messages)")
+    answer: str = _field("answer", "field holding the reference answer (dotted for nested: reward_model.ground_truth)")
+    id: str = _field("prompt_id", "field holding the prompt's id; records without one get a stable hash of the prompt")
 
 
 class SGLangConfig(_Section):
@@ -97,8 +108,23 @@ class SamplingConfig(_Section):
 
 
 class RewardsConfig(_Section):
-    exact_match_weight: float = _field(1.0, "weight of the task's exact-match verifier")
-    format_weight: float = _field(0.1, "weight of the well-formed-answer verifier")
+    verifier: Literal["exact", "numeric", "math", "regex"] | None = _field(
+        None,
+        "rule verifier of the answers: 'exact', 'numeric' (last number, or the one after ####), 'math' "
+        "(math-verify) or 'regex' (answer_pattern); default: a built-in task's own, 'exact' for a prompt file",
+    )
+    answer_pattern: str | None = _field(
+        None, "regex verifier: the answer is the last match's first group (or the whole match)"
+    )
+    exact_match_weight: float = _field(1.0, "weight of the verifier's verdict 'correct'")
+    format_weight: float = _field(0.1, "weight of the verifier's verdict 'well_formed' (an answer was found)")
+    reward_fn: str | None = _field(
+        None,
+        "a reward function 'package.module:function' installed in the cpu image (contract: README, "
+        "steps/user_reward.py)",
+    )
+    reward_fn_weight: float = _field(1.0, "weight of the reward function's reward (needs reward_fn)")
+    reward_fn_timeout_s: float = _field(10.0, "longest the reward function may take on one sample", gt=0)
     reward_model: str | None = _field(
         None, "optional reward model: a store URI of a sequence-classification checkpoint"
     )
@@ -324,7 +350,24 @@ class RunConfig(_Section):
     )
     staleness: Literal[0, 1] = _field(0, "0: synchronous; 1: rollout of iteration i+1 overlaps update i")
     task: TaskConfig | None = _field(None, "the built-in task to train on (default: addition)")
-    prompt_file: str | None = _field(None, "prompts from a JSONL file on the store instead of a built-in task")
+    prompt_file: str | None = _field(
+        None, "prompts from a JSONL or Parquet file on a store instead of a built-in task"
+    )
+    prompt_fields: PromptFieldsConfig = _field(PromptFieldsConfig(), "field names of the prompt file's records")
+    heldout_file: str | None = _field(None, "held-out prompts of a prompt-file run (same format and fields)")
+    heldout_fraction: float = _field(
+        0.1,
+        "without heldout_file: share of the prompt file held out by a stable hash of the prompt id (0: none)",
+        ge=0,
+        lt=1,
+    )
+    prompt_format: Literal["raw", "chat"] = _field(
+        "raw", "'raw': the prompt text as it is; 'chat': through the checkpoint's chat template"
+    )
+    system_prompt: str | None = _field(None, "prompt_format chat: a system message put before each prompt")
+    chat_template_kwargs: dict[str, Any] = _field(
+        {}, "prompt_format chat: keyword arguments of the chat template, e.g. {enable_thinking: false}"
+    )
     prompts_per_iteration: int = _field(64, "training prompts sampled per iteration", ge=1)
     group_size: int = _field(8, "samples per prompt (the GRPO group)", ge=1)
     heldout_size: int = _field(128, "held-out prompts scored for accuracy each iteration", ge=0)
@@ -413,23 +456,14 @@ def _check_tracking(tracking: TrackingConfig, bad: typing.Callable[[str, str], N
 
 
 def _check_task_fits(cfg: RunConfig, bad: typing.Callable[[str, str], None]) -> None:
-    """The task's parameters build a task, and a response of max_new_tokens holds its longest answer + <eos>."""
+    """The task's parameters build a task (whether max_new_tokens holds its answers needs the checkpoint's
+    tokenizer: pipelines/preflight.py checks that)."""
     from steps.tasks import get_task  # here: the config module is read by tools that never build a task
 
     try:
-        task = get_task(cfg.task.name, **cfg.task.params)
+        get_task(cfg.task.name, **cfg.task.params)
     except MoerlError as err:
         bad("task", str(err))
-        return
-    needed = task.longest_answer + 1
-    if cfg.sampling.max_new_tokens < needed:
-        # A response cut short never ends, so it is never correct; worse, the format reward then favours the
-        # answers short enough to end, and RL learns to drop characters.
-        bad(
-            "sampling.max_new_tokens",
-            f"{cfg.sampling.max_new_tokens} cannot hold {task.name}'s longest answer ({task.longest_answer} "
-            f"characters) and its <eos>; use at least {needed}",
-        )
 
 
 def semantic_problems(cfg: RunConfig) -> list[tuple[str, str]]:
@@ -445,7 +479,7 @@ def semantic_problems(cfg: RunConfig) -> list[tuple[str, str]]:
             f"{cfg.name!r} is not a valid run name; use lowercase letters, digits and '-' "
             "(at most 40 characters, starting and ending with a letter or digit)",
         )
-    for path in ("sft_checkpoint", "run_store", "prompt_file", "rewards.reward_model"):
+    for path in ("sft_checkpoint", "run_store", "prompt_file", "heldout_file", "rewards.reward_model"):
         value = _get(cfg, path)
         if value is not None and "\x00" in value:
             bad(path, f"{value!r} holds a NUL character; write a plain path or a file:// or s3:// URI")
@@ -462,11 +496,11 @@ def semantic_problems(cfg: RunConfig) -> list[tuple[str, str]]:
             "prompt_file",
             "both task and prompt_file are set; keep one (prompt_file replaces the built-in task)",
         )
-    if cfg.task is not None and cfg.task.name.rstrip("0123456789") not in ("addition", "sort"):
-        hint = difflib.get_close_matches(cfg.task.name, ["addition", "sort"], n=1)
+    if cfg.task is not None and cfg.task.name.rstrip("0123456789") not in TASK_FAMILIES:
+        hint = difflib.get_close_matches(cfg.task.name, TASK_FAMILIES, n=1)
         bad(
             "task.name",
-            f"unknown task {cfg.task.name!r}; use 'addition' or 'sort'"
+            f"unknown task {cfg.task.name!r}; use one of {', '.join(TASK_FAMILIES)} or a prompt_file"
             + (f" (did you mean {hint[0]!r}?)" if hint else ""),
         )
     elif cfg.task is not None:
@@ -509,6 +543,24 @@ def semantic_problems(cfg: RunConfig) -> list[tuple[str, str]]:
         )
     if not all(0 <= b < 1 for b in cfg.trainer.betas):
         bad("trainer.betas", f"{list(cfg.trainer.betas)} must be two numbers in [0, 1), e.g. [0.9, 0.999]")
+    if cfg.heldout_file is not None and cfg.prompt_file is None:
+        bad("heldout_file", "needs a prompt_file (a built-in task has its own held-out split); remove it")
+    if cfg.prompt_format == "raw" and (cfg.system_prompt is not None or cfg.chat_template_kwargs):
+        bad(
+            "prompt_format",
+            "system_prompt and chat_template_kwargs apply to chat prompts; set prompt_format: chat or remove them",
+        )
+    if cfg.rewards.verifier == "regex":
+        from steps.verifiers import pattern_problem
+
+        if problem := pattern_problem(cfg.rewards.answer_pattern):
+            bad("rewards.answer_pattern", problem)
+    if cfg.rewards.reward_fn is not None and not _DOTTED_FN.match(cfg.rewards.reward_fn):
+        bad(
+            "rewards.reward_fn",
+            f"{cfg.rewards.reward_fn!r} is not a dotted path; write package.module:function, e.g. "
+            "my_rewards.gsm8k:score",
+        )
     if cfg.rewards.reward_model_weight != 0 and cfg.rewards.reward_model is None:
         bad(
             "rewards.reward_model",
@@ -673,7 +725,7 @@ def _format(source: str, problems: list[tuple[str, str]]) -> str:
 def resolve_paths(data: dict[str, Any], base: Path) -> dict[str, Any]:
     """Relative paths in the URI fields become absolute file:// URIs: pods and workers have another cwd."""
     out = dict(data)
-    for key in ("sft_checkpoint", "run_store", "prompt_file"):
+    for key in ("sft_checkpoint", "run_store", "prompt_file", "heldout_file"):
         value = out.get(key)
         # A NUL cannot be in a path (resolve() would raise): left as is for semantic_problems to report.
         if isinstance(value, str) and value.strip() and "://" not in value and "\x00" not in value:

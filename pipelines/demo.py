@@ -15,28 +15,34 @@ import time
 from collections import defaultdict
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pipelines.config import RunConfig, load_config
 from pipelines.local import RunResult, run_workflow
 from pipelines.local.chaos import parse_chaos
 from pipelines.local.pods import warm_start_candidates
 from pipelines.local.warm import WarmStarter, warm_starts_enabled
+from pipelines.preflight import preflight_or_exit
 from pipelines.workflow import placement
 from steps.errors import MoerlError
 from steps.store import Store
 from steps.tracking import STATUS_FILE_ENV
 
 DEMO_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
+DEMO_CHAT_SFT_STEPS = 50  # SFT steps of the chat demo's checkpoint (configs/demo-chat.yaml)
+if TYPE_CHECKING:
+    from steps.sft import SftSettings
+
 STEP_KINDS = ("rollout", "score", "update", "publish")
 
 
-def run_config(cfg: RunConfig, workdir: Path, chaos: str | None = None) -> RunResult:
+def run_config(cfg: RunConfig, workdir: Path, chaos: str | None = None, check: str | None = None) -> RunResult:
     """Render cfg's Argo manifests into workdir/rendered and run its workflow.yaml with the local executor.
     The KFP pipeline is left to `moerl render`: compiling it (and importing kfp) would delay the first pod.
 
     The warm server of the step pods (pipelines/local/warm.py) starts first, from the environment every
-    rendered step pod gets (placement.env), so that its imports overlap the rendering and the first pods.
+    rendered step pod gets (placement.env), so that its imports overlap the rendering and the first pods, and,
+    when `check` names the config, the checks of its inputs (pipelines/preflight.py: they import torch too).
 
     The report step reads the Workflow's status (step wall times and retries, for the trackers) from the
     status file that the executor keeps: its path goes to the pods in their environment, set first, so
@@ -49,6 +55,8 @@ def run_config(cfg: RunConfig, workdir: Path, chaos: str | None = None) -> RunRe
             step = {"name": "step", "container": {"command": ["python", "-m", "steps.plan"], "env": placement.env()}}
             for argv, env in warm_start_candidates([step]):
                 starter.prestart(argv, env)
+        if check is not None:
+            preflight_or_exit(cfg, source=check)
         # Imported once the server is importing torch on the other core: rendering needs Hera (~1 s to import).
         from pipelines.render import WORKFLOW, render
 
@@ -102,8 +110,28 @@ def print_summary(cfg: RunConfig, result: RunResult, seconds: float) -> None:
     print(f"step logs: {result.run_dir}/pods/")
 
 
+def demo_sft_settings(cfg: RunConfig, seed: int) -> SftSettings:
+    """The demo SFT checkpoint a demo config starts from: its task, and for chat prompts a BPE tokenizer with a
+    chat template (the checkpoint's own; nothing else in the run knows which tokenizer it is)."""
+    from steps.experience import run_task
+    from steps.sft import SftSettings
+
+    task = run_task(cfg)
+    chat = cfg.prompt_format == "chat"
+    return SftSettings(
+        task=task.name if task else SftSettings().task, seed=seed, tokenizer="bpe" if chat else "char",
+        prompt_format=cfg.prompt_format, system_prompt=cfg.system_prompt,
+        steps=DEMO_CHAT_SFT_STEPS if chat else SftSettings().steps,
+    )  # fmt: skip
+
+
 def demo(
-    workdir: Path, iterations: int | None, seed: int | None, chaos: str | None, shards: int | None = None
+    workdir: Path,
+    iterations: int | None,
+    seed: int | None,
+    chaos: str | None,
+    shards: int | None = None,
+    config: Path = DEMO_CONFIG,
 ) -> RunResult:
     workdir = workdir.resolve()
     sft_dir = workdir / "sft-demo"
@@ -115,16 +143,13 @@ def demo(
     if shards is not None:
         overrides["rollout.num_shards"] = shards
     # Check every flag before the SFT checkpoint is built: that takes minutes.
-    cfg = load_config(DEMO_CONFIG, overrides)
+    cfg = load_config(config, overrides)
     parse_chaos(chaos)
     if not (sft_dir / "config.json").is_file():
         # Imported here: they load torch (6-12 s on a busy machine), which a demo with its SFT checkpoint skips.
         from pipelines.sft_demo import sft_demo
-        from steps.experience import run_task
-        from steps.sft import SftSettings
 
-        task = run_task(cfg)
-        sft_demo(str(sft_dir), SftSettings(task=task.name if task else SftSettings().task, seed=seed or 0))
+        sft_demo(str(sft_dir), demo_sft_settings(cfg, seed or 0))
     if Store.open(cfg.run_store).exists("run.json"):
         stored = Store.open(cfg.run_store).get_json("run.json")
         if stored != json.loads(cfg.model_dump_json()):
@@ -132,20 +157,22 @@ def demo(
                 f"{workdir}/run holds a run with other settings; pass a new --workdir or delete {workdir}/run"
             )
     start = time.monotonic()
+    # No input checks here: the demo builds its own checkpoint for its own configs, and the checks' torch import
+    # would cost the default demo ~2 s of its start; `moerl check` and `moerl run` check any config.
     result = run_config(cfg, workdir, chaos)
     print_summary(cfg, result, time.monotonic() - start)
     return result
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    result = demo(Path(args.workdir), args.iterations, args.seed, args.chaos, args.shards)
+    result = demo(Path(args.workdir), args.iterations, args.seed, args.chaos, args.shards, Path(args.config))
     return 0 if result.succeeded else 1
 
 
 def run_run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config)
     start = time.monotonic()
-    result = run_config(cfg, Path(args.workdir).resolve(), args.chaos)
+    result = run_config(cfg, Path(args.workdir).resolve(), args.chaos, check=args.config)
     print_summary(cfg, result, time.monotonic() - start)
     return 0 if result.succeeded else 1
 
@@ -155,6 +182,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "demo", help="run the RL workflow on this machine (CPU, file:// store)", description=__doc__
     )
+    parser.add_argument("--config", default=str(DEMO_CONFIG),
+                        help="demo config (default configs/demo.yaml; configs/demo-chat.yaml: BPE, chat template, "
+                        "natural-language prompts, the math verifier)")  # fmt: skip
     parser.add_argument("--workdir", default="work/demo", help="where the SFT checkpoint, run store and logs go")
     parser.add_argument("--iterations", type=int, help="RL iterations (default: configs/demo.yaml)")
     parser.add_argument("--seed", type=int, help="seed of the SFT checkpoint and the run (default 0)")

@@ -91,15 +91,32 @@ def _talk(host: str, action: Any) -> Any:
         ) from None
 
 
-def cmd_render(args: argparse.Namespace) -> int:
+def checked_config(args: argparse.Namespace, for_cluster: bool = True) -> RunConfig:
+    """The config, and (unless --skip-checks) every input it names checked before anything is written."""
+    from pipelines.preflight import preflight_or_exit
+
     cfg = load_config(args.config, parse_overrides(args.set))
+    if not getattr(args, "skip_checks", False):
+        preflight_or_exit(cfg, for_cluster=for_cluster, source=str(args.config))
+    return cfg
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    cfg = checked_config(args, for_cluster=False)
+    print(f"{args.config}: the config, the SFT checkpoint's config and tokenizer, the prompts and the rewards of "
+          f"run {cfg.name!r} check out")  # fmt: skip
+    return 0
+
+
+def cmd_render(args: argparse.Namespace) -> int:
+    cfg = checked_config(args)
     for path in render(cfg, args.out).values():
         print(f"wrote {path}")
     return 0
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
-    cfg = load_config(args.config, parse_overrides(args.set))
+    cfg = checked_config(args)
     host, token, verify = _server(args)
     namespace = args.namespace or os.environ.get("ARGO_NAMESPACE") or None
     objects = argo_objects(cfg, host=host, token=token, namespace=namespace, verify_ssl=verify)
@@ -145,6 +162,14 @@ def _common(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _skip_checks(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--skip-checks",
+        action="store_true",
+        help="do not read the SFT checkpoint, prompt files and rewards first (moerl check does that)",
+    )
+
+
 def _server_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--argo-server", metavar="URL", help="Argo server URL (default: $ARGO_SERVER)")
     parser.add_argument(
@@ -165,11 +190,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _common(p)
+    _skip_checks(p)
     p.add_argument("--out", required=True, type=Path, metavar="DIR", help="directory for the manifests")
     p.set_defaults(func=cmd_render)
 
+    p = subparsers.add_parser(
+        "check",
+        help="check a run config and every input it names, reporting every problem at once",
+        description=__import__("pipelines.preflight").preflight.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _common(p)
+    p.set_defaults(func=cmd_check)
+
     p = subparsers.add_parser("submit", help="create/update the WorkflowTemplate and submit a Workflow")
     _common(p)
+    _skip_checks(p)
     _server_flags(p)
     p.add_argument(
         "--wait", action="store_true",

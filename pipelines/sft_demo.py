@@ -11,7 +11,7 @@ from pathlib import Path
 from steps.engine import evaluate_accuracy
 from steps.hf_format import validate_checkpoint_dir
 from steps.model import count_parameters
-from steps.sft import SftSettings, train_sft, write_checkpoint
+from steps.sft import SftSettings, train_sft, write_checkpoint, write_tokenizer
 from steps.store import Store
 from steps.tasks import get_task
 
@@ -33,11 +33,14 @@ def sft_demo(out_uri: str, settings: SftSettings) -> float:
     out.check_access()
     task = get_task(settings.task)
     start = time.monotonic()
-    print(f"sft-demo: task {task.name}, {settings.steps} steps of {settings.batch_size}, seed {settings.seed}")
-    model = train_sft(settings, progress_printer(settings.steps, start))
-    total, active = count_parameters(model)
-    accuracy = evaluate_accuracy(model, task, task.prompts("heldout", settings.eval_prompts, settings.seed))
+    print(f"sft-demo: task {task.name}, {settings.tokenizer} tokenizer, {settings.prompt_format} prompts, "
+          f"{settings.steps} steps of {settings.batch_size}, seed {settings.seed}")  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="moerl-sft-") as tmp:
+        tok = write_tokenizer(settings, Path(tmp))
+        model = train_sft(settings, tok, progress_printer(settings.steps, start))
+        total, active = count_parameters(model)
+        heldout = task.prompts("heldout", settings.eval_prompts, settings.seed)
+        accuracy = evaluate_accuracy(model, tok, heldout, task, settings.format)
         local = write_checkpoint(model, Path(tmp))
         validate_checkpoint_dir(local)
         # config.json goes last: a reader that finds it finds every other file complete.
@@ -53,7 +56,8 @@ def sft_demo(out_uri: str, settings: SftSettings) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
-    settings = SftSettings(task=args.task, seed=args.seed, steps=args.steps)
+    settings = SftSettings(task=args.task, seed=args.seed, steps=args.steps, tokenizer=args.tokenizer,
+                           prompt_format=args.prompt_format, system_prompt=args.system_prompt)  # fmt: skip
     sft_demo(args.out, settings)
     return 0
 
@@ -65,6 +69,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--task", default=defaults.task, help=f"toy task (default {defaults.task})")
     parser.add_argument("--seed", type=int, default=defaults.seed, help="seed of data order and init")
     parser.add_argument("--steps", type=int, default=defaults.steps, help="optimizer steps")
+    parser.add_argument("--tokenizer", choices=("char", "bpe"), default=defaults.tokenizer,
+                        help="the checkpoint's tokenizer: the demo's characters, or a BPE trained on the task's text "
+                        "with a chat template")  # fmt: skip
+    parser.add_argument("--prompt-format", choices=("raw", "chat"), default=defaults.prompt_format,
+                        help="how SFT (and the RL run after it) formats prompts")  # fmt: skip
+    parser.add_argument("--system-prompt", help="chat prompts: a system message before each prompt")
     parser.set_defaults(func=run)
 
 

@@ -26,8 +26,9 @@ Speed of the torch engine (bench/rollout.py): a prompt is prefilled once for its
 values are shared by the group's samples, samples that drew the same tokens so far are decoded once, and the
 keys and values of the tokens they drew are stored once, as a prefix tree, whatever the splits.
 
-Held-out accuracy: `evaluate_accuracy(engine_or_model, task, prompts)`, greedy (temperature 0) generation checked by
-the task's verifier; the one way to measure it, for every engine and for a bare MoeForCausalLM.
+Held-out accuracy: `evaluate_accuracy(engine_or_model, tokenizer, prompts)`, greedy (temperature 0) generation
+of the prompts as the checkpoint's tokenizer and the run's prompt format encode them, checked by each prompt's
+verifier; the one way to measure it, for every engine and for a bare MoeForCausalLM.
 """
 
 from __future__ import annotations
@@ -53,11 +54,15 @@ from steps.model import (
 )
 from steps.moe import MoeBlock, group_by_expert
 from steps.tasks import Prompt, Task, get_task, verify_ids
-from steps.tokenizer import EOS_ID, PAD_ID, build_tokenizer, encode_prompt
+from steps.tokenizer import RAW, CheckpointTokenizer, PromptFormat
 
 # PyTorch's CPU bmm runs matrices of fewer multiply-adds than this with a plain loop, several times slower
 # per multiply-add than its blocked kernels; RowBatch decoding keeps its per-row products above it.
 SMALL_PRODUCT = 400
+
+# What fills the token grid where nothing was sampled and the left padding of prompts: any valid id does, as
+# those positions are masked out and never read back.
+FILLER_ID = 0
 
 FINISH_STOP = "stop"  # the sample ended with one of the stop tokens (kept as its last response token)
 FINISH_LENGTH = "length"  # max_new_tokens reached without a stop token
@@ -73,7 +78,7 @@ class SamplingParams:
     top_p: float = 1.0  # keep the smallest set of most likely tokens whose probability reaches top_p
     top_k: int = 0  # keep the k most likely tokens; 0 keeps all
     max_new_tokens: int = 8
-    stop_token_ids: tuple[int, ...] = (EOS_ID,)  # a sampled stop token ends the sample and is kept
+    stop_token_ids: tuple[int, ...] = ()  # a sampled stop token ends the sample and is kept (the checkpoint's)
     n: int = 1  # samples per prompt (the GRPO group); see sample_requests
 
     def __post_init__(self) -> None:
@@ -279,7 +284,7 @@ class TorchEngine:
         batch, logits, state = self._prefill(requests, steps)  # state: each sample's row in the batch
 
         uniforms = sample_uniforms([r.seed for r in requests], steps).to(device)
-        out_tokens = torch.full((len(requests), steps), PAD_ID, dtype=torch.long, device=device)
+        out_tokens = torch.full((len(requests), steps), FILLER_ID, dtype=torch.long, device=device)
         out_logprobs = torch.zeros(len(requests), steps, dtype=torch.float32, device=device)
         lengths = torch.zeros(len(requests), dtype=torch.long, device=device)
         stopped = torch.zeros(len(requests), dtype=torch.bool, device=device)
@@ -304,7 +309,7 @@ class TorchEngine:
             rows_kept = len(logits)
             if len(rows) == len(torch.unique(rows)) and len(rows) > self.compact_below * rows_kept:
                 # No state split and few finished: keep the rows; finished ones feed padding, unread.
-                next_tokens = torch.full((rows_kept,), PAD_ID, dtype=torch.long, device=device)
+                next_tokens = torch.full((rows_kept,), FILLER_ID, dtype=torch.long, device=device)
                 next_tokens[rows] = row_tokens
             else:
                 batch, next_tokens = batch.select(rows), row_tokens
@@ -334,9 +339,9 @@ class TorchEngine:
         parent = [distinct.setdefault(tuple(r.prompt_ids), len(distinct)) for r in requests]
         prompts = list(distinct)
         if any(len(p) == 0 for p in prompts):
-            raise ValueError("a GenerationRequest has no prompt tokens; every prompt starts with BOS")
+            raise ValueError("a GenerationRequest has no prompt tokens; a prompt needs at least one token")
         width = max(len(p) for p in prompts)
-        ids = torch.tensor([(PAD_ID,) * (width - len(p)) + p for p in prompts], dtype=torch.long)
+        ids = torch.tensor([(FILLER_ID,) * (width - len(p)) + p for p in prompts], dtype=torch.long)
         lengths = torch.tensor([len(p) for p in prompts])
         valid = torch.arange(width)[None, :] >= (width - lengths)[:, None]
         # Room for the first decode steps' nodes (DecodeBatch): at most one per sample of a prompt and step.
@@ -818,28 +823,37 @@ class SGLangSettings:
 
 def evaluate_accuracy(
     engine_or_model: Engine | MoeForCausalLM,
-    task: Task | str | None,
+    tokenizer: CheckpointTokenizer,
     prompts: Sequence[Prompt],
+    verifier: Callable[[Prompt], Task] | Task | str | None = None,
+    prompt_format: PromptFormat = RAW,
     max_new_tokens: int = 16,
     batch_size: int = 256,
 ) -> float:
-    """Share of prompts whose greedy (temperature 0) response the verifier accepts: the answer, then <eos>,
-    within max_new_tokens.
+    """Share of prompts whose greedy (temperature 0) response the verifier accepts: the answer, then one of the
+    tokenizer's stop tokens, within max_new_tokens.
 
-    task=None checks each prompt with its own task (prompt files mix tasks). A MoeForCausalLM is wrapped in a
-    TorchEngine for the call (built from its current weights).
+    `verifier`: a task (or its name) for every prompt, a function of the prompt, or None for each prompt's own
+    task. A MoeForCausalLM is wrapped in a TorchEngine for the call (built from its current weights).
     """
     if not prompts:
         raise ValueError("evaluate_accuracy needs at least one prompt")
     engine = TorchEngine(engine_or_model) if isinstance(engine_or_model, MoeForCausalLM) else engine_or_model
-    fixed = get_task(task) if isinstance(task, str) else task
-    tok = build_tokenizer()
-    params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens)
+    fixed = get_task(verifier) if isinstance(verifier, str) else verifier
+    if fixed is None:
+        verifier_of: Callable[[Prompt], Task] = lambda p: get_task(p.task)  # noqa: E731
+    elif callable(fixed) and not hasattr(fixed, "verify"):
+        verifier_of = fixed  # type: ignore[assignment]
+    else:
+        verifier_of = lambda p: fixed  # type: ignore[assignment,return-value]  # noqa: E731
+    params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, stop_token_ids=tokenizer.stop_ids)
     correct = 0
     for start in range(0, len(prompts), batch_size):
         batch = prompts[start : start + batch_size]
-        requests = [GenerationRequest(p.prompt_id, tuple(encode_prompt(tok, p.text)), 0, 0) for p in batch]
+        requests = [
+            GenerationRequest(p.prompt_id, tuple(tokenizer.prompt_ids(p.content, prompt_format)), 0, 0) for p in batch
+        ]
         for prompt, generation in zip(batch, engine.generate(requests, params), strict=True):
-            verdict = verify_ids(fixed or get_task(prompt.task), tok, generation.response_ids, prompt.answer)
+            verdict = verify_ids(verifier_of(prompt), tokenizer, generation.response_ids, prompt.answer)
             correct += verdict.correct
     return correct / len(prompts)

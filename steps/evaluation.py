@@ -1,8 +1,11 @@
-"""Held-out accuracy of a published policy version: greedy exact match on the run's held-out prompts.
+"""Held-out accuracy of a published policy version: greedy generation on the run's held-out prompts, checked
+by the run's verifier.
 
-The score step records it for the behaviour policy of each iteration, and the report step for the final
-version, so that a run shows where it started and where it ended. `steps.engine.evaluate_accuracy` does the
-measuring (greedy generation checked by the task's verifier), the same for every engine.
+The held-out prompts are the task's held-out split, or the prompt file's (heldout_file, else the stable-hash
+split that training never sees; steps/experience.py). They are encoded by the version's own tokenizer in the
+run's prompt format, exactly as rollout encodes training prompts. The score step records the accuracy for the
+behaviour policy of each iteration, and the report step for the final version, so that a run shows where it
+started and where it ended. `steps.engine.evaluate_accuracy` does the measuring, the same for every engine.
 """
 
 from __future__ import annotations
@@ -12,8 +15,10 @@ from typing import Any
 from pipelines.config import RunConfig
 from steps import checkpoint
 from steps.engine import TorchEngine, evaluate_accuracy
-from steps.experience import heldout_prompts
+from steps.experience import heldout_prompts, prompt_format
+from steps.rewards import sample_verifier
 from steps.store import Store
+from steps.tokenizer import load_tokenizer
 
 HELDOUT_EVAL_MAX_BYTES = 512 << 20
 
@@ -28,5 +33,10 @@ def heldout_accuracy(run: Store, cfg: RunConfig, version: int, log: Any) -> floa
     if weight_bytes > HELDOUT_EVAL_MAX_BYTES:
         log(f"held-out accuracy skipped: {weight_bytes / 2**30:.1f} GiB of weights is too big to evaluate on CPU")
         return None
-    engine = TorchEngine.from_checkpoint(checkpoint.fetch(run, version))
-    return evaluate_accuracy(engine, None, prompts, max_new_tokens=cfg.sampling.max_new_tokens)
+    model_dir = checkpoint.fetch(run, version)
+    tokenizer = load_tokenizer(model_dir, source=run.url(checkpoint.version_prefix(version)))
+    engine = TorchEngine.from_checkpoint(model_dir)
+    verifiers = {p.task: sample_verifier(p.task, cfg.rewards.verifier, cfg.rewards.answer_pattern) for p in prompts}
+    return evaluate_accuracy(
+        engine, tokenizer, prompts, lambda p: verifiers[p.task], prompt_format(cfg), cfg.sampling.max_new_tokens
+    )

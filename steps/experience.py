@@ -6,8 +6,10 @@ Parquet files that rollout writes and score reads.
     <run>/metrics/iter-000001.json                               the score step's metrics
 
 The plan. An iteration's prompts are fixed by (run seed, iteration): `prompts_per_iteration` problems of the
-task's train split, or of the prompt file. They are cut, in that order, into chunks of `rollout.chunk_size`
-prompts; a chunk is all `group_size` samples of each of its prompts and is always generated as one batch.
+task's train split, or of the prompt file's training prompts (steps/prompt_data.py: without a heldout_file, the
+prompts that the stable-hash split holds out are never among them). They are cut, in that order, into chunks
+of `rollout.chunk_size` prompts; a chunk is all `group_size` samples of each of its prompts and is always
+generated as one batch.
 Shard K of S generates chunks K, K+S, K+2S, ...: the chunks never depend on the shard count, so neither
 does any sample. A chunk file carries the digest of everything that determines its samples (plan_digest);
 a resumed shard skips the chunks whose file is there with the right digest, and score refuses a chunk with
@@ -37,8 +39,10 @@ import pyarrow.parquet as pq
 from pipelines.config import RunConfig, validate_config
 from steps.engine import Generation, SamplingParams
 from steps.errors import MoerlError
+from steps.prompt_data import PromptFields, heldout_split, read_prompt_uri
 from steps.store import Store
-from steps.tasks import Prompt, Task, get_task, read_prompt_file
+from steps.tasks import Prompt, Task, get_task
+from steps.tokenizer import TOKENIZER_FILES, CheckpointTokenizer, PromptFormat
 
 RUN_CONFIG = "run.json"
 
@@ -124,12 +128,28 @@ def run_task(cfg: RunConfig) -> Task | None:
     return get_task(cfg.task.name, **cfg.task.params)
 
 
-def read_prompt_file_uri(uri: str) -> list[Prompt]:
-    """The prompts of a JSONL prompt file named by a store URI (file://..., s3://..., or a path)."""
-    parent, _, name = uri.rstrip("/").rpartition("/")
-    if not name or not parent:
-        raise MoerlError(f"prompt_file {uri!r}: name a file, e.g. s3://bucket/prompts/train.jsonl")
-    return read_prompt_file(Store.open(parent), name)
+def prompt_fields(cfg: RunConfig) -> PromptFields:
+    f = cfg.prompt_fields
+    return PromptFields(prompt=f.prompt, answer=f.answer, id=f.id)
+
+
+def prompt_format(cfg: RunConfig) -> PromptFormat:
+    """How the run's prompts become the text the policy sees (raw, or the checkpoint's chat template)."""
+    return PromptFormat(cfg.prompt_format, cfg.system_prompt, dict(cfg.chat_template_kwargs))
+
+
+def training_pool(cfg: RunConfig) -> list[Prompt]:
+    """The prompt file's training prompts: all of them with a heldout_file, else those not held out."""
+    assert cfg.prompt_file is not None
+    prompts = read_prompt_uri(cfg.prompt_file, prompt_fields(cfg))
+    if cfg.heldout_file is None and cfg.heldout_fraction > 0:
+        prompts = [p for p in prompts if not heldout_split(p.prompt_id, cfg.heldout_fraction)]
+        if not prompts:
+            raise MoerlError(
+                f"prompt_file {cfg.prompt_file}: heldout_fraction {cfg.heldout_fraction} holds out every prompt; "
+                "lower heldout_fraction or add prompts"
+            )
+    return prompts
 
 
 def iteration_prompts(cfg: RunConfig, iteration: int) -> list[Prompt]:
@@ -138,18 +158,45 @@ def iteration_prompts(cfg: RunConfig, iteration: int) -> list[Prompt]:
     task = run_task(cfg)
     if task is not None:
         return task.prompts("train", cfg.prompts_per_iteration, seed)
-    assert cfg.prompt_file is not None
-    prompts = read_prompt_file_uri(cfg.prompt_file)
+    prompts = training_pool(cfg)
     # A prompt file smaller than prompts_per_iteration is used whole, in a fresh order each iteration.
     return random.Random(seed).sample(prompts, min(cfg.prompts_per_iteration, len(prompts)))
 
 
 def heldout_prompts(cfg: RunConfig) -> list[Prompt]:
-    """The held-out prompts of the run's task (the same every iteration); none for a prompt file."""
-    task = run_task(cfg)
-    if task is None or cfg.heldout_size == 0:
+    """The run's held-out prompts (the same every iteration): the task's held-out split, or the prompt file's
+    (heldout_file, else the hash split), at most heldout_size of them."""
+    if cfg.heldout_size == 0:
         return []
-    return task.prompts("heldout", cfg.heldout_size, cfg.seed)
+    task = run_task(cfg)
+    if task is not None:
+        return task.prompts("heldout", cfg.heldout_size, cfg.seed)
+    assert cfg.prompt_file is not None
+    if cfg.heldout_file is not None:
+        pool = read_prompt_uri(cfg.heldout_file, prompt_fields(cfg))
+    elif cfg.heldout_fraction > 0:
+        pool = [p for p in read_prompt_uri(cfg.prompt_file, prompt_fields(cfg))
+                if heldout_split(p.prompt_id, cfg.heldout_fraction)]  # fmt: skip
+    else:
+        return []
+    pool.sort(key=lambda p: p.prompt_id)
+    return random.Random(f"heldout/{cfg.seed}").sample(pool, min(cfg.heldout_size, len(pool)))
+
+
+def version_tokenizer(run: Store, version: int) -> CheckpointTokenizer:
+    """The tokenizer of a published version: only its tokenizer and config files are downloaded."""
+    import tempfile
+    from pathlib import Path
+
+    from steps import checkpoint  # lazily: experience is imported by tools that never touch a version
+
+    manifest = checkpoint.require_manifest(run, version)
+    prefix = checkpoint.version_prefix(version)
+    with tempfile.TemporaryDirectory(prefix="moerl-tokenizer-") as tmp:
+        for name in TOKENIZER_FILES:
+            if name in manifest.files:
+                run.get_file(f"{prefix}/{name}", Path(tmp) / name)
+        return CheckpointTokenizer.load(tmp, source=run.url(prefix))
 
 
 def sampling_params(cfg: RunConfig, stop_token_ids: Sequence[int]) -> SamplingParams:
@@ -176,6 +223,7 @@ class RolloutPlan:
     sampling: SamplingParams
     seed: int
     engine: str
+    prompt_format: PromptFormat = PromptFormat()
 
     @classmethod
     def for_iteration(
@@ -189,6 +237,7 @@ class RolloutPlan:
             sampling=sampling_params(cfg, stop_token_ids),
             seed=cfg.seed,
             engine=cfg.rollout.engine,
+            prompt_format=prompt_format(cfg),
         )
 
     @property
@@ -217,7 +266,9 @@ class RolloutPlan:
             "chunk_size": self.chunk_size,
             "sampling": [self.sampling.temperature, self.sampling.top_p, self.sampling.top_k,
                          self.sampling.max_new_tokens, list(self.sampling.stop_token_ids), self.sampling.n],
-            "prompts": [[p.prompt_id, p.task, p.text, p.answer] for p in self.prompts],
+            "prompts": [[p.prompt_id, p.task, p.text, p.answer, p.messages] for p in self.prompts],
+            "format": [self.prompt_format.kind, self.prompt_format.system_prompt,
+                       dict(self.prompt_format.template_kwargs)],
         }  # fmt: skip
         return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()
 

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from tokenizers import Tokenizer
 
 from steps.errors import MoerlError
 from steps.model import (
@@ -25,8 +24,7 @@ from steps.model import (
     read_config_json,
     tensor_index,
 )
-
-TOKENIZER_FILE = "tokenizer.json"
+from steps.tokenizer import TOKENIZER_FILE, CheckpointTokenizer
 
 
 def refuse_pickled(names: list[str], where: str) -> None:
@@ -48,10 +46,7 @@ def check_tokenizer(directory: Path, config: MoeConfig) -> None:
             f"{directory}: missing {TOKENIZER_FILE}; save the tokenizer beside the weights "
             "(tokenizer.save_pretrained(dir))"
         )
-    try:
-        vocab = Tokenizer.from_file(str(path)).get_vocab_size(with_added_tokens=True)
-    except Exception as err:  # tokenizers raises a bare Exception on malformed JSON
-        raise MoerlError(f"{path}: unreadable tokenizer ({err}); save it again with save_pretrained") from err
+    vocab = CheckpointTokenizer.load(directory).vocab_size  # also: its special and stop tokens are readable
     if vocab > config.vocab_size:
         raise MoerlError(
             f"{path}: the tokenizer has {vocab} tokens but config.json has vocab_size {config.vocab_size}; "

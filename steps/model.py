@@ -44,6 +44,14 @@ CONFIG_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16"
 # ----------------------------------------------------------------------------------------------------
 
 
+SUPPORTED_ARCHITECTURES = "Qwen3-MoE (model_type 'qwen3_moe', Qwen3MoeForCausalLM with num_experts > 0)"
+# MoE families users bring that moerl recognises and refuses by name (steps/model.py implements Qwen3-MoE only).
+OTHER_MOE_ARCHITECTURES = {
+    "mixtral": "Mixtral", "qwen2_moe": "Qwen2-MoE", "deepseek_v3": "DeepSeek-V3", "deepseek_v2": "DeepSeek-V2",
+    "olmoe": "OLMoE", "qwen3_next": "Qwen3-Next", "gpt_oss": "gpt-oss", "glm4_moe": "GLM-4-MoE",
+}
+
+
 @dataclass
 class MoeConfig:
     """Qwen3-MoE hyper-parameters, under the names config.json uses (Qwen3MoeConfig)."""
@@ -115,11 +123,16 @@ class MoeConfig:
         model_type = d.get("model_type")
         num_experts = d.get("num_experts", d.get("num_local_experts"))
         if model_type != "qwen3_moe" or not num_experts:
-            what = f"model_type {model_type!r}" if model_type != "qwen3_moe" else "no experts (num_experts 0)"
+            if model_type in OTHER_MOE_ARCHITECTURES:
+                what = f"{OTHER_MOE_ARCHITECTURES[model_type]} (model_type {model_type!r}) is a MoE architecture"
+                why = "its router, shared experts or attention differ from Qwen3-MoE's and are not implemented"
+            elif model_type != "qwen3_moe":
+                what, why = f"model_type {model_type!r}", "dense and other architectures are not implemented"
+            else:
+                what, why = "no experts (num_experts 0)", "a dense Qwen3 has nothing for expert parallelism"
             raise MoerlError(
-                f"{source}: {what}, architectures {d.get('architectures')}: moerl needs a Qwen3-MoE "
-                "checkpoint (model_type 'qwen3_moe', Qwen3MoeForCausalLM with num_experts > 0); "
-                "dense models are not supported"
+                f"{source}: {what}, architectures {d.get('architectures')}: not supported ({why}); moerl "
+                f"supports: {SUPPORTED_ARCHITECTURES}"
             )
 
         def unsupported(name: str, why: str) -> MoerlError:

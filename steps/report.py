@@ -34,8 +34,10 @@ _ITER_KEY = re.compile(r"^metrics/iter-(\d+)\.json$")
 # Column -> field names that hold it, most specific first.
 COLUMNS: dict[str, tuple[str, ...]] = {
     "reward": ("reward_mean", "mean_reward", "reward"),
-    "accuracy": ("heldout_accuracy", "held_out_accuracy", "eval_accuracy", "accuracy"),
+    # held-out only: the samples' own accuracy (on training prompts) is never called held-out
+    "accuracy": ("heldout_accuracy", "held_out_accuracy", "eval_accuracy"),
     "kl": ("kl_mean", "kl", "kl_ref"),
+    "sample_accuracy": ("accuracy",),
 }
 # Step times: any numeric field whose name says it is a duration.
 _TIME_FIELD = re.compile(r"(seconds|_secs?|_s|_time|duration)$")
@@ -193,7 +195,8 @@ def markdown(report: Report, run_uri: str) -> str:
         lines.append(f"Result: {outcome}  ")
     lines += ["", report.table(markdown=True) if report.rows else "No iteration has written metrics yet.", ""]
     if report.rows:
-        lines.append("accuracy: held-out greedy exact match of the policy that generated the iteration's samples")
+        lines.append("accuracy: held-out greedy accuracy (the run's verifier) of the policy that generated the "
+                     "iteration's samples; sample_accuracy: share of those samples, on training prompts, it accepted")
     lines += [f"- {note}" for note in report.notes]
     lines += ["", "![held-out accuracy and mean reward by iteration](report.png)", ""]
     return "\n".join(lines)

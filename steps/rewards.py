@@ -1,10 +1,14 @@
-"""Rewards on CPU: the task verifiers, an optional reward model, their weighted sum, and GRPO advantages.
+"""Rewards on CPU: the verifiers, the user's reward function, a reward model, their weighted sum, and GRPO
+advantages.
 
-    reward = exact_match_weight * correct + format_weight * well_formed + reward_model_weight * rm_score
+    reward = exact_match_weight * correct + format_weight * well_formed
+             + reward_fn_weight * reward_fn + reward_model_weight * rm_score
 
-correct / well_formed come from the sample's task verifier (steps/tasks.py: the response ends at its first
-<eos>; a response that never ended is neither). rm_score is the single logit of a transformers
-sequence-classification checkpoint on the text prompt + response.
+correct / well_formed come from the sample's verifier (`sample_verifier`: rewards.verifier, else a built-in
+task's own, else exact; the response ends at its first stop token, and one that never ended is neither).
+reward_fn is the user's function (steps/user_reward.py). rm_score is the single logit of a transformers
+sequence-classification checkpoint on the text the policy saw (the prompt as formatted: raw, or through the
+chat template) followed by the response text.
 
 GRPO advantages, per group (the samples of one prompt): advantage = reward - mean(group rewards), divided by
 (std(group rewards) + eps) when normalize_std; std is the population std (ddof 0), so a group whose rewards
@@ -20,13 +24,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from tokenizers import Tokenizer
 
 from steps.errors import MoerlError
 from steps.hf_format import refuse_pickled
+from steps.prompt_data import PROMPT_FILE_TASK
 from steps.store import Store
-from steps.tasks import get_task, verify_ids
-from steps.tokenizer import decode
+from steps.tasks import Task, get_task, verify_ids
+from steps.tokenizer import CheckpointTokenizer
+from steps.verifiers import ExactVerifier, Verifier, get_verifier
 
 ADVANTAGE_EPS = 1e-6
 
@@ -36,15 +41,34 @@ class RewardWeights:
     exact_match: float = 1.0
     format: float = 0.1
     reward_model: float = 0.0
+    reward_fn: float = 1.0
+
+
+def sample_verifier(task_name: str, verifier: str | None = None, answer_pattern: str | None = None) -> Verifier | Task:
+    """What checks a sample of `task_name`: the run's rewards.verifier when set, else a built-in task's own
+    verifier, else (a prompt file) exact match."""
+    if verifier is not None:
+        return get_verifier(verifier, answer_pattern)
+    if task_name == PROMPT_FILE_TASK:
+        return ExactVerifier()
+    return get_task(task_name)
 
 
 def verify_samples(
-    tok: Tokenizer, tasks: Sequence[str], answers: Sequence[str], responses: Sequence[Sequence[int]]
+    tok: CheckpointTokenizer,
+    tasks: Sequence[str],
+    answers: Sequence[str],
+    responses: Sequence[Sequence[int]],
+    verifier: str | None = None,
+    answer_pattern: str | None = None,
 ) -> tuple[list[bool], list[bool]]:
-    """(correct, well_formed) of each sample, by its own task's verifier."""
+    """(correct, well_formed) of each sample, by its verifier (sample_verifier)."""
+    verifiers: dict[str, Verifier | Task] = {}
     correct, well_formed = [], []
     for task_name, answer, response in zip(tasks, answers, responses, strict=True):
-        verdict = verify_ids(get_task(task_name), tok, list(response), answer)
+        if task_name not in verifiers:
+            verifiers[task_name] = sample_verifier(task_name, verifier, answer_pattern)
+        verdict = verify_ids(verifiers[task_name], tok, list(response), answer)  # type: ignore[arg-type]
         correct.append(verdict.correct)
         well_formed.append(verdict.well_formed)
     return correct, well_formed
@@ -55,11 +79,14 @@ def combine(
     well_formed: Sequence[bool],
     rm_scores: Sequence[float] | None,
     weights: RewardWeights,
+    fn_rewards: Sequence[float] | None = None,
 ) -> np.ndarray:
     """The weighted sum per sample, float64 (NaN or inf pass through: check_finite reports them)."""
     with np.errstate(invalid="ignore", over="ignore"):
         rewards = weights.exact_match * np.asarray(correct, dtype=np.float64)
         rewards += weights.format * np.asarray(well_formed, dtype=np.float64)
+        if fn_rewards is not None:
+            rewards += weights.reward_fn * np.asarray(fn_rewards, dtype=np.float64)
         if rm_scores is not None:
             rewards += weights.reward_model * np.asarray(rm_scores, dtype=np.float64)
     return rewards
@@ -155,6 +182,6 @@ class RewardModel:
         return scores
 
 
-def reward_model_texts(tok: Tokenizer, prompt_texts: Sequence[str], responses: Sequence[Sequence[int]]) -> list[str]:
-    """What the reward model reads: the prompt text followed by the response text (up to its <eos>)."""
-    return [prompt + decode(tok, list(response)) for prompt, response in zip(prompt_texts, responses, strict=True)]
+def reward_model_texts(prompt_texts: Sequence[str], response_texts: Sequence[str]) -> list[str]:
+    """What the reward model reads: the text the policy saw (the formatted prompt) followed by the response."""
+    return [prompt + response for prompt, response in zip(prompt_texts, response_texts, strict=True)]

@@ -45,10 +45,12 @@ from steps.experience import (
     finished_chunks,
     load_run_config,
     read_table,
+    version_tokenizer,
     write_chunk,
 )
 from steps.store import Store
-from steps.tokenizer import EOS_ID, encode_prompt, load_tokenizer
+from steps.tasks import Prompt
+from steps.tokenizer import CheckpointTokenizer
 
 EXIT_PREEMPTED = 143  # 128 + SIGTERM, what Kubernetes and Argo expect from a terminated container
 
@@ -98,6 +100,16 @@ class ShardResult:
     seconds: float = 0.0
 
 
+def encoded_prompt(tok: CheckpointTokenizer, prompt: Prompt, plan: RolloutPlan) -> list[int]:
+    """The prompt's ids as the policy sees them; a prompt the checkpoint's tokenizer cannot encode is refused
+    (moerl check reports every such prompt before a run starts)."""
+    ids, problem = tok.checked_prompt_ids(prompt.content, plan.prompt_format)
+    if problem:
+        raise MoerlError(f"prompt {prompt.prompt_id!r}: {problem}; fix the prompt or use a checkpoint whose tokenizer "
+                         "covers it")  # fmt: skip
+    return ids
+
+
 def rollout_shard(
     run_uri: str,
     iteration: int,
@@ -123,9 +135,9 @@ def rollout_shard(
             f"--policy-version {policy_version}: iteration {iteration} with staleness {cfg.staleness} samples "
             f"from v{version:06d} (DESIGN: rollout[i] uses v(i-1-staleness)); pass {version} or leave it out"
         )
-    checkpoint.require_manifest(run, version)
+    tok = version_tokenizer(run, version)  # its stop tokens are part of the plan
 
-    plan = RolloutPlan.for_iteration(cfg, iteration, version, stop_token_ids=(EOS_ID,))
+    plan = RolloutPlan.for_iteration(cfg, iteration, version, stop_token_ids=tok.stop_ids)
     mine = plan.shard_chunks(shard, num_shards)
     finished = sorted(finished_chunks(run, plan) & set(mine))
     for chunk in finished:  # a finished chunk must be exactly this plan's chunk, or nothing can be trusted
@@ -146,7 +158,6 @@ def rollout_shard(
     if cfg.rollout.engine == "torch" and device == "cpu":
         torch.set_num_threads(threads)
     model_dir = checkpoint.fetch(run, version)
-    tok = load_tokenizer(model_dir)
     sg = cfg.rollout.sglang
     settings = SGLangSettings(sg.tp_size, sg.ep_size, sg.moe_a2a_backend, sg.mem_fraction, random_seed=cfg.seed)
     engine = open_engine(cfg.rollout.engine, model_dir, device=device, sglang_settings=settings)
@@ -154,7 +165,7 @@ def rollout_shard(
         start = time.monotonic()
         for done, chunk in enumerate(todo, start=len(finished) + 1):
             prompts = plan.chunk_prompts(chunk)
-            prompt_ids = {p.prompt_id: encode_prompt(tok, p.text) for p in prompts}
+            prompt_ids = {p.prompt_id: encoded_prompt(tok, p, plan) for p in prompts}
             requests = sample_requests(
                 [(p.prompt_id, prompt_ids[p.prompt_id]) for p in prompts],
                 plan.sampling,

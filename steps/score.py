@@ -27,16 +27,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
-from tokenizers import Tokenizer
 
-from steps import checkpoint, progress, tracking
+from steps import progress, tracking
 from steps.errors import MoerlError, run_cli
 from steps.evaluation import heldout_accuracy
 from steps.experience import (
@@ -48,6 +46,7 @@ from steps.experience import (
     read_rollout,
     scored_key,
     table_bytes,
+    version_tokenizer,
 )
 from steps.rewards import (
     RewardModel,
@@ -59,16 +58,26 @@ from steps.rewards import (
     verify_samples,
 )
 from steps.store import Store
-from steps.tokenizer import EOS_ID, TOKENIZER_FILE, decode, load_tokenizer
+from steps.user_reward import RewardFunction
 
 DEFAULT_METRICS_OUT = "/tmp/metrics.json"
 
 
-def policy_tokenizer(run: Store, version: int) -> Tokenizer:
-    """The tokenizer of a published version (only tokenizer.json is downloaded, not the weights)."""
-    with tempfile.TemporaryDirectory(prefix="moerl-score-") as tmp:
-        run.get_file(f"{checkpoint.version_prefix(version)}/{TOKENIZER_FILE}", Path(tmp) / TOKENIZER_FILE)
-        return load_tokenizer(tmp)
+def user_rewards(
+    spec: str, timeout_s: float, prompts: list[Any], response_texts: list[str], where: list[str]
+) -> tuple[list[float], dict[str, float]]:
+    """The user's reward function on every sample (steps/user_reward.py): its rewards, and the means of the
+    reward and of every named value it returned, as reward_fn/<name> metrics."""
+    function = RewardFunction(spec, timeout_s)
+    values: list[dict[str, float]] = []
+    try:
+        for prompt, text, sample in zip(prompts, response_texts, where, strict=True):
+            values.append(function.call(sample, prompt.content, text, prompt.answer, prompt.metadata))
+    finally:
+        function.close()
+    names = dict.fromkeys(name for value in values for name in value)
+    metrics = {f"reward_fn/{name}": float(np.mean([v[name] for v in values if name in v])) for name in names}
+    return [v["reward"] for v in values], metrics
 
 
 def score_iteration(
@@ -85,28 +94,37 @@ def score_iteration(
     run = Store.open(run_uri)
     cfg = load_run_config(run)
     version = behaviour_version(iteration, cfg.staleness)
-    plan = RolloutPlan.for_iteration(cfg, iteration, version, stop_token_ids=(EOS_ID,))
+    tok = version_tokenizer(run, version)
+    plan = RolloutPlan.for_iteration(cfg, iteration, version, stop_token_ids=tok.stop_ids)
     table = read_rollout(run, plan, cfg.rollout.num_shards)
     progress.report(0, 2)
-    tok = policy_tokenizer(run, version)
 
     responses = table.column("response_ids").to_pylist()
     prompt_ids = table.column("prompt_id").to_pylist()
     where = [f"prompt {p!r} sample {k}" for p, k in zip(prompt_ids, table.column("sample_index").to_pylist(),
                                                         strict=True)]  # fmt: skip
     correct, well_formed = verify_samples(
-        tok, table.column("task").to_pylist(), table.column("answer").to_pylist(), responses
-    )
+        tok, table.column("task").to_pylist(), table.column("answer").to_pylist(), responses,
+        cfg.rewards.verifier, cfg.rewards.answer_pattern,
+    )  # fmt: skip
+    by_id = {p.prompt_id: p for p in plan.prompts}
+    fn_rewards, fn_metrics = None, {}
+    if cfg.rewards.reward_fn or cfg.rewards.reward_model:
+        response_texts = [tok.response_text(ids)[0] for ids in responses]
+    if cfg.rewards.reward_fn:
+        fn_rewards, fn_metrics = user_rewards(cfg.rewards.reward_fn, cfg.rewards.reward_fn_timeout_s,
+                                              [by_id[p] for p in prompt_ids], response_texts, where)  # fmt: skip
     rm_scores = None
     if cfg.rewards.reward_model:
         reward_model = RewardModel.load(cfg.rewards.reward_model)
-        prompt_texts = [decode(tok, ids) for ids in table.column("prompt_ids").to_pylist()]
-        rm_scores = reward_model.score(reward_model_texts(tok, prompt_texts, responses))
+        seen = {p: tok.prompt_text(by_id[p].content, plan.prompt_format) for p in by_id}
+        rm_scores = reward_model.score(reward_model_texts([seen[p] for p in prompt_ids], response_texts))
         check_finite(
             np.asarray(rm_scores, dtype=np.float64), where, what=f"reward model score ({cfg.rewards.reward_model})"
         )
-    weights = RewardWeights(cfg.rewards.exact_match_weight, cfg.rewards.format_weight, cfg.rewards.reward_model_weight)
-    rewards = combine(correct, well_formed, rm_scores, weights)
+    weights = RewardWeights(cfg.rewards.exact_match_weight, cfg.rewards.format_weight, cfg.rewards.reward_model_weight,
+                            cfg.rewards.reward_fn_weight)  # fmt: skip
+    rewards = combine(correct, well_formed, rm_scores, weights, fn_rewards)
     check_finite(rewards, where)
     advantages, tied = group_advantages(prompt_ids, rewards, cfg.rewards.normalize_std)
 
@@ -140,6 +158,7 @@ def score_iteration(
     }
     if rm_scores is not None:
         metrics["rm_score_mean"] = float(np.mean(rm_scores))
+    metrics.update(fn_metrics)
     if heldout:
         evaluation_started = time.monotonic()
         accuracy = heldout_accuracy(run, cfg, version, log)

@@ -3,43 +3,43 @@
 This makes the SFT checkpoint that the demo's RL run starts from: trained just long enough to
 follow the task format and get a fair share of held-out problems right, leaving room for RL.
 Deterministic for a seed: data order, initialisation and every update derive from it.
+
+The checkpoint's tokenizer is written first and SFT encodes through it exactly as the RL steps will
+(steps/tokenizer.py): the demo's character tokenizer with raw prompts (`moerl demo`), or a BPE trained on
+the task's text with a chat template (`moerl demo --config configs/demo-chat.yaml`).
 """
 
 from __future__ import annotations
 
 import random
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from steps import bpe_tokenizer, char_tokenizer
 from steps.model import MoeConfig, MoeForCausalLM, save_pretrained
 from steps.tasks import Prompt, get_task, sft_target
-from steps.tokenizer import (
-    BOS_ID,
-    EOS_ID,
-    PAD_ID,
-    VOCAB_SIZE,
-    build_tokenizer,
-    encode,
-    encode_prompt,
-    save_tokenizer,
-)
+from steps.tokenizer import RAW, CheckpointTokenizer, PromptFormat
 
 
-def encode_example(prompt: Prompt) -> tuple[list[int], int]:
-    """Token ids of <bos> + prompt + target answer + <eos>, and the index where the response starts."""
-    tok = build_tokenizer()
-    prompt_ids = encode_prompt(tok, prompt.text)
-    return prompt_ids + [*encode(tok, sft_target(prompt)), EOS_ID], len(prompt_ids)
+def encode_example(
+    prompt: Prompt, tok: CheckpointTokenizer, fmt: PromptFormat = RAW
+) -> tuple[list[int], int]:
+    """Token ids of the prompt (as rollout encodes it) + target answer + eos, and where the response starts."""
+    prompt_ids = tok.prompt_ids(prompt.content, fmt)
+    return prompt_ids + [*tok.encode_text(sft_target(prompt)), tok.eos_id], len(prompt_ids)
 
 
-def teacher_forced_batch(examples: list[tuple[list[int], int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def teacher_forced_batch(
+    examples: list[tuple[list[int], int]], pad_id: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Right-padded inputs, next-token targets, and the mask of targets that belong to the response."""
     length = max(len(ids) for ids, _ in examples)
-    inputs = torch.full((len(examples), length - 1), PAD_ID, dtype=torch.long)
-    targets = torch.full_like(inputs, PAD_ID)
+    inputs = torch.full((len(examples), length - 1), pad_id, dtype=torch.long)
+    targets = torch.full_like(inputs, pad_id)
     response_mask = torch.zeros_like(inputs, dtype=torch.bool)
     for row, (ids, response_start) in enumerate(examples):
         seq = torch.tensor(ids)
@@ -49,10 +49,18 @@ def teacher_forced_batch(examples: list[tuple[list[int], int]]) -> tuple[torch.T
     return inputs, targets, response_mask
 
 
-def demo_model_config() -> MoeConfig:
+def char_checkpoint_tokenizer() -> CheckpointTokenizer:
+    """The demo's character tokenizer, read back as a checkpoint's (the default of the demo's SFT)."""
+    with tempfile.TemporaryDirectory(prefix="moerl-char-tokenizer-") as tmp:
+        char_tokenizer.save_tokenizer(tmp)
+        return CheckpointTokenizer.load(tmp)
+
+
+def demo_model_config(tok: CheckpointTokenizer | None = None) -> MoeConfig:
     """About 0.5M parameters: 8 experts, top-2, small enough to train in a minute or two on 2 cores."""
+    tok = tok or char_checkpoint_tokenizer()
     return MoeConfig(
-        vocab_size=VOCAB_SIZE,
+        vocab_size=tok.vocab_size,
         hidden_size=96,
         intermediate_size=192,
         moe_intermediate_size=64,
@@ -64,9 +72,9 @@ def demo_model_config() -> MoeConfig:
         num_experts_per_tok=2,
         norm_topk_prob=True,
         max_position_embeddings=64,
-        bos_token_id=BOS_ID,
-        eos_token_id=EOS_ID,
-        pad_token_id=PAD_ID,
+        bos_token_id=tok.token_id("bos_token"),
+        eos_token_id=list(tok.stop_ids) if len(tok.stop_ids) > 1 else tok.stop_ids[0],
+        pad_token_id=tok.pad_id,
     )
 
 
@@ -82,16 +90,44 @@ class SftSettings:
     weight_decay: float = 0.01
     train_prompts: int = 4096
     eval_prompts: int = 256
+    tokenizer: str = "char"  # "char": the demo's character tokenizer; "bpe": a BPE with a chat template
+    prompt_format: str = "raw"  # "raw" or "chat": as the RL run's prompt_format
+    system_prompt: str | None = None
+
+    @property
+    def format(self) -> PromptFormat:
+        return PromptFormat(self.prompt_format, self.system_prompt)
+
+
+def write_tokenizer(settings: SftSettings, directory: Path) -> CheckpointTokenizer:
+    """Write the checkpoint's tokenizer files into `directory` and read them back as every step will."""
+    if settings.tokenizer == "char":
+        char_tokenizer.save_tokenizer(directory)
+    elif settings.tokenizer == "bpe":
+        task = get_task(settings.task)
+        corpus = []
+        for p in task.prompts("train", settings.train_prompts, settings.seed):
+            turns = settings.format.messages(p.content) + [{"role": "assistant", "content": sft_target(p)}]
+            corpus.append(bpe_tokenizer.chatml(turns))
+        bpe_tokenizer.train_chat_tokenizer(corpus, directory)
+    else:
+        raise ValueError(f"unknown demo tokenizer {settings.tokenizer!r}; use 'char' or 'bpe'")
+    return CheckpointTokenizer.load(directory)
 
 
 def train_sft(
-    settings: SftSettings, progress: Callable[[int, float], None] | None = None
+    settings: SftSettings,
+    tok: CheckpointTokenizer | None = None,
+    progress: Callable[[int, float], None] | None = None,
 ) -> MoeForCausalLM:
-    """Train the demo model on the task's train split; returns the model in eval mode."""
+    """Train the demo model on the task's train split (tok: the checkpoint's tokenizer, by default the demo's
+    characters); returns the model in eval mode."""
+    tok = tok or char_checkpoint_tokenizer()
     torch.manual_seed(settings.seed)
-    model = MoeForCausalLM(demo_model_config())
+    model = MoeForCausalLM(demo_model_config(tok))
     task = get_task(settings.task)
-    examples = [encode_example(p) for p in task.prompts("train", settings.train_prompts, settings.seed)]
+    examples = [encode_example(p, tok, settings.format)
+                for p in task.prompts("train", settings.train_prompts, settings.seed)]  # fmt: skip
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=settings.lr, weight_decay=settings.weight_decay, foreach=True
     )
@@ -99,7 +135,7 @@ def train_sft(
     order = random.Random(settings.seed)
     model.train()
     for step in range(settings.steps):
-        inputs, targets, mask = teacher_forced_batch(order.sample(examples, settings.batch_size))
+        inputs, targets, mask = teacher_forced_batch(order.sample(examples, settings.batch_size), tok.pad_id)
         logits = model(inputs)
         loss = torch.nn.functional.cross_entropy(logits[mask], targets[mask])
         optimizer.zero_grad(set_to_none=True)
@@ -113,8 +149,10 @@ def train_sft(
 
 
 def write_checkpoint(model: MoeForCausalLM, directory: Path) -> Path:
-    """An HF-format checkpoint: config.json, safetensors weights and the tokenizer."""
+    """An HF-format checkpoint: config.json, safetensors weights, beside the tokenizer write_tokenizer wrote
+    (the demo's character tokenizer when there is none yet)."""
     directory = Path(directory)
     save_pretrained(model, directory)
-    save_tokenizer(directory)
+    if not (directory / "tokenizer.json").is_file():
+        char_tokenizer.save_tokenizer(directory)
     return directory

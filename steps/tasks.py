@@ -4,12 +4,15 @@ A task makes prompts deterministically and checks responses exactly:
 
     addition<D>  "12+345=" -> "357"        two operands drawn from 0 .. 10**D - 1 (D = 1..6)
     sort<L>      "sort:8301>" -> "0138"    the L digits in ascending order (L = 2..10)
+    sortdesc<L>  "Sort the digits 8301 in descending order. Put the final answer in \\boxed{}." -> "8310"
+                 in natural language, for a chat model: its response is "\\boxed{8310}", checked by the math
+                 verifier (descending, so that no answer has a leading zero that a numeric comparison drops)
 
 `addition` and `sort` name the default difficulty (see DEFAULT_ADDITION_DIGITS, DEFAULT_SORT_LENGTH); a task's
 `name` is always the canonical one ("addition3"), and `get_task("addition", digits=4)` builds any other.
 
-The model's response is the answer text followed by `<eos>` (see steps.tokenizer). `verify` compares the
-response with the answer after stripping surrounding whitespace:
+The model's response is `sft_target` followed by a stop token (see steps.tokenizer). The digit tasks' `verify`
+compares the response with the answer after stripping surrounding whitespace:
     well_formed  the response ended (the policy wrote <eos>), is nonempty after stripping, and has only the
                  task's answer characters (digits);
     correct      the response ended and its stripped text equals the stripped answer.
@@ -20,36 +23,25 @@ sort. So no held-out problem, nor a reordering of one, is ever a training prompt
 difficulty. `prompts(split, n, seed)` returns n distinct problems of that split, the same for the same
 arguments on any machine; prompt ids are stable ("addition3/012345": operands 012 and 345; "sort5/83014").
 
-Prompt files (JSONL, read from the run store). One JSON object per line; blank lines are ignored:
-
-    {"prompt_id": "q1", "prompt": "12+345=", "answer": "357", "task": "addition3"}
-
-    prompt_id  string, nonempty, unique within the file
-    prompt     string, nonempty; only tokenizer vocabulary characters (digits, a-z, space, +=,:?>.-()*)
-    answer     string, a well-formed answer for the task (for every task here: digits only)
-    task       string, a known task name (see TASKS) whose verifier checks the answer
-
-No other fields are allowed. The prompt text is free (it need not look like the task's own prompts); only the
-answer is checked, by the named task's verifier. An alias ("addition") is stored as the canonical task name.
-Every bad line is reported, with its line number, in one error.
+Prompt files (JSONL or Parquet, the user's own prompts) are read by steps/prompt_data.py.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import random
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from functools import cached_property
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from steps.errors import MoerlError
-from steps.tokenizer import DIGITS, describe_vocab, response_end, unknown_chars
+from steps.verifiers import MathVerifier, Verdict
 
 if TYPE_CHECKING:
-    from tokenizers import Tokenizer
+    from steps.tokenizer import CheckpointTokenizer
 
-    from steps.store import Store
+DIGITS = "0123456789"
 
 SPLITS = ("train", "heldout")
 HELDOUT_PERCENT = 10
@@ -66,16 +58,19 @@ _ENUMERATE_LIMIT = 200_000
 
 @dataclass(frozen=True)
 class Prompt:
+    """One prompt: its text, or its chat messages (then `text` is the last message's content, for logs)."""
+
     prompt_id: str
-    task: str
+    task: str  # a built-in task's name, or prompt_data.PROMPT_FILE_TASK
     text: str
     answer: str
+    messages: tuple[Mapping[str, str], ...] | None = None
+    metadata: Mapping[str, Any] = field(default_factory=dict, compare=False)
 
-
-@dataclass(frozen=True)
-class Verdict:
-    correct: bool
-    well_formed: bool
+    @property
+    def content(self) -> str | list[dict[str, str]]:
+        """What the prompt format renders: the text, or the chat messages."""
+        return [dict(m) for m in self.messages] if self.messages is not None else self.text
 
 
 class Task(Protocol):
@@ -85,6 +80,8 @@ class Task(Protocol):
     def prompts(self, split: str, n: int, seed: int) -> list[Prompt]: ...
 
     def verify(self, response: str, answer: str, ended: bool = True) -> Verdict: ...
+
+    def sft_target(self, answer: str) -> str: ...
 
 
 def split_of(split_key: str) -> str:
@@ -158,6 +155,10 @@ class DigitTask:
         well_formed = ended and bool(text) and all(c in self.answer_chars for c in text)
         return Verdict(correct=ended and text == answer.strip(), well_formed=well_formed)
 
+    def sft_target(self, answer: str) -> str:
+        """The response text a perfect policy writes (the stop token after it is added as a token id)."""
+        return answer.strip()
+
     def __repr__(self) -> str:
         return f"<task {self.name}>"
 
@@ -193,6 +194,28 @@ class Sort(DigitTask):
         return f"sort:{digits}>", answer, f"sort:{answer}"
 
 
+class SortDescending(Sort):
+    """Sort in natural language for a chat model: the digits in descending order, answered in \\boxed{}."""
+
+    def __init__(self, length: int = DEFAULT_SORT_LENGTH) -> None:
+        _check_param("sortdesc", "length", length, SORT_LENGTHS)
+        super().__init__(length)
+        self.name = f"sortdesc{length}"
+        self.answer_rule = "digits, checked by math-verify"
+
+    def problem(self, index: int) -> tuple[str, str, str]:
+        digits = f"{index:0{self.length}d}"
+        answer = "".join(sorted(digits, reverse=True))
+        text = f"Sort the digits {digits} in descending order. Put the final answer in \\boxed{{}}."
+        return text, answer, f"sortdesc:{answer}"
+
+    def verify(self, response: str, answer: str, ended: bool = True) -> Verdict:
+        return MathVerifier().verify(response, answer, ended)
+
+    def sft_target(self, answer: str) -> str:
+        return f"\\boxed{{{answer.strip()}}}"
+
+
 def _check_param(family: str, param: str, value: object, allowed: range) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value not in allowed:
         raise MoerlError(
@@ -201,7 +224,7 @@ def _check_param(family: str, param: str, value: object, allowed: range) -> None
         )
 
 
-FAMILIES: dict[str, type[DigitTask]] = {"addition": Addition, "sort": Sort}
+FAMILIES: dict[str, type[DigitTask]] = {"addition": Addition, "sort": Sort, "sortdesc": SortDescending}
 
 
 def _registry() -> dict[str, Task]:
@@ -210,8 +233,10 @@ def _registry() -> dict[str, Task]:
         tasks[f"addition{digits}"] = Addition(digits)
     for length in SORT_LENGTHS:
         tasks[f"sort{length}"] = Sort(length)
+        tasks[f"sortdesc{length}"] = SortDescending(length)
     tasks["addition"] = tasks[f"addition{DEFAULT_ADDITION_DIGITS}"]
     tasks["sort"] = tasks[f"sort{DEFAULT_SORT_LENGTH}"]
+    tasks["sortdesc"] = tasks[f"sortdesc{DEFAULT_SORT_LENGTH}"]
     return tasks
 
 
@@ -238,154 +263,12 @@ def get_task(name: str, **params: int) -> Task:
 
 
 def sft_target(prompt: Prompt) -> str:
-    """The response text a perfect policy writes for `prompt` (the <eos> after it is added as a token id)."""
-    return prompt.answer.strip()
+    """The response text a perfect policy writes for a built-in task's `prompt`."""
+    return get_task(prompt.task).sft_target(prompt.answer)
 
 
-def verify_ids(task: Task, tok: Tokenizer, response_ids: list[int], answer: str) -> Verdict:
-    """Verdict on a sampled response given as token ids: it ends at its first <eos>; a special token before
-    that (pad, bos, unk) makes it malformed rather than being skipped."""
-    kept, ended = response_end(response_ids)
-    text = tok.decode([int(i) for i in kept], skip_special_tokens=False)
+def verify_ids(task: Task, tok: CheckpointTokenizer, response_ids: list[int], answer: str) -> Verdict:
+    """Verdict on a sampled response given as token ids: it ends at its first stop token; the text before it
+    is decoded as written (a special token there stays in the text, so the digit tasks call it malformed)."""
+    text, ended = tok.response_text(response_ids)
     return task.verify(text, answer, ended=ended)
-
-
-# ---------------------------------------------------------------- prompt files
-
-PROMPT_FILE_FIELDS = ("prompt_id", "prompt", "answer", "task")
-_MAX_PROBLEMS_SHOWN = 20
-_SCHEMA_HINT = (
-    "each nonblank line must be one JSON object "
-    '{"prompt_id": str, "prompt": str, "answer": str, "task": str} (schema: steps/tasks.py)'
-)
-
-
-class _Pairs(list):
-    """A JSON object as its (key, value) pairs, so that repeated keys are seen, not silently merged."""
-
-
-def _short(value: object) -> str:
-    text = repr(value)
-    return text if len(text) <= 40 else text[:37] + "..."
-
-
-def _text_problem(field: str, text: str) -> str | None:
-    """What is wrong with the text of a prompt or answer field, or None: empty, or not tokenizable."""
-    if not text.strip():
-        return f"empty {field}"
-    if bad := unknown_chars(text):
-        return (
-            f"{field} has characters outside the tokenizer vocabulary: {', '.join(map(_short, bad[:5]))} "
-            f"(use only {describe_vocab()})"
-        )
-    return None
-
-
-def _line_problems(line: str, seen_ids: dict[str, int], lineno: int) -> tuple[Prompt | None, list[str]]:
-    try:
-        obj = json.loads(line, object_pairs_hook=_Pairs)
-    except json.JSONDecodeError as err:
-        return None, [f"invalid JSON ({err.msg} at column {err.colno})"]
-    except (ValueError, RecursionError) as err:  # e.g. an integer too long to convert, or absurd nesting
-        return None, [f"invalid JSON ({str(err)[:80] or type(err).__name__})"]
-    if not isinstance(obj, _Pairs):
-        return None, [f"not a JSON object (got {type(obj).__name__})"]
-    problems = []
-    keys = [key for key, _ in obj]
-    for key in dict.fromkeys(k for k in keys if keys.count(k) > 1):
-        problems.append(f"field {_short(key)} given more than once")
-    fields = dict(obj)
-    for key in fields:
-        if key not in PROMPT_FILE_FIELDS:
-            problems.append(f"unknown field {_short(key)} (allowed: {', '.join(PROMPT_FILE_FIELDS)})")
-    for key in PROMPT_FILE_FIELDS:
-        if key not in fields:
-            problems.append(f"missing field {key!r}")
-        elif not isinstance(fields[key], str):
-            kind = "null" if fields[key] is None else type(fields[key]).__name__
-            problems.append(f"field {key!r} must be a string, got {kind} (write it in double quotes)")
-    strings = {k: fields[k] for k in PROMPT_FILE_FIELDS if isinstance(fields.get(k), str)}
-
-    prompt_id = strings.get("prompt_id")
-    if prompt_id is not None:
-        if not prompt_id.strip():
-            problems.append("empty prompt_id")
-        elif prompt_id in seen_ids:
-            problems.append(f"duplicate prompt_id {_short(prompt_id)} (first on line {seen_ids[prompt_id]})")
-        else:
-            seen_ids[prompt_id] = lineno
-    text = strings.get("prompt")
-    if text is not None and (problem := _text_problem("prompt", text)):
-        problems.append(problem)
-    task = None
-    if "task" in strings:
-        task = TASKS.get(strings["task"])
-        if task is None:
-            problems.append(f"unknown task {_short(strings['task'])} (known: {', '.join(TASKS)})")
-    answer = strings.get("answer")
-    if answer is not None:
-        if problem := _text_problem("answer", answer):
-            problems.append(problem)
-        elif task is not None and not task.verify(answer, answer).well_formed:
-            problems.append(
-                f"answer {_short(answer)} can never be matched by task {task.name} ({task.answer_rule})"
-            )
-    if problems:
-        return None, problems
-    assert prompt_id is not None and text is not None and answer is not None and task is not None
-    return Prompt(prompt_id=prompt_id, task=task.name, text=text, answer=answer), []
-
-
-def parse_prompt_jsonl(text: str, source: str) -> list[Prompt]:
-    """Prompts of a JSONL prompt file (schema in the module docstring). Every bad line is reported, with its
-    line number, in one MoerlError that names `source`."""
-    prompts: list[Prompt] = []
-    problems: list[str] = []
-    seen_ids: dict[str, int] = {}
-    for lineno, line in enumerate(text.split("\n"), start=1):
-        if not line.strip():
-            continue
-        prompt, line_problems = _line_problems(line, seen_ids, lineno)
-        problems.extend(f"line {lineno}: {p}" for p in line_problems)
-        if prompt is not None:
-            prompts.append(prompt)
-    if problems:
-        shown = problems[:_MAX_PROBLEMS_SHOWN]
-        if len(problems) > len(shown):
-            shown.append(f"... and {len(problems) - len(shown)} more")
-        raise MoerlError(
-            f"prompt file {source} has {len(problems)} problem(s):\n  "
-            + "\n  ".join(shown)
-            + f"\nfix these lines: {_SCHEMA_HINT}"
-        )
-    if not prompts:
-        raise MoerlError(f"prompt file {source} has no prompts; {_SCHEMA_HINT}")
-    return prompts
-
-
-def format_prompt_jsonl(prompts: list[Prompt]) -> str:
-    """The JSONL text of `prompts`, which parse_prompt_jsonl reads back unchanged."""
-    return "".join(
-        json.dumps({"prompt_id": p.prompt_id, "prompt": p.text, "answer": p.answer, "task": p.task}) + "\n"
-        for p in prompts
-    )
-
-
-def read_prompt_file(store: Store, key: str) -> list[Prompt]:
-    """Prompts of the JSONL file at `key` in the run store (read through Store.get_bytes)."""
-    from steps.store import ObjectNotFound  # lazily: the store pulls in fsspec/s3fs
-
-    source = store.url(key)
-    try:
-        data = store.get_bytes(key)
-    except ObjectNotFound as err:
-        raise MoerlError(
-            f"prompt file {source} does not exist; upload the JSONL file there or point the run at the right key"
-        ) from err
-    try:
-        text = data.decode("utf-8-sig")  # tolerate a byte-order mark written by some editors
-    except UnicodeDecodeError as err:
-        raise MoerlError(
-            f"prompt file {source} is not UTF-8 text (bad byte at offset {err.start}); save it as UTF-8 JSONL"
-        ) from err
-    return parse_prompt_jsonl(text, source)

@@ -1,140 +1,303 @@
-"""The character-level tokenizer for the toy tasks: one token per character, built locally.
+"""The checkpoint's own tokenizer: how every step turns a prompt into token ids and a response back into text.
 
-Nothing is downloaded: the vocabulary is written out below and turned into a `tokenizers.Tokenizer`
-(WordLevel model over single characters). `save_tokenizer` writes the files that
-`transformers.AutoTokenizer.from_pretrained(dir)` loads offline (as `TokenizersBackend`, the class that
-`PreTrainedTokenizerFast` names in transformers 5), so a checkpoint dir carries its own tokenizer.
+A checkpoint dir carries its tokenizer as Hugging Face writes it:
 
-Ids:
-    0 <pad>   1 <bos>   2 <eos>   3 <unk>   then one id per character of VOCAB_CHARS, in that order.
+    tokenizer.json            the `tokenizers` model, pre-tokenizer, added tokens and post-processor
+    tokenizer_config.json     bos/eos/pad/unk token strings, and the chat template (older checkpoints)
+    special_tokens_map.json   the same token strings (legacy checkpoints)
+    chat_template.jinja       the chat template (transformers 5 writes it here)
+    generation_config.json    eos_token_id: an id or a list of ids that end a response
+    config.json               eos_token_id, when there is no generation_config.json
 
-`<unk>` only exists so that a Hugging Face tokenizer given text outside the vocabulary degrades to an unknown
-token instead of failing inside Rust; our own `encode` refuses such text with a MoerlError. `<` is not a
-vocabulary character, so no text that `encode` accepts can spell a special token.
+`CheckpointTokenizer.load(dir)` reads them with the `tokenizers` library (no transformers tokenizer class is
+built, so a step pays no transformers import for a raw prompt). Nothing here knows a vocabulary:
 
-Sequence conventions (shared by SFT, rollout and scoring):
-    prompt ids   = [BOS_ID] + encode(prompt text)          (`encode_prompt`; also what the HF tokenizer
-                                                             produces with its default add_special_tokens)
-    response ids = encode(response text) + [EOS_ID]        a response ends at its first EOS
+    prompt ids (raw)     tokenizer.encode(text, add_special_tokens=True): its post-processor puts BOS in front
+                         only where this tokenizer adds one (the demo's does, Qwen's does not)
+    prompt ids (chat)    the chat template rendered with add_generation_prompt (transformers' own renderer,
+                         with the bos/eos/pad/unk strings and the template kwargs, e.g. enable_thinking), then
+                         encoded without special tokens: the template writes its own, as apply_chat_template does
+    stop tokens          generation_config.json eos_token_id (an int or a list) plus the tokenizer's eos token
+    a response           ends at its first stop token (kept in the ids, left out of the text)
+
+A prompt is valid when the tokenizer encodes it: text that a vocabulary without byte fallback can only map to
+its unknown token is refused, naming the characters.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+from tokenizers import Tokenizer
 
 from steps.errors import MoerlError
-
-PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
-SPECIAL_TOKENS = (PAD, BOS, EOS, UNK)
-PAD_ID, BOS_ID, EOS_ID, UNK_ID = range(len(SPECIAL_TOKENS))
-SPECIAL: dict[str, int] = {token: i for i, token in enumerate(SPECIAL_TOKENS)}
-
-DIGITS = "0123456789"
-LETTERS = "abcdefghijklmnopqrstuvwxyz"
-PUNCTUATION = " +=,:?>.-()*"  # space first
-VOCAB_CHARS = DIGITS + LETTERS + PUNCTUATION
-VOCAB_SIZE = len(SPECIAL_TOKENS) + len(VOCAB_CHARS)
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 SPECIAL_TOKENS_MAP_FILE = "special_tokens_map.json"
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+GENERATION_CONFIG_FILE = "generation_config.json"
+MODEL_CONFIG_FILE = "config.json"
+# What a step that needs the tokenizer but not the weights downloads (those of them the checkpoint has).
+TOKENIZER_FILES = (
+    TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, SPECIAL_TOKENS_MAP_FILE, CHAT_TEMPLATE_FILE, GENERATION_CONFIG_FILE,
+    MODEL_CONFIG_FILE,
+)  # fmt: skip
+SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "pad_token", "unk_token")
 
-_VOCAB_CHAR_SET = frozenset(VOCAB_CHARS)
-
-
-def build_tokenizer() -> Tokenizer:
-    """The tokenizer, built from the fixed vocabulary above (same ids on every machine)."""
-    vocab = {token: i for i, token in enumerate((*SPECIAL_TOKENS, *VOCAB_CHARS))}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token=UNK))
-    # Every character is its own piece; [\s\S] so that newlines and other whitespace are pieces too.
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    # Fuse joins the pieces with nothing between them (the default decoder would insert spaces).
-    tok.decoder = decoders.Fuse()
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
-    # With add_special_tokens=True (the HF default) a text becomes a prompt: BOS in front, no EOS.
-    tok.post_processor = processors.TemplateProcessing(
-        single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, BOS_ID)]
-    )
-    return tok
+Messages = tuple[Mapping[str, str], ...]
+PromptInput = str | Sequence[Mapping[str, str]]
 
 
-def unknown_chars(text: str) -> list[str]:
-    """The distinct characters of `text` that are not in the vocabulary, in order of first appearance."""
-    return list(dict.fromkeys(c for c in text if c not in _VOCAB_CHAR_SET))
+@dataclass(frozen=True)
+class PromptFormat:
+    """How a prompt becomes the text the policy sees: as is ('raw') or through the chat template ('chat')."""
+
+    kind: str = "raw"
+    system_prompt: str | None = None
+    template_kwargs: Mapping[str, Any] = field(default_factory=dict)
+
+    def messages(self, prompt: PromptInput) -> list[dict[str, str]]:
+        """The chat of a prompt: a string is one user message; the system prompt goes first unless the
+        prompt's own messages start with one."""
+        chat = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
+        if self.system_prompt is not None and not (chat and chat[0].get("role") == "system"):
+            chat.insert(0, {"role": "system", "content": self.system_prompt})
+        return chat
 
 
-def describe_vocab() -> str:
-    return f"digits, lowercase letters a-z, space and {PUNCTUATION.strip()!r}"
+RAW = PromptFormat()
 
 
-def encode(tok: Tokenizer, text: str) -> list[int]:
-    """Ids of `text`, one per character, no special tokens. Text outside the vocabulary is a MoerlError."""
-    bad = unknown_chars(text)
-    if bad:
-        shown = ", ".join(repr(c) for c in bad[:10])
-        raise MoerlError(
-            f"text {text[:40]!r} has characters outside the tokenizer vocabulary: {shown}; "
-            f"use only {describe_vocab()}"
-        )
-    return tok.encode(text, add_special_tokens=False).ids
+def _token_string(value: object) -> str | None:
+    """A special token as tokenizer_config.json spells it: a string, or an AddedToken dict with 'content'."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict) and isinstance(value.get("content"), str):
+        return value["content"]
+    return None
 
 
-def encode_prompt(tok: Tokenizer, text: str) -> list[int]:
-    """Ids the model sees for a prompt: BOS, then the text."""
-    return [BOS_ID, *encode(tok, text)]
-
-
-def response_end(ids: list[int]) -> tuple[list[int], bool]:
-    """The response up to (not including) its first EOS, and whether an EOS was there at all."""
-    ids = list(ids)
-    if EOS_ID in ids:
-        return ids[: ids.index(EOS_ID)], True
-    return ids, False
-
-
-def decode(tok: Tokenizer, ids: list[int]) -> str:
-    """Text of `ids`: everything after the first EOS is dropped, then PAD/BOS/UNK are skipped.
-
-    For any text over the vocabulary, decode(tok, encode(tok, text)) == text.
-    """
-    kept, _ = response_end(ids)
-    return tok.decode([int(i) for i in kept], skip_special_tokens=True)
-
-
-def save_tokenizer(directory: str | Path) -> Path:
-    """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json into `directory`."""
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    build_tokenizer().save(str(directory / TOKENIZER_FILE))
-    specials = {"bos_token": BOS, "eos_token": EOS, "pad_token": PAD, "unk_token": UNK}
-    config = {
-        "tokenizer_class": "TokenizersBackend",
-        "backend": "tokenizers",
-        **specials,
-        # Batched generation with a causal LM pads on the left so every prompt ends at the last column.
-        "padding_side": "left",
-        "clean_up_tokenization_spaces": False,
-    }
-    (directory / TOKENIZER_CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
-    (directory / SPECIAL_TOKENS_MAP_FILE).write_text(json.dumps(specials, indent=2) + "\n")
-    return directory
-
-
-def load_tokenizer(directory: str | Path) -> Tokenizer:
-    """The tokenizer saved in `directory` (its tokenizer.json)."""
-    path = Path(directory) / TOKENIZER_FILE
+def _read_json(path: Path) -> dict[str, Any]:
     if not path.is_file():
-        raise MoerlError(
-            f"no {TOKENIZER_FILE} in {directory}; write it with steps.tokenizer.save_tokenizer(dir) "
-            "(moerl sft-demo does this for the demo checkpoint)"
-        )
+        return {}
     try:
-        return Tokenizer.from_file(str(path))
-    except Exception as err:  # the Rust side raises plain Exception for malformed files
-        raise MoerlError(
-            f"{path} is not a valid tokenizer file ({err}); "
-            "rewrite it with steps.tokenizer.save_tokenizer(dir)"
-        ) from err
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as err:
+        raise MoerlError(f"{path}: not valid JSON ({err}); save the tokenizer again with save_pretrained") from err
+    if not isinstance(data, dict):
+        raise MoerlError(f"{path}: expected a JSON object; save the tokenizer again with save_pretrained")
+    return data
+
+
+def _eos_ids(value: object) -> list[int]:
+    if isinstance(value, bool):
+        return []
+    if isinstance(value, int):
+        return [value]
+    if isinstance(value, list):
+        return [v for v in value if isinstance(v, int) and not isinstance(v, bool)]
+    return []
+
+
+class CheckpointTokenizer:
+    """A checkpoint's tokenizer with its special tokens, stop tokens and chat template."""
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        special_tokens: Mapping[str, str],
+        stop_ids: Sequence[int],
+        chat_template: str | None,
+        source: str,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.special_tokens = dict(special_tokens)
+        self.stop_ids = tuple(dict.fromkeys(int(i) for i in stop_ids))
+        self.chat_template = chat_template
+        self.source = source
+
+    @classmethod
+    def load(cls, directory: str | Path, source: str | None = None) -> CheckpointTokenizer:
+        """The tokenizer saved in `directory`; `source` names the checkpoint in errors (default: the dir)."""
+        directory = Path(directory)
+        where = source or str(directory)
+        path = directory / TOKENIZER_FILE
+        if not path.is_file():
+            raise MoerlError(
+                f"{where}: no {TOKENIZER_FILE}; save the checkpoint's tokenizer beside its weights "
+                "(AutoTokenizer.from_pretrained(...).save_pretrained(dir))"
+            )
+        try:
+            tokenizer = Tokenizer.from_file(str(path))
+        except Exception as err:  # the Rust side raises plain Exception for malformed files
+            raise MoerlError(
+                f"{where}/{TOKENIZER_FILE} is not a valid tokenizer file ({str(err)[:200]}); save the tokenizer "
+                "again with save_pretrained"
+            ) from err
+        config = _read_json(directory / TOKENIZER_CONFIG_FILE)
+        legacy = _read_json(directory / SPECIAL_TOKENS_MAP_FILE)
+        special: dict[str, str] = {}
+        for name in SPECIAL_TOKEN_NAMES:
+            token = _token_string(config.get(name)) or _token_string(legacy.get(name))
+            if token is not None:
+                special[name] = token
+        template_file = directory / CHAT_TEMPLATE_FILE
+        template = config.get("chat_template")
+        if template_file.is_file():
+            template = template_file.read_text(encoding="utf-8")
+        elif isinstance(template, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+            template = named.get("default")
+        generation = _read_json(directory / GENERATION_CONFIG_FILE)
+        eos_source = generation if "eos_token_id" in generation else _read_json(directory / MODEL_CONFIG_FILE)
+        stop_ids = _eos_ids(eos_source.get("eos_token_id"))
+        eos = special.get("eos_token")
+        if eos is not None and tokenizer.token_to_id(eos) is not None:
+            stop_ids.append(tokenizer.token_to_id(eos))
+        vocab = tokenizer.get_vocab_size(with_added_tokens=True)
+        bad = [i for i in stop_ids if not 0 <= i < vocab]
+        if bad:
+            raise MoerlError(
+                f"{where}: eos_token_id {bad} is outside the tokenizer's {vocab} ids; fix eos_token_id in "
+                f"{GENERATION_CONFIG_FILE} (or {MODEL_CONFIG_FILE})"
+            )
+        if not stop_ids:
+            raise MoerlError(
+                f"{where}: no stop token: neither {GENERATION_CONFIG_FILE} nor {MODEL_CONFIG_FILE} has "
+                f"eos_token_id, and {TOKENIZER_CONFIG_FILE} names no eos_token that the tokenizer knows; set "
+                "eos_token_id in generation_config.json"
+            )
+        return cls(tokenizer, special, stop_ids, template if isinstance(template, str) else None, where)
+
+    # ------------------------------------------------------------------------------------ special tokens
+
+    def token_id(self, name: str) -> int | None:
+        """The id of a special token by its name ('bos_token', 'pad_token', ...), or None."""
+        token = self.special_tokens.get(name)
+        return None if token is None else self.tokenizer.token_to_id(token)
+
+    @property
+    def eos_id(self) -> int:
+        """The token a finished response ends with: the tokenizer's eos, else the first stop token."""
+        eos = self.token_id("eos_token")
+        return eos if eos is not None else self.stop_ids[0]
+
+    @property
+    def pad_id(self) -> int:
+        """Padding: the tokenizer's pad token, else its eos (padded positions are masked out anyway)."""
+        pad = self.token_id("pad_token")
+        return pad if pad is not None else self.eos_id
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+    # ------------------------------------------------------------------------------------------ prompts
+
+    def encode_text(self, text: str) -> list[int]:
+        """Ids of `text` with no special tokens added (added tokens written in the text still match)."""
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def prompt_text(self, prompt: PromptInput, fmt: PromptFormat = RAW) -> str:
+        """The text the policy sees for `prompt`: the prompt itself, or the rendered chat template."""
+        if fmt.kind == "raw":
+            if not isinstance(prompt, str):
+                raise MoerlError(
+                    f"a prompt given as chat messages needs prompt_format: chat (the checkpoint {self.source} "
+                    "formats messages with its chat template)"
+                )
+            return prompt
+        if self.chat_template is None:
+            raise MoerlError(
+                f"{self.source}: prompt_format is chat but the checkpoint has no chat template; add one "
+                f"({CHAT_TEMPLATE_FILE}, or chat_template in {TOKENIZER_CONFIG_FILE}) or use prompt_format: raw"
+            )
+        # transformers' own renderer (a sandboxed jinja2 environment with its filters and extensions), so
+        # a template renders here exactly as apply_chat_template renders it; imported only for chat prompts.
+        from transformers.utils.chat_template_utils import render_jinja_template
+
+        try:
+            rendered, _ = render_jinja_template(
+                conversations=[fmt.messages(prompt)],
+                chat_template=self.chat_template,
+                add_generation_prompt=True,
+                **{**self.special_tokens, **dict(fmt.template_kwargs)},
+            )
+        except Exception as err:  # jinja2 raises TemplateError, the template itself anything via raise_exception
+            raise MoerlError(
+                f"{self.source}: its chat template failed on a prompt ({type(err).__name__}: {str(err)[:200]}); "
+                "fix the prompt's messages or the template kwargs (chat_template_kwargs)"
+            ) from err
+        return rendered[0]
+
+    def prompt_ids(self, prompt: PromptInput, fmt: PromptFormat = RAW) -> list[int]:
+        """The ids the policy sees for `prompt` (module docstring: BOS only where the tokenizer adds one)."""
+        return self._encode_prompt(self.prompt_text(prompt, fmt), fmt).ids
+
+    def _encode_prompt(self, text: str, fmt: PromptFormat) -> Any:
+        # raw: the post-processor adds what this tokenizer adds (BOS or nothing); chat: the template wrote it
+        return self.tokenizer.encode(text, add_special_tokens=fmt.kind == "raw")
+
+    def _unknown_pieces(self, text: str, ids: Sequence[int], offsets: Sequence[tuple[int, int]]) -> list[str]:
+        unk = self.token_id("unk_token")
+        if unk is None:
+            unk = self.tokenizer.token_to_id("<unk>")
+        if unk is None:
+            return []
+        pieces = [text[a:b] for i, (a, b) in zip(ids, offsets, strict=True) if i == unk]
+        return list(dict.fromkeys(p for p in pieces if p != self.special_tokens.get("unk_token")))
+
+    def unencodable(self, text: str) -> list[str]:
+        """The distinct pieces of `text` that the tokenizer can only map to its unknown token."""
+        encoding = self.tokenizer.encode(text, add_special_tokens=False)
+        return self._unknown_pieces(text, encoding.ids, encoding.offsets)
+
+    def checked_prompt_ids(self, prompt: PromptInput, fmt: PromptFormat = RAW) -> tuple[list[int], str | None]:
+        """(ids, None) for a prompt this checkpoint can take, else ([], why not): the format fits the prompt
+        (and the checkpoint has a chat template for chat), and the tokenizer encodes every piece of it."""
+        try:
+            text = self.prompt_text(prompt, fmt)
+        except MoerlError as err:
+            return [], str(err)
+        encoding = self._encode_prompt(text, fmt)
+        bad = self._unknown_pieces(text, encoding.ids, encoding.offsets)
+        if bad:
+            shown = ", ".join(repr(p) for p in bad[:8])
+            return [], f"the checkpoint's tokenizer cannot encode {shown} (it maps them to its unknown token)"
+        if not encoding.ids:
+            return [], "the prompt encodes to no tokens"
+        return encoding.ids, None
+
+    def prompt_problem(self, prompt: PromptInput, fmt: PromptFormat = RAW) -> str | None:
+        """Why `prompt` cannot be a prompt for this checkpoint (format or tokenizer), or None."""
+        return self.checked_prompt_ids(prompt, fmt)[1]
+
+    # ---------------------------------------------------------------------------------------- responses
+
+    def response_end(self, ids: Sequence[int]) -> tuple[list[int], bool]:
+        """The response up to (not including) its first stop token, and whether it had one."""
+        ids = [int(i) for i in ids]
+        stops = set(self.stop_ids)
+        for position, token in enumerate(ids):
+            if token in stops:
+                return ids[:position], True
+        return ids, False
+
+    def response_text(self, ids: Sequence[int]) -> tuple[str, bool]:
+        """(text, ended): the response up to its first stop token, decoded as the model wrote it (special
+        tokens before the stop stay in the text), and whether it ended."""
+        kept, ended = self.response_end(ids)
+        return self.tokenizer.decode(kept, skip_special_tokens=False), ended
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+
+def load_tokenizer(directory: str | Path, source: str | None = None) -> CheckpointTokenizer:
+    """CheckpointTokenizer.load, by the name the steps use."""
+    return CheckpointTokenizer.load(directory, source)

@@ -14,10 +14,10 @@ import torch
 from model_helpers import randomize_
 
 from pipelines.config import validate_config
+from steps.char_tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, save_tokenizer
 from steps.import_sft import import_sft
 from steps.model import MoeConfig, MoeForCausalLM, save_pretrained
 from steps.store import Store
-from steps.tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, save_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -109,7 +109,7 @@ CONFIG_CASES = [
     ("shards-vs-chunks", {"rollout": {"num_shards": 8, "chunk_size": 16}},
      "rollout.num_shards: 8 shards but only 4 chunks of 16 prompts per iteration; use at most 4 shards"),
     ("not-a-store-uri", {"run_store": "http://x/y"}, "run_store: 'http://x/y' is not a store URI"),
-    ("unknown-task", {"task": {"name": "additon"}}, "unknown task 'additon'; use 'addition' or 'sort' (did you mean"),
+    ("unknown-task", {"task": {"name": "additon"}}, "unknown task 'additon'; use one of addition, sort, sortdesc"),
     ("argo-braces", {"name": "a{{b}}"}, "'{{' would be read by Argo as a template variable"),
     ("run-name", {"name": "My_Run"}, "name: 'My_Run' is not a valid run name"),
     ("spot-trainer", {"placement": {"trainer": {"spot": True}}},
@@ -258,7 +258,7 @@ SFT_CASES = [
      "tensor model.embed_tokens.weight has shape [52, 32], expected [7, 32] from config.json"),
     ("extra-tensor", edit_tensors(lambda t: t.__setitem__("extra.weight", torch.zeros(2))),
      "unexpected tensor extra.weight (1 unexpected in all) for a Qwen3-MoE model"),
-    ("tokenizer-garbage", write("tokenizer.json", b"{}"), "tokenizer.json: unreadable tokenizer"),
+    ("tokenizer-garbage", write("tokenizer.json", b"{}"), "tokenizer.json is not a valid tokenizer file"),
     ("pickle-only", pickle_only, "weights are pickled (pytorch_model.bin); moerl reads safetensors only"),
 ]  # fmt: skip
 
@@ -304,7 +304,7 @@ def test_an_sft_checkpoint_with_nan_weights_is_refused(sft, tmp_path, monkeypatc
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
-# --- prompt files (read by rollout from run.json's prompt_file) ------------------------------------------
+# --- prompt files (read by rollout from run.json's prompt_file; moerl check reads them before, test_check.py) --
 
 GOOD_PROMPT = '{"prompt_id": "a", "prompt": "1+2=", "answer": "3", "task": "addition"}\n'
 
@@ -312,14 +312,14 @@ PROMPT_CASES = [
     ("not-json", GOOD_PROMPT + "{oops\n", "line 2: invalid JSON (Expecting property name enclosed in double quotes"),
     ("not-an-object", "[1, 2]\n", "line 1: not a JSON object (got list)"),
     ("missing-field", '{"prompt_id": "a", "prompt": "1+2=", "task": "addition"}\n', "line 1: missing field 'answer'"),
-    ("duplicate-id", GOOD_PROMPT * 2, "line 2: duplicate prompt_id 'a' (first on line 1)"),
-    ("number-answer", GOOD_PROMPT.replace('"3"', "3"), "field 'answer' must be a string, got int"),
-    ("unknown-task", GOOD_PROMPT.replace("addition", "poetry"), "line 1: unknown task 'poetry' (known: "),
+    ("duplicate-id", GOOD_PROMPT * 2, "line 2: duplicate prompt_id 'a', first on line 1"),
+    ("null-answer", GOOD_PROMPT.replace('"3"', "null"), "field 'answer' must be a string or a number, got null"),
+    ("no-prompt-field", '{"answer": "3"}\n', "line 1: missing field 'prompt' (the prompt)"),
     ("outside-vocabulary", GOOD_PROMPT.replace("1+2=", "héllo"),
-     "prompt has characters outside the tokenizer vocabulary: 'é'"),
-    ("empty", "", "has no prompts; each nonblank line must be one JSON object"),
+     "prompt 'a': the checkpoint's tokenizer cannot encode 'é' (it maps them to its unknown token)"),
+    ("empty", "", "has no prompts; each record needs \"prompt\""),
     ("not-utf8", GOOD_PROMPT.encode().replace(b"1+2=", b"\xe9"), "is not UTF-8 text (bad byte at offset 30)"),
-    ("missing", None, "does not exist; upload the JSONL file there or point the run at the right key"),
+    ("missing", None, "does not exist; upload the JSONL or Parquet file there or fix the URI"),
 ]  # fmt: skip
 
 
@@ -331,7 +331,9 @@ def test_bad_prompt_file(content, message, sft, tmp_path, monkeypatch, capsys):
     run = make_run(tmp_path, sft, prompt_file=prompt_file.as_uri(), prompts_per_iteration=4, group_size=2,
                    rollout={"num_shards": 1, "chunk_size": 2}, heldout_size=0)  # fmt: skip
     result = step(rollout, ["--run", run, "--iteration", "1", "--shard", "0", "--num-shards", "1"], monkeypatch, capsys)
-    assert_refused(result, f"prompt file {prompt_file.as_uri()} ")
+    # a bad record names the file; a prompt the checkpoint's tokenizer cannot encode names the prompt
+    names = "prompt 'a': " if message.startswith("prompt 'a'") else f"prompt file {prompt_file.as_uri()} "
+    assert_refused(result, names)
     assert message in result[1]
     nothing_published(run)
 

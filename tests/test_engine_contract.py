@@ -12,6 +12,7 @@ import torch
 from experience_helpers import tiny_model, write_checkpoint
 from model_helpers import response_logits, response_logprobs
 
+from steps.char_tokenizer import EOS_ID, build_tokenizer, encode_prompt
 from steps.engine import (
     FINISH_LENGTH,
     FINISH_STOP,
@@ -24,13 +25,14 @@ from steps.engine import (
 from steps.model import load_pretrained
 from steps.sglang_engine import sglang_unavailable_reason
 from steps.tasks import get_task
-from steps.tokenizer import EOS_ID, build_tokenizer, encode_prompt
 
 TOK = build_tokenizer()
 PROMPTS = get_task("addition").prompts("train", 6, 1) + get_task("sort").prompts("train", 2, 1)
 PROMPT_IDS = [(p.prompt_id, encode_prompt(TOK, p.text)) for p in PROMPTS]
 # How close each engine's log-probs come to the policy recomputed in fp32 by steps.model.
 LOGPROB_ATOL = {"torch": 1e-4, "sglang": 2e-2}
+
+DEMO_STOP = (2,)  # the demo tokenizer's <eos>: these checkpoints stop there (steps.char_tokenizer.EOS_ID)
 
 
 def seeds(prompt_id, k):
@@ -63,7 +65,7 @@ def engine(request, checkpoint_dir):
 
 
 def test_one_generation_per_request_in_order_with_policy_logprobs(engine, policy):
-    params = SamplingParams(n=3, max_new_tokens=8)
+    params = SamplingParams(stop_token_ids=DEMO_STOP, n=3, max_new_tokens=8)
     requests = sample_requests(PROMPT_IDS, params, seeds)
     generations = engine.generate(requests, params)
     assert [(g.prompt_id, g.sample_index) for g in generations] == [(r.prompt_id, r.sample_index) for r in requests]
@@ -79,7 +81,7 @@ def test_one_generation_per_request_in_order_with_policy_logprobs(engine, policy
 
 
 def test_same_request_same_sample_whatever_the_batch(engine):
-    params = SamplingParams(n=2, max_new_tokens=8)
+    params = SamplingParams(stop_token_ids=DEMO_STOP, n=2, max_new_tokens=8)
     requests = sample_requests(PROMPT_IDS, params, seeds)
     first = engine.generate(requests, params)
     alone = [engine.generate([r], params)[0] for r in requests[::3]]
@@ -88,7 +90,7 @@ def test_same_request_same_sample_whatever_the_batch(engine):
 
 
 def test_greedy_follows_the_policy_argmax(engine, policy):
-    params = SamplingParams(n=1, max_new_tokens=6, temperature=0.0)
+    params = SamplingParams(stop_token_ids=DEMO_STOP, n=1, max_new_tokens=6, temperature=0.0)
     requests = sample_requests(PROMPT_IDS, params, seeds)
     for request, g in zip(requests, engine.generate(requests, params), strict=True):
         logprobs = torch.log_softmax(response_logits(policy, request.prompt_ids, g.response_ids), dim=-1)

@@ -6,8 +6,8 @@ import pytest
 import torch
 from experience_helpers import tiny_model
 
+from steps.char_tokenizer import PAD_ID
 from steps.engine import Decoder
-from steps.tokenizer import PAD_ID
 
 # Three prompts of different lengths (left padding); token ids below the tiny vocabulary.
 PROMPTS = [(1, 7, 9, 4, 12), (1, 5), (1, 8, 8, 3)]

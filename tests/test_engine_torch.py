@@ -11,6 +11,7 @@ from experience_helpers import tiny_model, write_checkpoint
 from model_helpers import response_logits, response_logprobs
 from transformers import AutoModelForCausalLM
 
+from steps.char_tokenizer import EOS_ID, build_tokenizer, encode, encode_prompt
 from steps.engine import (
     FINISH_LENGTH,
     FINISH_STOP,
@@ -27,13 +28,15 @@ from steps.engine import (
     sample_uniforms,
 )
 from steps.model import load_state_dict_from_dir
+from steps.sft import char_checkpoint_tokenizer
 from steps.tasks import get_task
-from steps.tokenizer import EOS_ID, build_tokenizer, encode, encode_prompt
 
 TOK = build_tokenizer()
 # Prompts of different lengths (left padding), including two samples' worth of the same prompt text.
 PROMPTS = get_task("addition").prompts("train", 5, 0) + get_task("sort").prompts("train", 3, 0)
 PROMPT_IDS = [(p.prompt_id, encode_prompt(TOK, p.text)) for p in PROMPTS]
+
+DEMO_STOP = (2,)  # the demo tokenizer's <eos>: these checkpoints stop there (steps.char_tokenizer.EOS_ID)
 
 
 def seeds(iteration=1):
@@ -63,9 +66,9 @@ def checkpoints(tmp_path_factory):
 @pytest.mark.parametrize(
     "params",
     [
-        SamplingParams(n=3, max_new_tokens=10),
-        SamplingParams(n=2, max_new_tokens=10, temperature=1.7, top_k=6, top_p=0.8),
-        SamplingParams(n=1, max_new_tokens=10, temperature=0.0),
+        SamplingParams(stop_token_ids=DEMO_STOP, n=3, max_new_tokens=10),
+        SamplingParams(stop_token_ids=DEMO_STOP, n=2, max_new_tokens=10, temperature=1.7, top_k=6, top_p=0.8),
+        SamplingParams(stop_token_ids=DEMO_STOP, n=1, max_new_tokens=10, temperature=0.0),
     ],
     ids=["plain", "temperature_topk_topp", "greedy"],
 )
@@ -154,13 +157,13 @@ def test_inverse_cdf_sampling_is_exactly_the_sampling_distribution():
     assert 1 < len(nucleus) < 20
     torch.testing.assert_close(frequencies(SamplingParams(temperature=0.7, top_p=0.6)), expected, atol=2 / grid, rtol=0)
 
-    greedy = frequencies(SamplingParams(temperature=0.0))
+    greedy = frequencies(SamplingParams(stop_token_ids=DEMO_STOP, temperature=0.0))
     assert greedy[logits[0].argmax()] == 1.0
 
 
 def test_a_sample_depends_only_on_its_own_request(checkpoints):
     engine = TorchEngine.from_checkpoint(checkpoints["dense_layer"])
-    params = SamplingParams(n=4, max_new_tokens=10)
+    params = SamplingParams(stop_token_ids=DEMO_STOP, n=4, max_new_tokens=10)
     requests = sample_requests(PROMPT_IDS, params, seeds())
     batch = engine.generate(requests, params)
     again = engine.generate(requests, params)
@@ -252,6 +255,7 @@ class AnswerEngine:
 
 
 def test_evaluate_accuracy_is_greedy_exact_match(checkpoints):
+    tok = char_checkpoint_tokenizer()
     prompts = get_task("addition").prompts("heldout", 8, 0)
     right = {p.prompt_id: [*encode(TOK, p.answer), EOS_ID] for p in prompts}
     responses = dict(right)
@@ -259,27 +263,27 @@ def test_evaluate_accuracy_is_greedy_exact_match(checkpoints):
         responses[p.prompt_id] = [*encode(TOK, "9" + p.answer), EOS_ID]  # wrong answer
     responses[prompts[3].prompt_id] = encode(TOK, prompts[3].answer)  # right digits but never ended
     stub = AnswerEngine(responses)
-    assert evaluate_accuracy(stub, "addition", prompts, batch_size=3) == 4 / 8
-    assert all(p.greedy for p in stub.seen_params) and len(stub.seen_params) == 3
-    assert evaluate_accuracy(AnswerEngine(right), None, prompts) == 1.0
+    assert evaluate_accuracy(stub, tok, prompts, "addition", batch_size=3) == 4 / 8
+    assert all(p.greedy and p.stop_token_ids == (EOS_ID,) for p in stub.seen_params) and len(stub.seen_params) == 3
+    assert evaluate_accuracy(AnswerEngine(right), tok, prompts) == 1.0
 
     model = tiny_model(seed=3)
-    assert evaluate_accuracy(model, None, prompts) == evaluate_accuracy(TorchEngine(model), "addition", prompts)
+    assert evaluate_accuracy(model, tok, prompts) == evaluate_accuracy(TorchEngine(model), tok, prompts, "addition")
     with pytest.raises(ValueError, match="at least one prompt"):
-        evaluate_accuracy(stub, None, [])
+        evaluate_accuracy(stub, tok, [])
 
 
 def test_requests_without_prompt_tokens_are_refused(checkpoints):
     engine = TorchEngine.from_checkpoint(checkpoints["dense_layer"])
     with pytest.raises(ValueError, match="no prompt tokens"):
-        engine.generate([GenerationRequest("p", (), 0, 1)], SamplingParams())
+        engine.generate([GenerationRequest("p", (), 0, 1)], SamplingParams(stop_token_ids=DEMO_STOP))
 
 
 def test_samples_that_drew_the_same_tokens_share_a_state(checkpoints):
     """Greedy samples of a prompt never split: four of them decode as one row and equal a single sample."""
     engine = TorchEngine.from_checkpoint(checkpoints["dense_layer"])
-    group = SamplingParams(n=4, max_new_tokens=9, temperature=0.0)
-    single = SamplingParams(n=1, max_new_tokens=9, temperature=0.0)
+    group = SamplingParams(stop_token_ids=DEMO_STOP, n=4, max_new_tokens=9, temperature=0.0)
+    single = SamplingParams(stop_token_ids=DEMO_STOP, n=1, max_new_tokens=9, temperature=0.0)
     rows_per_step = []
     real_step = engine.decoder.step
     engine.decoder.step = lambda tokens, batch: rows_per_step.append(len(tokens)) or real_step(tokens, batch)

@@ -7,6 +7,7 @@ import pyarrow as pa
 import pytest
 
 from pipelines.config import validate_config
+from steps.char_tokenizer import EOS_ID
 from steps.engine import Generation
 from steps.errors import MoerlError
 from steps.experience import (
@@ -24,9 +25,9 @@ from steps.experience import (
     scored_key,
     write_chunk,
 )
+from steps.prompt_data import format_prompt_jsonl
 from steps.store import Store
-from steps.tasks import format_prompt_jsonl, get_task
-from steps.tokenizer import EOS_ID
+from steps.tasks import get_task
 
 
 def config(**overrides):
@@ -71,13 +72,17 @@ def test_prompt_file_prompts_are_sampled_deterministically(tmp_path):
     prompts = get_task("addition").prompts("train", 30, 5)
     store = Store.open(str(tmp_path / "data"))
     store.put_bytes("prompts.jsonl", format_prompt_jsonl(prompts).encode())
-    cfg = config(task=None, prompt_file=(tmp_path / "data" / "prompts.jsonl").as_uri(), prompts_per_iteration=12)
+    cfg = config(task=None, prompt_file=(tmp_path / "data" / "prompts.jsonl").as_uri(), prompts_per_iteration=12,
+                 heldout_fraction=0)  # fmt: skip
     chosen = iteration_prompts(cfg, 1)
-    assert len(chosen) == 12 and set(chosen) <= set(prompts) and chosen == iteration_prompts(cfg, 1)
+    ids = {p.prompt_id: p for p in prompts}
+    assert len(chosen) == 12 and {p.prompt_id for p in chosen} <= set(ids) and chosen == iteration_prompts(cfg, 1)
+    assert all((p.text, p.answer) == (ids[p.prompt_id].text, ids[p.prompt_id].answer) for p in chosen)
     assert chosen != iteration_prompts(cfg, 2)
-    everything = iteration_prompts(config(task=None, prompt_file=cfg.prompt_file, prompts_per_iteration=50), 1)
+    everything = iteration_prompts(config(task=None, prompt_file=cfg.prompt_file, prompts_per_iteration=50,
+                                          heldout_fraction=0), 1)  # fmt: skip
     assert sorted(p.prompt_id for p in everything) == sorted(p.prompt_id for p in prompts)
-    assert heldout_prompts(cfg) == []
+    assert heldout_prompts(cfg) == []  # heldout_fraction 0 and no heldout_file: no held-out set
 
 
 def test_chunks_are_cut_by_order_and_shards_take_every_sth_chunk():

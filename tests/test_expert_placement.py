@@ -46,6 +46,8 @@ from steps.update import (
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+DEMO_STOP = (2,)  # the demo tokenizer's <eos>: these checkpoints stop there (steps.char_tokenizer.EOS_ID)
+
 
 def max_group(loads: list[int], placement: ExpertPlacement, layer: int = 0) -> int:
     return max(sum(loads[e] for e in placement.held(layer, r)) for r in range(placement.ep_size))

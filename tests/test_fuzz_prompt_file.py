@@ -1,10 +1,10 @@
 """The prompt-file reader under fuzzing: whatever the bytes on the store, reading them ends in a list of prompts
 or one MoerlError that names the file, never another exception.
 
-tests/test_prompt_file.py fuzzes parse_prompt_jsonl with arbitrary text and JSON-shaped lines; this adds the
-byte level (read_prompt_file through a store: encodings, byte-order marks, NUL bytes), corruptions of valid
+tests/test_prompt_data.py checks each rule of the reader (steps/prompt_data.py); this fuzzes the
+byte level (read_prompt_uri through a store: encodings, byte-order marks, NUL bytes), corruptions of valid
 files (characters dropped, inserted, flipped, lines cut), JSON's non-standard literals and exotic line
-separators, and the URI form a run config names (read_prompt_file_uri)."""
+separators, and the URI form a run config names."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from steps.errors import MoerlError
-from steps.experience import read_prompt_file_uri
+from steps.prompt_data import format_prompt_jsonl, parse_prompt_jsonl, read_prompt_uri
 from steps.store import Store
-from steps.tasks import Prompt, format_prompt_jsonl, get_task, parse_prompt_jsonl, read_prompt_file
+from steps.tasks import Prompt, get_task
 
 SOURCE = "file:///runs/r1/prompts.jsonl"
 VALID = format_prompt_jsonl(get_task("addition").prompts("train", 6, 0) + get_task("sort").prompts("train", 6, 0))
@@ -31,7 +31,7 @@ def accepted_or_one_error(read) -> list[Prompt] | None:
         return None
     assert prompts and all(isinstance(p, Prompt) for p in prompts)
     assert len({p.prompt_id for p in prompts}) == len(prompts)
-    assert all(p.text.strip() and p.answer.strip() for p in prompts)
+    assert all((p.messages or p.text.strip()) and p.answer.strip() for p in prompts)
     return prompts
 
 
@@ -40,7 +40,7 @@ def accepted_or_one_error(read) -> list[Prompt] | None:
 def test_any_bytes_on_the_store(tmp_path, data):
     store = Store.open(str(tmp_path))
     store.put_bytes("prompts.jsonl", data)
-    accepted_or_one_error(lambda: read_prompt_file(store, "prompts.jsonl"))
+    accepted_or_one_error(lambda: read_prompt_uri(store.url("prompts.jsonl")))
 
 
 encodings = st.sampled_from(["utf-8", "utf-8-sig", "utf-16", "utf-16-le", "latin-1", "utf-32"])
@@ -52,7 +52,7 @@ def test_a_valid_file_in_any_encoding(tmp_path, encoding, crlf):
     store = Store.open(str(tmp_path))
     text = VALID.replace("\n", "\r\n") if crlf else VALID
     store.put_bytes("prompts.jsonl", text.encode(encoding))
-    prompts = accepted_or_one_error(lambda: read_prompt_file(store, "prompts.jsonl"))
+    prompts = accepted_or_one_error(lambda: read_prompt_uri(store.url("prompts.jsonl")))
     if encoding in ("utf-8", "utf-8-sig", "latin-1"):  # the ASCII-only file is the same bytes in latin-1
         assert prompts == parse_prompt_jsonl(VALID, SOURCE)
 
@@ -85,7 +85,7 @@ literals = st.sampled_from(["NaN", "Infinity", "-Infinity", "1e999", "-0", "1" *
 separators = st.sampled_from(["\n", "\r\n", "\r", "\u2028", "\u2029", "\x85", "\x0b", "\x0c", "\x00"])
 
 
-@given(st.lists(st.tuples(st.sampled_from(["prompt_id", "prompt", "answer", "task"]), literals), max_size=4),
+@given(st.lists(st.tuples(st.sampled_from(["prompt_id", "prompt", "answer"]), literals), max_size=4),
        separators)  # fmt: skip
 @settings(max_examples=200, deadline=None)
 def test_non_standard_json_and_exotic_line_separators(fields, separator):
@@ -99,4 +99,4 @@ def test_non_standard_json_and_exotic_line_separators(fields, separator):
 @given(st.text(max_size=60))
 @settings(max_examples=200, deadline=None)
 def test_any_prompt_file_uri(uri):
-    accepted_or_one_error(lambda: read_prompt_file_uri("file:///nonexistent-moerl-dir/" + uri))
+    accepted_or_one_error(lambda: read_prompt_uri("file:///nonexistent-moerl-dir/" + uri))

@@ -9,8 +9,8 @@ import pytest
 import torch
 from test_update_experience import tiny_model
 
+from steps.char_tokenizer import PAD_ID
 from steps.model import MoeForCausalLM, token_logprobs
-from steps.tokenizer import PAD_ID
 
 # (prompt, [responses]): prompts of 2, 5 and 3 tokens; groups of 3, 1 and 2 responses of 1 to 5 tokens
 GROUPS = [

@@ -101,8 +101,8 @@ def argo(monkeypatch):
 
 def test_render_writes_the_argo_and_kfp_files(config, tmp_path, capsys):
     out = tmp_path / "out"
-    assert run(["render", str(config), "--out", str(out), "--set", "iterations=2", "--set", "staleness=1",
-                "--set", "checkpoint.keep_last=2"]) == 0  # fmt: skip
+    assert run(["render", str(config), "--skip-checks", "--out", str(out), "--set", "iterations=2",
+                "--set", "staleness=1", "--set", "checkpoint.keep_last=2"]) == 0  # fmt: skip
     names = {p.name for p in out.iterdir()}
     assert names == {"workflow-template.yaml", "workflow.yaml", "workflow-from-template.yaml",
                      "cron-workflow.yaml", "kfp-pipeline.yaml"}  # fmt: skip
@@ -120,7 +120,8 @@ def test_render_refuses_a_bad_config_with_its_message(config, tmp_path):
 
 
 def test_submit_creates_the_template_then_a_workflow_with_the_token_in_the_header_only(config, argo, capsys):
-    assert run(["submit", str(config), "--argo-server", argo.url, "--argo-token", TOKEN, "--namespace", "ml"]) == 0
+    assert run(["submit", str(config), "--skip-checks", "--argo-server", argo.url, "--argo-token", TOKEN,
+                "--namespace", "ml"]) == 0  # fmt: skip
     templates, workflows = argo.posts("workflow-templates"), argo.posts("workflows")
     assert [t["path"] for t in templates] == ["/api/v1/workflow-templates/ml"]
     assert templates[0]["body"]["template"]["metadata"]["name"] == "smoke"
@@ -137,7 +138,7 @@ def test_submit_reads_the_argo_cli_environment(config, argo, monkeypatch):
     monkeypatch.setenv("ARGO_SECURE", "false")
     monkeypatch.setenv("ARGO_TOKEN", f"Bearer {TOKEN}")
     monkeypatch.setenv("ARGO_NAMESPACE", "team-a")
-    assert run(["submit", str(config)]) == 0
+    assert run(["submit", str(config), "--skip-checks"]) == 0
     assert argo.posts("workflows")[0]["path"] == "/api/v1/workflows/team-a"
     assert all(r["auth"] == f"Bearer {TOKEN}" for r in argo.requests)
 
@@ -161,12 +162,12 @@ def test_schedule_refuses_a_bad_cron_before_calling_the_server(config, argo):
 
 def test_server_problems_are_one_clear_message(config, argo):
     with pytest.raises(MoerlError, match="no Argo server given: pass --argo-server"):
-        run(["submit", str(config)])
+        run(["submit", str(config), "--skip-checks"])
     argo.refuse_token = True
     with pytest.raises(MoerlError, match="the Argo server refused the token"):
-        run(["submit", str(config), "--argo-server", argo.url, "--argo-token", "wrong"])
+        run(["submit", str(config), "--skip-checks", "--argo-server", argo.url, "--argo-token", "wrong"])
     with pytest.raises(MoerlError, match="cannot reach the Argo server at http://127.0.0.1:9"):
-        run(["submit", str(config), "--argo-server", "http://127.0.0.1:9"])
+        run(["submit", str(config), "--skip-checks", "--argo-server", "http://127.0.0.1:9"])
 
 
 def test_the_python_api_returns_hera_objects_ready_to_create(config):

@@ -16,9 +16,11 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 def make_run(tmp_path) -> Store:
     run = Store.open((tmp_path / "run").as_uri())
     run.put_bytes("metrics/iter-000001.json", json.dumps(
-        {"reward_mean": 0.25, "accuracy": 0.31, "update": {"kl": 0.002, "step_seconds": 4.5}, "rollout_seconds": 11}
+        {"reward_mean": 0.25, "heldout_accuracy": 0.31, "accuracy": 0.2, "update": {"kl": 0.002, "step_seconds": 4.5},
+         "rollout_seconds": 11}
     ).encode())  # fmt: skip
-    run.put_bytes("metrics/iter-000002.json", json.dumps({"score": {"reward_mean": 0.5, "accuracy": 0.44}}).encode())
+    second = {"score": {"reward_mean": 0.5, "heldout_accuracy": 0.44}}
+    run.put_bytes("metrics/iter-000002.json", json.dumps(second).encode())
     run.put_bytes("metrics/iter-000003.json", b"{not json")
     run.put_bytes("metrics/notes.txt", b"ignored")
     run.put_bytes("checkpoints/LATEST", b"v000002")
@@ -34,6 +36,8 @@ def test_the_report_tabulates_what_each_iteration_wrote(tmp_path):
     assert (second["reward"], second["accuracy"], second["kl"]) == (0.5, 0.44, None)
     assert first["update.step_seconds"] == 4.5 and second.get("rollout_seconds") is None
     assert report.series("accuracy") == ([1, 2], [0.31, 0.44])
+    # the samples' own accuracy is its own column, never the held-out one
+    assert (first["sample_accuracy"], second["sample_accuracy"]) == (0.2, None)
     assert any("iter-000003.json: left out" in note for note in report.notes)
     lines = report.table().splitlines()
     assert lines[0].split()[:4] == ["iteration", "reward", "accuracy", "kl"]

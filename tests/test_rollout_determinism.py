@@ -8,12 +8,12 @@ import pytest
 import torch
 from experience_helpers import make_run, run_files, tiny_model, write_checkpoint
 
+from steps.char_tokenizer import EOS_ID
 from steps.engine import Decoder
 from steps.errors import MoerlError
 from steps.experience import RolloutPlan, chunk_key, load_run_config, read_rollout, rollout_prefix
 from steps.rollout import Preempted, Preemption, rollout_shard
 from steps.store import Store
-from steps.tokenizer import EOS_ID
 
 CONFIG = dict(prompts_per_iteration=14, group_size=3, rollout={"num_shards": 3, "chunk_size": 3},
               sampling={"max_new_tokens": 10}, heldout_size=0)  # fmt: skip

@@ -14,6 +14,7 @@ import pytest
 import torch
 from experience_helpers import make_run, read_parquet, run_step, tiny_model, write_checkpoint
 
+from steps.char_tokenizer import EOS_ID, build_tokenizer, encode, encode_prompt
 from steps.engine import FINISH_LENGTH, FINISH_STOP, Generation, TorchEngine, evaluate_accuracy
 from steps.errors import MoerlError
 from steps.experience import (
@@ -29,7 +30,7 @@ from steps.experience import (
 from steps.rewards import group_advantages
 from steps.score import score_iteration
 from steps.store import Store
-from steps.tokenizer import EOS_ID, build_tokenizer, encode, encode_prompt
+from steps.tokenizer import CheckpointTokenizer
 
 TOK = build_tokenizer()
 CONFIG = dict(prompts_per_iteration=4, group_size=4, rollout={"num_shards": 2, "chunk_size": 2}, heldout_size=0,
@@ -233,7 +234,8 @@ def test_heldout_accuracy_of_the_behaviour_policy(tmp_path, checkpoint_dir):
     metrics = score_iteration(run_uri, 1, None, log=lambda line: None)
     cfg = load_run_config(Store.open(run_uri))
     engine = TorchEngine.from_checkpoint(checkpoint_dir)
-    expected = evaluate_accuracy(engine, None, heldout_prompts(cfg), max_new_tokens=cfg.sampling.max_new_tokens)
+    tok = CheckpointTokenizer.load(checkpoint_dir)
+    expected = evaluate_accuracy(engine, tok, heldout_prompts(cfg), max_new_tokens=cfg.sampling.max_new_tokens)
     assert metrics["heldout_accuracy"] == expected
     assert "heldout_accuracy" not in score_iteration(run_uri, 1, None, heldout=False, log=lambda line: None)
 

@@ -1,11 +1,10 @@
-import json
-import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from steps.char_tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, build_tokenizer, encode, save_tokenizer, unknown_chars
 from steps.errors import MoerlError
 from steps.tasks import (
     DEFAULT_ADDITION_DIGITS,
@@ -16,14 +15,20 @@ from steps.tasks import (
     Sort,
     Verdict,
     get_task,
-    parse_prompt_jsonl,
     sft_target,
     split_of,
     verify_ids,
 )
-from steps.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, build_tokenizer, encode, unknown_chars
+from steps.tokenizer import CheckpointTokenizer
 
 TOK = build_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def checkpoint_tok(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("char-tok")
+    save_tokenizer(directory)
+    return CheckpointTokenizer.load(directory)
 SMALL_TASKS = ["addition1", "addition2", "addition3", "sort3", "sort5", "sort8"]
 
 
@@ -150,6 +155,8 @@ def test_unknown_split_and_negative_n_are_moerl_errors():
 
 def test_prompts_are_short_and_in_vocabulary():
     for name, task in TASKS.items():
+        if name.startswith("sortdesc"):  # natural language for a BPE tokenizer (test_sortdesc_...)
+            continue
         for p in task.prompts("train", 20, 0):
             assert len(p.text) <= 16, (name, p.text)
             assert not unknown_chars(p.text + p.answer)
@@ -205,29 +212,35 @@ def test_verify_defaults_to_an_ended_response():
 
 
 def test_sft_target_is_what_the_verifier_accepts():
-    for task in [get_task("addition3"), get_task("sort6")]:
+    for task in [get_task("addition3"), get_task("sort6"), get_task("sortdesc6")]:
         for p in task.prompts("train", 100, 0):
             target = sft_target(p)
             assert task.verify(target, p.answer) == Verdict(True, True)
     assert sft_target(Prompt("x", "addition3", "1+2=", " 3 ")) == "3"
 
 
-def test_verify_ids_ends_at_eos_and_refuses_special_tokens_inside():
+def test_verify_ids_ends_at_eos_and_refuses_special_tokens_inside(checkpoint_tok):
     task = get_task("addition3")
+    tok = checkpoint_tok
     ids = encode(TOK, "357")
-    assert verify_ids(task, TOK, ids + [EOS_ID, PAD_ID, PAD_ID], "357") == Verdict(True, True)
-    assert verify_ids(task, TOK, ids + [EOS_ID] + encode(TOK, "1"), "357") == Verdict(True, True)
-    assert verify_ids(task, TOK, ids, "357") == Verdict(False, False)  # ran out of tokens, never ended
-    assert verify_ids(task, TOK, [EOS_ID], "357") == Verdict(False, False)
+    assert verify_ids(task, tok, ids + [EOS_ID, PAD_ID, PAD_ID], "357") == Verdict(True, True)
+    assert verify_ids(task, tok, ids + [EOS_ID] + encode(TOK, "1"), "357") == Verdict(True, True)
+    assert verify_ids(task, tok, ids, "357") == Verdict(False, False)  # ran out of tokens, never ended
+    assert verify_ids(task, tok, [EOS_ID], "357") == Verdict(False, False)
     for special in [UNK_ID, BOS_ID, PAD_ID]:
-        assert verify_ids(task, TOK, ids[:1] + [special] + ids[1:] + [EOS_ID], "357") == Verdict(False, False)
+        assert verify_ids(task, tok, ids[:1] + [special] + ids[1:] + [EOS_ID], "357") == Verdict(False, False)
 
 
-@pytest.mark.parametrize("field", ["prompt", "answer"])
-def test_prompt_file_text_is_checked_the_same_way_for_prompt_and_answer(field):
-    """Empty or untokenizable prompt and answer text get the same messages, the latter naming the vocabulary."""
-    good = {"prompt_id": "p1", "prompt": "1+2=", "answer": "3", "task": "addition1"}
-    outside = f"line 1: {field} has characters outside the tokenizer vocabulary: 'é' (use only digits"
-    for value, message in [("  ", f"line 1: empty {field}"), ("3é", outside)]:
-        with pytest.raises(MoerlError, match=re.escape(message)):
-            parse_prompt_jsonl(json.dumps({**good, field: value}), "prompts.jsonl")
+def test_sortdesc_prompts_are_natural_language_and_answered_in_boxed():
+    task = get_task("sortdesc", length=6)
+    p = task.prompts("train", 1, 0)[0]
+    digits = p.text.split()[3]
+    assert p.text == f"Sort the digits {digits} in descending order. Put the final answer in \\boxed{{}}."
+    assert p.answer == "".join(sorted(digits, reverse=True))
+    assert task.sft_target(p.answer) == f"\\boxed{{{p.answer}}}"
+    assert task.verify(f"So: \\boxed{{{p.answer}}}", p.answer) == Verdict(True, True)
+    assert task.verify("\\boxed{1}", p.answer) == Verdict(False, True)
+    assert task.verify(task.sft_target(p.answer), p.answer, ended=False) == Verdict(False, False)
+    # the train/held-out split is by the sorted digits, as for sort
+    heldout = {q.prompt_id for q in task.prompts("heldout", 50, 0)}
+    assert heldout.isdisjoint(q.prompt_id for q in task.prompts("train", 500, 0))

@@ -19,12 +19,12 @@ import pytest
 import torch
 
 from pipelines.config import RunConfig
+from steps.char_tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, save_tokenizer
 from steps.errors import MoerlError
 from steps.experience import scored_key
 from steps.import_sft import import_sft
 from steps.model import MoeConfig, MoeForCausalLM, save_pretrained
 from steps.store import Store
-from steps.tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, save_tokenizer
 from steps.trainer import read_scored_experience
 
 REPO = Path(__file__).resolve().parents[1]

@@ -5,8 +5,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from steps.errors import MoerlError
-from steps.tokenizer import (
+from steps.char_tokenizer import (
     BOS_ID,
     EOS_ID,
     PAD_ID,
@@ -18,10 +17,11 @@ from steps.tokenizer import (
     decode,
     encode,
     encode_prompt,
-    load_tokenizer,
     response_end,
     save_tokenizer,
 )
+from steps.errors import MoerlError
+from steps.tokenizer import CheckpointTokenizer
 
 TOK = build_tokenizer()
 vocab_text = st.text(alphabet=VOCAB_CHARS, max_size=40)
@@ -100,22 +100,26 @@ def test_save_and_load_round_trip(tmp_path):
         assert (tmp_path / "tok" / name).is_file()
     config = json.loads((tmp_path / "tok" / "tokenizer_config.json").read_text())
     assert config["bos_token"] == "<bos>" and config["eos_token"] == "<eos>" and config["pad_token"] == "<pad>"
-    loaded = load_tokenizer(tmp_path / "tok")
+    checkpoint_tokenizer = CheckpointTokenizer.load(tmp_path / "tok")
+    loaded = checkpoint_tokenizer.tokenizer
     assert loaded.to_str() == TOK.to_str()
+    # what every step reads from it: BOS from the post-processor, eos as the stop token, pad
+    assert checkpoint_tokenizer.prompt_ids("sort:8301>") == encode_prompt(TOK, "sort:8301>")
+    assert checkpoint_tokenizer.stop_ids == (EOS_ID,) and checkpoint_tokenizer.pad_id == PAD_ID
     assert encode(loaded, "sort:8301>") == encode(TOK, "sort:8301>")
 
 
 def test_load_from_dir_without_tokenizer_names_dir_and_fix(tmp_path):
     with pytest.raises(MoerlError) as err:
-        load_tokenizer(tmp_path)
+        CheckpointTokenizer.load(tmp_path)
     assert str(tmp_path) in str(err.value)
-    assert "save_tokenizer" in str(err.value)
+    assert "save_pretrained" in str(err.value)
 
 
 def test_load_corrupt_tokenizer_file_is_a_moerl_error(tmp_path):
     (tmp_path / "tokenizer.json").write_text("{not json")
     with pytest.raises(MoerlError, match="not a valid tokenizer file"):
-        load_tokenizer(tmp_path)
+        CheckpointTokenizer.load(tmp_path)
 
 
 @pytest.fixture(scope="module")
