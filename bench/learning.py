@@ -60,6 +60,7 @@ POLL_SECONDS = 1.0
 # Trainer fields that change no arithmetic of a single-process run, or that TRL has no counterpart for.
 TRAINER_NOT_MAPPED = {
     "ep_backend": "one process, no expert parallelism",
+    "ep_size": "one process, no expert parallelism",
     "expert_placement": "one process holds every expert",
     "nproc_per_node": "one process (2 torch threads)",
     "nodes": "one process",
