@@ -267,9 +267,9 @@ DENSE_ARCH = ["Qwen3ForCausalLM"]
 @pytest.mark.parametrize(
     "changes, message",
     [
-        (dict(model_type="qwen3", architectures=DENSE_ARCH), "model_type 'qwen3'.*moerl needs a Qwen3-MoE checkpoint"),
-        (dict(model_type="llama", architectures=DENSE_ARCH), "model_type 'llama'.*moerl needs a Qwen3-MoE checkpoint"),
-        (dict(num_experts=0), "no experts.*moerl needs a Qwen3-MoE checkpoint"),
+        (dict(model_type="qwen3", architectures=DENSE_ARCH), "model_type 'qwen3'.*moerl supports: Qwen3-MoE"),
+        (dict(model_type="llama", architectures=DENSE_ARCH), "model_type 'llama'.*moerl supports: Qwen3-MoE"),
+        (dict(num_experts=0), "no experts.*moerl supports: Qwen3-MoE"),
         (dict(moe_intermediate_size=None), r"missing required Qwen3-MoE fields \['moe_intermediate_size'\]"),
         (dict(num_experts_per_tok=9), "num_experts_per_tok = 9 exceeds num_experts = 8"),
         (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "rope_scaling = .* is not supported"),
