@@ -36,8 +36,7 @@ PRELOAD = (
 )
 # Set per pod (or per rank) and read by no preloaded module when it is imported (tests/test_local_warm_start.py
 # checks the import of PRELOAD for HOME and the sandbox); the thread counts are applied in the child.
-PER_POD_ENV = frozenset({"MOERL_LOCAL_SANDBOX", "HOME", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "ARGO_PROGRESS_FILE",
-                         "MOERL_WORKFLOW_STATUS_FILE"})  # read at run time by the report step (steps/tracking.py)
+PER_POD_ENV = frozenset({"MOERL_LOCAL_SANDBOX", "HOME", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "ARGO_PROGRESS_FILE"})
 MAX_SERVERS = 2
 SERVER_SCRIPT = Path(__file__).with_name("warm_server.py")
 MODULE_RE = re.compile(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*")
