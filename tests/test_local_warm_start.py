@@ -332,6 +332,7 @@ def test_moerl_run_starts_the_step_pods_server_before_it_renders_and_closes_it_w
     import pipelines.render
     from pipelines.config import load_config
     from steps.errors import MoerlError
+    from steps.tracking import STATUS_FILE_ENV
 
     seen: dict = {}
 
@@ -350,6 +351,9 @@ def test_moerl_run_starts_the_step_pods_server_before_it_renders_and_closes_it_w
     monkeypatch.setattr(demo, "warm_starts_enabled", lambda: True)
     monkeypatch.setattr(pipelines.render, "render", render)
     cfg = load_config(demo.DEMO_CONFIG, {"sft_checkpoint": str(tmp_path / "sft"), "run_store": str(tmp_path / "run")})
+    # run_config gives its pods the path of the status file; the same path before and after, so that the
+    # rendered pods' environment below is the one the server was started with
+    monkeypatch.setenv(STATUS_FILE_ENV, str(tmp_path / "status.json"))
     with pytest.raises(MoerlError, match="stopped after rendering"):
         demo.run_config(cfg, tmp_path)
     assert len(seen["keys"]) == 1 and seen["starter"].servers == {}  # started before rendering; closed
