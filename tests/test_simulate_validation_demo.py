@@ -70,6 +70,8 @@ def test_simulated_iteration_time_matches_a_real_demo_run(tmp_path, monkeypatch)
     steps = sim.measured_step_model(cfg, sim.CPU_ASSUMPTIONS, sim.step_times_from_status(status), "status.json")
     simulated = sim.simulate(cfg, steps, sim.local_cluster(cfg), sim.CPU_ASSUMPTIONS)
     mean_measured = sum(measured) / len(measured)
+    if mean_measured < 2:  # Argo's timestamps have 1 s resolution: a warm tiny iteration can fit inside one tick
+        pytest.skip(f"the measured iteration ({mean_measured:.0f} s) is below the status timestamps' 1 s resolution")
     error = abs(simulated.mean_iteration_s - mean_measured) / mean_measured
     print(f"measured {measured}, simulated {simulated.iteration_times}, error {error:.1%}", file=sys.stderr)
     assert error <= 0.20, (simulated.iteration_times, measured, sim.step_times_from_status(status))
