@@ -1100,7 +1100,9 @@ def load_pretrained(
     check_placement(cfg, placement, ep_rank)
     wanted = expected_tensor_shapes(cfg, placement, ep_rank)
     state = load_state_dict_from_dir(directory, wanted)
-    state = {name: t.to(device=device, dtype=dtype or stored) for name, t in state.items()}
+    # Always a copy into torch's own (64-byte aligned) memory: a tensor as safetensors hands it over may sit at
+    # any offset, and CPU kernels round differently on unaligned data, so the same weights would train other bits.
+    state = {name: t.to(device=device, dtype=dtype or stored, copy=True) for name, t in state.items()}
     # The meta device skips allocating and initialising weights that are about to be replaced, but its
     # first use imports torch's reference ops (~2 s per process); a small model is cheaper to build plainly.
     numel = sum(t.numel() for t in state.values())

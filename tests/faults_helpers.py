@@ -277,7 +277,9 @@ def assert_same_result(run: Store, reference: Store) -> None:
     experience and scores, each sample exactly once, nothing half published."""
     assert published(run) == published(reference)
     for version in checkpoint.published_versions(reference):
-        assert manifest_files(run, version) == manifest_files(reference, version), f"v{version:06d} differs"
+        ours, theirs = manifest_files(run, version), manifest_files(reference, version)
+        differing = sorted(name for name in ours.keys() | theirs.keys() if ours.get(name) != theirs.get(name))
+        assert not differing, f"v{version:06d} differs in {differing}: {run.url('')} against {reference.url('')}"
     assert chunk_bytes(run) == chunk_bytes(reference)
     assert run.get_bytes(scored_key(ITERATION)) == reference.get_bytes(scored_key(ITERATION))
     assert metrics_without_timing(run) == metrics_without_timing(reference)

@@ -221,11 +221,6 @@ print(hits)
     assert out.stdout.strip() == "[]", out.stdout
 
 
-@pytest.mark.xfail(
-    reason="open defect: in a whole-suite run on an unloaded machine v000001 of the cold run differed from the warm "
-    "run's (CI runs of 2026-12-01 at fc42960 and 772f213; passes alone and under load); see the session note",
-    strict=False,
-)
 def test_the_tiny_run_started_warm_and_cold_leaves_the_same_bytes(fault_free_run, tmp_path, monkeypatch):
     """Every step of the tiny run (import-sft, rollout shards, score, torchrun update, publish, report) forked
     from one warm Python, and every step a new interpreter: bit-identical checkpoints, experience and scores."""
