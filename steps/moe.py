@@ -7,9 +7,9 @@ Experts live in an `nn.ModuleDict` keyed by their *global* index, so a rank hold
 state_dict names `experts.1.gate_proj.weight` ... exactly as in the full checkpoint: a per-rank shard is a
 plain subset of the Hugging Face tensors, with no renaming.
 
-Expert placement. Each MoE layer lists its E global expert ids in "slot" order (steps.expert_parallel.placement.
-ExpertPlacement; identity unless the trainer balances the ranks' loads); EP rank r holds slots
-[r*E/ep, (r+1)*E/ep). The block maps its router's global expert ids to slot ids before dispatch, so every
+Expert placement. Each MoE layer lists its E global expert ids in "slot" order (ExpertPlacement, in
+steps/expert_parallel/placement.py; identity unless the trainer balances the ranks' loads); EP rank r holds
+slots [r*E/ep, (r+1)*E/ep). The block maps its router's global expert ids to slot ids before dispatch, so every
 dispatcher sees contiguous slot ranges per rank (the contract DeepEP needs too), whatever the placement.
 """
 
