@@ -57,7 +57,7 @@ def _unreachable(uri: str, err: Exception) -> bool:
 
 def preflight(cfg: RunConfig, for_cluster: bool = False) -> tuple[list[str], list[str]]:
     """(problems, notes) of the run's inputs; see the module docstring."""
-    from steps.model import load_config
+    from steps.hf_checkpoint import load_config
     from steps.tokenizer import CheckpointTokenizer
 
     problems: list[str] = []

@@ -45,13 +45,9 @@ import torch
 import torch.nn.functional as F
 
 from steps.errors import MoerlError
-from steps.model import (
-    MoeForCausalLM,
-    checkpoint_dtype,
-    load_pretrained,
-    rotary_cos_sin,
-    token_logprobs,
-)
+from steps.hf_checkpoint import checkpoint_dtype, load_pretrained
+from steps.kernels import token_logprobs
+from steps.model import MoeForCausalLM, rotary_cos_sin
 from steps.moe import MoeBlock, group_by_expert
 from steps.tasks import Prompt, Task, get_task, verify_ids
 from steps.tokenizer import RAW, CheckpointTokenizer, PromptFormat

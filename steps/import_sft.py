@@ -18,8 +18,8 @@ from pathlib import Path
 
 from steps import checkpoint, progress
 from steps.errors import MoerlError, run_cli
+from steps.hf_checkpoint import PICKLE_WEIGHT_SUFFIXES
 from steps.hf_format import declare_dtype, refuse_pickled, validate_checkpoint_dir
-from steps.model import PICKLE_WEIGHT_SUFFIXES
 from steps.store import Store
 
 RUN_CONFIG = "run.json"

@@ -32,20 +32,20 @@ from safetensors import SafetensorError, safe_open
 from steps import checkpoint, progress
 from steps.errors import MoerlError, run_cli
 from steps.experience import load_run_config
-from steps.hf_format import validate_checkpoint_dir
-from steps.model import (
+from steps.hf_checkpoint import (
     CONFIG_NAME,
     SAFE_WEIGHTS_INDEX_NAME,
     SAFE_WEIGHTS_NAME,
     TensorEntry,
     check_tensors,
     declared_dtype,
-    dtype_name,
     expected_tensor_shapes,
     load_config,
     read_config_json,
     weights_dtype,
 )
+from steps.hf_format import validate_checkpoint_dir
+from steps.model import dtype_name
 from steps.store import Store
 from steps.trainer import MASTER_FIELD, OPTIMIZER_FIELDS
 from steps.update import (

@@ -24,8 +24,9 @@ from torch import nn
 
 from steps.errors import MoerlError
 from steps.experience import read_table, scored_key
-from steps.expert_parallel import Mesh, clip_grad_norm, gather_ranks, sync_gradients
-from steps.model import MoeForCausalLM, dtype_name, token_logprobs
+from steps.expert_parallel.mesh import Mesh, clip_grad_norm, gather_ranks, sync_gradients
+from steps.kernels import token_logprobs
+from steps.model import MoeForCausalLM, dtype_name
 from steps.optim import AdamW, AnyOptimizer
 from steps.rl_loss import LossSettings, aggregate, token_entropy, token_terms
 from steps.store import Store

@@ -27,11 +27,11 @@ metrics/iter-I.json is never rewritten). Rank 0 then hands the metrics to the ru
 
 Expert placement (trainer.expert_placement, default balanced): which E/ep experts each EP rank holds, per
 MoE layer. Update I balances the EP ranks' routed rows with the per-expert row counts that update I-1
-recorded in metrics/iter-(I-1).update.json (steps.expert_parallel.balanced_placement); iteration 1, one EP
-rank, 'contiguous', or absent or malformed counts give the contiguous placement (said in the log and the
-metrics). The placement is a pure function of published inputs, so a restart chooses the same one. Tensors
-keep their global names, so weights and optimizer state of v(I-1) are read by name whichever rank's file of
-the previous iteration holds them.
+recorded in metrics/iter-(I-1).update.json (steps.expert_parallel.placement.balanced_placement);
+iteration 1, one EP rank, 'contiguous', or absent or malformed counts give the contiguous placement (said in
+the log and the metrics). The placement is a pure function of published inputs, so a restart chooses the
+same one. Tensors keep their global names, so weights and optimizer state of v(I-1) are read by name
+whichever rank's file of the previous iteration holds them.
 
 Each EP rank of the first dp row uploads its own shards; nothing is gathered to rank 0 but the file names
 and digests. A crash leaves no CANDIDATE.json, and a restart deletes the partial candidate and trains again
@@ -60,28 +60,19 @@ from safetensors.torch import save_file
 from steps import checkpoint, progress, tracking
 from steps.errors import MoerlError, run_cli
 from steps.experience import behaviour_version, load_run_config, scored_key
-from steps.expert_parallel import (
-    CommTimer,
-    ExpertPlacement,
-    Mesh,
-    all_reduce_sum,
-    balanced_placement,
-    build_mesh,
-    is_expert_param,
-    make_dispatch,
-    resolve_ep_size,
-)
-from steps.model import (
+from steps.expert_parallel.dispatch import make_dispatch
+from steps.expert_parallel.mesh import Mesh, all_reduce_sum, build_mesh, is_expert_param, resolve_ep_size
+from steps.expert_parallel.placement import ExpertPlacement, balanced_placement
+from steps.expert_parallel.timing import CommTimer
+from steps.hf_checkpoint import (
     CONFIG_NAME,
     GENERATION_CONFIG_NAME,
     SAFE_WEIGHTS_INDEX_NAME,
-    MoeConfig,
-    MoeForCausalLM,
     checkpoint_dtype,
     load_config,
     load_pretrained,
-    moe_layer_indices,
 )
+from steps.model import MoeConfig, MoeForCausalLM, moe_layer_indices
 from steps.optim import AnyOptimizer
 from steps.store import Store
 from steps.trainer import (

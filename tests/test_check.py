@@ -105,7 +105,7 @@ def test_prompt_file_chat_run_scores_with_the_verifier_and_the_reward_function(t
 
     vocab = CheckpointTokenizer.load(ckpt).vocab_size
     write_checkpoint_bpe = tiny_model(vocab_size=vocab, bos_token_id=None, eos_token_id=2, pad_token_id=0)
-    from steps.model import save_pretrained
+    from steps.hf_checkpoint import save_pretrained
 
     save_pretrained(write_checkpoint_bpe, ckpt)
     prompts = tmp_path / "gsm.jsonl"

@@ -22,7 +22,7 @@ from steps.engine import (
     sample_requests,
     sample_seed,
 )
-from steps.model import load_pretrained
+from steps.hf_checkpoint import load_pretrained
 from steps.sglang_engine import sglang_unavailable_reason
 from steps.tasks import get_task
 

@@ -27,7 +27,7 @@ from steps.engine import (
     sample_seed,
     sample_uniforms,
 )
-from steps.model import load_state_dict_from_dir
+from steps.hf_checkpoint import load_state_dict_from_dir
 from steps.sft import char_checkpoint_tokenizer
 from steps.tasks import get_task
 

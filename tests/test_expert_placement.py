@@ -30,8 +30,10 @@ from test_update_experience import (
 
 from steps import checkpoint
 from steps.engine import GenerationRequest, SamplingParams, TorchEngine
-from steps.expert_parallel import ExpertPlacement, balanced_placement, is_expert_param
-from steps.model import MoeConfig, MoeForCausalLM, expected_tensor_shapes, load_pretrained
+from steps.expert_parallel.mesh import is_expert_param
+from steps.expert_parallel.placement import ExpertPlacement, balanced_placement
+from steps.hf_checkpoint import expected_tensor_shapes, load_pretrained
+from steps.model import MoeConfig, MoeForCausalLM
 from steps.publish import publish
 from steps.store import Store
 from steps.update import (

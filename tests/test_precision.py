@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM
 
 from steps import checkpoint, update
 from steps.errors import MoerlError
-from steps.model import checkpoint_dtype, load_state_dict_from_dir, tensor_index
+from steps.hf_checkpoint import checkpoint_dtype, load_state_dict_from_dir, tensor_index
 from steps.publish import publish
 from steps.store import Store
 from steps.update import CANDIDATE_INDEX, MARKER, candidate_prefix, optimizer_prefix, run_update

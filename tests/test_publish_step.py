@@ -14,7 +14,7 @@ from test_update_experience import experience_table, make_run, write_experience
 
 from steps import checkpoint
 from steps.errors import MoerlError
-from steps.model import load_pretrained
+from steps.hf_checkpoint import load_pretrained
 from steps.publish import main as publish_main
 from steps.publish import publish
 from steps.store import Store

@@ -10,7 +10,7 @@ from experience_helpers import tiny_model
 from model_helpers import response_logprobs
 
 from pipelines.config import load_config
-from steps.expert_parallel import Mesh
+from steps.expert_parallel.mesh import Mesh
 from steps.model import MoeForCausalLM
 from steps.trainer import PolicyTrainer, Sample, TrainSettings
 

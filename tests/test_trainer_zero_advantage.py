@@ -9,7 +9,7 @@ import torch
 from experience_helpers import tiny_model
 from model_helpers import response_logprobs
 
-from steps.expert_parallel import Mesh
+from steps.expert_parallel.mesh import Mesh
 from steps.model import MoeForCausalLM
 from steps.rl_loss import LossSettings
 from steps.trainer import PolicyTrainer, Sample, TrainSettings, plan_steps, trained_steps

@@ -13,7 +13,7 @@ from test_update_experience import experience_table, make_run, start_ranks, wait
 from pipelines.config import validate_config
 from steps import checkpoint
 from steps.errors import MoerlError
-from steps.expert_parallel import Mesh, resolve_ep_size
+from steps.expert_parallel.mesh import Mesh, resolve_ep_size
 from steps.store import Store
 from steps.update import MARKER, candidate_prefix, fetch_checkpoint
 

@@ -24,8 +24,8 @@ from test_update_experience import (
 
 from steps import checkpoint
 from steps.errors import MoerlError
-from steps.expert_parallel import is_expert_param
-from steps.model import load_pretrained
+from steps.expert_parallel.mesh import is_expert_param
+from steps.hf_checkpoint import load_pretrained
 from steps.publish import publish
 from steps.store import Store
 from steps.update import (
