@@ -27,6 +27,7 @@ from pipelines.workflow import placement
 from steps.errors import MoerlError
 from steps.store import Store
 from steps.tracking import STATUS_FILE_ENV
+from steps.workflow_status import step_nodes
 
 DEMO_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
 DEMO_CHAT_SFT_STEPS = 50  # SFT steps of the chat demo's checkpoint (configs/demo-chat.yaml)
@@ -77,14 +78,12 @@ def run_config(cfg: RunConfig, workdir: Path, chaos: str | None = None, check: s
 def step_seconds(status: dict[str, Any]) -> dict[int, dict[str, float]]:
     """iteration -> step kind -> wall seconds, from Argo-shaped node status (a kind's span across shards)."""
     spans: dict[int, dict[str, list[datetime]]] = defaultdict(lambda: defaultdict(list))
-    for node in status.get("nodes", {}).values():
-        kind, _, iteration = node.get("displayName", "").partition("-")
-        if kind not in STEP_KINDS or node.get("type") == "Pod" and "(" in node["displayName"]:
+    for node in step_nodes(status):
+        if node.step not in STEP_KINDS or node.iteration is None or node.type == "Pod" and node.attempt:
+            continue  # a task's own nodes span its attempts (and its shards'); its pods are counted there
+        if node.started is None or node.finished is None:
             continue
-        if not iteration.split("(")[0].isdigit() or not node.get("finishedAt"):
-            continue
-        stamps = spans[int(iteration.split("(")[0])][kind]
-        stamps += [datetime.fromisoformat(node[k].replace("Z", "+00:00")) for k in ("startedAt", "finishedAt")]
+        spans[node.iteration][node.step] += [node.started, node.finished]
     return {
         i: {kind: (max(s) - min(s)).total_seconds() for kind, s in kinds.items()} for i, kinds in sorted(spans.items())
     }

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from pipelines.durations import parse_duration
 from pipelines.local.depends import evaluate_depends, task_dependencies, task_results
 from pipelines.local.expressions import (
     AbsentOptional,
@@ -13,7 +14,6 @@ from pipelines.local.expressions import (
     evaluate_when,
     expand,
     humanize_duration,
-    parse_duration,
     substitute,
     substitute_text,
 )

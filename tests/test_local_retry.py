@@ -9,10 +9,11 @@ from pathlib import Path
 
 import pytest
 
+from pipelines.durations import backoff_seconds
 from pipelines.local import run_workflow
 from pipelines.local.calls import Opts
 from pipelines.local.chaos import NODE_SHUTDOWN, POD_DELETED
-from pipelines.local.executor import Controller, backoff_seconds, is_transient, retry_scope
+from pipelines.local.executor import Controller, is_transient, retry_scope
 from pipelines.local.expressions import expand
 from pipelines.local.exprlang import evaluate_bool
 from pipelines.local.manifest import load_workflow
