@@ -6,14 +6,16 @@ from pod to pod (the iteration, the shard, the policy version). Those are left a
 builder fills its own way: Argo with `{{inputs.parameters.X}}` (ARGO), KFP with `{X}` that its components
 substitute at run time (KFP). No Hera and no kfp here: both builders, and `moerl demo`, import this.
 
-What a new step kind needs, in order (docs/architecture.md repeats this list):
-  1. its module, steps/<name>.py, runnable as `python -m steps.<name> --help`;
+What a new step kind needs, in order (docs/architecture.md, "Where a change goes", repeats this list):
+  1. its module, steps/<name>.py, runnable as `python -m steps.<name> --help` (a step imports libraries,
+     never another step);
   2. an entry in STEP_KINDS below (module, role, image) and its flags in `step_command`;
   3. its place in the run's DAG: pipelines/workflow/graph.py (`STEPS` and `dependencies`);
   4. its Argo template in pipelines/workflow/templates.py (inputs, outputs, progress) and, where KFP runs it
      differently (a guard, an output parameter), its task in pipelines/kfp_pipeline.py;
   5. for a new role: its `placement` and `retries` entries in the run config;
-  6. the simulator's step times: pipelines/simulate/sizing.py (`StepModel`) when it takes time of its own.
+  6. its step times in the simulator, pipelines/simulate/sizing.py (`StepModel`), when it takes time of its own;
+  7. its row in docs/architecture.md's table of steps, and a test next to the behaviour.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import json
 from dataclasses import dataclass
 
 from pipelines.config import RunConfig
+from pipelines.workflow import graph
 
 # The files each step writes for its orchestrator to read back (Argo output parameters and artifacts). They
 # lie on the pods' /tmp emptyDir (placement.py), where Argo's executor can read them under a read-only root.
@@ -92,9 +95,10 @@ def python_step(module: str) -> list[str]:
     return ["python", "-m", module]
 
 
-def step_modules() -> tuple[str, ...]:
-    """The module of every step kind, in STEP_KINDS' order."""
-    return tuple(kind.module for kind in STEP_KINDS.values())
+def warm_preload() -> tuple[str, ...]:
+    """What the local executor's warm Python imports once for a run: the modules of the steps that run every
+    iteration (plan, import-sft and the report come once a run, and the report's imports are its own)."""
+    return tuple(STEP_KINDS[kind].module for kind in graph.STEPS)
 
 
 def torchrun_args(cfg: RunConfig, iteration: str) -> list[str]:
