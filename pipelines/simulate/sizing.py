@@ -7,6 +7,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from pipelines.config import RunConfig
+from pipelines.workflow import commands
 from steps.errors import MoerlError
 
 GPU = "nvidia.com/gpu"
@@ -152,7 +153,8 @@ def local_cluster(cfg: RunConfig) -> Cluster:
 
 
 def pool_of(step: str) -> str:
-    return {"rollout": "rollout", "update": "trainer"}.get(step, "cpu")
+    """The pool a step's pods run on: the one its image is built for (rollout, trainer, cpu)."""
+    return commands.STEP_KINDS[step].image if step in commands.STEP_KINDS else "cpu"  # next-segment: no pod of its own
 
 
 # ---------------------------------------------------------------------------------------------- step times
