@@ -1,6 +1,7 @@
 """Warm starts: a pod whose command is `python -m MODULE ...` (or a single-node `torchrun ... -m MODULE ...`)
-starts as a fork of a Python that has already imported torch and the moerl libraries, instead of a new
-interpreter that imports them again (2-3 s of CPU a process on a laptop core; most of a demo step's life).
+starts as a fork of a Python that has already imported torch and the modules its caller names (run_workflow's
+`preload`: moerl passes its step modules), instead of a new interpreter that imports them again (2-3 s of
+CPU a process on a laptop core; most of a demo step's life).
 
 `WarmStarter.start` returns a `WarmProcess` (the part of subprocess.Popen that `pods.Pod` uses: pid,
 poll, wait, returncode) or None, and then the pod starts cold, as before: for any other command, while the
