@@ -39,7 +39,6 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +47,7 @@ sys.path.insert(0, str(REPO))
 
 from pipelines.config import RunConfig, load_config  # noqa: E402
 from steps.errors import MoerlError, run_cli  # noqa: E402
+from steps.workflow_status import step_nodes  # noqa: E402
 
 DEMO_CONFIG = REPO / "configs" / "demo.yaml"
 CPU_CORES = 2
@@ -287,18 +287,14 @@ def _read_json(path: Path) -> dict[str, Any] | None:
         return None
 
 
-def _utc(stamp: str) -> float:
-    return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
-
-
 def status_times(status: dict[str, Any], kind: str) -> dict[int, float]:
     """iteration -> finishedAt of the `kind-I` node that succeeded, from Argo-shaped status."""
-    out = {}
-    for node in (status.get("nodes") or {}).values():
-        name, _, iteration = str(node.get("displayName", "")).partition("-")
-        if name == kind and iteration.isdigit() and node.get("phase") == "Succeeded" and node.get("finishedAt"):
-            out[int(iteration)] = _utc(node["finishedAt"])
-    return out
+    return {
+        node.iteration: node.finished.timestamp()
+        for node in step_nodes(status)
+        if node.step == kind and node.iteration is not None and not node.attempt and node.phase == "Succeeded"
+        and node.finished is not None
+    }  # fmt: skip
 
 
 def run_moerl(args: argparse.Namespace, cfg: RunConfig, sft_dir: Path, target: float) -> Curve:

@@ -29,8 +29,6 @@ from steps.errors import MoerlError
 # Placement roles: where each kind of pod runs. `control` holds the small CPU steps that move state:
 # plan, import-sft, publish, the report and the hand-over to the next segment.
 ROLES = ("rollout", "score", "trainer", "control")
-# Container images: one per Dockerfile in images/.
-IMAGE_ROLES = ("trainer", "rollout", "cpu")
 
 # Config fields that may change between the segments or scheduled continuations of one run: they say where
 # and how often pods run, not what is trained. Everything else must match the run's run.json.
