@@ -40,11 +40,10 @@ from pipelines.config import RunConfig, validate_config
 from steps.engine import Generation, SamplingParams
 from steps.errors import MoerlError
 from steps.prompt_data import PromptFields, heldout_split, read_prompt_uri
+from steps.run_store import RUN_CONFIG, chunk_key, rollout_prefix, version_prefix
 from steps.store import Store
 from steps.tasks import Prompt, Task, get_task
 from steps.tokenizer import TOKENIZER_FILES, CheckpointTokenizer, PromptFormat
-
-RUN_CONFIG = "run.json"
 
 ROLLOUT_SCHEMA = pa.schema(
     [
@@ -71,31 +70,6 @@ META_NUM_CHUNKS = b"moerl.num_chunks"
 
 
 # ----------------------------------------------------------------------------------------------------
-# Keys
-# ----------------------------------------------------------------------------------------------------
-
-
-def experience_prefix(iteration: int) -> str:
-    return f"experience/iter-{iteration:06d}"
-
-
-def rollout_prefix(iteration: int) -> str:
-    return f"{experience_prefix(iteration)}/rollout"
-
-
-def chunk_key(iteration: int, chunk: int) -> str:
-    return f"{rollout_prefix(iteration)}/chunk-{chunk:06d}.parquet"
-
-
-def scored_key(iteration: int) -> str:
-    return f"{experience_prefix(iteration)}/scored.parquet"
-
-
-def metrics_key(iteration: int) -> str:
-    return f"metrics/iter-{iteration:06d}.json"
-
-
-# ----------------------------------------------------------------------------------------------------
 # The run config and an iteration's prompts
 # ----------------------------------------------------------------------------------------------------
 
@@ -109,11 +83,6 @@ def load_run_config(run: Store) -> RunConfig:
             "import-sft step) first, or check the --run URI"
         )
     return validate_config(run.get_json(RUN_CONFIG), run.url(RUN_CONFIG))
-
-
-def behaviour_version(iteration: int, staleness: int) -> int:
-    """The policy version that rollout[iteration] samples from: v(iteration - 1 - staleness), at least v0."""
-    return max(0, iteration - 1 - staleness)
 
 
 def iteration_seed(seed: int, iteration: int) -> int:
@@ -191,7 +160,7 @@ def version_tokenizer(run: Store, version: int) -> CheckpointTokenizer:
     from steps import checkpoint  # lazily: experience is imported by tools that never touch a version
 
     manifest = checkpoint.require_manifest(run, version)
-    prefix = checkpoint.version_prefix(version)
+    prefix = version_prefix(version)
     with tempfile.TemporaryDirectory(prefix="moerl-tokenizer-") as tmp:
         for name in TOKENIZER_FILES:
             if name in manifest.files:

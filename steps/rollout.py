@@ -38,8 +38,6 @@ from steps.engine import (
 from steps.errors import MoerlError, run_cli
 from steps.experience import (
     RolloutPlan,
-    behaviour_version,
-    chunk_key,
     chunk_problem,
     chunk_table,
     finished_chunks,
@@ -48,6 +46,7 @@ from steps.experience import (
     version_tokenizer,
     write_chunk,
 )
+from steps.run_store import behaviour_version, chunk_key
 from steps.store import Store
 from steps.tasks import Prompt
 from steps.tokenizer import CheckpointTokenizer

@@ -40,11 +40,8 @@ from steps.evaluation import heldout_accuracy
 from steps.experience import (
     SCORED_SCHEMA,
     RolloutPlan,
-    behaviour_version,
     load_run_config,
-    metrics_key,
     read_rollout,
-    scored_key,
     table_bytes,
     version_tokenizer,
 )
@@ -57,6 +54,7 @@ from steps.rewards import (
     reward_model_texts,
     verify_samples,
 )
+from steps.run_store import behaviour_version, metrics_key, scored_key
 from steps.store import Store
 from steps.user_reward import RewardFunction
 

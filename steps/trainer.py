@@ -23,11 +23,12 @@ import torch
 from torch import nn
 
 from steps.errors import MoerlError
-from steps.experience import read_table, scored_key
+from steps.experience import read_table
 from steps.expert_parallel import Mesh, clip_grad_norm, gather_ranks, sync_gradients
 from steps.model import MoeForCausalLM, dtype_name, token_logprobs
 from steps.optim import AdamW, AnyOptimizer
 from steps.rl_loss import LossSettings, aggregate, token_entropy, token_terms
+from steps.run_store import scored_key
 from steps.store import Store
 
 # ----------------------------------------------------------------------------------------------------

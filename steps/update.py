@@ -57,9 +57,9 @@ import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from steps import checkpoint, progress, tracking
+from steps import candidate, checkpoint, progress, tracking
 from steps.errors import MoerlError, run_cli
-from steps.experience import behaviour_version, load_run_config, scored_key
+from steps.experience import load_run_config
 from steps.expert_parallel import (
     CommTimer,
     ExpertPlacement,
@@ -83,6 +83,15 @@ from steps.model import (
     moe_layer_indices,
 )
 from steps.optim import AnyOptimizer
+from steps.run_store import (
+    OPTIMIZER_INDEX,
+    behaviour_version,
+    candidate_prefix,
+    optimizer_prefix,
+    scored_key,
+    update_metrics_key,
+    version_name,
+)
 from steps.store import Store
 from steps.trainer import (
     PolicyTrainer,
@@ -95,9 +104,6 @@ from steps.trainer import (
     read_scored_experience,
 )
 
-MARKER = "CANDIDATE.json"
-CANDIDATE_INDEX = "candidate.index.json"
-OPTIMIZER_INDEX = "optimizer.index.json"
 T = TypeVar("T")
 COLLECTIVE_TIMEOUT_SECONDS = 60 * 60
 
@@ -112,31 +118,6 @@ def check_token_ids(samples: list, vocab_size: int, where: str) -> None:
                 f"policy's vocabulary of {vocab_size}; the experience comes from another model or tokenizer — "
                 "regenerate it with this run's rollout"
             )
-
-
-def candidate_prefix(iteration: int) -> str:
-    return f"candidates/iter-{iteration:06d}"
-
-
-def optimizer_prefix(version: int) -> str:
-    return f"optimizer/{checkpoint.version_name(version)}"
-
-
-def update_metrics_key(iteration: int) -> str:
-    return f"metrics/iter-{iteration:06d}.update.json"
-
-
-def model_shard_name(ep_rank: int, ep_size: int) -> str:
-    return f"model-rank{ep_rank:05d}-of-{ep_size:05d}.safetensors"
-
-
-def optimizer_shard_name(ep_rank: int, ep_size: int) -> str:
-    return f"optimizer-rank{ep_rank:05d}-of-{ep_size:05d}.safetensors"
-
-
-def read_marker(run: Store, iteration: int) -> dict[str, Any] | None:
-    key = f"{candidate_prefix(iteration)}/{MARKER}"
-    return run.get_json(key) if run.exists(key) else None
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -184,7 +165,7 @@ def read_optimizer_state(run: Store, version: int, names: list[str], workdir: Pa
     index_key = f"{prefix}/{OPTIMIZER_INDEX}"
     if not run.exists(index_key):
         raise MoerlError(
-            f"{run.url(index_key)}: missing; checkpoint {checkpoint.version_name(version)} was published "
+            f"{run.url(index_key)}: missing; checkpoint {version_name(version)} was published "
             "without its optimizer state — republish it (python -m steps.publish) or start a new run"
         )
     weight_map: dict[str, str] = run.get_json(index_key)["weight_map"]
@@ -202,7 +183,7 @@ def read_optimizer_state(run: Store, version: int, names: list[str], workdir: Pa
                 raise MoerlError(
                     f"{run.url(f'{prefix}/{file_name}')}: lacks {missing[0]} ({len(missing)} tensors in all) that "
                     f"{OPTIMIZER_INDEX} puts there; the optimizer state is corrupted — start a new run from "
-                    f"{checkpoint.version_name(version)}"
+                    f"{version_name(version)}"
                 )
             for name in file_names:
                 tensors[name] = f.get_tensor(name)
@@ -341,8 +322,8 @@ def write_shards(
     opt_state = {n: t for n, t in opt_state.items() if mine(n.rsplit(".", 1)[0])}
     prefix = candidate_prefix(iteration)
     for kind, file_name, tensors in (
-        ("weights", model_shard_name(mesh.ep_rank, mesh.ep_size), weights),
-        ("optimizer", optimizer_shard_name(mesh.ep_rank, mesh.ep_size), opt_state),
+        ("weights", candidate.model_shard_name(mesh.ep_rank, mesh.ep_size), weights),
+        ("optimizer", candidate.optimizer_shard_name(mesh.ep_rank, mesh.ep_size), opt_state),
     ):
         local = workdir / file_name
         _save(tensors, local)
@@ -389,22 +370,9 @@ def write_candidate_metadata(
             put(name, (parent_dir / name).read_bytes())
     if GENERATION_CONFIG_NAME not in files:
         put_text(GENERATION_CONFIG_NAME, json.dumps({"_from_model_config": True}, indent=2) + "\n")
-    index = {
-        "metadata": {"iteration": iteration, "parent": iteration - 1, **info},
-        "weight_map": dict(sorted(weight_map.items())),
-        "optimizer_map": dict(sorted(optimizer_map.items())),
-    }
-    put_text(CANDIDATE_INDEX, json.dumps(index, indent=2) + "\n")
+    put_text(candidate.CANDIDATE_INDEX, candidate.index_text(iteration, info, weight_map, optimizer_map))
     run.put_json(update_metrics_key(iteration), {"update": metrics, "iteration": iteration})
-    marker = {
-        "iteration": iteration,
-        "parent": iteration - 1,
-        **info,
-        "files": dict(sorted(files.items())),
-        "created_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-    }
-    run.put_json(f"{prefix}/{MARKER}", marker)
-    return marker
+    return candidate.write_marker(run, iteration, info, files)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -468,9 +436,9 @@ def _update(
     cfg = load_run_config(run)
     parent = iteration - 1
     if checkpoint.read_manifest(run, iteration) is not None:
-        _say(rank, f"{checkpoint.version_name(iteration)} is already published; nothing to do")
+        _say(rank, f"{version_name(iteration)} is already published; nothing to do")
         return None
-    marker = read_marker(run, iteration)
+    marker = candidate.read_marker(run, iteration)
     if marker is not None and not force:
         _say(rank, f"candidate of iteration {iteration} is complete; nothing to do (--force retrains it)")
         return None

@@ -29,20 +29,14 @@ from test_update_experience import (
 )
 
 from steps import checkpoint
+from steps.candidate import CANDIDATE_INDEX, MARKER, model_shard_name, optimizer_shard_name
 from steps.engine import GenerationRequest, SamplingParams, TorchEngine
 from steps.expert_parallel import ExpertPlacement, balanced_placement, is_expert_param
 from steps.model import MoeConfig, MoeForCausalLM, expected_tensor_shapes, load_pretrained
 from steps.publish import publish
+from steps.run_store import candidate_prefix, update_metrics_key
 from steps.store import Store
-from steps.update import (
-    CANDIDATE_INDEX,
-    MARKER,
-    candidate_prefix,
-    choose_placement,
-    model_shard_name,
-    optimizer_shard_name,
-    update_metrics_key,
-)
+from steps.update import choose_placement
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

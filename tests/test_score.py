@@ -23,11 +23,10 @@ from steps.experience import (
     chunk_table,
     heldout_prompts,
     load_run_config,
-    metrics_key,
-    scored_key,
     write_chunk,
 )
 from steps.rewards import group_advantages
+from steps.run_store import metrics_key, scored_key
 from steps.score import score_iteration
 from steps.store import Store
 from steps.tokenizer import CheckpointTokenizer

@@ -36,6 +36,7 @@ from pipelines.workflow import placement as pl
 from pipelines.workflow.retry import retry_for
 from pipelines.workflow.wait import PARENT_LABEL
 from steps.progress import PROGRESS_ANNOTATION
+from steps.run_store import behaviour_version
 
 ITERATION = "{{inputs.parameters.iteration}}"
 PLAN_OUT = "/tmp/plan"
@@ -335,7 +336,7 @@ def main_dag(cfg: RunConfig, segment: graph.Segment) -> DAG:
         arguments = {"iteration": str(i)}
         shards = None
         if step == "rollout":
-            arguments |= {"shard": "{{item}}", "policy-version": str(graph.policy_version(i, cfg.staleness))}
+            arguments |= {"shard": "{{item}}", "policy-version": str(behaviour_version(i, cfg.staleness))}
             shards = Sequence(count=str(cfg.rollout.num_shards))
         tasks.append(
             Task(
