@@ -17,7 +17,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pipelines.config import RunConfig, load_config
+from pipelines.config import load_config
 from pipelines.local import RunResult, run_workflow
 from pipelines.local.chaos import parse_chaos
 from pipelines.local.pods import warm_start_candidates
@@ -25,6 +25,7 @@ from pipelines.local.warm import WarmStarter, warm_starts_enabled
 from pipelines.preflight import preflight_or_exit
 from pipelines.workflow import placement
 from steps.errors import MoerlError
+from steps.run_config import RunConfig
 from steps.run_store import CHECKPOINTS, LATEST, REPORT_MD_KEY, REPORT_PNG_KEY, RUN_CONFIG, TENSORBOARD_PREFIX
 from steps.store import Store
 from steps.tracking import STATUS_FILE_ENV

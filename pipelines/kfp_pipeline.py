@@ -24,10 +24,10 @@ from typing import Any
 
 from kfp import compiler, dsl, kubernetes
 
-from pipelines.config import Placement, Retry, RunConfig
 from pipelines.workflow import graph, pytorchjob
 from pipelines.workflow import placement as pl
 from pipelines.workflow.templates import config_json, flags
+from steps.run_config import Placement, Retry, RunConfig
 
 SLOT_LABEL = "moerl.io/slot"
 _UNITS = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1, "m": 60, "h": 3600, "": 1}

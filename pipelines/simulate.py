@@ -47,11 +47,12 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from pipelines.config import RunConfig, load_config, parse_overrides
+from pipelines.config import load_config, parse_overrides
 from pipelines.local.executor import backoff_seconds
 from pipelines.local.expressions import parse_duration
 from pipelines.workflow import graph
 from steps.errors import MoerlError
+from steps.run_config import RunConfig
 
 GPU = "nvidia.com/gpu"
 # Step kinds: the workflow's template names. engine_startup is the part of a rollout shard spent before it

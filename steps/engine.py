@@ -38,7 +38,7 @@ import os
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
@@ -55,6 +55,9 @@ from steps.model import (
 from steps.moe import MoeBlock, group_by_expert
 from steps.tasks import Prompt, Task, get_task, verify_ids
 from steps.tokenizer import RAW, CheckpointTokenizer, PromptFormat
+
+if TYPE_CHECKING:
+    from steps.run_config import SamplingConfig, SGLangConfig
 
 # PyTorch's CPU bmm runs matrices of fewer multiply-adds than this with a plain loop, several times slower
 # per multiply-add than its blocked kernels; RowBatch decoding keeps its per-row products above it.
@@ -89,6 +92,11 @@ class SamplingParams:
         if self.top_k < 0 or self.max_new_tokens < 1 or self.n < 1:
             raise ValueError(f"{self}: top_k must be >= 0, max_new_tokens and n >= 1")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+
+    @classmethod
+    def from_config(cls, sampling: SamplingConfig, stop_token_ids: Sequence[int], n: int) -> SamplingParams:
+        """The run's `sampling` section, field by field, with the checkpoint's stop tokens and the group size."""
+        return cls(**dict(sampling), stop_token_ids=tuple(stop_token_ids), n=n)
 
     @property
     def greedy(self) -> bool:
@@ -819,6 +827,11 @@ class SGLangSettings:
     mem_fraction: float = 0.85
     deterministic: bool = True  # enable_deterministic_inference: batch-invariant kernels
     random_seed: int = 0
+
+    @classmethod
+    def from_config(cls, sglang: SGLangConfig, random_seed: int) -> SGLangSettings:
+        """The run's `rollout.sglang` section, field by field, and the run's seed."""
+        return cls(**dict(sglang), random_seed=random_seed)
 
 
 def evaluate_accuracy(

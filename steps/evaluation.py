@@ -12,11 +12,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from pipelines.config import RunConfig
 from steps import checkpoint
 from steps.engine import TorchEngine, evaluate_accuracy
 from steps.experience import heldout_prompts, prompt_format
 from steps.rewards import sample_verifier
+from steps.run_config import RunConfig
 from steps.run_store import version_prefix
 from steps.store import Store
 from steps.tokenizer import load_tokenizer

@@ -36,10 +36,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from pipelines.config import RunConfig, validate_config
 from steps.engine import Generation, SamplingParams
 from steps.errors import MoerlError
 from steps.prompt_data import PromptFields, heldout_split, read_prompt_uri
+from steps.run_config import RunConfig, validate_config
 from steps.run_store import RUN_CONFIG, chunk_key, rollout_prefix, version_prefix
 from steps.store import Store
 from steps.tasks import Prompt, Task, get_task
@@ -169,11 +169,7 @@ def version_tokenizer(run: Store, version: int) -> CheckpointTokenizer:
 
 
 def sampling_params(cfg: RunConfig, stop_token_ids: Sequence[int]) -> SamplingParams:
-    s = cfg.sampling
-    return SamplingParams(
-        temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_new_tokens=s.max_new_tokens,
-        stop_token_ids=tuple(stop_token_ids), n=cfg.group_size,
-    )  # fmt: skip
+    return SamplingParams.from_config(cfg.sampling, stop_token_ids, cfg.group_size)
 
 
 # ----------------------------------------------------------------------------------------------------

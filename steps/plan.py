@@ -62,7 +62,7 @@ def plan_segment(latest: int | None, first: int, last: int) -> Plan:
 
 
 def training_fields(config: dict[str, Any]) -> dict[str, Any]:
-    from pipelines.config import training_view  # the config model decides what a run may not change
+    from steps.run_config import training_view  # the config model decides what a run may not change
 
     return training_view(config)
 

@@ -256,7 +256,7 @@ def write_report(
 
 def track_run_end(run: Store, out: Path, workflow_name: str | None, namespace: str | None, note: Any) -> None:
     """The trackers' part of the report; a run whose run.json cannot be read tracks nothing (a note says so)."""
-    from pipelines.config import validate_config
+    from steps.run_config import validate_config
 
     try:
         cfg = validate_config(run.get_json(RUN_CONFIG), run.url(RUN_CONFIG))

@@ -157,8 +157,7 @@ def rollout_shard(
     if cfg.rollout.engine == "torch" and device == "cpu":
         torch.set_num_threads(threads)
     model_dir = checkpoint.fetch(run, version)
-    sg = cfg.rollout.sglang
-    settings = SGLangSettings(sg.tp_size, sg.ep_size, sg.moe_a2a_backend, sg.mem_fraction, random_seed=cfg.seed)
+    settings = SGLangSettings.from_config(cfg.rollout.sglang, random_seed=cfg.seed)
     engine = open_engine(cfg.rollout.engine, model_dir, device=device, sglang_settings=settings)
     try:
         start = time.monotonic()

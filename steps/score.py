@@ -120,8 +120,7 @@ def score_iteration(
         check_finite(
             np.asarray(rm_scores, dtype=np.float64), where, what=f"reward model score ({cfg.rewards.reward_model})"
         )
-    weights = RewardWeights(cfg.rewards.exact_match_weight, cfg.rewards.format_weight, cfg.rewards.reward_model_weight,
-                            cfg.rewards.reward_fn_weight)  # fmt: skip
+    weights = RewardWeights.from_config(cfg.rewards)
     rewards = combine(correct, well_formed, rm_scores, weights, fn_rewards)
     check_finite(rewards, where)
     advantages, tied = group_advantages(prompt_ids, rewards, cfg.rewards.normalize_std)

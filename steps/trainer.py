@@ -15,8 +15,8 @@ import math
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -30,6 +30,9 @@ from steps.optim import AdamW, AnyOptimizer
 from steps.rl_loss import LossSettings, aggregate, token_entropy, token_terms
 from steps.run_store import scored_key
 from steps.store import Store
+
+if TYPE_CHECKING:
+    from steps.run_config import RunConfig
 
 # ----------------------------------------------------------------------------------------------------
 # Experience
@@ -127,7 +130,7 @@ class TrainSettings:
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
     grad_clip: float = 1.0
-    old_logprobs: str = "recompute"  # or "behavior": see pipelines.config.TrainerConfig.old_logprobs
+    old_logprobs: str = "recompute"  # or "behavior": see steps.run_config.TrainerConfig.old_logprobs
     shared_prompts: bool = False  # run each GRPO group's prompt once: see plan_group_steps, collate_groups
     # Leave samples with advantage exactly 0 out of the forward/backward when they cannot move the weights
     # (kl_coef 0): see trained_steps. False runs them anyway (same gradients; the tests' reference).
@@ -135,18 +138,12 @@ class TrainSettings:
     seed: int = 0
 
     @classmethod
-    def from_run_config(cls, cfg: Any) -> TrainSettings:
-        """From a pipelines.config.RunConfig (its `trainer` section and seed)."""
-        t = cfg.trainer
-        return cls(
-            loss=LossSettings(
-                clip_low=t.clip_low, clip_high=t.clip_high, loss_agg=t.loss_agg, kl_coef=t.kl_coef,
-                is_cap=t.is_cap,
-            ),
-            micro_batch_size=t.micro_batch_size, epochs=t.epochs, steps_per_epoch=t.steps_per_epoch,
-            lr=t.lr, warmup_steps=t.warmup_steps, weight_decay=t.weight_decay, betas=tuple(t.betas),
-            grad_clip=t.grad_clip, old_logprobs=t.old_logprobs, shared_prompts=t.shared_prompts, seed=cfg.seed,
-        )  # fmt: skip
+    def from_run_config(cls, cfg: RunConfig) -> TrainSettings:
+        """The run's `trainer` section by field name (every LossSettings field, and the TrainSettings fields
+        it has; the rest of it places the ranks: steps/update.py) and the run's seed."""
+        section = dict(cfg.trainer)
+        loss = LossSettings(**{f.name: section[f.name] for f in fields(LossSettings)})
+        return cls(loss=loss, **{f.name: section[f.name] for f in fields(cls) if f.name in section}, seed=cfg.seed)
 
     @property
     def total_steps(self) -> int:

@@ -21,11 +21,11 @@ from typing import Any
 
 import pyarrow.parquet as pq
 
-from pipelines.config import RunConfig, validate_config
 from pipelines.local import RunResult, run_workflow
 from pipelines.workflow import workflow
 from pipelines.workflow.pytorchjob import torchrun_args
 from steps import checkpoint, run_store
+from steps.run_config import RunConfig, validate_config
 from steps.run_store import chunk_key, metrics_key, rollout_prefix, scored_key
 from steps.store import RESERVED_PREFIX, SIDECAR_PREFIX, Store
 

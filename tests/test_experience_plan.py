@@ -6,7 +6,6 @@ import dataclasses
 import pyarrow as pa
 import pytest
 
-from pipelines.config import validate_config
 from steps.char_tokenizer import EOS_ID
 from steps.engine import Generation
 from steps.errors import MoerlError
@@ -22,6 +21,7 @@ from steps.experience import (
     write_chunk,
 )
 from steps.prompt_data import format_prompt_jsonl
+from steps.run_config import validate_config
 from steps.run_store import behaviour_version, chunk_key, metrics_key, scored_key
 from steps.store import Store
 from steps.tasks import get_task

@@ -28,12 +28,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import pipelines.cli
-from pipelines.config import validate_config
 from pipelines.workflow import argo_objects, workflow
 from pipelines.workflow.pytorchjob import manifest as pytorchjob_manifest
 from steps import candidate, checkpoint
 from steps.candidate import MARKER
 from steps.errors import MoerlError
+from steps.run_config import validate_config
 from steps.run_store import candidate_prefix
 from steps.store import Store
 

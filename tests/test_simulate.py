@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from pipelines import simulate as sim
-from pipelines.config import RunConfig, load_config
+from pipelines.config import load_config
 from steps.errors import MoerlError
+from steps.run_config import RunConfig
 
 REPO = Path(__file__).resolve().parents[1]
 EKS = REPO / "configs" / "eks-p5en.yaml"

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipelines.config import validate_config
 from steps import run_store, tracking
 from steps.errors import MoerlError
+from steps.run_config import validate_config
 from steps.store import Store
 from tests.wandb_records import history_rows, records, run_records
 
@@ -479,7 +479,7 @@ def test_wandb_offline_run_files_hold_each_steps_points(tmp_path):
 def test_no_tracking_imports_no_tracking_library(tmp_path):
     code = (
         "import sys\n"
-        "from pipelines.config import validate_config\n"
+        "from steps.run_config import validate_config\n"
         "from steps import tracking, score, report\n"
         "from steps.store import Store\n"
         f"cfg = validate_config({{'sft_checkpoint': 'file:///x', 'run_store': '{(tmp_path / 'run').as_uri()}'}})\n"

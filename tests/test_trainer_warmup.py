@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipelines.config import validate_config
+from steps.run_config import validate_config
 from steps.trainer import (
     TrainSettings,
     completed_steps,

@@ -39,8 +39,8 @@ from typing import Any
 
 import yaml
 
-from pipelines.config import RunConfig
 from pipelines.workflow import placement as pl
+from steps.run_config import RunConfig
 
 GROUP, VERSION, PLURAL = "kubeflow.org", "v1", "pytorchjobs"
 SUCCESS_CONDITION = "status.replicaStatuses.Master.succeeded > 0"

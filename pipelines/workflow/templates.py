@@ -30,12 +30,12 @@ from hera.workflows.models import (
     VolumeMount,
 )
 
-from pipelines.config import RunConfig
 from pipelines.workflow import graph, pytorchjob
 from pipelines.workflow import placement as pl
 from pipelines.workflow.retry import retry_for
 from pipelines.workflow.wait import PARENT_LABEL
 from steps.progress import PROGRESS_ANNOTATION
+from steps.run_config import RunConfig
 from steps.run_store import behaviour_version
 
 ITERATION = "{{inputs.parameters.iteration}}"
