@@ -47,17 +47,15 @@ from steps.model import (
     read_config_json,
     weights_dtype,
 )
+from steps.optimizer_state import MASTER_FIELD, OPTIMIZER_FIELDS, store_optimizer_state
 from steps.run_store import (
-    OPTIMIZER_INDEX,
     OPTIMIZER_PREFIX,
     candidate_prefix,
-    optimizer_prefix,
     parse_version,
     version_name,
     version_prefix,
 )
 from steps.store import Store
-from steps.trainer import MASTER_FIELD, OPTIMIZER_FIELDS
 
 
 def _headers(path: Path) -> dict[str, TensorEntry]:
@@ -162,16 +160,6 @@ def assemble_hf_dir(
     (out_dir / SAFE_WEIGHTS_INDEX_NAME).write_text(json.dumps(hf_index, indent=2) + "\n")
 
 
-def store_optimizer_state(
-    run: Store, version: int, candidate_dir: Path, index: dict[str, Any], optimizer_files: list[str]
-) -> None:
-    """<run>/optimizer/v(version)/: the shards, then optimizer.index.json (its presence means complete)."""
-    prefix = optimizer_prefix(version)
-    for name in optimizer_files:
-        run.put_file(f"{prefix}/{name}", candidate_dir / name)
-    run.put_json(f"{prefix}/{OPTIMIZER_INDEX}", {"weight_map": index["optimizer_map"]})
-
-
 def clean_up(run: Store, iteration: int, keep_last: int) -> list[int]:
     """Retention, the optimizer state of versions no longer published, and the published candidate."""
     doomed = checkpoint.apply_retention(run, keep_last)
@@ -221,7 +209,7 @@ def publish(run_uri: str, iteration: int) -> checkpoint.Manifest:
             raise MoerlError(f"{where}: the candidate has no {CONFIG_NAME}; rerun update with --force")
         index, model_files, optimizer_files = verify_candidate(candidate_dir, where, run_dtype(run, iteration - 1))
         progress.report(1, 3)
-        store_optimizer_state(run, iteration, candidate_dir, index, optimizer_files)
+        store_optimizer_state(run, iteration, candidate_dir, index["optimizer_map"])
         progress.report(2, 3)
         assemble_hf_dir(candidate_dir, index, model_files, optimizer_files, hf_dir)
         validate_checkpoint_dir(hf_dir)

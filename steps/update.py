@@ -54,12 +54,11 @@ from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from steps import candidate, checkpoint, progress, tracking
 from steps.errors import MoerlError, run_cli
-from steps.experience import load_run_config
+from steps.experience import load_run_config, read_scored_experience
 from steps.expert_parallel import (
     CommTimer,
     ExpertPlacement,
@@ -83,26 +82,21 @@ from steps.model import (
     moe_layer_indices,
 )
 from steps.optim import AnyOptimizer
+from steps.optimizer_state import (
+    optimizer_state_names,
+    optimizer_state_tensors,
+    read_optimizer_state,
+    restore_optimizer_state,
+)
 from steps.run_store import (
-    OPTIMIZER_INDEX,
     behaviour_version,
     candidate_prefix,
-    optimizer_prefix,
     scored_key,
     update_metrics_key,
     version_name,
 )
 from steps.store import Store
-from steps.trainer import (
-    PolicyTrainer,
-    TrainSettings,
-    load_optimizer_state,
-    new_adamw,
-    optimizer_state_names,
-    optimizer_state_tensors,
-    prompt_groups,
-    read_scored_experience,
-)
+from steps.trainer import PolicyTrainer, TrainSettings, new_adamw, prompt_groups
 
 T = TypeVar("T")
 COLLECTIVE_TIMEOUT_SECONDS = 60 * 60
@@ -157,54 +151,6 @@ def fetch_checkpoint(run: Store, version: int, mesh: Mesh, local_rank: int) -> P
     checkpoint.require_manifest(run, version)
     agreed(mesh, lambda: checkpoint.fetch(run, version) if local_rank == 0 else None)
     return checkpoint.cache_dir_for(run, version)
-
-
-def read_optimizer_state(run: Store, version: int, names: list[str], workdir: Path) -> dict[str, torch.Tensor]:
-    """The AdamW state tensors named `names` from <run>/optimizer/v(version)/ (only the files holding them)."""
-    prefix = optimizer_prefix(version)
-    index_key = f"{prefix}/{OPTIMIZER_INDEX}"
-    if not run.exists(index_key):
-        raise MoerlError(
-            f"{run.url(index_key)}: missing; checkpoint {version_name(version)} was published "
-            "without its optimizer state — republish it (python -m steps.publish) or start a new run"
-        )
-    weight_map: dict[str, str] = run.get_json(index_key)["weight_map"]
-    wanted: dict[str, list[str]] = {}
-    for name in names:
-        if name in weight_map:
-            wanted.setdefault(weight_map[name], []).append(name)
-    tensors: dict[str, torch.Tensor] = {}
-    for file_name, file_names in sorted(wanted.items()):
-        local = workdir / file_name
-        run.get_file(f"{prefix}/{file_name}", local)
-        with safe_open(str(local), framework="pt") as f:
-            missing = sorted(set(file_names) - set(f.keys()))
-            if missing:
-                raise MoerlError(
-                    f"{run.url(f'{prefix}/{file_name}')}: lacks {missing[0]} ({len(missing)} tensors in all) that "
-                    f"{OPTIMIZER_INDEX} puts there; the optimizer state is corrupted — start a new run from "
-                    f"{version_name(version)}"
-                )
-            for name in file_names:
-                tensors[name] = f.get_tensor(name)
-        local.unlink()
-    return tensors
-
-
-def restore_optimizer_state(
-    run: Store,
-    version: int,
-    model: MoeForCausalLM,
-    optimizer: AnyOptimizer,
-    state: dict[str, torch.Tensor],
-    dtype: torch.dtype,
-) -> None:
-    """AdamW state and fp32 masters of v(version) into this rank's model and optimizer; the masters are
-    required when that version's weights are published narrower than fp32 (`dtype`)."""
-    try:
-        load_optimizer_state(model, optimizer, state, needs_master=dtype != torch.float32)
-    except MoerlError as err:
-        raise MoerlError(f"{run.url(optimizer_prefix(version))}: {err}") from None
 
 
 def previous_expert_rows(run: Store, iteration: int, num_layers: int, num_experts: int) -> list[list[int]]:

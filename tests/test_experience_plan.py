@@ -7,7 +7,6 @@ import pyarrow as pa
 import pytest
 
 from steps.char_tokenizer import EOS_ID
-from steps.engine import Generation
 from steps.errors import MoerlError
 from steps.experience import (
     CANONICAL_ORDER,
@@ -20,6 +19,7 @@ from steps.experience import (
     read_rollout,
     write_chunk,
 )
+from steps.generation import Generation
 from steps.prompt_data import format_prompt_jsonl
 from steps.run_config import validate_config
 from steps.run_store import behaviour_version, chunk_key, metrics_key, scored_key

@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 from test_expert_parallel import run_gloo
 from test_update_experience import experience_table, tiny_model
 
+from steps.experience import Sample
 from steps.expert_parallel import (
     ExpertPlacement,
     all_reduce_sum,
@@ -23,7 +24,7 @@ from steps.expert_parallel import (
 )
 from steps.model import MoeForCausalLM
 from steps.rl_loss import LossSettings
-from steps.trainer import PolicyTrainer, Sample, TrainSettings, collate, rank_micro_batches
+from steps.trainer import PolicyTrainer, TrainSettings, collate, rank_micro_batches
 
 MICRO_BATCH = 3
 

@@ -30,8 +30,9 @@ from test_update_experience import (
 
 from steps import checkpoint
 from steps.candidate import CANDIDATE_INDEX, MARKER, model_shard_name, optimizer_shard_name
-from steps.engine import GenerationRequest, SamplingParams, TorchEngine
+from steps.engine import TorchEngine
 from steps.expert_parallel import ExpertPlacement, balanced_placement, is_expert_param
+from steps.generation import GenerationRequest, SamplingParams
 from steps.model import MoeConfig, MoeForCausalLM, expected_tensor_shapes, load_pretrained
 from steps.publish import publish
 from steps.run_store import candidate_prefix, update_metrics_key

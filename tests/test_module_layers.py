@@ -44,3 +44,16 @@ def test_nothing_under_steps_imports_pipelines():
     """The pods need steps/ only; the run config's schema (run.json's) lives there too."""
     offenders = {p.name for p in STEPS.glob("*.py") if any(m.split(".")[0] == "pipelines" for m in imported_modules(p))}
     assert not offenders
+
+
+def test_no_import_cycle_among_the_steps_libraries():
+    """Counting lazy imports: the engines import the generation interface, never each other or back."""
+    graph = {f"steps.{p.stem}": {m for m in imported_modules(p) if m.startswith("steps.")} for p in STEPS.glob("*.py")}
+
+    def reaches(start: str, target: str, seen: set[str]) -> bool:
+        for module in graph.get(start, ()):
+            if module == target or (module not in seen and reaches(module, target, seen | {module})):
+                return True
+        return False
+
+    assert not sorted(m for m in graph if reaches(m, m, {m}))

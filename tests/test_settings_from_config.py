@@ -8,10 +8,11 @@ from typing import Any
 
 import pytest
 
-from steps.engine import SamplingParams, SGLangSettings
+from steps.generation import SamplingParams
 from steps.rewards import RewardWeights
 from steps.rl_loss import LossSettings
 from steps.run_config import validate_config
+from steps.sglang_engine import SGLangSettings
 from steps.trainer import TrainSettings
 
 URIS = {"sft_checkpoint": "file:///sft", "run_store": "file:///run"}
