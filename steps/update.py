@@ -13,17 +13,11 @@ Precision: the policy trains in fp32 and is published in the run's checkpoint dt
 bf16). When that dtype is narrower than fp32, the optimizer state also holds each parameter's fp32 master
 (`<name>.master`), and the next update starts from the masters, not from the rounded published weights.
 
-Output: <run>/candidates/iter-I/
-    model-rank0000r-of-0000n.safetensors       the weights EP rank r holds (rank 0 also the replicated ones),
-                                               in the run's checkpoint dtype
-    optimizer-rank0000r-of-0000n.safetensors   AdamW state of the same parameters (+ their fp32 masters)
-    config.json, generation_config.json, tokenizer files
-    candidate.index.json                       tensor name -> file, for weights and optimizer state
-    CANDIDATE.json                             written LAST: every file with size + sha256
-and <run>/metrics/iter-I.update.json (loss, clip fraction, KL, importance weights, grad norm, entropy,
-tokens/s, the per-expert routed row counts and the expert placement used; a separate file so that score's
-metrics/iter-I.json is never rewritten). Rank 0 then hands the metrics to the run's experiment trackers
-(steps/tracking.py; none by default).
+Output: the candidate <run>/candidates/iter-I/ (its format: steps/candidate.py), one weight shard and one
+optimizer-state shard per EP rank, CANDIDATE.json last; and <run>/metrics/iter-I.update.json (loss, clip
+fraction, KL, importance weights, grad norm, entropy, tokens/s, the per-expert routed row counts and the
+expert placement used; a separate file so that score's metrics/iter-I.json is never rewritten). Rank 0 then
+hands the metrics to the run's experiment trackers (steps/tracking.py; none by default).
 
 Expert placement (trainer.expert_placement, default balanced): which E/ep experts each EP rank holds, per
 MoE layer. Update I balances the EP ranks' routed rows with the per-expert row counts that update I-1
