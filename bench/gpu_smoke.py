@@ -110,7 +110,8 @@ def engine_section(args: argparse.Namespace) -> dict:
     except ImportError as err:
         return {"skipped": f"transformers is not installed ({err}); the engine's reference needs it"}
     from steps.char_tokenizer import EOS_ID, PAD_ID, build_tokenizer, encode_prompt
-    from steps.engine import SamplingParams, TorchEngine, sample_requests, sample_seed
+    from steps.engine import TorchEngine
+    from steps.generation import SamplingParams, sample_requests, sample_seed
     from steps.kernels import token_logprobs
     from steps.tasks import get_task
 

@@ -45,8 +45,9 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from pipelines.config import RunConfig, load_config  # noqa: E402
+from pipelines.config import load_config  # noqa: E402
 from steps.errors import MoerlError, run_cli  # noqa: E402
+from steps.run_config import RunConfig  # noqa: E402
 from steps.workflow_status import step_nodes  # noqa: E402
 
 DEMO_CONFIG = REPO / "configs" / "demo.yaml"
@@ -391,7 +392,7 @@ class VerifierReward:
         from steps.rewards import RewardWeights
         from steps.sft import char_checkpoint_tokenizer
 
-        self.weights = RewardWeights(cfg.rewards.exact_match_weight, cfg.rewards.format_weight, 0.0)
+        self.weights = RewardWeights.from_config(cfg.rewards)  # no reward model or function: their weights stay unused
         self.tok = char_checkpoint_tokenizer()  # the demo checkpoint's own
 
     def __call__(self, prompts: list, completions: list, completion_ids: list, task: list, answer: list,
@@ -425,9 +426,9 @@ def trl_worker(spec_path: str) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from pipelines.config import RunConfig
     from steps.engine import TorchEngine, evaluate_accuracy
     from steps.experience import heldout_prompts
+    from steps.run_config import RunConfig
     from steps.tokenizer import CheckpointTokenizer
 
     cfg = RunConfig.model_validate(spec["config"])

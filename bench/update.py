@@ -52,7 +52,7 @@ sys.path.insert(0, str(REPO))
 def synthetic_samples(count: int, seed: int = 0) -> list:
     """Demo-task-shaped sequences: a 10-16 token prompt and an 8-16 token response ending in EOS."""
     from steps.char_tokenizer import BOS_ID, EOS_ID, VOCAB_SIZE
-    from steps.trainer import Sample
+    from steps.experience import Sample
 
     rng = random.Random(seed)
     samples = []
@@ -70,7 +70,7 @@ def scored_samples(path: str, count: int) -> list:
     """The first `count` rows of a scored.parquet, as the trainer reads them (cycled if there are fewer)."""
     import pyarrow.parquet as pq
 
-    from steps.trainer import Sample
+    from steps.experience import Sample
 
     rows = pq.read_table(path).to_pylist()
     rows.sort(key=lambda r: (r["prompt_id"], r["sample_index"]))

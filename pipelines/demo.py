@@ -17,11 +17,13 @@ from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pipelines.config import RunConfig, load_config
+from pipelines.config import load_config
 from pipelines.local import RunResult, parse_chaos, run_workflow
 from pipelines.preflight import preflight_or_exit
 from pipelines.workflow import commands, graph, placement
 from steps.errors import MoerlError
+from steps.run_config import RunConfig
+from steps.run_store import CHECKPOINTS, LATEST, REPORT_MD_KEY, REPORT_PNG_KEY, RUN_CONFIG, TENSORBOARD_PREFIX
 from steps.store import Store
 from steps.tracking import STATUS_FILE_ENV
 from steps.workflow_status import step_nodes
@@ -89,20 +91,20 @@ def step_seconds(status: dict[str, Any]) -> dict[int, dict[str, float]]:
 def print_summary(cfg: RunConfig, result: RunResult, seconds: float) -> None:
     run = Store.open(cfg.run_store)
     print()
-    if run.exists("report/report.md"):
-        print(run.get_bytes("report/report.md").decode())
+    if run.exists(REPORT_MD_KEY):
+        print(run.get_bytes(REPORT_MD_KEY).decode())
     times = step_seconds(result.status)
     if times:
         print("step wall times (s): " + "  ".join(f"{k:>8}" for k in STEP_KINDS))
         for i, kinds in times.items():
             print(f"  iteration {i:>3}        " + "  ".join(f"{kinds.get(k, 0.0):8.1f}" for k in STEP_KINDS))
-    latest = run.get_bytes("checkpoints/LATEST").decode().strip() if run.exists("checkpoints/LATEST") else None
+    latest = run.get_bytes(LATEST).decode().strip() if run.exists(LATEST) else None
     print(f"workflow {result.name}: {result.phase} in {seconds:.0f}s {result.message}".rstrip())
     if latest:
-        print(f"checkpoints: {run.url('checkpoints')}/ (LATEST = {latest})")
-    print(f"report: {run.url('report/report.md')} and {run.url('report/report.png')}")
+        print(f"checkpoints: {run.url(CHECKPOINTS)}/ (LATEST = {latest})")
+    print(f"report: {run.url(REPORT_MD_KEY)} and {run.url(REPORT_PNG_KEY)}")
     if cfg.tracking.tensorboard is not None and cfg.tracking.tensorboard.enabled:
-        print(f"tensorboard: tensorboard --logdir {run.url('tensorboard').removeprefix('file://')}")
+        print(f"tensorboard: tensorboard --logdir {run.url(TENSORBOARD_PREFIX).removeprefix('file://')}")
     print(f"step logs: {result.run_dir}/pods/")
 
 
@@ -146,8 +148,8 @@ def demo(
         from pipelines.sft_demo import sft_demo
 
         sft_demo(str(sft_dir), demo_sft_settings(cfg, seed or 0))
-    if Store.open(cfg.run_store).exists("run.json"):
-        stored = Store.open(cfg.run_store).get_json("run.json")
+    if Store.open(cfg.run_store).exists(RUN_CONFIG):
+        stored = Store.open(cfg.run_store).get_json(RUN_CONFIG)
         if stored != json.loads(cfg.model_dump_json()):
             raise MoerlError(
                 f"{workdir}/run holds a run with other settings; pass a new --workdir or delete {workdir}/run"

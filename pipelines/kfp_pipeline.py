@@ -25,10 +25,10 @@ from typing import Any
 
 from kfp import compiler, dsl, kubernetes
 
-from pipelines.config import Placement, Retry, RunConfig
 from pipelines.workflow import graph, pytorchjob
 from pipelines.workflow import placement as pl
 from pipelines.workflow.commands import KFP, StepCommand, flags, pytorchjob_launcher_command, step_command
+from steps.run_config import Placement, Retry, RunConfig
 
 SLOT_LABEL = "moerl.io/slot"
 _UNITS = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1, "m": 60, "h": 3600, "": 1}

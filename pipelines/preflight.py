@@ -17,8 +17,8 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pipelines.config import RunConfig
 from steps.errors import MoerlError
+from steps.run_config import RunConfig
 
 if TYPE_CHECKING:
     from steps.model import MoeConfig

@@ -52,13 +52,18 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from steps.run_store import (
+    METRICS_PREFIX,
+    MLFLOW_RUN_KEY,
+    TENSORBOARD_PREFIX,
+    WANDB_PREFIX,
+    ledger_key,
+    params_ledger_key,
+    pending_key,
+)
 from steps.store import Store
 from steps.workflow_status import status_nodes, step_nodes
 
-LEDGER_PREFIX = "tracking/logged"
-MLFLOW_RUN_KEY = "tracking/mlflow-run.json"
-TENSORBOARD_PREFIX = "tensorboard"
-WANDB_PREFIX = "wandb"
 SOURCES = ("score", "update", "workflow")
 # Steps whose wall time and retries the workflow points carry, as graph.STEPS names them.
 WORKFLOW_STEPS = ("rollout", "score", "update", "publish")
@@ -108,15 +113,6 @@ def config_params(config: dict[str, Any]) -> dict[str, str]:
 
     walk("", config)
     return {_NOT_IN_A_KEY.sub("_", key): value for key, value in out.items()}
-
-
-def ledger_key(tracker: str, source: str, iteration: int) -> str:
-    return f"{LEDGER_PREFIX}/{tracker}/{source}-iter-{iteration:06d}.json"
-
-
-def pending_key(tracker: str, source: str, iteration: int) -> str:
-    """Written before a tracker is sent an iteration's points; the ledger record (ledger_key) after."""
-    return f"{LEDGER_PREFIX}/{tracker}/{source}-iter-{iteration:06d}.pending.json"
 
 
 # ------------------------------------------------------------------------------------------ the workflow
@@ -532,7 +528,7 @@ class Session:
 
     def ensure_params(self) -> None:
         for tracker in self.live():
-            key = f"{LEDGER_PREFIX}/{tracker.name}/params.json"
+            key = params_ledger_key(tracker.name)
             if self.run.exists(key):
                 continue
             try:
@@ -658,7 +654,7 @@ def log_iteration(run: Store, cfg: Any, source: str, iteration: int, metrics: di
         session.close()
 
 
-_STORED_METRICS = re.compile(r"^metrics/iter-(\d+)\.(json|update\.json)$")
+_STORED_METRICS = re.compile(rf"^{METRICS_PREFIX}/iter-(\d+)\.(json|update\.json)$")
 
 
 def stored_step_metrics(run: Store) -> dict[int, dict[str, dict[str, Any]]]:

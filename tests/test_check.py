@@ -12,9 +12,10 @@ from experience_helpers import make_run, tiny_model, write_checkpoint
 
 from pipelines.cli import main
 from steps.bpe_tokenizer import train_chat_tokenizer
-from steps.engine import FINISH_STOP, Generation
-from steps.experience import RolloutPlan, chunk_table, load_run_config, metrics_key, version_tokenizer, write_chunk
+from steps.experience import RolloutPlan, chunk_table, load_run_config, version_tokenizer, write_chunk
+from steps.generation import FINISH_STOP, Generation
 from steps.model import MoeConfig
+from steps.run_store import metrics_key
 from steps.score import score_iteration
 from steps.store import Store
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from pipelines.config import RunConfig, load_config
+from pipelines.config import load_config
 from pipelines.simulate.cli import register
 from pipelines.simulate.measured import iteration_times_from_status, load_step_times, step_times_from_status
 from pipelines.simulate.model import SimResult, Simulation, simulate
@@ -25,6 +25,7 @@ from pipelines.simulate.sizing import (
     tokens_per_iteration,
 )
 from steps.errors import MoerlError
+from steps.run_config import RunConfig
 
 REPO = Path(__file__).resolve().parents[1]
 EKS = REPO / "configs" / "eks-p5en.yaml"

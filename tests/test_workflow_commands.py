@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from pipelines.config import validate_config
 from pipelines.kfp_pipeline import compile_pipeline
 from pipelines.workflow import pytorchjob
 from pipelines.workflow.build import workflow
 from pipelines.workflow.commands import KFP, STEP_KINDS, pytorchjob_launcher_command, step_command
+from steps.run_config import validate_config
 
 BASE = {"sft_checkpoint": "file:///tmp/sft", "run_store": "file:///tmp/run", "iterations": 2}
 

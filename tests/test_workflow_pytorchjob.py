@@ -10,12 +10,13 @@ import re
 import pytest
 import yaml
 
-from pipelines.config import load_config, validate_config
+from pipelines.config import load_config
 from pipelines.local.pytorchjob import match_conditions, parse_selector
 from pipelines.workflow import pytorchjob
 from pipelines.workflow.build import workflow
 from pipelines.workflow.templates import UPDATE_CLEAR, UPDATE_JOB
 from steps import pytorchjob_launcher
+from steps.run_config import validate_config
 
 BASE = {"sft_checkpoint": "file:///tmp/sft", "run_store": "file:///tmp/run", "trainer": {"nodes": 3}}
 # k8s.io/apimachinery validation.IsQualifiedName, which labels.Parse applies to every key

@@ -11,11 +11,11 @@ import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pipelines.config import RunConfig
 from pipelines.durations import backoff_seconds, parse_duration
 from pipelines.simulate.sizing import Assumptions, Cluster, Pool, StepModel, pool_of, shard_chunks, tokens_per_iteration
 from pipelines.workflow import graph
 from steps.errors import MoerlError
+from steps.run_config import RunConfig
 
 
 @dataclass

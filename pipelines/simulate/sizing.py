@@ -6,9 +6,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from pipelines.config import RunConfig
 from pipelines.workflow import commands
 from steps.errors import MoerlError
+from steps.run_config import RunConfig
 
 GPU = "nvidia.com/gpu"
 # Step kinds: the workflow's template names. engine_startup is the part of a rollout shard spent before it

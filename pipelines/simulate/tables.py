@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from pipelines.config import RunConfig
 from pipelines.simulate.model import SimResult
 from pipelines.simulate.sizing import Assumptions, Cluster, StepModel, chunks_per_iteration, tokens_per_iteration
+from steps.run_config import RunConfig
 
 
 def _fmt_s(seconds: float) -> str:

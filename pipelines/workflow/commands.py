@@ -23,8 +23,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from pipelines.config import RunConfig
 from pipelines.workflow import graph
+from steps.run_config import RunConfig
 
 # The files each step writes for its orchestrator to read back (Argo output parameters and artifacts). They
 # lie on the pods' /tmp emptyDir (placement.py), where Argo's executor can read them under a read-only root.

@@ -35,7 +35,6 @@ from typing import Any
 
 import yaml
 
-from pipelines.config import RunConfig
 from pipelines.workflow import placement as pl
 from pipelines.workflow.commands import torchrun_args
 from steps.pytorchjob_launcher import (
@@ -44,6 +43,7 @@ from steps.pytorchjob_launcher import (
     JOB_DEADLINE_SECONDS,
     VERSION,
 )
+from steps.run_config import RunConfig
 
 SUCCESS_CONDITION = "status.replicaStatuses.Master.succeeded > 0"
 FAILURE_CONDITION = ", ".join(f"status.conditions.{i}.type == Failed" for i in FAILED_CONDITION_INDEXES)

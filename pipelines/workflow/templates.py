@@ -28,7 +28,6 @@ from hera.workflows.models import (
     VolumeMount,
 )
 
-from pipelines.config import RunConfig
 from pipelines.workflow import graph, pytorchjob
 from pipelines.workflow import placement as pl
 from pipelines.workflow.commands import ARGO, PLAN_OUT, REPORT_OUT, SCORE_METRICS_PATH, StepCommand, step_command
@@ -36,6 +35,8 @@ from pipelines.workflow.retry import retry_for
 from pipelines.workflow.wait import PARENT_LABEL
 from steps.progress import PROGRESS_ANNOTATION
 from steps.pytorchjob_launcher import WAIT_DEADLINE_SECONDS
+from steps.run_config import RunConfig
+from steps.run_store import behaviour_version
 
 ITERATION = ARGO.iteration
 SCORE_METRIC_KEYS = {"reward_mean": "moerl_reward_mean", "accuracy": "moerl_accuracy"}
@@ -278,7 +279,7 @@ def main_dag(cfg: RunConfig, segment: graph.Segment) -> DAG:
         arguments = {"iteration": str(i)}
         shards = None
         if step == "rollout":
-            arguments |= {"shard": "{{item}}", "policy-version": str(graph.policy_version(i, cfg.staleness))}
+            arguments |= {"shard": "{{item}}", "policy-version": str(behaviour_version(i, cfg.staleness))}
             shards = Sequence(count=str(cfg.rollout.num_shards))
         tasks.append(
             Task(
