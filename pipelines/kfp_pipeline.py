@@ -19,25 +19,23 @@ steps.pytorchjob_launcher`) and waits for it.
 Each task's command line, role and image come from pipelines.workflow.commands, as the Argo templates' do.
 """
 
-import re
 from pathlib import Path
 from typing import Any
 
 from kfp import compiler, dsl, kubernetes
 
+from pipelines.durations import parse_duration
 from pipelines.workflow import graph, pytorchjob
 from pipelines.workflow import placement as pl
 from pipelines.workflow.commands import KFP, StepCommand, flags, pytorchjob_launcher_command, step_command
 from steps.run_config import Placement, Retry, RunConfig
 
 SLOT_LABEL = "moerl.io/slot"
-_UNITS = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1, "m": 60, "h": 3600, "": 1}
 
 
 def seconds(duration: str) -> str:
     """An Argo duration ('2s', '5m', '1h', '30') as KFP's seconds string ('300s')."""
-    number, unit = re.fullmatch(r"(\d+(?:\.\d+)?)([a-z]*)", duration).groups()
-    return f"{int(float(number) * _UNITS[unit])}s"
+    return f"{int(parse_duration(duration))}s"
 
 
 def _component(name: str, image: str, argv: list[str], inputs: tuple[str, ...] = ()) -> Any:

@@ -23,7 +23,7 @@ import pyarrow.parquet as pq
 
 from pipelines.local import RunResult, run_workflow
 from pipelines.workflow import workflow
-from pipelines.workflow.commands import torchrun_args
+from pipelines.workflow.commands import Slots, step_command
 from steps import checkpoint, run_store
 from steps.run_config import RunConfig, validate_config
 from steps.run_store import chunk_key, metrics_key, rollout_prefix, scored_key
@@ -83,17 +83,13 @@ def kill_at(on: str, match: str, nth: int = 1, when: str = "after", sig: str = "
 
 
 def step_argv(step: str, run_uri: str, cfg: RunConfig, shard: int | None = None) -> list[str]:
-    """The command line of a step as the workflow's container runs it (torchrun for the update)."""
-    if step == "update":
-        torchrun = str(Path(sys.executable).parent / "torchrun")
-        args = [run_uri if a == cfg.run_store else a for a in torchrun_args(cfg, str(ITERATION))]
-        return [torchrun, *args]
-    argv = [sys.executable, "-m", f"steps.{step}", "--run", run_uri, "--iteration", str(ITERATION)]
-    if step == "rollout":
-        argv += ["--shard", str(shard), "--num-shards", str(SHARDS), "--policy-version", "0"]
-    if step == "score":
-        argv += ["--metrics-out", os.devnull]
-    return argv
+    """The command line of a step as the workflow's container runs it (torchrun for the update), from the
+    workflow's own builder, with this interpreter's python and torchrun."""
+    at = Slots(iteration=str(ITERATION), shard=str(shard), policy_version="0")
+    more = {"metrics_out": os.devnull} if step == "score" else {}
+    command = step_command(cfg.model_copy(update={"run_store": run_uri}), step, at, **more)
+    program = {"python": sys.executable, "torchrun": str(Path(sys.executable).parent / "torchrun")}
+    return [program.get(command.argv[0], command.argv[0]), *command.argv[1:]]
 
 
 @dataclass

@@ -18,11 +18,11 @@ from pathlib import Path
 
 import pytest
 import yaml
+from argo_helpers import pod_dir, sh, stdout, workflow
+from argo_helpers import run as run_in
 
-from pipelines.local import run_workflow
 from pipelines.local.cli import main as cli_main
 from pipelines.local.manifest import load_workflow, parse_entrypoint
-from pipelines.local.status import pod_name
 from pipelines.local.sync import LockManager
 from steps.errors import MoerlError
 
@@ -35,28 +35,8 @@ def fast_waits(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MOERL_LOCAL_TIME_SCALE", "0.01")  # backoffs and grace periods
 
 
-def workflow(templates: list[dict], entrypoint: str = "main", **spec) -> dict:
-    return {
-        "apiVersion": "argoproj.io/v1alpha1",
-        "kind": "Workflow",
-        "metadata": {"generateName": "t-"},
-        "spec": {"entrypoint": entrypoint, "templates": templates, **spec},
-    }
-
-
-def sh(name: str, script: str, **fields) -> dict:
-    return {"name": name, "container": {"image": "alpine", "command": ["sh", "-c", script]}, **fields}
-
-
 def run(manifest: dict | Path, tmp_path: Path, **kwargs):
-    result = run_workflow(manifest, workdir=tmp_path / "runs", view=None, **kwargs)
-    nodes = {n["displayName"]: n for n in result.status["nodes"].values()}
-    return result, nodes
-
-
-def stdout(result, node: dict) -> str:
-    pod_dir = result.run_dir / "pods" / pod_name(result.name, node["name"], node["templateName"])
-    return (pod_dir / "stdout.log").read_text()
+    return run_in(manifest, tmp_path / "runs", **kwargs)  # tmp_path itself holds the tests' own files
 
 
 def output(node: dict, name: str) -> str:
@@ -85,8 +65,7 @@ def test_a_script_is_staged_executable_so_sh_c_runs_it(tmp_path):
     result, nodes = run(manifest, tmp_path)
     assert result.phase == "Succeeded", nodes["generate"].get("message")
     assert stdout(result, nodes["generate"]) == "42\n"
-    pod_dir = result.run_dir / "pods" / pod_name(result.name, nodes["generate"]["name"], "gen")
-    assert (pod_dir / "script").stat().st_mode & 0o777 == 0o755
+    assert (pod_dir(result, nodes["generate"]) / "script").stat().st_mode & 0o777 == 0o755
 
 
 def test_an_empty_script_source_gets_no_script_path(tmp_path):
@@ -377,9 +356,9 @@ def test_entrypoint_maps_an_image_to_a_host_command(tmp_path, capsys):
     )  # fmt: skip
     assert cli_main(args) == 0
     status = json.loads((tmp_path / "s.json").read_text())
-    pod_dir = next((tmp_path / "w").glob("*/pods/*"))
+    the_pod = next((tmp_path / "w").glob("*/pods/*"))
     assert status["phase"] == "Succeeded"
-    assert (pod_dir / "stdout.log").read_text() == "hi\n"
+    assert (the_pod / "stdout.log").read_text() == "hi\n"
     with pytest.raises(MoerlError, match="expected IMAGE=COMMAND"):
         parse_entrypoint("argoproj/argosay:v2")
 

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 import yaml
+from argo_helpers import params, pod_dir, run, sh, stdout, step, workflow
 
 from pipelines.local import run_workflow
 from pipelines.local.cli import main as cli_main
-from pipelines.local.status import pod_name
 from steps.errors import MoerlError, run_cli
 
 
@@ -21,46 +21,11 @@ def fast_waits(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MOERL_LOCAL_TIME_SCALE", "0.01")  # backoffs and grace periods
 
 
-def workflow(templates: list[dict], entrypoint: str = "main", **spec) -> dict:
-    return {
-        "apiVersion": "argoproj.io/v1alpha1",
-        "kind": "Workflow",
-        "metadata": {"generateName": "t-"},
-        "spec": {"entrypoint": entrypoint, "templates": templates, **spec},
-    }
-
-
-def sh(name: str, script: str, mounts: dict | None = None, **fields) -> dict:
-    container = {"image": "alpine", "command": ["sh", "-c", script]}
-    if mounts:
-        container["volumeMounts"] = [{"name": volume, "mountPath": path} for volume, path in mounts.items()]
-    return {"name": name, "container": container, **fields}
-
-
-def step(name: str, template: str, **fields) -> dict:
-    return {"name": name, "template": template, **fields}
-
-
-def params(**values: str) -> dict:
-    return {"parameters": [{"name": k, "value": v} for k, v in values.items()]}
-
-
 ECHO = {
     "name": "echo",
     "inputs": {"parameters": [{"name": "m"}]},
     "container": {"image": "alpine", "command": ["echo", "{{inputs.parameters.m}}"]},
 }
-
-
-def run(manifest: dict, tmp_path: Path, **kwargs):
-    result = run_workflow(manifest, workdir=tmp_path, view=None, **kwargs)
-    nodes = {n["displayName"]: n for n in result.status["nodes"].values()}
-    return result, nodes
-
-
-def stdout(result, node: dict) -> str:
-    pod_dir = result.run_dir / "pods" / pod_name(result.name, node["name"], node["templateName"])
-    return (pod_dir / "stdout.log").read_text()
 
 
 def test_workflow_deadline_fails_running_steps_and_spares_the_exit_handler(tmp_path):
@@ -286,8 +251,7 @@ def test_pods_writing_the_same_container_path_each_get_their_own(tmp_path):
         node = nodes[f"w({i}:{value})"]
         assert node["outputs"]["parameters"][0]["value"] == value
         assert stdout(result, node) == value
-        pod_dir = result.run_dir / "pods" / pod_name(result.name, node["name"], "writer")
-        assert (pod_dir / "root" / "tmp" / "out.txt").read_text() == value  # the pod's own /tmp
+        assert (pod_dir(result, node) / "root" / "tmp" / "out.txt").read_text() == value  # the pod's own /tmp
 
 
 def test_a_claimed_volume_is_shared_and_an_empty_dir_is_not(tmp_path):
@@ -470,8 +434,7 @@ def test_a_pytorchjob_runs_as_torchrun_and_its_conditions_decide(tmp_path):
     assert nodes["bad"]["message"] == (
         "main: Error (exit code 1): failure condition 'status.replicaStatuses.Master.failed>0' evaluated true"
     )
-    pod_dir = result.run_dir / "pods" / pod_name(result.name, nodes["ok"]["name"], "train")
-    job_status = json.loads((pod_dir / "pytorchjob.json").read_text())["status"]
+    job_status = json.loads((pod_dir(result, nodes["ok"]) / "pytorchjob.json").read_text())["status"]
     assert job_status["replicaStatuses"] == {"Master": {"succeeded": 1}, "Worker": {"succeeded": 1}}
 
 

@@ -6,14 +6,13 @@ volume in every step (its root filesystem is read-only), and its run stores ofte
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import yaml
+from argo_helpers import pod_dir, workflow
 
 from pipelines.local import run_workflow
 from pipelines.local.sandbox import Sandbox
-from pipelines.local.status import pod_name
 
 TMP_VOLUME = [{"name": "tmp", "emptyDir": {}}]
 TMP_MOUNT = [{"name": "tmp", "mountPath": "/tmp"}]
@@ -22,19 +21,6 @@ TMP_MOUNT = [{"name": "tmp", "mountPath": "/tmp"}]
 @pytest.fixture(autouse=True)
 def fast_waits(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MOERL_LOCAL_TIME_SCALE", "0.01")
-
-
-def workflow(templates: list[dict], **spec) -> dict:
-    return {
-        "apiVersion": "argoproj.io/v1alpha1",
-        "kind": "Workflow",
-        "metadata": {"generateName": "t-"},
-        "spec": {"entrypoint": "main", "templates": templates, **spec},
-    }
-
-
-def pod_dir(result, node: dict) -> Path:
-    return result.run_dir / "pods" / pod_name(result.name, node["name"], node["templateName"])
 
 
 def test_a_tmp_volume_holds_the_pods_own_files_and_leaves_host_paths_under_tmp(tmp_path):
