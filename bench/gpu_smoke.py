@@ -110,8 +110,9 @@ def engine_section(args: argparse.Namespace) -> dict:
     except ImportError as err:
         return {"skipped": f"transformers is not installed ({err}); the engine's reference needs it"}
     from steps.char_tokenizer import EOS_ID, PAD_ID, build_tokenizer, encode_prompt
-    from steps.engine import SamplingParams, TorchEngine, sample_requests, sample_seed
-    from steps.model import token_logprobs
+    from steps.engine import TorchEngine
+    from steps.generation import SamplingParams, sample_requests, sample_seed
+    from steps.kernels import token_logprobs
     from steps.tasks import get_task
 
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 parity, not TF32
@@ -179,8 +180,8 @@ def one_trainer_step(directory: Path, device: str, autocast_bf16: bool) -> tuple
     import torch
 
     from bench.update import synthetic_samples
-    from steps.expert_parallel import Mesh
-    from steps.model import load_pretrained
+    from steps.expert_parallel.mesh import Mesh
+    from steps.hf_checkpoint import load_pretrained
     from steps.trainer import PolicyTrainer, TrainSettings, collate
 
     torch.manual_seed(0)
@@ -203,7 +204,7 @@ def trainer_section(args: argparse.Namespace) -> dict:
     torch.backends.cudnn.allow_tf32 = False
     with tempfile.TemporaryDirectory() as tmp:
         directory = demo_checkpoint(Path(tmp))
-        from steps.model import load_pretrained
+        from steps.hf_checkpoint import load_pretrained
 
         before = {n: p.detach().float() for n, p in load_pretrained(directory, dtype=torch.float32).named_parameters()}
         cpu, cpu_loss = one_trainer_step(directory, "cpu", autocast_bf16=False)
@@ -263,7 +264,7 @@ def deepep_section(args: argparse.Namespace) -> dict:
     deep_ep, how = import_or_build_deep_ep(args.deepep_src)
     if deep_ep is None:
         return {"skipped": how}
-    from steps.expert_parallel import DeepEPDispatch
+    from steps.expert_parallel.deepep import DeepEPDispatch
     from steps.moe import MoeBlock
 
     hidden, inter, experts, top_k, tokens = 256, 512, 8, 2, 512

@@ -39,15 +39,16 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from pipelines.config import RunConfig, load_config  # noqa: E402
+from pipelines.config import load_config  # noqa: E402
 from steps.errors import MoerlError, run_cli  # noqa: E402
+from steps.run_config import RunConfig  # noqa: E402
+from steps.workflow_status import step_nodes  # noqa: E402
 
 DEMO_CONFIG = REPO / "configs" / "demo.yaml"
 CPU_CORES = 2
@@ -287,18 +288,14 @@ def _read_json(path: Path) -> dict[str, Any] | None:
         return None
 
 
-def _utc(stamp: str) -> float:
-    return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
-
-
 def status_times(status: dict[str, Any], kind: str) -> dict[int, float]:
     """iteration -> finishedAt of the `kind-I` node that succeeded, from Argo-shaped status."""
-    out = {}
-    for node in (status.get("nodes") or {}).values():
-        name, _, iteration = str(node.get("displayName", "")).partition("-")
-        if name == kind and iteration.isdigit() and node.get("phase") == "Succeeded" and node.get("finishedAt"):
-            out[int(iteration)] = _utc(node["finishedAt"])
-    return out
+    return {
+        node.iteration: node.finished.timestamp()
+        for node in step_nodes(status)
+        if node.step == kind and node.iteration is not None and not node.attempt and node.phase == "Succeeded"
+        and node.finished is not None
+    }  # fmt: skip
 
 
 def run_moerl(args: argparse.Namespace, cfg: RunConfig, sft_dir: Path, target: float) -> Curve:
@@ -395,7 +392,7 @@ class VerifierReward:
         from steps.rewards import RewardWeights
         from steps.sft import char_checkpoint_tokenizer
 
-        self.weights = RewardWeights(cfg.rewards.exact_match_weight, cfg.rewards.format_weight, 0.0)
+        self.weights = RewardWeights.from_config(cfg.rewards)  # no reward model or function: their weights stay unused
         self.tok = char_checkpoint_tokenizer()  # the demo checkpoint's own
 
     def __call__(self, prompts: list, completions: list, completion_ids: list, task: list, answer: list,
@@ -429,9 +426,9 @@ def trl_worker(spec_path: str) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from pipelines.config import RunConfig
     from steps.engine import TorchEngine, evaluate_accuracy
     from steps.experience import heldout_prompts
+    from steps.run_config import RunConfig
     from steps.tokenizer import CheckpointTokenizer
 
     cfg = RunConfig.model_validate(spec["config"])

@@ -63,11 +63,13 @@ def time_direct(steps: int, command: list[str]) -> float:
 
 def time_executor(manifest: dict, workdir: Path, warm_start: bool) -> float:
     from pipelines.local import run_workflow
+    from pipelines.workflow.commands import warm_preload
 
     start = time.perf_counter()
     result = run_workflow(
-        manifest, view=None, workdir=workdir, status_out=workdir / "status.json", warm_start=warm_start
-    )
+        manifest, view=None, workdir=workdir, status_out=workdir / "status.json", warm_start=warm_start,
+        preload=warm_preload(),
+    )  # fmt: skip
     seconds = time.perf_counter() - start
     if not result.succeeded:
         raise SystemExit(f"the {manifest['metadata']['generateName']} workflow ended {result.phase}: {result.message}")

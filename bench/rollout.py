@@ -40,7 +40,8 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 
 from steps.char_tokenizer import EOS_ID, PAD_ID, build_tokenizer, encode_prompt  # noqa: E402
-from steps.engine import SamplingParams, TorchEngine, sample_requests, sample_seed  # noqa: E402
+from steps.engine import TorchEngine  # noqa: E402
+from steps.generation import SamplingParams, sample_requests, sample_seed  # noqa: E402
 from steps.tasks import Task, get_task  # noqa: E402
 
 

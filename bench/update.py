@@ -17,8 +17,8 @@ in the MoE dispatch/combine exchanges (forward and backward: the time blocked st
 all_to_all_single, waiting for the peer included; exchange time hidden behind expert work is not counted),
 and the share of the (token, expert) rows that the busier EP rank's experts ran. The 2 EP ranks run twice:
 with the contiguous expert placement (rank r holds experts [r*E/2, (r+1)*E/2) of every layer) and with the
-balanced one (steps.expert_parallel.balanced_placement of the per-expert row counts of the bench's own batch,
-counted in a first forward pass, as the update does with the previous iteration's counts). A further
+balanced one (steps.expert_parallel.placement.balanced_placement of the per-expert row counts of the bench's
+own batch, counted in a first forward pass, as the update does with the previous iteration's counts). A further
 configuration, 2 data-parallel ranks (EP=1: every rank holds every expert, no dispatch/combine), shows what
 this machine gives two processes at all: the ceiling of any 2-rank speed-up here.
 --sft DIR trains that checkpoint (e.g. the demo's SFT policy, whose trained router is far less even than a
@@ -52,7 +52,7 @@ sys.path.insert(0, str(REPO))
 def synthetic_samples(count: int, seed: int = 0) -> list:
     """Demo-task-shaped sequences: a 10-16 token prompt and an 8-16 token response ending in EOS."""
     from steps.char_tokenizer import BOS_ID, EOS_ID, VOCAB_SIZE
-    from steps.trainer import Sample
+    from steps.experience import Sample
 
     rng = random.Random(seed)
     samples = []
@@ -70,7 +70,7 @@ def scored_samples(path: str, count: int) -> list:
     """The first `count` rows of a scored.parquet, as the trainer reads them (cycled if there are fewer)."""
     import pyarrow.parquet as pq
 
-    from steps.trainer import Sample
+    from steps.experience import Sample
 
     rows = pq.read_table(path).to_pylist()
     rows.sort(key=lambda r: (r["prompt_id"], r["sample_index"]))
@@ -89,7 +89,8 @@ def bench_model(args: argparse.Namespace, placement=None, ep_rank: int = 0):  # 
     """The bench's model (the same weights in every process), holding the experts `placement` gives ep_rank."""
     import torch
 
-    from steps.model import MoeForCausalLM, load_pretrained
+    from steps.hf_checkpoint import load_pretrained
+    from steps.model import MoeForCausalLM
 
     if args.sft:
         return load_pretrained(args.sft, torch.float32, "cpu", placement, ep_rank)
@@ -140,7 +141,10 @@ def worker(
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    from steps.expert_parallel import CommTimer, ExpertPlacement, build_mesh, make_dispatch
+    from steps.expert_parallel.dispatch import make_dispatch
+    from steps.expert_parallel.mesh import build_mesh
+    from steps.expert_parallel.placement import ExpertPlacement
+    from steps.expert_parallel.timing import CommTimer
     from steps.trainer import PolicyTrainer, TrainSettings, collate, rank_micro_batches
 
     if world > 1:
@@ -228,7 +232,7 @@ def main() -> None:
     parser.add_argument("--scored", default=None, help="train on this scored.parquet instead of synthetic samples")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    from steps.expert_parallel import ExpertPlacement, balanced_placement
+    from steps.expert_parallel.placement import ExpertPlacement, balanced_placement
 
     # First pass: the per-expert rows of the bench's batch, and the placements they give.
     loads = expert_loads(args)

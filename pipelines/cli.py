@@ -23,7 +23,7 @@ COMMANDS = {
     "submit": "pipelines.render",
     "schedule": "pipelines.render",
     "local": "pipelines.local.cli",
-    "simulate": "pipelines.simulate",
+    "simulate": "pipelines.simulate.cli",
 }
 
 

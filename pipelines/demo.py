@@ -17,57 +17,57 @@ from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pipelines.config import RunConfig, load_config
-from pipelines.local import RunResult, run_workflow
-from pipelines.local.chaos import parse_chaos
-from pipelines.local.pods import warm_start_candidates
-from pipelines.local.warm import WarmStarter, warm_starts_enabled
+from pipelines.config import load_config
+from pipelines.local import RunResult, parse_chaos, run_workflow
 from pipelines.preflight import preflight_or_exit
-from pipelines.workflow import placement
+from pipelines.workflow import commands, graph, placement
 from steps.errors import MoerlError
+from steps.run_config import RunConfig
+from steps.run_store import CHECKPOINTS, LATEST, REPORT_MD_KEY, REPORT_PNG_KEY, RUN_CONFIG, TENSORBOARD_PREFIX
 from steps.store import Store
 from steps.tracking import STATUS_FILE_ENV
+from steps.workflow_status import step_nodes
 
 DEMO_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
 DEMO_CHAT_SFT_STEPS = 50  # SFT steps of the chat demo's checkpoint (configs/demo-chat.yaml)
 if TYPE_CHECKING:
     from steps.sft import SftSettings
 
-STEP_KINDS = ("rollout", "score", "update", "publish")
+STEP_KINDS = graph.STEPS  # the steps of an iteration, the columns of the wall-time table
 
 
 def run_config(cfg: RunConfig, workdir: Path, chaos: str | None = None, check: str | None = None) -> RunResult:
     """Render cfg's Argo manifests into workdir/rendered and run its workflow.yaml with the local executor.
     The KFP pipeline is left to `moerl render`: compiling it (and importing kfp) would delay the first pod.
 
-    The warm server of the step pods (pipelines/local/warm.py) starts first, from the environment every
-    rendered step pod gets (placement.env), so that its imports overlap the rendering and the first pods, and,
-    when `check` names the config, the checks of its inputs (pipelines/preflight.py: they import torch too).
+    The executor starts the warm server of the step pods (pipelines/local/warm.py) first, from the environment
+    every rendered step pod gets (placement.env), and only then renders (`rendered`), so that the server's
+    imports overlap the rendering and the first pods, and, when `check` names the config, the checks of its
+    inputs (pipelines/preflight.py: they import torch too).
 
     The report step reads the Workflow's status (step wall times and retries, for the trackers) from the
     status file that the executor keeps: its path goes to the pods in their environment, set first, so
     that the warm server's environment has it too."""
     outer_status_file = os.environ.get(STATUS_FILE_ENV)
     os.environ[STATUS_FILE_ENV] = str(workdir / "status.json")
-    starter = WarmStarter() if warm_starts_enabled() else None
-    try:
-        if starter is not None:
-            step = {"name": "step", "container": {"command": ["python", "-m", "steps.plan"], "env": placement.env()}}
-            for argv, env in warm_start_candidates([step]):
-                starter.prestart(argv, env)
+
+    def rendered() -> Path:
         if check is not None:
             preflight_or_exit(cfg, source=check)
         # Imported once the server is importing torch on the other core: rendering needs Hera (~1 s to import).
         from pipelines.render import WORKFLOW, render
 
-        paths = render(cfg, workdir / "rendered", kfp=False)
+        return render(cfg, workdir / "rendered", kfp=False)[WORKFLOW]
+
+    # Any Python step pod: every one has the same environment, so they share the server started for it.
+    step_env = {e["name"]: e["value"] for e in placement.env()}
+    step_pod = (commands.python_step(commands.STEP_KINDS["plan"].module), step_env)
+    try:
         return run_workflow(
-            paths[WORKFLOW], chaos=chaos, status_out=workdir / "status.json", workdir=workdir / "pods",
-            warm_start=starter or False,
+            rendered, chaos=chaos, status_out=workdir / "status.json", workdir=workdir / "pods",
+            preload=commands.warm_preload(), prestart=[step_pod],
         )  # fmt: skip
     finally:
-        if starter is not None:  # the executor closes it when the run ends; this is for a run that never started
-            starter.close()
         if outer_status_file is None:  # another run in this process must not read this run's status
             os.environ.pop(STATUS_FILE_ENV, None)
         else:
@@ -77,14 +77,12 @@ def run_config(cfg: RunConfig, workdir: Path, chaos: str | None = None, check: s
 def step_seconds(status: dict[str, Any]) -> dict[int, dict[str, float]]:
     """iteration -> step kind -> wall seconds, from Argo-shaped node status (a kind's span across shards)."""
     spans: dict[int, dict[str, list[datetime]]] = defaultdict(lambda: defaultdict(list))
-    for node in status.get("nodes", {}).values():
-        kind, _, iteration = node.get("displayName", "").partition("-")
-        if kind not in STEP_KINDS or node.get("type") == "Pod" and "(" in node["displayName"]:
+    for node in step_nodes(status):
+        if node.step not in STEP_KINDS or node.iteration is None or node.type == "Pod" and node.attempt:
+            continue  # a task's own nodes span its attempts (and its shards'); its pods are counted there
+        if node.started is None or node.finished is None:
             continue
-        if not iteration.split("(")[0].isdigit() or not node.get("finishedAt"):
-            continue
-        stamps = spans[int(iteration.split("(")[0])][kind]
-        stamps += [datetime.fromisoformat(node[k].replace("Z", "+00:00")) for k in ("startedAt", "finishedAt")]
+        spans[node.iteration][node.step] += [node.started, node.finished]
     return {
         i: {kind: (max(s) - min(s)).total_seconds() for kind, s in kinds.items()} for i, kinds in sorted(spans.items())
     }
@@ -93,20 +91,20 @@ def step_seconds(status: dict[str, Any]) -> dict[int, dict[str, float]]:
 def print_summary(cfg: RunConfig, result: RunResult, seconds: float) -> None:
     run = Store.open(cfg.run_store)
     print()
-    if run.exists("report/report.md"):
-        print(run.get_bytes("report/report.md").decode())
+    if run.exists(REPORT_MD_KEY):
+        print(run.get_bytes(REPORT_MD_KEY).decode())
     times = step_seconds(result.status)
     if times:
         print("step wall times (s): " + "  ".join(f"{k:>8}" for k in STEP_KINDS))
         for i, kinds in times.items():
             print(f"  iteration {i:>3}        " + "  ".join(f"{kinds.get(k, 0.0):8.1f}" for k in STEP_KINDS))
-    latest = run.get_bytes("checkpoints/LATEST").decode().strip() if run.exists("checkpoints/LATEST") else None
+    latest = run.get_bytes(LATEST).decode().strip() if run.exists(LATEST) else None
     print(f"workflow {result.name}: {result.phase} in {seconds:.0f}s {result.message}".rstrip())
     if latest:
-        print(f"checkpoints: {run.url('checkpoints')}/ (LATEST = {latest})")
-    print(f"report: {run.url('report/report.md')} and {run.url('report/report.png')}")
+        print(f"checkpoints: {run.url(CHECKPOINTS)}/ (LATEST = {latest})")
+    print(f"report: {run.url(REPORT_MD_KEY)} and {run.url(REPORT_PNG_KEY)}")
     if cfg.tracking.tensorboard is not None and cfg.tracking.tensorboard.enabled:
-        print(f"tensorboard: tensorboard --logdir {run.url('tensorboard').removeprefix('file://')}")
+        print(f"tensorboard: tensorboard --logdir {run.url(TENSORBOARD_PREFIX).removeprefix('file://')}")
     print(f"step logs: {result.run_dir}/pods/")
 
 
@@ -150,8 +148,8 @@ def demo(
         from pipelines.sft_demo import sft_demo
 
         sft_demo(str(sft_dir), demo_sft_settings(cfg, seed or 0))
-    if Store.open(cfg.run_store).exists("run.json"):
-        stored = Store.open(cfg.run_store).get_json("run.json")
+    if Store.open(cfg.run_store).exists(RUN_CONFIG):
+        stored = Store.open(cfg.run_store).get_json(RUN_CONFIG)
         if stored != json.loads(cfg.model_dump_json()):
             raise MoerlError(
                 f"{workdir}/run holds a run with other settings; pass a new --workdir or delete {workdir}/run"

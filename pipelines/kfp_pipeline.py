@@ -14,20 +14,21 @@ recurring run with max concurrency 1) continues the run; the pipeline stays smal
 What KFP cannot say (see docs/kfp.md): set_retry retries failed tasks only, so a pod deleted with its Spot node
 is not requeued; EFA devices, hugepages and priority classes cannot be requested per task. A multi-node update
 runs a launcher pod that creates the PyTorchJob through the Kubernetes API (`python -m
-pipelines.workflow.pytorchjob`) and waits for it.
+steps.pytorchjob_launcher`) and waits for it.
+
+Each task's command line, role and image come from pipelines.workflow.commands, as the Argo templates' do.
 """
 
-import json
 import re
 from pathlib import Path
 from typing import Any
 
 from kfp import compiler, dsl, kubernetes
 
-from pipelines.config import Placement, Retry, RunConfig
 from pipelines.workflow import graph, pytorchjob
 from pipelines.workflow import placement as pl
-from pipelines.workflow.templates import config_json, flags
+from pipelines.workflow.commands import KFP, StepCommand, flags, pytorchjob_launcher_command, step_command
+from steps.run_config import Placement, Retry, RunConfig
 
 SLOT_LABEL = "moerl.io/slot"
 _UNITS = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1, "m": 60, "h": 3600, "": 1}
@@ -65,7 +66,7 @@ def _guarded(cfg: RunConfig, slot: int, argv: list[str]) -> list[str]:
     guard = flags(
         run=cfg.run_store, first_iteration="{first}", slot=slot - 1, iterations=cfg.iterations, staleness=cfg.staleness
     )
-    return ["python", "-m", "steps.plan", *guard, "--", *argv]
+    return [*step_command(cfg, graph.PLAN).command, *guard, "--", *argv]
 
 
 def _place(task: Any, cfg: RunConfig, role: str, step: str, iteration: int | None, retry: bool = True) -> Any:
@@ -151,34 +152,16 @@ def slots(cfg: RunConfig) -> graph.Segment:
     return graph.Segment(0, 1, 1, min(cfg.iterations, cfg.segment_size))
 
 
-def _step_argv(cfg: RunConfig, step: str) -> list[str]:
-    """The step's command with '{iteration}', '{policy_version}' and '{shard}' left for run time."""
-    run = cfg.run_store
-    if step == "rollout":
-        args = flags(
-            run=run,
-            iteration="{iteration}",
-            shard="{shard}",
-            num_shards=cfg.rollout.num_shards,
-            policy_version="{policy_version}",
-        )
-        return ["python", "-m", "steps.rollout", *args]
-    if step == "update" and cfg.trainer.nodes == 1:
-        return ["torchrun", *pytorchjob.torchrun_args(cfg, "{iteration}")]
-    if step == "update":
-        job = json.dumps(pytorchjob.manifest(cfg, "{iteration}"))
-        return ["python", "-m", "pipelines.workflow.pytorchjob", *flags(manifest_json=job, namespace=cfg.namespace)]
-    return ["python", "-m", f"steps.{step}", *flags(run=run, iteration="{iteration}")]
-
-
-IMAGE_ROLE = {"rollout": "rollout", "update": "trainer"}
-PLACEMENT_ROLE = {"rollout": "rollout", "score": "score", "update": "trainer", "publish": "control"}
+def _iteration_command(cfg: RunConfig, step: str) -> StepCommand:
+    """The step's command with '{iteration}', '{policy_version}' and '{shard}' left for run time; a multi-node
+    update is a launcher that creates the PyTorchJob and waits for it."""
+    if step == "update" and cfg.trainer.nodes > 1:
+        return pytorchjob_launcher_command(cfg, pytorchjob.manifest(cfg, KFP.iteration))
+    return step_command(cfg, step, KFP)
 
 
 def build_pipeline(cfg: RunConfig) -> Any:
     """The KFP pipeline function: plan, import-sft, then segment_size iteration slots, then the report."""
-    run = cfg.run_store
-    images = {"cpu": cfg.images.cpu, "rollout": cfg.images.rollout, "trainer": cfg.images.trainer}
     deps = graph.dependencies(slots(cfg), cfg.staleness)
 
     @dsl.pipeline(
@@ -187,43 +170,25 @@ def build_pipeline(cfg: RunConfig) -> Any:
         f"per pipeline run, from LATEST, of {cfg.iterations}",
     )
     def pipeline() -> None:
-        report_argv = ["python", "-m", "steps.report", *flags(run=run, out="/tmp/report", status="finished")]
-        report = _place(_component("report", cfg.images.cpu, report_argv)(), cfg, "control", "report", None)
+        report_step = step_command(cfg, graph.REPORT, KFP, status="finished")
+        report = _component(graph.REPORT, report_step.image, report_step.argv)()
+        report = _place(report, cfg, report_step.role, graph.REPORT, None)
         with dsl.ExitHandler(report, name="run"):
-            plan_argv = [
-                "python",
-                "-m",
-                "steps.plan",
-                *flags(run=run, first=1, last=cfg.iterations, out="/tmp/plan", run_config_json=config_json(cfg)),
-                "--next-out",
-                "{next}",
-            ]
-            plan = _plan_component(cfg.images.cpu, plan_argv)()
-            tasks: dict[str, Any] = {graph.PLAN: _place(plan, cfg, "control", "plan", None)}
+            plan_step = step_command(cfg, graph.PLAN, KFP, first=1, last=cfg.iterations, next_out="{next}")
+            plan = _plan_component(plan_step.image, plan_step.argv)()
+            tasks: dict[str, Any] = {graph.PLAN: _place(plan, cfg, plan_step.role, graph.PLAN, None)}
             first = plan.outputs["next"]
-            import_argv = [
-                "python",
-                "-m",
-                "steps.plan",
-                *flags(run=run, unless_published=0),
-                "--",
-                "python",
-                "-m",
-                "steps.import_sft",
-                *flags(src=cfg.sft_checkpoint, run=run, run_config_json=config_json(cfg)),
-            ]
-            imported = _component("import-sft", cfg.images.cpu, import_argv)()
-            tasks[graph.IMPORT_SFT] = _place(imported, cfg, "control", "import-sft", None).after(plan)
+            import_step = step_command(cfg, graph.IMPORT_SFT, KFP)
+            import_argv = [*plan_step.command, *flags(run=cfg.run_store, unless_published=0), "--", *import_step.argv]
+            imported = _component(graph.IMPORT_SFT, import_step.image, import_argv)()
+            tasks[graph.IMPORT_SFT] = _place(imported, cfg, import_step.role, graph.IMPORT_SFT, None).after(plan)
             for name, parents in deps.items():
                 if name in tasks:
                     continue
                 step, _, number = name.rpartition("-")
                 slot = int(number)
-                argv = _guarded(cfg, slot, _step_argv(cfg, step))
-                image = images[IMAGE_ROLE.get(step, "cpu")]
-                role = PLACEMENT_ROLE[step]
-                if step == "update" and cfg.trainer.nodes > 1:
-                    role, image = "control", cfg.images.cpu  # a launcher; the job's pods carry the trainer's
+                command = _iteration_command(cfg, step)
+                argv, image, role = _guarded(cfg, slot, command.argv), command.image, command.role
                 if step == "rollout":
                     with dsl.ParallelFor(items=list(range(cfg.rollout.num_shards)), name=name) as shard:
                         task = _component(name, image, argv, ("first", "shard"))(first=first, shard=shard)

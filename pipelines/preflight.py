@@ -17,8 +17,8 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pipelines.config import RunConfig
 from steps.errors import MoerlError
+from steps.run_config import RunConfig
 
 if TYPE_CHECKING:
     from steps.model import MoeConfig
@@ -57,7 +57,7 @@ def _unreachable(uri: str, err: Exception) -> bool:
 
 def preflight(cfg: RunConfig, for_cluster: bool = False) -> tuple[list[str], list[str]]:
     """(problems, notes) of the run's inputs; see the module docstring."""
-    from steps.model import load_config
+    from steps.hf_checkpoint import load_config
     from steps.tokenizer import CheckpointTokenizer
 
     problems: list[str] = []

@@ -18,26 +18,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from steps.errors import MoerlError
+from steps.run_store import CHECKPOINTS, LATEST, MANIFEST, parse_version, version_name, version_prefix
 from steps.store import Store
-
-CHECKPOINTS = "checkpoints"
-MANIFEST = "MANIFEST.json"
-LATEST = f"{CHECKPOINTS}/LATEST"
-
-
-def version_name(version: int) -> str:
-    return f"v{version:06d}"
-
-
-def parse_version(name: str) -> int:
-    name = name.strip()
-    if len(name) != 7 or name[0] != "v" or not name[1:].isdigit():
-        raise MoerlError(f"bad checkpoint version name {name!r}: expected v followed by 6 digits, e.g. v000003")
-    return int(name[1:])
-
-
-def version_prefix(version: int) -> str:
-    return f"{CHECKPOINTS}/{version_name(version)}"
 
 
 @dataclass

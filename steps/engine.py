@@ -1,18 +1,8 @@
-"""Generation engines: one interface, a torch engine (CPU or one GPU) and SGLang (steps/sglang_engine.py).
+"""The torch engine: batched sampling over steps.model.MoeForCausalLM on CPU (or one GPU), behind the
+generation interface of steps/generation.py (SGLang's engine is steps/sglang_engine.py).
 
     engine = TorchEngine.from_checkpoint(model_dir)
-    requests = sample_requests(prompts, SamplingParams(n=8), seed_of=lambda pid, k: sample_seed(0, 1, pid, k))
     generations = engine.generate(requests, SamplingParams(n=8))
-
-A `GenerationRequest` is one sample: a prompt's token ids, the sample's index within its group and the seed
-of its randomness. `SamplingParams.n` is the group size that `sample_requests` expands each prompt into; an
-engine only ever sees single samples, so every sample's randomness is its own.
-
-What `Generation.logprobs` holds (both engines): for each sampled token, log_softmax(logits) of the *policy*
-at temperature 1 — the raw model distribution, before temperature, top-k or top-p reshape it for sampling.
-That is exactly what the trainer recomputes (steps.model.token_logprobs), so the importance ratio between
-behaviour and trainer policy is 1 up to numerics when nothing is stale. With the default sampling settings
-(temperature 1, top_p 1, top_k 0) it is also the log-probability of the distribution the token was drawn from.
 
 Determinism of the torch engine. A sample's token at step t is the inverse CDF of the (temperature/top-k/
 top-p) sampling distribution at the uniform u[t] of the sample's own counter-based random stream, keyed by the
@@ -33,25 +23,27 @@ verifier; the one way to measure it, for every engine and for a bare MoeForCausa
 
 from __future__ import annotations
 
-import hashlib
 import os
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from steps.errors import MoerlError
-from steps.model import (
-    MoeForCausalLM,
-    checkpoint_dtype,
-    load_pretrained,
-    rotary_cos_sin,
-    token_logprobs,
+from steps.generation import (
+    FINISH_LENGTH,
+    FINISH_STOP,
+    Engine,
+    Generation,
+    GenerationInterrupted,
+    GenerationRequest,
+    SamplingParams,
 )
+from steps.hf_checkpoint import checkpoint_dtype, load_pretrained
+from steps.kernels import token_logprobs
+from steps.model import MoeForCausalLM, rotary_cos_sin
 from steps.moe import MoeBlock, group_by_expert
 from steps.tasks import Prompt, Task, get_task, verify_ids
 from steps.tokenizer import RAW, CheckpointTokenizer, PromptFormat
@@ -63,95 +55,6 @@ SMALL_PRODUCT = 400
 # What fills the token grid where nothing was sampled and the left padding of prompts: any valid id does, as
 # those positions are masked out and never read back.
 FILLER_ID = 0
-
-FINISH_STOP = "stop"  # the sample ended with one of the stop tokens (kept as its last response token)
-FINISH_LENGTH = "length"  # max_new_tokens reached without a stop token
-
-
-class GenerationInterrupted(Exception):
-    """Raised by Engine.generate when should_stop() said so between two decode steps (e.g. on SIGTERM)."""
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 1.0  # 0: greedy (argmax); > 0: sample from softmax(logits / temperature)
-    top_p: float = 1.0  # keep the smallest set of most likely tokens whose probability reaches top_p
-    top_k: int = 0  # keep the k most likely tokens; 0 keeps all
-    max_new_tokens: int = 8
-    stop_token_ids: tuple[int, ...] = ()  # a sampled stop token ends the sample and is kept (the checkpoint's)
-    n: int = 1  # samples per prompt (the GRPO group); see sample_requests
-
-    def __post_init__(self) -> None:
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature={self.temperature}: must be >= 0 (0 is greedy)")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p={self.top_p}: must be in (0, 1]")
-        if self.top_k < 0 or self.max_new_tokens < 1 or self.n < 1:
-            raise ValueError(f"{self}: top_k must be >= 0, max_new_tokens and n >= 1")
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
-
-
-@dataclass(frozen=True)
-class GenerationRequest:
-    prompt_id: str
-    prompt_ids: tuple[int, ...]
-    sample_index: int
-    seed: int  # the only source of this sample's randomness (see sample_seed)
-
-
-@dataclass
-class Generation:
-    prompt_id: str
-    sample_index: int
-    response_ids: list[int]  # sampled tokens, the stop token included when finish_reason is "stop"
-    logprobs: list[float]  # one per response token: policy log-prob at temperature 1 (module docstring)
-    finish_reason: str  # FINISH_STOP or FINISH_LENGTH
-
-
-class Engine(Protocol):
-    """What the rollout step and the evaluation need from a generation engine."""
-
-    name: str
-
-    def generate(
-        self,
-        requests: Sequence[GenerationRequest],
-        params: SamplingParams,
-        should_stop: Callable[[], bool] | None = None,
-    ) -> list[Generation]:
-        """One Generation per request, in request order. Raises GenerationInterrupted when should_stop()
-        returns True (polled between decode steps); nothing is returned then."""
-        ...
-
-    def close(self) -> None: ...
-
-
-def sample_seed(seed: int, iteration: int, prompt_id: str, sample_index: int) -> int:
-    """The seed of one sample: a stable 63-bit hash of (run seed, iteration, prompt id, sample index).
-
-    hashlib, not hash(): the same on every machine and under any PYTHONHASHSEED.
-    """
-    key = f"{seed}\x1f{iteration}\x1f{prompt_id}\x1f{sample_index}".encode()
-    digest = hashlib.blake2b(key, digest_size=8, person=b"moerl-sample").digest()
-    return int.from_bytes(digest, "big") >> 1
-
-
-def sample_requests(
-    prompts: Sequence[tuple[str, Sequence[int]]],
-    params: SamplingParams,
-    seed_of: Callable[[str, int], int],
-) -> list[GenerationRequest]:
-    """params.n requests per (prompt_id, prompt_ids), prompt by prompt, sample indices 0..n-1."""
-    return [
-        GenerationRequest(prompt_id, tuple(int(t) for t in ids), k, seed_of(prompt_id, k))
-        for prompt_id, ids in prompts
-        for k in range(params.n)
-    ]
-
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _MIX1, _MIX2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
@@ -789,36 +692,8 @@ class Decoder:
 
 
 # ----------------------------------------------------------------------------------------------------
-# Opening an engine, greedy evaluation
+# Greedy evaluation
 # ----------------------------------------------------------------------------------------------------
-
-
-def open_engine(
-    kind: str,
-    model_dir: str | os.PathLike,
-    device: str = "cpu",
-    sglang_settings: SGLangSettings | None = None,
-) -> Engine:
-    """The engine `kind` ("torch" or "sglang", as rollout.engine in the run config) on a checkpoint dir."""
-    if kind == "torch":
-        return TorchEngine.from_checkpoint(model_dir, device=device)
-    if kind == "sglang":
-        from steps.sglang_engine import SGLangEngine  # lazy: sglang is a GPU-image dependency only
-
-        return SGLangEngine(model_dir, sglang_settings or SGLangSettings())
-    raise MoerlError(f"rollout.engine {kind!r} is not an engine; use 'torch' or 'sglang'")
-
-
-@dataclass(frozen=True)
-class SGLangSettings:
-    """SGLang serving settings (rollout.sglang in the run config)."""
-
-    tp_size: int = 1
-    ep_size: int = 1
-    moe_a2a_backend: str = "none"  # "deepep": DeepEP all-to-all between the expert-parallel ranks
-    mem_fraction: float = 0.85
-    deterministic: bool = True  # enable_deterministic_inference: batch-invariant kernels
-    random_seed: int = 0
 
 
 def evaluate_accuracy(

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from pipelines.config import RunConfig
 from steps import checkpoint
 from steps.engine import TorchEngine, evaluate_accuracy
 from steps.experience import heldout_prompts, prompt_format
 from steps.rewards import sample_verifier
+from steps.run_config import RunConfig
+from steps.run_store import version_prefix
 from steps.store import Store
 from steps.tokenizer import load_tokenizer
 
@@ -34,7 +35,7 @@ def heldout_accuracy(run: Store, cfg: RunConfig, version: int, log: Any) -> floa
         log(f"held-out accuracy skipped: {weight_bytes / 2**30:.1f} GiB of weights is too big to evaluate on CPU")
         return None
     model_dir = checkpoint.fetch(run, version)
-    tokenizer = load_tokenizer(model_dir, source=run.url(checkpoint.version_prefix(version)))
+    tokenizer = load_tokenizer(model_dir, source=run.url(version_prefix(version)))
     engine = TorchEngine.from_checkpoint(model_dir)
     verifiers = {p.task: sample_verifier(p.task, cfg.rewards.verifier, cfg.rewards.answer_pattern) for p in prompts}
     return evaluate_accuracy(

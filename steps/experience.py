@@ -1,5 +1,6 @@
 """Experience on the run store: which prompts an iteration samples, how they are cut into chunks, and the
-Parquet files that rollout writes and score reads.
+Parquet files that rollout writes, score reads and scores, and update reads (read_scored_experience: one
+Sample per scored response).
 
     <run>/experience/iter-000001/rollout/chunk-000003.parquet    one finished chunk, written atomically
     <run>/experience/iter-000001/scored.parquet                  all chunks, canonical order, with rewards
@@ -16,7 +17,7 @@ a resumed shard skips the chunks whose file is there with the right digest, and 
 another digest.
 
 Parquet columns (DESIGN.md): prompt_id string, sample_index int32, prompt_ids / response_ids list<int32>,
-behavior_logprobs list<float32> (one per response token; see steps/engine.py for what they are),
+behavior_logprobs list<float32> (one per response token; see steps/generation.py for what they are),
 policy_version int64; plus task, answer, finish_reason (strings). Scored files add reward and advantage
 (float32), correct and well_formed (bool) and rm_score (float32, null without a reward model). Readers use
 the canonical order: sorted by (prompt_id, sample_index).
@@ -27,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -36,15 +38,14 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from pipelines.config import RunConfig, validate_config
-from steps.engine import Generation, SamplingParams
 from steps.errors import MoerlError
+from steps.generation import Generation, SamplingParams
 from steps.prompt_data import PromptFields, heldout_split, read_prompt_uri
+from steps.run_config import RunConfig, validate_config
+from steps.run_store import RUN_CONFIG, chunk_key, rollout_prefix, scored_key, version_prefix
 from steps.store import Store
 from steps.tasks import Prompt, Task, get_task
 from steps.tokenizer import TOKENIZER_FILES, CheckpointTokenizer, PromptFormat
-
-RUN_CONFIG = "run.json"
 
 ROLLOUT_SCHEMA = pa.schema(
     [
@@ -71,31 +72,6 @@ META_NUM_CHUNKS = b"moerl.num_chunks"
 
 
 # ----------------------------------------------------------------------------------------------------
-# Keys
-# ----------------------------------------------------------------------------------------------------
-
-
-def experience_prefix(iteration: int) -> str:
-    return f"experience/iter-{iteration:06d}"
-
-
-def rollout_prefix(iteration: int) -> str:
-    return f"{experience_prefix(iteration)}/rollout"
-
-
-def chunk_key(iteration: int, chunk: int) -> str:
-    return f"{rollout_prefix(iteration)}/chunk-{chunk:06d}.parquet"
-
-
-def scored_key(iteration: int) -> str:
-    return f"{experience_prefix(iteration)}/scored.parquet"
-
-
-def metrics_key(iteration: int) -> str:
-    return f"metrics/iter-{iteration:06d}.json"
-
-
-# ----------------------------------------------------------------------------------------------------
 # The run config and an iteration's prompts
 # ----------------------------------------------------------------------------------------------------
 
@@ -109,11 +85,6 @@ def load_run_config(run: Store) -> RunConfig:
             "import-sft step) first, or check the --run URI"
         )
     return validate_config(run.get_json(RUN_CONFIG), run.url(RUN_CONFIG))
-
-
-def behaviour_version(iteration: int, staleness: int) -> int:
-    """The policy version that rollout[iteration] samples from: v(iteration - 1 - staleness), at least v0."""
-    return max(0, iteration - 1 - staleness)
 
 
 def iteration_seed(seed: int, iteration: int) -> int:
@@ -191,7 +162,7 @@ def version_tokenizer(run: Store, version: int) -> CheckpointTokenizer:
     from steps import checkpoint  # lazily: experience is imported by tools that never touch a version
 
     manifest = checkpoint.require_manifest(run, version)
-    prefix = checkpoint.version_prefix(version)
+    prefix = version_prefix(version)
     with tempfile.TemporaryDirectory(prefix="moerl-tokenizer-") as tmp:
         for name in TOKENIZER_FILES:
             if name in manifest.files:
@@ -200,11 +171,7 @@ def version_tokenizer(run: Store, version: int) -> CheckpointTokenizer:
 
 
 def sampling_params(cfg: RunConfig, stop_token_ids: Sequence[int]) -> SamplingParams:
-    s = cfg.sampling
-    return SamplingParams(
-        temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_new_tokens=s.max_new_tokens,
-        stop_token_ids=tuple(stop_token_ids), n=cfg.group_size,
-    )  # fmt: skip
+    return SamplingParams.from_config(cfg.sampling, stop_token_ids, cfg.group_size)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -395,3 +362,83 @@ def read_rollout(run: Store, plan: RolloutPlan, num_shards: int) -> pa.Table:
             )
         tables.append(table.replace_schema_metadata(None))
     return pa.concat_tables(tables).sort_by(CANONICAL_ORDER)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Scored experience, as the update reads it
+# ----------------------------------------------------------------------------------------------------
+
+# The columns the trainer reads (DESIGN.md; SCORED_SCHEMA has more).
+SCORED_COLUMNS = (
+    "prompt_id", "sample_index", "prompt_ids", "response_ids", "behavior_logprobs", "policy_version",
+    "reward", "advantage",
+)  # fmt: skip
+
+
+@dataclass
+class Sample:
+    """One scored response: the tokens the model is trained on and what the rollout recorded."""
+
+    prompt_id: str
+    sample_index: int
+    prompt_ids: list[int]
+    response_ids: list[int]
+    behavior_logprobs: list[float]
+    advantage: float
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.response_ids)
+
+
+def read_scored_experience(run: Store, iteration: int, expected_version: int) -> list[Sample]:
+    """The scored experience of `iteration`, validated, sorted by (prompt_id, sample_index).
+
+    Sorting makes the order independent of how many rollout shards wrote the rows.
+    """
+    key = scored_key(iteration)
+    url = run.url(key)
+    if not run.exists(key):
+        raise MoerlError(
+            f"{url}: no scored experience for iteration {iteration}; run the rollout and score steps of "
+            f"iteration {iteration} first (python -m steps.score --run {run.uri} --iteration {iteration})"
+        )
+    table = read_table(run, key)
+    missing = [c for c in SCORED_COLUMNS if c not in table.column_names]
+    if missing:
+        raise MoerlError(f"{url}: missing columns {missing}; scored experience needs {list(SCORED_COLUMNS)}")
+    if table.num_rows == 0:
+        raise MoerlError(f"{url}: no rows; iteration {iteration} produced no experience to train on")
+    cols = {c: table.column(c).to_pylist() for c in SCORED_COLUMNS}
+
+    versions = sorted({int(v) for v in cols["policy_version"]})
+    if versions != [expected_version]:
+        raise MoerlError(
+            f"{url}: experience from policy version(s) {versions}, but iteration {iteration} trains on "
+            f"samples of v{expected_version:06d} (staleness of the run config); the experience is stale or "
+            "from another run — regenerate it with the rollout and score steps of this iteration"
+        )
+    samples = []
+    for i in range(table.num_rows):
+        response, logprobs = cols["response_ids"][i], cols["behavior_logprobs"][i]
+        where = f"{url} row {i} (prompt_id {cols['prompt_id'][i]!r}, sample_index {cols['sample_index'][i]})"
+        if not response or len(logprobs) != len(response):
+            raise MoerlError(
+                f"{where}: {len(response or [])} response tokens but {len(logprobs or [])} behavior_logprobs; "
+                "the rollout must record one log-prob per response token"
+            )
+        values = [cols["advantage"][i], cols["reward"][i], *logprobs]
+        if any(v is None or not math.isfinite(v) for v in values):
+            raise MoerlError(f"{where}: reward, advantage or behavior_logprobs is NaN/inf/null; rerun score")
+        samples.append(
+            Sample(
+                prompt_id=str(cols["prompt_id"][i]),
+                sample_index=int(cols["sample_index"][i]),
+                prompt_ids=[int(t) for t in cols["prompt_ids"][i]],
+                response_ids=[int(t) for t in response],
+                behavior_logprobs=[float(x) for x in logprobs],
+                advantage=float(cols["advantage"][i]),
+            )
+        )
+    samples.sort(key=lambda s: (s.prompt_id, s.sample_index))
+    return samples

@@ -1,7 +1,7 @@
 """Validation of a Hugging Face format SFT checkpoint before it enters a run.
 
 Only config.json, the tokenizer and the safetensors headers are read, so a multi-hundred-GB
-checkpoint validates in seconds (steps.model.check_checkpoint does the tensor part).
+checkpoint validates in seconds (steps.hf_checkpoint.check_checkpoint does the tensor part).
 """
 
 from __future__ import annotations
@@ -13,17 +13,16 @@ import torch
 from safetensors import safe_open
 
 from steps.errors import MoerlError
-from steps.model import (
+from steps.hf_checkpoint import (
     CONFIG_NAME,
     PICKLE_WEIGHT_SUFFIXES,
-    MoeConfig,
     check_checkpoint,
     checkpoint_dtype,
     declared_dtype,
-    dtype_name,
     read_config_json,
     tensor_index,
 )
+from steps.model import MoeConfig, dtype_name
 from steps.tokenizer import TOKENIZER_FILE, CheckpointTokenizer
 
 

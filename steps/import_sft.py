@@ -18,11 +18,10 @@ from pathlib import Path
 
 from steps import checkpoint, progress
 from steps.errors import MoerlError, run_cli
+from steps.hf_checkpoint import PICKLE_WEIGHT_SUFFIXES
 from steps.hf_format import declare_dtype, refuse_pickled, validate_checkpoint_dir
-from steps.model import PICKLE_WEIGHT_SUFFIXES
+from steps.run_store import RUN_CONFIG, version_name
 from steps.store import Store
-
-RUN_CONFIG = "run.json"
 
 
 def fetch_checkpoint(src: Store, local_dir: Path) -> None:
@@ -84,7 +83,7 @@ def main() -> int:
     parser.add_argument("--run-config-json", help="resolved run config to store as <run>/run.json")
     args = parser.parse_args()
     manifest = import_sft(args.src, args.run, args.run_config_json)
-    print(f"imported {args.src} as {checkpoint.version_name(manifest.version)} of {args.run} "
+    print(f"imported {args.src} as {version_name(manifest.version)} of {args.run} "
           f"({len(manifest.files)} files)")
     return 0
 

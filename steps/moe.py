@@ -7,9 +7,9 @@ Experts live in an `nn.ModuleDict` keyed by their *global* index, so a rank hold
 state_dict names `experts.1.gate_proj.weight` ... exactly as in the full checkpoint: a per-rank shard is a
 plain subset of the Hugging Face tensors, with no renaming.
 
-Expert placement. Each MoE layer lists its E global expert ids in "slot" order (steps.expert_parallel.
-ExpertPlacement; identity unless the trainer balances the ranks' loads); EP rank r holds slots
-[r*E/ep, (r+1)*E/ep). The block maps its router's global expert ids to slot ids before dispatch, so every
+Expert placement. Each MoE layer lists its E global expert ids in "slot" order (ExpertPlacement, in
+steps/expert_parallel/placement.py; identity unless the trainer balances the ranks' loads); EP rank r holds
+slots [r*E/ep, (r+1)*E/ep). The block maps its router's global expert ids to slot ids before dispatch, so every
 dispatcher sees contiguous slot ranges per rank (the contract DeepEP needs too), whatever the placement.
 """
 
@@ -87,22 +87,6 @@ def group_by_expert(expert_ids: torch.Tensor, num_experts: int) -> tuple[torch.T
 # CPU than x[perm], whose kernel indexes element by element), and its backward is the gather with the inverse
 # permutation, where autograd's own backward would zero-fill a gradient and scatter-add into it (slower, and
 # atomics on CUDA).
-
-
-class PermuteRows(torch.autograd.Function):
-    """x.index_select(0, perm) for a permutation of the rows; backward: the gather with `inverse`."""
-
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor, perm: torch.Tensor, inverse: torch.Tensor
-    ) -> torch.Tensor:
-        ctx.save_for_backward(inverse)
-        return x.index_select(0, perm)
-
-    @staticmethod
-    def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> tuple:  # type: ignore[override]
-        (inverse,) = ctx.saved_tensors  # type: ignore[attr-defined]
-        return grad.index_select(0, inverse), None, None
 
 
 @dataclass
@@ -217,7 +201,7 @@ class _CombineSlots(torch.autograd.Function):
 
 
 # The SwiGLU experts' arithmetic, forward and backward, in one place: run_experts (LocalDispatch, DeepEP,
-# Expert.forward) and the all-to-all backend (steps.expert_parallel) call these. gate_proj and up_proj stay
+# Expert.forward) and the all-to-all backend (steps.expert_parallel.alltoall) call these. gate_proj and up_proj stay
 # two parameters (checkpoint names), but every call multiplies the rows with their concatenation
 # [gate; up] [2I, H] once: one matmul instead of two in the forward and in each half of the backward (the
 # copy of the weights, done per call because they change every optimizer step, costs far less than a matmul).

@@ -26,8 +26,7 @@ from typing import Any
 
 from steps import progress
 from steps.errors import MoerlError, run_cli
-
-RUN_CONFIG = "run.json"
+from steps.run_store import RUN_CONFIG, behaviour_version
 
 
 @dataclass(frozen=True)
@@ -63,7 +62,7 @@ def plan_segment(latest: int | None, first: int, last: int) -> Plan:
 
 
 def training_fields(config: dict[str, Any]) -> dict[str, Any]:
-    from pipelines.config import training_view  # the config model decides what a run may not change
+    from steps.run_config import training_view  # the config model decides what a run may not change
 
     return training_view(config)
 
@@ -123,7 +122,7 @@ def run_guarded(run_uri: str, iteration: int, command: list[str], iterations: in
             f"iteration {iteration} is published (LATEST v{latest:06d}); skipping {' '.join(command[:3])}", flush=True
         )
         return 0
-    policy = max(0, iteration - 1 - staleness)
+    policy = behaviour_version(iteration, staleness)
     argv = [a.replace("{iteration}", str(iteration)).replace("{policy_version}", str(policy)) for a in command]
     sys.stdout.flush()
     os.execvp(argv[0], argv)

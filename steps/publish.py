@@ -29,52 +29,33 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from steps import checkpoint, progress
+from steps import candidate, checkpoint, progress
+from steps.candidate import CANDIDATE_INDEX, MARKER
 from steps.errors import MoerlError, run_cli
 from steps.experience import load_run_config
-from steps.hf_format import validate_checkpoint_dir
-from steps.model import (
+from steps.hf_checkpoint import (
     CONFIG_NAME,
     SAFE_WEIGHTS_INDEX_NAME,
     SAFE_WEIGHTS_NAME,
     TensorEntry,
     check_tensors,
     declared_dtype,
-    dtype_name,
     expected_tensor_shapes,
     load_config,
     read_config_json,
     weights_dtype,
 )
-from steps.store import Store
-from steps.trainer import MASTER_FIELD, OPTIMIZER_FIELDS
-from steps.update import (
-    CANDIDATE_INDEX,
-    MARKER,
-    OPTIMIZER_INDEX,
+from steps.hf_format import validate_checkpoint_dir
+from steps.model import dtype_name
+from steps.optimizer_state import MASTER_FIELD, OPTIMIZER_FIELDS, store_optimizer_state
+from steps.run_store import (
+    OPTIMIZER_PREFIX,
     candidate_prefix,
-    optimizer_prefix,
-    read_marker,
+    parse_version,
+    version_name,
+    version_prefix,
 )
-
-
-def download_candidate(run: Store, iteration: int, marker: dict[str, Any], local_dir: Path) -> None:
-    """Every file the marker lists, checked against its recorded size and sha256."""
-    prefix = candidate_prefix(iteration)
-    for name, meta in marker["files"].items():
-        key = f"{prefix}/{name}"
-        if not run.exists(key):
-            raise MoerlError(
-                f"{run.url(key)}: listed in {MARKER} but missing; the candidate is incomplete — rerun update "
-                f"for iteration {iteration} with --force"
-            )
-        target = local_dir / name
-        run.get_file(key, target)
-        if checkpoint.file_digest(target) != (meta["size"], meta["sha256"]):
-            raise MoerlError(
-                f"{run.url(key)}: size or sha256 differs from {MARKER}; the candidate is corrupted — rerun "
-                f"update for iteration {iteration} with --force"
-            )
+from steps.store import Store
 
 
 def _headers(path: Path) -> dict[str, TensorEntry]:
@@ -113,10 +94,7 @@ def verify_candidate(
     """Check the downloaded candidate, whose weights must be stored in `run_dtype` (the parent version's, so
     v000000's); returns (index, model shard files, optimizer shard files)."""
     cfg = load_config(local_dir)
-    index_path = local_dir / CANDIDATE_INDEX
-    if not index_path.is_file():
-        raise MoerlError(f"{where}: no {CANDIDATE_INDEX} in the candidate; rerun update with --force")
-    index = json.loads(index_path.read_text())
+    index = candidate.read_index(local_dir, where)
     weight_map, optimizer_map = index.get("weight_map", {}), index.get("optimizer_map", {})
     weights = _check_map("weight", weight_map, local_dir, where)
     check_tensors(cfg, weights, where)  # every tensor once, with the config's shape, nothing unexpected
@@ -151,7 +129,7 @@ def verify_candidate(
 def run_dtype(run: Store, version: int) -> torch.dtype:
     """The dtype published version `version` declares in its config.json: the run's (v000000's)."""
     config = json.loads(checkpoint.read_file(run, version, CONFIG_NAME))  # validated when it was published
-    return declared_dtype(config, run.url(f"{checkpoint.version_prefix(version)}/{CONFIG_NAME}")) or torch.float32
+    return declared_dtype(config, run.url(f"{version_prefix(version)}/{CONFIG_NAME}")) or torch.float32
 
 
 def assemble_hf_dir(
@@ -182,24 +160,14 @@ def assemble_hf_dir(
     (out_dir / SAFE_WEIGHTS_INDEX_NAME).write_text(json.dumps(hf_index, indent=2) + "\n")
 
 
-def store_optimizer_state(
-    run: Store, version: int, candidate_dir: Path, index: dict[str, Any], optimizer_files: list[str]
-) -> None:
-    """<run>/optimizer/v(version)/: the shards, then optimizer.index.json (its presence means complete)."""
-    prefix = optimizer_prefix(version)
-    for name in optimizer_files:
-        run.put_file(f"{prefix}/{name}", candidate_dir / name)
-    run.put_json(f"{prefix}/{OPTIMIZER_INDEX}", {"weight_map": index["optimizer_map"]})
-
-
 def clean_up(run: Store, iteration: int, keep_last: int) -> list[int]:
     """Retention, the optimizer state of versions no longer published, and the published candidate."""
     doomed = checkpoint.apply_retention(run, keep_last)
     published = set(checkpoint.published_versions(run))
-    stale = {key.split("/")[1] for key in run.list("optimizer/") if len(key.split("/")) == 3}
+    stale = {key.split("/")[1] for key in run.list(f"{OPTIMIZER_PREFIX}/") if len(key.split("/")) == 3}
     for name in sorted(stale):
-        if checkpoint.parse_version(name) not in published:
-            run.delete_prefix(f"optimizer/{name}/")
+        if parse_version(name) not in published:
+            run.delete_prefix(f"{OPTIMIZER_PREFIX}/{name}/")
     run.delete_prefix(candidate_prefix(iteration))
     return doomed
 
@@ -215,11 +183,11 @@ def publish(run_uri: str, iteration: int) -> checkpoint.Manifest:
     if existing is not None:
         checkpoint.move_latest(run, iteration)
         clean_up(run, iteration, keep_last)
-        print(f"{checkpoint.version_name(iteration)} was already published; LATEST and retention checked")
+        print(f"{version_name(iteration)} was already published; LATEST and retention checked")
         return existing
 
     where = run.url(candidate_prefix(iteration))
-    marker = read_marker(run, iteration)
+    marker = candidate.read_marker(run, iteration)
     if marker is None:
         raise MoerlError(
             f"{where}: no complete candidate ({MARKER} missing); the update of iteration {iteration} did not "
@@ -236,12 +204,12 @@ def publish(run_uri: str, iteration: int) -> checkpoint.Manifest:
         candidate_dir, hf_dir = Path(tmp) / "candidate", Path(tmp) / "checkpoint"
         candidate_dir.mkdir()
         hf_dir.mkdir()
-        download_candidate(run, iteration, marker, candidate_dir)
+        candidate.download(run, iteration, marker, candidate_dir)
         if not (candidate_dir / CONFIG_NAME).is_file():
             raise MoerlError(f"{where}: the candidate has no {CONFIG_NAME}; rerun update with --force")
         index, model_files, optimizer_files = verify_candidate(candidate_dir, where, run_dtype(run, iteration - 1))
         progress.report(1, 3)
-        store_optimizer_state(run, iteration, candidate_dir, index, optimizer_files)
+        store_optimizer_state(run, iteration, candidate_dir, index["optimizer_map"])
         progress.report(2, 3)
         assemble_hf_dir(candidate_dir, index, model_files, optimizer_files, hf_dir)
         validate_checkpoint_dir(hf_dir)
@@ -249,9 +217,9 @@ def publish(run_uri: str, iteration: int) -> checkpoint.Manifest:
     doomed = clean_up(run, iteration, keep_last)
     progress.report(3, 3)
     print(
-        f"published {checkpoint.version_name(iteration)} (parent {checkpoint.version_name(iteration - 1)}, "
-        f"{len(manifest.files)} files) to {run.url(checkpoint.version_prefix(iteration))}"
-        + (f"; retention deleted {', '.join(checkpoint.version_name(v) for v in doomed)}" if doomed else "")
+        f"published {version_name(iteration)} (parent {version_name(iteration - 1)}, "
+        f"{len(manifest.files)} files) to {run.url(version_prefix(iteration))}"
+        + (f"; retention deleted {', '.join(version_name(v) for v in doomed)}" if doomed else "")
     )
     return manifest
 

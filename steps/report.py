@@ -24,13 +24,21 @@ from pathlib import Path
 from typing import Any
 
 from steps import tracking
-from steps.checkpoint import parse_version, read_latest
+from steps.checkpoint import read_latest
 from steps.errors import MoerlError, run_cli
+from steps.run_store import (
+    METRICS_KEY_PATTERN,
+    METRICS_PREFIX,
+    REPORT_MD,
+    REPORT_MD_KEY,
+    REPORT_PNG,
+    REPORT_PNG_KEY,
+    REPORT_PREFIX,
+    RUN_CONFIG,
+    parse_version,
+)
 from steps.store import Store
 
-METRICS_PREFIX = "metrics"
-REPORT_PREFIX = "report"
-_ITER_KEY = re.compile(r"^metrics/iter-(\d+)\.json$")
 # Column -> field names that hold it, most specific first.
 COLUMNS: dict[str, tuple[str, ...]] = {
     "reward": ("reward_mean", "mean_reward", "reward"),
@@ -129,7 +137,7 @@ def collect(run: Store) -> Report:
     notes: list[str] = []
     time_columns: list[str] = []
     for key in run.list(METRICS_PREFIX):
-        match = _ITER_KEY.match(key)
+        match = METRICS_KEY_PATTERN.match(key)
         if match is None:
             continue
         try:
@@ -238,24 +246,24 @@ def write_report(
     png, md = plot_png(report), markdown(report, run.uri).encode()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "report.png").write_bytes(png)
-    (out / "report.md").write_bytes(md)
-    run.put_bytes(f"{REPORT_PREFIX}/report.png", png)
-    run.put_bytes(f"{REPORT_PREFIX}/report.md", md)
+    (out / REPORT_PNG).write_bytes(png)
+    (out / REPORT_MD).write_bytes(md)
+    run.put_bytes(REPORT_PNG_KEY, png)
+    run.put_bytes(REPORT_MD_KEY, md)
     track_run_end(run, out, workflow_name, namespace, report.notes.append)
     return report
 
 
 def track_run_end(run: Store, out: Path, workflow_name: str | None, namespace: str | None, note: Any) -> None:
     """The trackers' part of the report; a run whose run.json cannot be read tracks nothing (a note says so)."""
-    from pipelines.config import validate_config
+    from steps.run_config import validate_config
 
     try:
-        cfg = validate_config(run.get_json("run.json"), run.url("run.json"))
+        cfg = validate_config(run.get_json(RUN_CONFIG), run.url(RUN_CONFIG))
     except MoerlError as err:
         note(f"tracking skipped: {err}")
         return
-    files = {"report.md": out / "report.md", "report.png": out / "report.png"}
+    files = {REPORT_MD: out / REPORT_MD, REPORT_PNG: out / REPORT_PNG}
     tracking.log_run_end(run, cfg, tracking.stored_step_metrics(run), workflow_name, namespace, files,
                          lambda line: print(line, flush=True))  # fmt: skip
 

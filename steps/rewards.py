@@ -22,6 +22,7 @@ import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -33,15 +34,26 @@ from steps.tasks import Task, get_task, verify_ids
 from steps.tokenizer import CheckpointTokenizer
 from steps.verifiers import ExactVerifier, Verifier, get_verifier
 
+if TYPE_CHECKING:
+    from steps.run_config import RewardsConfig
+
 ADVANTAGE_EPS = 1e-6
 
 
 @dataclass(frozen=True)
 class RewardWeights:
+    """A sample's reward is the weighted sum of its verdicts and scores (combine); `<name>` is weighted by the
+    run config's `rewards.<name>_weight`."""
+
     exact_match: float = 1.0
     format: float = 0.1
     reward_model: float = 0.0
     reward_fn: float = 1.0
+
+    @classmethod
+    def from_config(cls, rewards: RewardsConfig) -> RewardWeights:
+        """The `*_weight` fields of the run's `rewards` section, by name."""
+        return cls(**{k.removesuffix("_weight"): v for k, v in dict(rewards).items() if k.endswith("_weight")})
 
 
 def sample_verifier(task_name: str, verifier: str | None = None, answer_pattern: str | None = None) -> Verifier | Task:

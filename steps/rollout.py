@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import signal
 import sys
 import time
@@ -29,17 +30,9 @@ from types import FrameType
 import torch
 
 from steps import checkpoint, progress
-from steps.engine import (
-    SGLangSettings,
-    open_engine,
-    sample_requests,
-    sample_seed,
-)
 from steps.errors import MoerlError, run_cli
 from steps.experience import (
     RolloutPlan,
-    behaviour_version,
-    chunk_key,
     chunk_problem,
     chunk_table,
     finished_chunks,
@@ -48,11 +41,32 @@ from steps.experience import (
     version_tokenizer,
     write_chunk,
 )
+from steps.generation import Engine, sample_requests, sample_seed
+from steps.run_store import behaviour_version, chunk_key
+from steps.sglang_engine import SGLangSettings
 from steps.store import Store
 from steps.tasks import Prompt
 from steps.tokenizer import CheckpointTokenizer
 
 EXIT_PREEMPTED = 143  # 128 + SIGTERM, what Kubernetes and Argo expect from a terminated container
+
+
+def open_engine(
+    kind: str,
+    model_dir: str | os.PathLike,
+    device: str = "cpu",
+    sglang_settings: SGLangSettings | None = None,
+) -> Engine:
+    """The engine `kind` ("torch" or "sglang", as rollout.engine in the run config) on a checkpoint dir."""
+    if kind == "torch":
+        from steps.engine import TorchEngine  # lazy: an SGLang rollout pod never loads the torch engine
+
+        return TorchEngine.from_checkpoint(model_dir, device=device)
+    if kind == "sglang":
+        from steps.sglang_engine import SGLangEngine  # lazy: sglang is a GPU-image dependency only
+
+        return SGLangEngine(model_dir, sglang_settings or SGLangSettings())
+    raise MoerlError(f"rollout.engine {kind!r} is not an engine; use 'torch' or 'sglang'")
 
 
 class Preempted(Exception):
@@ -158,8 +172,7 @@ def rollout_shard(
     if cfg.rollout.engine == "torch" and device == "cpu":
         torch.set_num_threads(threads)
     model_dir = checkpoint.fetch(run, version)
-    sg = cfg.rollout.sglang
-    settings = SGLangSettings(sg.tp_size, sg.ep_size, sg.moe_a2a_backend, sg.mem_fraction, random_seed=cfg.seed)
+    settings = SGLangSettings.from_config(cfg.rollout.sglang, random_seed=cfg.seed)
     engine = open_engine(cfg.rollout.engine, model_dir, device=device, sglang_settings=settings)
     try:
         start = time.monotonic()

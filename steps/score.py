@@ -40,11 +40,8 @@ from steps.evaluation import heldout_accuracy
 from steps.experience import (
     SCORED_SCHEMA,
     RolloutPlan,
-    behaviour_version,
     load_run_config,
-    metrics_key,
     read_rollout,
-    scored_key,
     table_bytes,
     version_tokenizer,
 )
@@ -57,6 +54,7 @@ from steps.rewards import (
     reward_model_texts,
     verify_samples,
 )
+from steps.run_store import behaviour_version, metrics_key, scored_key
 from steps.store import Store
 from steps.user_reward import RewardFunction
 
@@ -122,8 +120,7 @@ def score_iteration(
         check_finite(
             np.asarray(rm_scores, dtype=np.float64), where, what=f"reward model score ({cfg.rewards.reward_model})"
         )
-    weights = RewardWeights(cfg.rewards.exact_match_weight, cfg.rewards.format_weight, cfg.rewards.reward_model_weight,
-                            cfg.rewards.reward_fn_weight)  # fmt: skip
+    weights = RewardWeights.from_config(cfg.rewards)
     rewards = combine(correct, well_formed, rm_scores, weights, fn_rewards)
     check_finite(rewards, where)
     advantages, tied = group_advantages(prompt_ids, rewards, cfg.rewards.normalize_std)

@@ -20,7 +20,8 @@ from pathlib import Path
 import torch
 
 from steps import bpe_tokenizer, char_tokenizer
-from steps.model import MoeConfig, MoeForCausalLM, save_pretrained
+from steps.hf_checkpoint import save_pretrained
+from steps.model import MoeConfig, MoeForCausalLM
 from steps.tasks import Prompt, get_task, sft_target
 from steps.tokenizer import RAW, CheckpointTokenizer, PromptFormat
 

@@ -20,7 +20,7 @@ How the interface maps onto SGLang (names as in SGLang's ServerArgs, SamplingPar
                             (logprob, token_id, text) per generated token. SGLANG_RETURN_ORIGINAL_LOGPROB=1 (set
                             before the engine starts; its scheduler processes read it) makes those the raw policy
                             log_softmax(logits) before temperature, which is what the torch engine records and the
-                            trainer recomputes (steps/engine.py)
+                            trainer recomputes (steps/generation.py)
     finish reason           meta_info["finish_reason"]["type"]: "stop" or "length" ("abort" is an error)
 
 SIGTERM: SGLang's first generate (TokenizerManager.auto_create_handle_loop) hands SIGTERM to its asyncio
@@ -41,22 +41,42 @@ import json
 import os
 import signal
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from steps.engine import (
+from steps.errors import MoerlError
+from steps.generation import (
     FINISH_LENGTH,
     FINISH_STOP,
     Generation,
     GenerationInterrupted,
     GenerationRequest,
     SamplingParams,
-    SGLangSettings,
 )
-from steps.errors import MoerlError
+
+if TYPE_CHECKING:
+    from steps.run_config import SGLangConfig
 
 MIN_SGLANG_VERSION = (0, 5, 17)
 SGLANG_SEED_MODULUS = 2**63  # sampling_seed is a signed 64-bit integer on SGLang's side
+
+
+@dataclass(frozen=True)
+class SGLangSettings:
+    """SGLang serving settings (rollout.sglang in the run config)."""
+
+    tp_size: int = 1
+    ep_size: int = 1
+    moe_a2a_backend: str = "none"  # "deepep": DeepEP all-to-all between the expert-parallel ranks
+    mem_fraction: float = 0.85
+    deterministic: bool = True  # enable_deterministic_inference: batch-invariant kernels
+    random_seed: int = 0
+
+    @classmethod
+    def from_config(cls, sglang: SGLangConfig, random_seed: int) -> SGLangSettings:
+        """The run's `rollout.sglang` section, field by field, and the run's seed."""
+        return cls(**dict(sglang), random_seed=random_seed)
 
 
 def sglang_unavailable_reason() -> str | None:

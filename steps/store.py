@@ -333,7 +333,7 @@ class _LocalBackend:
 
     def sidecar(self, path: Path) -> Path:
         """Where path's digest is kept: named by a hash of path's name, so that no glob of data files can
-        match it (`.moerl-sha256-model.safetensors` used to match `*.safetensors`)."""
+        match it (a name such as `.moerl-sha256-model.safetensors` would match `*.safetensors`)."""
         return path.with_name(SIDECAR_PREFIX + hashlib.sha256(path.name.encode()).hexdigest()[:32])
 
     def old_sidecar(self, path: Path) -> Path:

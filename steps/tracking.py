@@ -52,12 +52,18 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from steps.run_store import (
+    METRICS_PREFIX,
+    MLFLOW_RUN_KEY,
+    TENSORBOARD_PREFIX,
+    WANDB_PREFIX,
+    ledger_key,
+    params_ledger_key,
+    pending_key,
+)
 from steps.store import Store
+from steps.workflow_status import status_nodes, step_nodes
 
-LEDGER_PREFIX = "tracking/logged"
-MLFLOW_RUN_KEY = "tracking/mlflow-run.json"
-TENSORBOARD_PREFIX = "tensorboard"
-WANDB_PREFIX = "wandb"
 SOURCES = ("score", "update", "workflow")
 # Steps whose wall time and retries the workflow points carry, as graph.STEPS names them.
 WORKFLOW_STEPS = ("rollout", "score", "update", "publish")
@@ -109,42 +115,10 @@ def config_params(config: dict[str, Any]) -> dict[str, str]:
     return {_NOT_IN_A_KEY.sub("_", key): value for key, value in out.items()}
 
 
-def ledger_key(tracker: str, source: str, iteration: int) -> str:
-    return f"{LEDGER_PREFIX}/{tracker}/{source}-iter-{iteration:06d}.json"
-
-
-def pending_key(tracker: str, source: str, iteration: int) -> str:
-    """Written before a tracker is sent an iteration's points; the ledger record (ledger_key) after."""
-    return f"{LEDGER_PREFIX}/{tracker}/{source}-iter-{iteration:06d}.pending.json"
-
-
 # ------------------------------------------------------------------------------------------ the workflow
 
 
-_DISPLAY = re.compile(r"^(?P<step>[a-z-]+)-(?P<iteration>\d+)(?P<rest>(\([^)]*\))*)$")
 _ATTEMPT = re.compile(r"\((\d+)\)$")
-
-
-def _stamp(text: str | None) -> datetime | None:
-    return datetime.fromisoformat(text.replace("Z", "+00:00")) if text else None
-
-
-def status_nodes(status: dict[str, Any]) -> dict[str, Any]:
-    """A Workflow status's nodes. The controller stores a large node map gzipped and base64-encoded in
-    `compressedNodes` (argo util/file CompressEncodeString, gzip by default); an offloaded one
-    (`offloadNodeStatusVersion`, in Argo's database) or another algorithm cannot be read here: no nodes."""
-    if status.get("nodes"):
-        return status["nodes"]
-    packed = status.get("compressedNodes")
-    if packed:
-        import base64
-        import gzip
-
-        try:
-            return json.loads(gzip.decompress(base64.b64decode(packed)))
-        except (ValueError, OSError, EOFError):  # zstd or brotli (ARGO_COMPRESSION_ALGORITHM), or damaged
-            return {}
-    return {}
 
 
 def workflow_points(status: dict[str, Any]) -> dict[int, dict[str, float]]:
@@ -157,18 +131,16 @@ def workflow_points(status: dict[str, Any]) -> dict[int, dict[str, float]]:
     spans: dict[tuple[int, str], list[datetime]] = {}
     retries: dict[tuple[int, str], int] = {}
     published: set[int] = set()
-    for node in status_nodes(status).values():
-        match = _DISPLAY.match(node.get("displayName") or "")
-        if match is None or match["step"] not in WORKFLOW_STEPS:
+    for node in step_nodes(status):
+        if node.step not in WORKFLOW_STEPS or node.iteration is None:
             continue
-        key = (int(match["iteration"]), match["step"])
-        if match["step"] == "publish" and not match["rest"] and node.get("phase") == "Succeeded":
+        key = (node.iteration, node.step)
+        if node.step == "publish" and not node.attempt and node.phase == "Succeeded":
             published.add(key[0])
-        if node.get("type") != "Pod":
+        if node.type != "Pod":
             continue
-        stamps = [_stamp(node.get("startedAt")), _stamp(node.get("finishedAt"))]
-        spans.setdefault(key, []).extend(s for s in stamps if s is not None)
-        attempt = _ATTEMPT.search(match["rest"])
+        spans.setdefault(key, []).extend(s for s in (node.started, node.finished) if s is not None)
+        attempt = _ATTEMPT.search(node.attempt)
         retries[key] = retries.get(key, 0) + (1 if attempt and int(attempt[1]) >= 1 else 0)
     out: dict[int, dict[str, float]] = {}
     for (iteration, step), stamps in sorted(spans.items()):
@@ -556,7 +528,7 @@ class Session:
 
     def ensure_params(self) -> None:
         for tracker in self.live():
-            key = f"{LEDGER_PREFIX}/{tracker.name}/params.json"
+            key = params_ledger_key(tracker.name)
             if self.run.exists(key):
                 continue
             try:
@@ -682,7 +654,7 @@ def log_iteration(run: Store, cfg: Any, source: str, iteration: int, metrics: di
         session.close()
 
 
-_STORED_METRICS = re.compile(r"^metrics/iter-(\d+)\.(json|update\.json)$")
+_STORED_METRICS = re.compile(rf"^{METRICS_PREFIX}/iter-(\d+)\.(json|update\.json)$")
 
 
 def stored_step_metrics(run: Store) -> dict[int, dict[str, dict[str, Any]]]:

@@ -1,8 +1,9 @@
 """The policy-update loop: scored experience -> mini-batches -> PPO steps over the dp x ep mesh.
 
-Read top to bottom: the experience (one Sample per scored response), the settings, the deterministic batch
-plan (which samples each optimizer step sees, which rank gets which, in which micro-batch), micro-batch
-tensors, the trainer itself, and the optimizer state as plain tensors for safetensors.
+Read top to bottom: the settings, the deterministic batch plan (which samples each optimizer step sees, which
+rank gets which, in which micro-batch), micro-batch tensors, the trainer itself, and the optimizer with its
+learning-rate schedule. The samples come from steps/experience.py (read_scored_experience); the optimizer
+state's files are steps/optimizer_state.py.
 
 Determinism: the plan depends only on the experience, the run seed and the iteration (never on timing or
 the number of rollout shards); every reduction has a fixed order; so a restarted update repeats the same
@@ -15,100 +16,23 @@ import math
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from torch import nn
 
 from steps.errors import MoerlError
-from steps.experience import read_table, scored_key
-from steps.expert_parallel import Mesh, clip_grad_norm, gather_ranks, sync_gradients
-from steps.model import MoeForCausalLM, dtype_name, token_logprobs
+from steps.experience import Sample
+from steps.expert_parallel.mesh import Mesh, clip_grad_norm, gather_ranks, sync_gradients
+from steps.kernels import token_logprobs
+from steps.model import MoeForCausalLM
 from steps.optim import AdamW, AnyOptimizer
 from steps.rl_loss import LossSettings, aggregate, token_entropy, token_terms
-from steps.store import Store
 
-# ----------------------------------------------------------------------------------------------------
-# Experience
-# ----------------------------------------------------------------------------------------------------
-
-# The columns the trainer reads (DESIGN.md; steps/experience.py writes them with more).
-SCORED_COLUMNS = (
-    "prompt_id", "sample_index", "prompt_ids", "response_ids", "behavior_logprobs", "policy_version",
-    "reward", "advantage",
-)  # fmt: skip
-
-
-@dataclass
-class Sample:
-    """One scored response: the tokens the model is trained on and what the rollout recorded."""
-
-    prompt_id: str
-    sample_index: int
-    prompt_ids: list[int]
-    response_ids: list[int]
-    behavior_logprobs: list[float]
-    advantage: float
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.response_ids)
-
-
-def read_scored_experience(run: Store, iteration: int, expected_version: int) -> list[Sample]:
-    """The scored experience of `iteration`, validated, sorted by (prompt_id, sample_index).
-
-    Sorting makes the order independent of how many rollout shards wrote the rows.
-    """
-    key = scored_key(iteration)
-    url = run.url(key)
-    if not run.exists(key):
-        raise MoerlError(
-            f"{url}: no scored experience for iteration {iteration}; run the rollout and score steps of "
-            f"iteration {iteration} first (python -m steps.score --run {run.uri} --iteration {iteration})"
-        )
-    table = read_table(run, key)
-    missing = [c for c in SCORED_COLUMNS if c not in table.column_names]
-    if missing:
-        raise MoerlError(f"{url}: missing columns {missing}; scored experience needs {list(SCORED_COLUMNS)}")
-    if table.num_rows == 0:
-        raise MoerlError(f"{url}: no rows; iteration {iteration} produced no experience to train on")
-    cols = {c: table.column(c).to_pylist() for c in SCORED_COLUMNS}
-
-    versions = sorted({int(v) for v in cols["policy_version"]})
-    if versions != [expected_version]:
-        raise MoerlError(
-            f"{url}: experience from policy version(s) {versions}, but iteration {iteration} trains on "
-            f"samples of v{expected_version:06d} (staleness of the run config); the experience is stale or "
-            "from another run — regenerate it with the rollout and score steps of this iteration"
-        )
-    samples = []
-    for i in range(table.num_rows):
-        response, logprobs = cols["response_ids"][i], cols["behavior_logprobs"][i]
-        where = f"{url} row {i} (prompt_id {cols['prompt_id'][i]!r}, sample_index {cols['sample_index'][i]})"
-        if not response or len(logprobs) != len(response):
-            raise MoerlError(
-                f"{where}: {len(response or [])} response tokens but {len(logprobs or [])} behavior_logprobs; "
-                "the rollout must record one log-prob per response token"
-            )
-        values = [cols["advantage"][i], cols["reward"][i], *logprobs]
-        if any(v is None or not math.isfinite(v) for v in values):
-            raise MoerlError(f"{where}: reward, advantage or behavior_logprobs is NaN/inf/null; rerun score")
-        samples.append(
-            Sample(
-                prompt_id=str(cols["prompt_id"][i]),
-                sample_index=int(cols["sample_index"][i]),
-                prompt_ids=[int(t) for t in cols["prompt_ids"][i]],
-                response_ids=[int(t) for t in response],
-                behavior_logprobs=[float(x) for x in logprobs],
-                advantage=float(cols["advantage"][i]),
-            )
-        )
-    samples.sort(key=lambda s: (s.prompt_id, s.sample_index))
-    return samples
-
+if TYPE_CHECKING:
+    from steps.run_config import RunConfig
 
 # ----------------------------------------------------------------------------------------------------
 # Settings
@@ -126,7 +50,7 @@ class TrainSettings:
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
     grad_clip: float = 1.0
-    old_logprobs: str = "recompute"  # or "behavior": see pipelines.config.TrainerConfig.old_logprobs
+    old_logprobs: str = "recompute"  # or "behavior": see steps.run_config.TrainerConfig.old_logprobs
     shared_prompts: bool = False  # run each GRPO group's prompt once: see plan_group_steps, collate_groups
     # Leave samples with advantage exactly 0 out of the forward/backward when they cannot move the weights
     # (kl_coef 0): see trained_steps. False runs them anyway (same gradients; the tests' reference).
@@ -134,18 +58,12 @@ class TrainSettings:
     seed: int = 0
 
     @classmethod
-    def from_run_config(cls, cfg: Any) -> TrainSettings:
-        """From a pipelines.config.RunConfig (its `trainer` section and seed)."""
-        t = cfg.trainer
-        return cls(
-            loss=LossSettings(
-                clip_low=t.clip_low, clip_high=t.clip_high, loss_agg=t.loss_agg, kl_coef=t.kl_coef,
-                is_cap=t.is_cap,
-            ),
-            micro_batch_size=t.micro_batch_size, epochs=t.epochs, steps_per_epoch=t.steps_per_epoch,
-            lr=t.lr, warmup_steps=t.warmup_steps, weight_decay=t.weight_decay, betas=tuple(t.betas),
-            grad_clip=t.grad_clip, old_logprobs=t.old_logprobs, shared_prompts=t.shared_prompts, seed=cfg.seed,
-        )  # fmt: skip
+    def from_run_config(cls, cfg: RunConfig) -> TrainSettings:
+        """The run's `trainer` section by field name (every LossSettings field, and the TrainSettings fields
+        it has; the rest of it places the ranks: steps/update.py) and the run's seed."""
+        section = dict(cfg.trainer)
+        loss = LossSettings(**{f.name: section[f.name] for f in fields(LossSettings)})
+        return cls(loss=loss, **{f.name: section[f.name] for f in fields(cls) if f.name in section}, seed=cfg.seed)
 
     @property
     def total_steps(self) -> int:
@@ -670,78 +588,3 @@ def set_learning_rate(optimizer: AnyOptimizer, settings: TrainSettings) -> float
     for group in optimizer.param_groups:
         group["lr"] = lr
     return lr
-
-
-ADAMW_FIELDS = ("exp_avg", "exp_avg_sq", "step")
-# The fp32 weights themselves, when the published ones are narrower (bf16, fp16): what the next update
-# resumes from, so that rounding to the published dtype never accumulates into the training (see
-# optimizer_state_tensors).
-MASTER_FIELD = "master"
-OPTIMIZER_FIELDS = (*ADAMW_FIELDS, MASTER_FIELD)  # every field an optimizer state file may hold
-
-
-def optimizer_state_names(model: nn.Module) -> list[str]:
-    """The names of every optimizer state tensor this rank's parameters may have (`<param name>.<field>`)."""
-    return [f"{name}.{f}" for name, _ in model.named_parameters() for f in OPTIMIZER_FIELDS]
-
-
-def optimizer_state_tensors(
-    model: nn.Module, optimizer: AnyOptimizer, published_dtype: torch.dtype = torch.float32
-) -> dict[str, torch.Tensor]:
-    """AdamW state of this rank's parameters as flat tensors: `<param name>.<field>` (named like the
-    weights, so that each expert's state lives with the rank that holds the expert), and when the weights
-    are published in a narrower dtype than they are trained in, every parameter's `<param name>.master`:
-    its exact trained value (fp32)."""
-    out = {}
-    for name, p in model.named_parameters():
-        state = optimizer.state.get(p, {})
-        for f in ADAMW_FIELDS:
-            if f in state:
-                t = state[f] if torch.is_tensor(state[f]) else torch.tensor(float(state[f]))
-                out[f"{name}.{f}"] = t.detach().to("cpu").contiguous()
-        if published_dtype != p.dtype:
-            out[f"{name}.{MASTER_FIELD}"] = p.detach().to("cpu").contiguous()
-    return out
-
-
-def load_optimizer_state(
-    model: nn.Module, optimizer: AnyOptimizer, tensors: dict[str, torch.Tensor], needs_master: bool = False
-) -> int:
-    """Restore AdamW state written by optimizer_state_tensors (for this rank's parameters), and each
-    parameter's master weights where the state holds them (they replace the published, rounded weights
-    the model was loaded from). needs_master: the published weights are narrower than the parameters, so
-    every parameter must have its master. Returns how many parameters got AdamW state."""
-    restored = 0
-    for name, p in model.named_parameters():
-        master = tensors.get(f"{name}.{MASTER_FIELD}")
-        if master is not None:
-            if master.shape != p.shape or master.dtype != p.dtype:
-                raise MoerlError(
-                    f"the master weights of {name} are {dtype_name(master.dtype)} "
-                    f"{list(master.shape)}, the parameter {dtype_name(p.dtype)} {list(p.shape)}; the optimizer "
-                    "state belongs to another model"
-                )
-            with torch.no_grad():
-                p.copy_(master)
-        elif needs_master:
-            raise MoerlError(
-                f"no fp32 master weights for {name} ({name}.{MASTER_FIELD}), whose published weights are narrower "
-                "than fp32: an update resumes from the masters, not from the rounded weights — start a new run "
-                "whose sft_checkpoint is the published version (its AdamW state starts over)"
-            )
-        keys = [f"{name}.{f}" for f in ADAMW_FIELDS]
-        if not all(k in tensors for k in keys):
-            continue
-        exp_avg, exp_avg_sq, step = (tensors[k] for k in keys)
-        if exp_avg.shape != p.shape or exp_avg_sq.shape != p.shape:
-            raise MoerlError(
-                f"optimizer state of {name} has shape {list(exp_avg.shape)}, the parameter {list(p.shape)}; "
-                "the optimizer state belongs to another model"
-            )
-        optimizer.state[p] = {
-            "step": step.to(torch.float32).reshape(()).clone(),
-            "exp_avg": exp_avg.to(device=p.device, dtype=p.dtype).clone(),
-            "exp_avg_sq": exp_avg_sq.to(device=p.device, dtype=p.dtype).clone(),
-        }
-        restored += 1
-    return restored

@@ -13,25 +13,19 @@ Precision: the policy trains in fp32 and is published in the run's checkpoint dt
 bf16). When that dtype is narrower than fp32, the optimizer state also holds each parameter's fp32 master
 (`<name>.master`), and the next update starts from the masters, not from the rounded published weights.
 
-Output: <run>/candidates/iter-I/
-    model-rank0000r-of-0000n.safetensors       the weights EP rank r holds (rank 0 also the replicated ones),
-                                               in the run's checkpoint dtype
-    optimizer-rank0000r-of-0000n.safetensors   AdamW state of the same parameters (+ their fp32 masters)
-    config.json, generation_config.json, tokenizer files
-    candidate.index.json                       tensor name -> file, for weights and optimizer state
-    CANDIDATE.json                             written LAST: every file with size + sha256
-and <run>/metrics/iter-I.update.json (loss, clip fraction, KL, importance weights, grad norm, entropy,
-tokens/s, the per-expert routed row counts and the expert placement used; a separate file so that score's
-metrics/iter-I.json is never rewritten). Rank 0 then hands the metrics to the run's experiment trackers
-(steps/tracking.py; none by default).
+Output: the candidate <run>/candidates/iter-I/ (its format: steps/candidate.py), one weight shard and one
+optimizer-state shard per EP rank, CANDIDATE.json last; and <run>/metrics/iter-I.update.json (loss, clip
+fraction, KL, importance weights, grad norm, entropy, tokens/s, the per-expert routed row counts and the
+expert placement used; a separate file so that score's metrics/iter-I.json is never rewritten). Rank 0 then
+hands the metrics to the run's experiment trackers (steps/tracking.py; none by default).
 
 Expert placement (trainer.expert_placement, default balanced): which E/ep experts each EP rank holds, per
 MoE layer. Update I balances the EP ranks' routed rows with the per-expert row counts that update I-1
-recorded in metrics/iter-(I-1).update.json (steps.expert_parallel.balanced_placement); iteration 1, one EP
-rank, 'contiguous', or absent or malformed counts give the contiguous placement (said in the log and the
-metrics). The placement is a pure function of published inputs, so a restart chooses the same one. Tensors
-keep their global names, so weights and optimizer state of v(I-1) are read by name whichever rank's file of
-the previous iteration holds them.
+recorded in metrics/iter-(I-1).update.json (steps.expert_parallel.placement.balanced_placement);
+iteration 1, one EP rank, 'contiguous', or absent or malformed counts give the contiguous placement (said in
+the log and the metrics). The placement is a pure function of published inputs, so a restart chooses the
+same one. Tensors keep their global names, so weights and optimizer state of v(I-1) are read by name
+whichever rank's file of the previous iteration holds them.
 
 Each EP rank of the first dp row uploads its own shards; nothing is gathered to rank 0 but the file names
 and digests. A crash leaves no CANDIDATE.json, and a restart deletes the partial candidate and trains again
@@ -54,50 +48,41 @@ from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
 from safetensors.torch import save_file
 
-from steps import checkpoint, progress, tracking
+from steps import candidate, checkpoint, progress, tracking
 from steps.errors import MoerlError, run_cli
-from steps.experience import behaviour_version, load_run_config, scored_key
-from steps.expert_parallel import (
-    CommTimer,
-    ExpertPlacement,
-    Mesh,
-    all_reduce_sum,
-    balanced_placement,
-    build_mesh,
-    is_expert_param,
-    make_dispatch,
-    resolve_ep_size,
-)
-from steps.model import (
+from steps.experience import load_run_config, read_scored_experience
+from steps.expert_parallel.dispatch import make_dispatch
+from steps.expert_parallel.mesh import Mesh, all_reduce_sum, build_mesh, is_expert_param, resolve_ep_size
+from steps.expert_parallel.placement import ExpertPlacement, balanced_placement
+from steps.expert_parallel.timing import CommTimer
+from steps.hf_checkpoint import (
     CONFIG_NAME,
     GENERATION_CONFIG_NAME,
     SAFE_WEIGHTS_INDEX_NAME,
-    MoeConfig,
-    MoeForCausalLM,
     checkpoint_dtype,
     load_config,
     load_pretrained,
-    moe_layer_indices,
 )
+from steps.model import MoeConfig, MoeForCausalLM, moe_layer_indices
 from steps.optim import AnyOptimizer
-from steps.store import Store
-from steps.trainer import (
-    PolicyTrainer,
-    TrainSettings,
-    load_optimizer_state,
-    new_adamw,
+from steps.optimizer_state import (
     optimizer_state_names,
     optimizer_state_tensors,
-    prompt_groups,
-    read_scored_experience,
+    read_optimizer_state,
+    restore_optimizer_state,
 )
+from steps.run_store import (
+    behaviour_version,
+    candidate_prefix,
+    scored_key,
+    update_metrics_key,
+    version_name,
+)
+from steps.store import Store
+from steps.trainer import PolicyTrainer, TrainSettings, new_adamw, prompt_groups
 
-MARKER = "CANDIDATE.json"
-CANDIDATE_INDEX = "candidate.index.json"
-OPTIMIZER_INDEX = "optimizer.index.json"
 T = TypeVar("T")
 COLLECTIVE_TIMEOUT_SECONDS = 60 * 60
 
@@ -112,31 +97,6 @@ def check_token_ids(samples: list, vocab_size: int, where: str) -> None:
                 f"policy's vocabulary of {vocab_size}; the experience comes from another model or tokenizer — "
                 "regenerate it with this run's rollout"
             )
-
-
-def candidate_prefix(iteration: int) -> str:
-    return f"candidates/iter-{iteration:06d}"
-
-
-def optimizer_prefix(version: int) -> str:
-    return f"optimizer/{checkpoint.version_name(version)}"
-
-
-def update_metrics_key(iteration: int) -> str:
-    return f"metrics/iter-{iteration:06d}.update.json"
-
-
-def model_shard_name(ep_rank: int, ep_size: int) -> str:
-    return f"model-rank{ep_rank:05d}-of-{ep_size:05d}.safetensors"
-
-
-def optimizer_shard_name(ep_rank: int, ep_size: int) -> str:
-    return f"optimizer-rank{ep_rank:05d}-of-{ep_size:05d}.safetensors"
-
-
-def read_marker(run: Store, iteration: int) -> dict[str, Any] | None:
-    key = f"{candidate_prefix(iteration)}/{MARKER}"
-    return run.get_json(key) if run.exists(key) else None
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -176,54 +136,6 @@ def fetch_checkpoint(run: Store, version: int, mesh: Mesh, local_rank: int) -> P
     checkpoint.require_manifest(run, version)
     agreed(mesh, lambda: checkpoint.fetch(run, version) if local_rank == 0 else None)
     return checkpoint.cache_dir_for(run, version)
-
-
-def read_optimizer_state(run: Store, version: int, names: list[str], workdir: Path) -> dict[str, torch.Tensor]:
-    """The AdamW state tensors named `names` from <run>/optimizer/v(version)/ (only the files holding them)."""
-    prefix = optimizer_prefix(version)
-    index_key = f"{prefix}/{OPTIMIZER_INDEX}"
-    if not run.exists(index_key):
-        raise MoerlError(
-            f"{run.url(index_key)}: missing; checkpoint {checkpoint.version_name(version)} was published "
-            "without its optimizer state — republish it (python -m steps.publish) or start a new run"
-        )
-    weight_map: dict[str, str] = run.get_json(index_key)["weight_map"]
-    wanted: dict[str, list[str]] = {}
-    for name in names:
-        if name in weight_map:
-            wanted.setdefault(weight_map[name], []).append(name)
-    tensors: dict[str, torch.Tensor] = {}
-    for file_name, file_names in sorted(wanted.items()):
-        local = workdir / file_name
-        run.get_file(f"{prefix}/{file_name}", local)
-        with safe_open(str(local), framework="pt") as f:
-            missing = sorted(set(file_names) - set(f.keys()))
-            if missing:
-                raise MoerlError(
-                    f"{run.url(f'{prefix}/{file_name}')}: lacks {missing[0]} ({len(missing)} tensors in all) that "
-                    f"{OPTIMIZER_INDEX} puts there; the optimizer state is corrupted — start a new run from "
-                    f"{checkpoint.version_name(version)}"
-                )
-            for name in file_names:
-                tensors[name] = f.get_tensor(name)
-        local.unlink()
-    return tensors
-
-
-def restore_optimizer_state(
-    run: Store,
-    version: int,
-    model: MoeForCausalLM,
-    optimizer: AnyOptimizer,
-    state: dict[str, torch.Tensor],
-    dtype: torch.dtype,
-) -> None:
-    """AdamW state and fp32 masters of v(version) into this rank's model and optimizer; the masters are
-    required when that version's weights are published narrower than fp32 (`dtype`)."""
-    try:
-        load_optimizer_state(model, optimizer, state, needs_master=dtype != torch.float32)
-    except MoerlError as err:
-        raise MoerlError(f"{run.url(optimizer_prefix(version))}: {err}") from None
 
 
 def previous_expert_rows(run: Store, iteration: int, num_layers: int, num_experts: int) -> list[list[int]]:
@@ -341,8 +253,8 @@ def write_shards(
     opt_state = {n: t for n, t in opt_state.items() if mine(n.rsplit(".", 1)[0])}
     prefix = candidate_prefix(iteration)
     for kind, file_name, tensors in (
-        ("weights", model_shard_name(mesh.ep_rank, mesh.ep_size), weights),
-        ("optimizer", optimizer_shard_name(mesh.ep_rank, mesh.ep_size), opt_state),
+        ("weights", candidate.model_shard_name(mesh.ep_rank, mesh.ep_size), weights),
+        ("optimizer", candidate.optimizer_shard_name(mesh.ep_rank, mesh.ep_size), opt_state),
     ):
         local = workdir / file_name
         _save(tensors, local)
@@ -389,22 +301,9 @@ def write_candidate_metadata(
             put(name, (parent_dir / name).read_bytes())
     if GENERATION_CONFIG_NAME not in files:
         put_text(GENERATION_CONFIG_NAME, json.dumps({"_from_model_config": True}, indent=2) + "\n")
-    index = {
-        "metadata": {"iteration": iteration, "parent": iteration - 1, **info},
-        "weight_map": dict(sorted(weight_map.items())),
-        "optimizer_map": dict(sorted(optimizer_map.items())),
-    }
-    put_text(CANDIDATE_INDEX, json.dumps(index, indent=2) + "\n")
+    put_text(candidate.CANDIDATE_INDEX, candidate.index_text(iteration, info, weight_map, optimizer_map))
     run.put_json(update_metrics_key(iteration), {"update": metrics, "iteration": iteration})
-    marker = {
-        "iteration": iteration,
-        "parent": iteration - 1,
-        **info,
-        "files": dict(sorted(files.items())),
-        "created_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-    }
-    run.put_json(f"{prefix}/{MARKER}", marker)
-    return marker
+    return candidate.write_marker(run, iteration, info, files)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -468,9 +367,9 @@ def _update(
     cfg = load_run_config(run)
     parent = iteration - 1
     if checkpoint.read_manifest(run, iteration) is not None:
-        _say(rank, f"{checkpoint.version_name(iteration)} is already published; nothing to do")
+        _say(rank, f"{version_name(iteration)} is already published; nothing to do")
         return None
-    marker = read_marker(run, iteration)
+    marker = candidate.read_marker(run, iteration)
     if marker is not None and not force:
         _say(rank, f"candidate of iteration {iteration} is complete; nothing to do (--force retrains it)")
         return None

@@ -13,10 +13,11 @@ import pyarrow.parquet as pq
 import torch
 from model_helpers import randomize_
 
-from pipelines.config import validate_config
 from steps.char_tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, save_tokenizer
+from steps.hf_checkpoint import save_pretrained
 from steps.import_sft import import_sft
-from steps.model import MoeConfig, MoeForCausalLM, save_pretrained
+from steps.model import MoeConfig, MoeForCausalLM
+from steps.run_config import validate_config
 from steps.store import Store
 
 REPO = Path(__file__).resolve().parents[1]

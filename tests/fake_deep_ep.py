@@ -1,6 +1,6 @@
 """A stand-in for `deep_ep` (DeepEP 2.1.0 at images/versions.env's DEEPEP_COMMIT) that runs on CPU over gloo.
 
-It holds what our wrapper (steps/expert_parallel.py DeepEPDispatch) must get right, as read in DeepEP's
+It holds what our wrapper (steps/expert_parallel/deepep.py DeepEPDispatch) must get right, as read in DeepEP's
 deep_ep/buffers/elastic.py and deep_ep/utils/envs.py at that commit:
 
   signatures   ElasticBuffer(group, num_bytes=None, num_cpu_bytes=0, num_max_tokens_per_rank=0, hidden=0,

@@ -21,12 +21,12 @@ from typing import Any
 
 import pyarrow.parquet as pq
 
-from pipelines.config import RunConfig, validate_config
 from pipelines.local import RunResult, run_workflow
 from pipelines.workflow import workflow
-from pipelines.workflow.pytorchjob import torchrun_args
-from steps import checkpoint
-from steps.experience import chunk_key, metrics_key, rollout_prefix, scored_key
+from pipelines.workflow.commands import torchrun_args
+from steps import checkpoint, run_store
+from steps.run_config import RunConfig, validate_config
+from steps.run_store import chunk_key, metrics_key, rollout_prefix, scored_key
 from steps.store import RESERVED_PREFIX, SIDECAR_PREFIX, Store
 
 REPO = Path(__file__).resolve().parents[1]
@@ -189,7 +189,7 @@ class ReferenceRun:
             keys = src.list(prefix) if prefix.endswith("/") else [prefix]
             for key in keys:
                 dst.put_bytes(key, src.get_bytes(key))
-        dst.put_bytes(checkpoint.LATEST, b"v000000\n")  # as import-sft left it
+        dst.put_bytes(run_store.LATEST, b"v000000\n")  # as import-sft left it
         return dst
 
 
@@ -226,7 +226,7 @@ def run_local(cfg: RunConfig, work_dir: Path, chaos: str | None = None) -> RunRe
 
 def manifest_files(run: Store, version: int) -> dict[str, dict]:
     manifest = checkpoint.read_manifest(run, version)
-    assert manifest is not None, f"{run.url(checkpoint.version_prefix(version))}: not published"
+    assert manifest is not None, f"{run.url(run_store.version_prefix(version))}: not published"
     return manifest.files
 
 
@@ -239,13 +239,13 @@ def assert_nothing_half_published(run: Store) -> None:
     a published version; a version without MANIFEST is never named by LATEST."""
     latest, versions = published(run)
     for version in versions:
-        prefix = checkpoint.version_prefix(version)
+        prefix = run_store.version_prefix(version)
         for name, meta in manifest_files(run, version).items():
             key = f"{prefix}/{name}"
             assert run.exists(key), f"{run.url(key)}: listed in the manifest but missing"
             assert (run.size(key), run.sha256(key)) == (meta["size"], meta["sha256"]), f"{run.url(key)} differs"
     if latest is not None:
-        assert checkpoint.parse_version(latest) in versions, f"LATEST names unpublished {latest}"
+        assert run_store.parse_version(latest) in versions, f"LATEST names unpublished {latest}"
 
 
 def assert_store_objects_intact(run: Store, prefix: str = "") -> None:
@@ -277,7 +277,9 @@ def assert_same_result(run: Store, reference: Store) -> None:
     experience and scores, each sample exactly once, nothing half published."""
     assert published(run) == published(reference)
     for version in checkpoint.published_versions(reference):
-        assert manifest_files(run, version) == manifest_files(reference, version), f"v{version:06d} differs"
+        ours, theirs = manifest_files(run, version), manifest_files(reference, version)
+        differing = sorted(name for name in ours.keys() | theirs.keys() if ours.get(name) != theirs.get(name))
+        assert not differing, f"v{version:06d} differs in {differing}: {run.url('')} against {reference.url('')}"
     assert chunk_bytes(run) == chunk_bytes(reference)
     assert run.get_bytes(scored_key(ITERATION)) == reference.get_bytes(scored_key(ITERATION))
     assert metrics_without_timing(run) == metrics_without_timing(reference)

@@ -31,7 +31,8 @@ from test_update_experience import experience_table, write_experience
 import pipelines.cli
 from steps import checkpoint, import_sft, publish, rollout, score, update
 from steps.errors import run_cli
-from steps.experience import chunk_key, read_table, scored_key, table_bytes
+from steps.experience import read_table, table_bytes
+from steps.run_store import chunk_key, scored_key
 from steps.store import Store
 
 # --- running a command -----------------------------------------------------------------------------------

@@ -180,7 +180,7 @@ def test_trl_reward_is_moerls_verifier_reward(cfg):
     ]
     got = reward(prompts=[""] * 4, completions=[""] * 4, completion_ids=completions, task=[task] * 4, answer=answers,
                  prompt_id=["p"] * 4, trainer_state=None)  # fmt: skip
-    weights = RewardWeights(cfg.rewards.exact_match_weight, cfg.rewards.format_weight)
+    weights = RewardWeights.from_config(cfg.rewards)
     assert got == pytest.approx(list(combine([True, False, False, True], [True, True, False, True], None, weights)))
     assert got[0] == pytest.approx(1.1) and got[1] == pytest.approx(0.1) and got[2] == 0.0
 

@@ -12,9 +12,10 @@ from experience_helpers import make_run, tiny_model, write_checkpoint
 
 from pipelines.cli import main
 from steps.bpe_tokenizer import train_chat_tokenizer
-from steps.engine import FINISH_STOP, Generation
-from steps.experience import RolloutPlan, chunk_table, load_run_config, metrics_key, version_tokenizer, write_chunk
+from steps.experience import RolloutPlan, chunk_table, load_run_config, version_tokenizer, write_chunk
+from steps.generation import FINISH_STOP, Generation
 from steps.model import MoeConfig
+from steps.run_store import metrics_key
 from steps.score import score_iteration
 from steps.store import Store
 
@@ -105,7 +106,7 @@ def test_prompt_file_chat_run_scores_with_the_verifier_and_the_reward_function(t
 
     vocab = CheckpointTokenizer.load(ckpt).vocab_size
     write_checkpoint_bpe = tiny_model(vocab_size=vocab, bos_token_id=None, eos_token_id=2, pad_token_id=0)
-    from steps.model import save_pretrained
+    from steps.hf_checkpoint import save_pretrained
 
     save_pretrained(write_checkpoint_bpe, ckpt)
     prompts = tmp_path / "gsm.jsonl"

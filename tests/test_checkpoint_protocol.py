@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from steps import checkpoint
+from steps import checkpoint, run_store
 from steps.errors import MoerlError
 from steps.store import Store
 
@@ -102,10 +102,10 @@ def test_retention_keeps_last_k_and_the_reference(run, tmp_path):
 
 
 def test_bad_version_names():
-    assert checkpoint.parse_version("v000012") == 12
+    assert run_store.parse_version("v000012") == 12
     for bad in ["12", "v12", "x000012", "v00001a"]:
         with pytest.raises(MoerlError, match="bad checkpoint version name"):
-            checkpoint.parse_version(bad)
+            run_store.parse_version(bad)
 
 
 def test_one_file_of_a_version_is_read_verified(run, tmp_path):

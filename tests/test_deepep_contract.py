@@ -1,5 +1,5 @@
-"""Our DeepEP wrapper (steps/expert_parallel.py DeepEPDispatch) against a fake deep_ep that holds the real
-ElasticBuffer's signatures and argument rules (tests/fake_deep_ep.py): forward dispatch/combine and the
+"""Our DeepEP wrapper (steps/expert_parallel/deepep.py DeepEPDispatch) against a fake deep_ep that holds the
+real ElasticBuffer's signatures and argument rules (tests/fake_deep_ep.py): forward dispatch/combine and the
 backward's cached dispatch and combine, on two gloo ranks that the fake places on two nodes (RDMA between
 them, as over EFA), matching one process running every expert to bf16 precision."""
 
@@ -17,14 +17,9 @@ from safetensors.torch import load_file, save_file
 from test_expert_parallel import EXPERTS, HIDDEN, TOKENS, TOP_K, inputs, make_block, reference, run_gloo, token_split
 
 from steps.errors import MoerlError
-from steps.expert_parallel import (
-    DeepEPDispatch,
-    Mesh,
-    build_mesh,
-    deepep_bandwidths,
-    ep_group_within_node,
-    sync_gradients,
-)
+from steps.expert_parallel.deepep import DeepEPDispatch, deepep_bandwidths
+from steps.expert_parallel.dispatch import ep_group_within_node
+from steps.expert_parallel.mesh import Mesh, build_mesh, sync_gradients
 
 
 @pytest.fixture

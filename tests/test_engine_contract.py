@@ -13,17 +13,10 @@ from experience_helpers import tiny_model, write_checkpoint
 from model_helpers import response_logits, response_logprobs
 
 from steps.char_tokenizer import EOS_ID, build_tokenizer, encode_prompt
-from steps.engine import (
-    FINISH_LENGTH,
-    FINISH_STOP,
-    SamplingParams,
-    SGLangSettings,
-    TorchEngine,
-    sample_requests,
-    sample_seed,
-)
-from steps.model import load_pretrained
-from steps.sglang_engine import sglang_unavailable_reason
+from steps.engine import TorchEngine
+from steps.generation import FINISH_LENGTH, FINISH_STOP, SamplingParams, sample_requests, sample_seed
+from steps.hf_checkpoint import load_pretrained
+from steps.sglang_engine import SGLangSettings, sglang_unavailable_reason
 from steps.tasks import get_task
 
 TOK = build_tokenizer()

@@ -9,11 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from steps.engine import FINISH_LENGTH, FINISH_STOP, GenerationRequest, SamplingParams, SGLangSettings
 from steps.errors import MoerlError
+from steps.generation import FINISH_LENGTH, FINISH_STOP, GenerationRequest, SamplingParams
 from steps.sglang_engine import (
     SGLANG_SEED_MODULUS,
     SGLangEngine,
+    SGLangSettings,
     checkpoint_dtype,
     generation_from_output,
     sampling_params_for,
@@ -84,7 +85,8 @@ ROLLOUT_WITH_SGLANG = """
 import sys
 sys.path.insert(0, sys.argv[1])
 import steps.sglang_engine as se
-from steps.engine import GenerationRequest, SamplingParams, SGLangSettings
+from steps.generation import GenerationRequest, SamplingParams
+from steps.sglang_engine import SGLangSettings
 from steps.rollout import EXIT_PREEMPTED, Preempted, Preemption
 se.sglang_unavailable_reason = lambda: None  # the fake needs no GPU
 preemption = Preemption()

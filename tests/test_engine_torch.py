@@ -12,22 +12,18 @@ from model_helpers import response_logits, response_logprobs
 from transformers import AutoModelForCausalLM
 
 from steps.char_tokenizer import EOS_ID, build_tokenizer, encode, encode_prompt
-from steps.engine import (
+from steps.engine import TorchEngine, compute_dtype, evaluate_accuracy, sample_next, sample_uniforms
+from steps.generation import (
     FINISH_LENGTH,
     FINISH_STOP,
     Generation,
     GenerationInterrupted,
     GenerationRequest,
     SamplingParams,
-    TorchEngine,
-    compute_dtype,
-    evaluate_accuracy,
-    sample_next,
     sample_requests,
     sample_seed,
-    sample_uniforms,
 )
-from steps.model import load_state_dict_from_dir
+from steps.hf_checkpoint import load_state_dict_from_dir
 from steps.sft import char_checkpoint_tokenizer
 from steps.tasks import get_task
 

@@ -6,26 +6,23 @@ import dataclasses
 import pyarrow as pa
 import pytest
 
-from pipelines.config import validate_config
 from steps.char_tokenizer import EOS_ID
-from steps.engine import Generation
 from steps.errors import MoerlError
 from steps.experience import (
     CANONICAL_ORDER,
     ROLLOUT_SCHEMA,
     RolloutPlan,
-    behaviour_version,
-    chunk_key,
     chunk_problem,
     chunk_table,
     heldout_prompts,
     iteration_prompts,
-    metrics_key,
     read_rollout,
-    scored_key,
     write_chunk,
 )
+from steps.generation import Generation
 from steps.prompt_data import format_prompt_jsonl
+from steps.run_config import validate_config
+from steps.run_store import behaviour_version, chunk_key, metrics_key, scored_key
 from steps.store import Store
 from steps.tasks import get_task
 

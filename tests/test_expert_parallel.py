@@ -16,14 +16,14 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from steps.errors import MoerlError
-from steps.expert_parallel import (
-    AllToAllDispatch,
+from steps.expert_parallel.alltoall import AllToAllDispatch
+from steps.expert_parallel.deepep import import_deep_ep
+from steps.expert_parallel.dispatch import make_dispatch
+from steps.expert_parallel.mesh import (
     Mesh,
     build_mesh,
     clip_grad_norm,
     global_grad_norm,
-    import_deep_ep,
-    make_dispatch,
     resolve_ep_size,
     sync_gradients,
 )
@@ -44,7 +44,7 @@ def free_port() -> int:
 def _context() -> mp.context.BaseContext:
     """Forkserver: torch is imported once by the server, and children never inherit OpenMP threads."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "steps.expert_parallel", "steps.model"])
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "steps.expert_parallel.dispatch", "steps.model"])
     return ctx
 
 

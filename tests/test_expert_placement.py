@@ -29,20 +29,17 @@ from test_update_experience import (
 )
 
 from steps import checkpoint
-from steps.engine import GenerationRequest, SamplingParams, TorchEngine
-from steps.expert_parallel import ExpertPlacement, balanced_placement, is_expert_param
-from steps.model import MoeConfig, MoeForCausalLM, expected_tensor_shapes, load_pretrained
+from steps.candidate import CANDIDATE_INDEX, MARKER, model_shard_name, optimizer_shard_name
+from steps.engine import TorchEngine
+from steps.expert_parallel.mesh import is_expert_param
+from steps.expert_parallel.placement import ExpertPlacement, balanced_placement
+from steps.generation import GenerationRequest, SamplingParams
+from steps.hf_checkpoint import expected_tensor_shapes, load_pretrained
+from steps.model import MoeConfig, MoeForCausalLM
 from steps.publish import publish
+from steps.run_store import candidate_prefix, update_metrics_key
 from steps.store import Store
-from steps.update import (
-    CANDIDATE_INDEX,
-    MARKER,
-    candidate_prefix,
-    choose_placement,
-    model_shard_name,
-    optimizer_shard_name,
-    update_metrics_key,
-)
+from steps.update import choose_placement
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

@@ -24,7 +24,8 @@ from faults_helpers import (
 )
 
 from steps import checkpoint
-from steps.update import MARKER, candidate_prefix, optimizer_prefix
+from steps.candidate import MARKER
+from steps.run_store import candidate_prefix, optimizer_prefix
 
 pytestmark = pytest.mark.faults
 

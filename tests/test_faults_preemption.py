@@ -27,8 +27,8 @@ from faults_helpers import (
 )
 
 from pipelines.local.chaos import NODE_SHUTDOWN, POD_DELETED
-from steps.experience import metrics_key, scored_key
 from steps.rollout import EXIT_PREEMPTED
+from steps.run_store import metrics_key, scored_key
 from steps.store import Store
 
 pytestmark = pytest.mark.faults

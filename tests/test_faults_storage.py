@@ -30,7 +30,7 @@ from faults_helpers import (
 
 from steps import checkpoint
 from steps.errors import MoerlError
-from steps.experience import experience_prefix
+from steps.run_store import experience_prefix
 from steps.store import Store
 
 pytestmark = pytest.mark.faults

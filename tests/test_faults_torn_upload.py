@@ -14,9 +14,9 @@ import pytest
 from faults_helpers import assert_nothing_half_published, published
 from s3_fault_proxy import Fault
 
-from pipelines.config import validate_config
 from steps import checkpoint, import_sft
 from steps.errors import MoerlError, run_cli
+from steps.run_config import validate_config
 from steps.store import Store
 
 pytestmark = pytest.mark.faults

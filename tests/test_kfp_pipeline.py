@@ -8,10 +8,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipelines.config import load_config, validate_config
+from pipelines.config import load_config
 from pipelines.kfp_pipeline import compile_pipeline, seconds
 from pipelines.workflow import graph
-from pipelines.workflow.pytorchjob import job_outcome
+from steps.pytorchjob_launcher import job_outcome
+from steps.run_config import validate_config
 
 REPO = Path(__file__).resolve().parents[1]
 BASE = {"sft_checkpoint": "file:///tmp/sft", "run_store": "file:///tmp/run"}
@@ -105,7 +106,7 @@ def test_eks_placement_and_retries_come_through(tmp_path):
     # 16 nodes: the update slot is a launcher that creates the PyTorchJob and waits for it.
     update_args = executor_args(spec, tasks["update-slot-1"])
     assert update_args[update_args.index("--") + 1 : update_args.index("--") + 4] == [
-        "python", "-m", "pipelines.workflow.pytorchjob"]  # fmt: skip
+        "python", "-m", "steps.pytorchjob_launcher"]  # fmt: skip
     manifest = update_args[update_args.index("--manifest-json") + 1]
     assert '"kind": "PyTorchJob"' in manifest and '"replicas": 15' in manifest
 

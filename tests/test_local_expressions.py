@@ -1,5 +1,5 @@
 """Argo's expression languages as the local executor evaluates them: expr-lang (`{{= }}`, depends,
-retryStrategy.expression), `{{ }}` substitution, govaluate `when` conditions, durations."""
+retryStrategy.expression), `{{ }}` substitution, govaluate `when` conditions, durations in messages."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ from pipelines.local.expressions import (
     evaluate_when,
     expand,
     humanize_duration,
-    parse_duration,
     substitute,
     substitute_text,
 )
@@ -212,19 +211,6 @@ def outcome(phase: str, children: list[str] | None = None) -> dict:
 def test_depends_logic(depends, results, runs):
     _, logic = task_dependencies({"name": "X", "depends": depends}, TASKS)
     assert evaluate_depends(logic, results) is runs
-
-
-@pytest.mark.parametrize(
-    ("text", "seconds"),
-    [("10", 10.0), (10, 10.0), ("1m", 60.0), ("1h30m", 5400.0), ("2.5s", 2.5), ("300ms", 0.3), ("0", 0.0)],
-)
-def test_argo_duration_strings(text, seconds):
-    assert parse_duration(text) == pytest.approx(seconds)
-
-
-def test_a_bad_duration_names_the_forms_that_work():
-    with pytest.raises(ValueError, match="unable to parse 1 minute as a duration"):
-        parse_duration("1 minute")
 
 
 def test_durations_read_as_argo_writes_them():

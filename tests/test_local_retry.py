@@ -12,7 +12,7 @@ import pytest
 from pipelines.local import run_workflow
 from pipelines.local.calls import Opts
 from pipelines.local.chaos import NODE_SHUTDOWN, POD_DELETED
-from pipelines.local.executor import Controller, backoff_seconds, is_transient, retry_scope
+from pipelines.local.executor import Controller, is_transient, retry_scope
 from pipelines.local.expressions import expand
 from pipelines.local.exprlang import evaluate_bool
 from pipelines.local.manifest import load_workflow
@@ -143,12 +143,6 @@ def test_transient_errors_are_recognised_by_argos_patterns(monkeypatch: pytest.M
     assert not is_transient(POD_DELETED)
     monkeypatch.setenv("TRANSIENT_ERROR_PATTERN", "pod deleted|imminent node shutdown")
     assert is_transient(POD_DELETED) and is_transient(NODE_SHUTDOWN)
-
-
-def test_backoff_grows_by_factor_up_to_the_cap():
-    backoff = {"duration": "1", "factor": "2", "cap": "5"}
-    assert [backoff_seconds(backoff, n) for n in range(1, 7)] == [1, 2, 4, 5, 5, 5]
-    assert backoff_seconds({"duration": "30s"}, 4) == 30
 
 
 def retry_controller(tmp_path: Path, backoff: dict, started_ago: float, finished_ago: float) -> tuple:

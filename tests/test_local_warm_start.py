@@ -15,7 +15,8 @@ import pytest
 
 from pipelines.local import run_workflow
 from pipelines.local.pods import warm_start_candidates
-from pipelines.local.warm import PER_POD_ENV, PRELOAD, WarmStarter, python_program
+from pipelines.local.warm import LIBRARIES, PER_POD_ENV, WarmStarter, python_program
+from pipelines.workflow.commands import warm_preload
 from steps.store import Store
 
 REPO = Path(__file__).resolve().parents[1]
@@ -23,6 +24,7 @@ PY = sys.executable
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
 # Light preloads keep these tests fast; the demo's own preload is checked by the import scan below.
 LIGHT = ("json", "numpy", "torch")
+DEMO_PRELOAD = (*LIBRARIES, *warm_preload())
 
 
 def workflow(templates: list[dict], steps: list[list[str]]) -> dict:
@@ -197,7 +199,7 @@ def test_a_warm_pod_past_its_deadline_is_killed_with_its_process_group(tmp_path)
 
 
 def test_preloaded_modules_read_no_per_pod_variable_at_import():
-    """The warm server imports PRELOAD once with its own HOME and no sandbox; a pod's values of PER_POD_ENV must
+    """The warm server imports DEMO_PRELOAD once with its own HOME and no sandbox; a pod's values of PER_POD_ENV must
     not have been captured by those imports, or a warm pod would see the server's."""
     scan = """
 import os, sys, importlib
@@ -217,15 +219,10 @@ for module_name, module in list(sys.modules.items()):
 print(hits)
 """
     env = {**os.environ, **{name: "/zz-per-pod-probe" for name in PER_POD_ENV if "THREADS" not in name}}
-    out = subprocess.run([PY, "-c", scan, *PRELOAD], env=env, cwd=REPO, capture_output=True, text=True, check=True)
+    out = subprocess.run([PY, "-c", scan, *DEMO_PRELOAD], env=env, cwd=REPO, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout
 
 
-@pytest.mark.xfail(
-    reason="open defect: in a whole-suite run on an unloaded machine v000001 of the cold run differed from the warm "
-    "run's (CI runs of 2026-12-01 at fc42960 and 772f213; passes alone and under load); see the session note",
-    strict=False,
-)
 def test_the_tiny_run_started_warm_and_cold_leaves_the_same_bytes(fault_free_run, tmp_path, monkeypatch):
     """Every step of the tiny run (import-sft, rollout shards, score, torchrun update, publish, report) forked
     from one warm Python, and every step a new interpreter: bit-identical checkpoints, experience and scores."""
@@ -238,7 +235,7 @@ def test_the_tiny_run_started_warm_and_cold_leaves_the_same_bytes(fault_free_run
     for mode in ("warm", "cold"):
         run_dir = tmp_path / f"run-{mode}"
         cfg = fault_free_run.config_for(run_dir.as_uri())
-        starter = WarmStarter(wait_for_server=True) if mode == "warm" else False
+        starter = WarmStarter(DEMO_PRELOAD, wait_for_server=True) if mode == "warm" else False
         result = run_workflow(
             build_workflow(cfg).to_dict(), workdir=tmp_path / f"work-{mode}", view=None, warm_start=starter
         )
@@ -334,6 +331,7 @@ def test_moerl_run_starts_the_step_pods_server_before_it_renders_and_closes_it_w
     import yaml
 
     import pipelines.demo as demo
+    import pipelines.local.run
     import pipelines.render
     from pipelines.config import load_config
     from steps.errors import MoerlError
@@ -342,7 +340,7 @@ def test_moerl_run_starts_the_step_pods_server_before_it_renders_and_closes_it_w
     seen: dict = {}
 
     class Recording(WarmStarter):
-        def __init__(self):
+        def __init__(self, preload: tuple[str, ...]):
             super().__init__(LIGHT)
             seen["starter"] = self
 
@@ -352,8 +350,8 @@ def test_moerl_run_starts_the_step_pods_server_before_it_renders_and_closes_it_w
         raise MoerlError("stopped after rendering")
 
     real_render = pipelines.render.render
-    monkeypatch.setattr(demo, "WarmStarter", Recording)
-    monkeypatch.setattr(demo, "warm_starts_enabled", lambda: True)
+    monkeypatch.setattr(pipelines.local.run, "WarmStarter", Recording)
+    monkeypatch.setattr(pipelines.local.run, "warm_starts_enabled", lambda: True)
     monkeypatch.setattr(pipelines.render, "render", render)
     cfg = load_config(demo.DEMO_CONFIG, {"sft_checkpoint": str(tmp_path / "sft"), "run_store": str(tmp_path / "run")})
     # run_config gives its pods the path of the status file; the same path before and after, so that the

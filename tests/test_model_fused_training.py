@@ -7,18 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from steps.model import (
-    MoeConfig,
-    MoeForCausalLM,
-    _QKVHeads,
-    _TokenLogprobs,
-    attention_mask_for,
-    expected_tensor_shapes,
-    grouped_attention,
-    rms_norm,
-    rotary_cos_sin,
-    token_logprobs,
-)
+from steps.hf_checkpoint import expected_tensor_shapes
+from steps.kernels import QKVHeads, TokenLogprobs, grouped_attention, rms_norm, token_logprobs
+from steps.model import MoeConfig, MoeForCausalLM, attention_mask_for, rotary_cos_sin
 
 
 def tiny_config(attention_bias: bool) -> MoeConfig:
@@ -185,7 +176,7 @@ def test_qk_norm_rotary_gradcheck_float64() -> None:
     cos, sin = rotary_cos_sin(positions, dim, 10000.0, torch.float64)
 
     def heads_of(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return _QKVHeads.apply(qkv, q_weight, k_weight, cos, sin, heads, kv_heads, 1e-6)
+        return QKVHeads.apply(qkv, q_weight, k_weight, cos, sin, heads, kv_heads, 1e-6)
 
     assert torch.autograd.gradcheck(heads_of, (qkv, q_weight, k_weight))
     # and the forward is rms_norm then rotate_half RoPE, per head
@@ -213,7 +204,7 @@ def test_grouped_attention_and_token_logprobs_gradcheck_float64() -> None:
     logits = torch.randn(3, 4, 7, dtype=torch.float64, requires_grad=True)
     targets = torch.randint(0, 7, (3, 4))
     # token_logprobs casts to float32: check its Function in float64, and token_logprobs against the formula
-    assert torch.autograd.gradcheck(lambda logits: _TokenLogprobs.apply(logits, targets.unsqueeze(-1)), (logits,))
+    assert torch.autograd.gradcheck(lambda logits: TokenLogprobs.apply(logits, targets.unsqueeze(-1)), (logits,))
     torch.testing.assert_close(token_logprobs(logits, targets), reference_token_logprobs(logits.float(), targets))
 
 

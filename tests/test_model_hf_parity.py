@@ -14,19 +14,17 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from steps.errors import MoerlError
-from steps.expert_parallel import ExpertPlacement
-from steps.model import (
-    MoeConfig,
-    MoeForCausalLM,
+from steps.expert_parallel.placement import ExpertPlacement
+from steps.hf_checkpoint import (
     check_checkpoint,
     checkpoint_dtype,
-    count_parameters,
     expected_tensor_shapes,
     load_pretrained,
     load_state_dict_from_dir,
     save_pretrained,
-    token_logprobs,
 )
+from steps.kernels import token_logprobs
+from steps.model import MoeConfig, MoeForCausalLM, count_parameters
 from steps.moe import LocalDispatch, MoeBlock
 
 # A: one dense layer via mlp_only_layers, renormalised top-2, untied head.

@@ -10,7 +10,8 @@ import torch
 from test_update_experience import tiny_model
 
 from steps.char_tokenizer import PAD_ID
-from steps.model import MoeForCausalLM, token_logprobs
+from steps.kernels import token_logprobs
+from steps.model import MoeForCausalLM
 
 # (prompt, [responses]): prompts of 2, 5 and 3 tokens; groups of 3, 1 and 2 responses of 1 to 5 tokens
 GROUPS = [

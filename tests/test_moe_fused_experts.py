@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from test_expert_parallel import run_gloo
 
-from steps.expert_parallel import build_mesh, make_dispatch, sync_gradients
+from steps.expert_parallel.dispatch import make_dispatch
+from steps.expert_parallel.mesh import build_mesh, sync_gradients
 from steps.moe import Expert, MoeBlock, run_experts
 
 HIDDEN, INTER, EXPERTS, TOP_K, TOKENS = 16, 12, 4, 2, 24

@@ -12,14 +12,8 @@ import torch
 from test_update_experience import tiny_model
 
 from steps.optim import AdamW
-from steps.trainer import (
-    TrainSettings,
-    completed_steps,
-    load_optimizer_state,
-    new_adamw,
-    optimizer_state_tensors,
-    set_learning_rate,
-)
+from steps.optimizer_state import load_optimizer_state, optimizer_state_tensors
+from steps.trainer import TrainSettings, completed_steps, new_adamw, set_learning_rate
 
 REPO = Path(__file__).resolve().parents[1]
 SETTINGS = TrainSettings(lr=3e-2, warmup_steps=3, weight_decay=0.1, betas=(0.8, 0.95))

@@ -20,12 +20,14 @@ from test_bad_input import assert_refused, step
 from test_update_experience import experience_table, start_ranks, wait_ranks, write_experience
 from transformers import AutoModelForCausalLM
 
-from steps import checkpoint, update
+from steps import candidate, checkpoint, run_store, update
+from steps.candidate import CANDIDATE_INDEX, MARKER
 from steps.errors import MoerlError
-from steps.model import checkpoint_dtype, load_state_dict_from_dir, tensor_index
+from steps.hf_checkpoint import checkpoint_dtype, load_state_dict_from_dir, tensor_index
 from steps.publish import publish
+from steps.run_store import candidate_prefix, optimizer_prefix
 from steps.store import Store
-from steps.update import CANDIDATE_INDEX, MARKER, candidate_prefix, optimizer_prefix, run_update
+from steps.update import run_update
 
 # Two optimizer steps a update, the KL penalty against v000000 on: the reference policy is read from bf16 too.
 TRAINER = {"ep_backend": "alltoall", "micro_batch_size": 4, "lr": 1e-2, "steps_per_epoch": 2, "kl_coef": 0.05}
@@ -154,7 +156,7 @@ def test_a_bf16_run_trains_exactly_the_weights_of_the_run_kept_in_fp32(runs, tmp
 def test_a_killed_update_restarts_from_the_masters_to_the_same_bits(runs):
     assert runs["killed"].returncode == -9, runs["killed"].stderr[-2000:]
     partial = {Path(k).name for k in runs["partial"]}
-    assert partial == {update.model_shard_name(0, 1), update.optimizer_shard_name(0, 1)}  # no marker
+    assert partial == {candidate.model_shard_name(0, 1), candidate.optimizer_shard_name(0, 1)}  # no marker
     assert runs["restarted"] == runs["uninterrupted"]  # every file bit-identical
 
 
@@ -203,9 +205,9 @@ def without_masters(tensors: dict) -> dict:
 def test_an_update_whose_parent_has_no_masters_is_refused(bf16_run, tmp_path, monkeypatch, capsys):
     publish(bf16_run, 1)
     store = Store.open(bf16_run)
-    shard = f"{optimizer_prefix(1)}/{update.optimizer_shard_name(0, 1)}"
+    shard = f"{optimizer_prefix(1)}/{candidate.optimizer_shard_name(0, 1)}"
     rewrite(store, shard, edit_tensors(without_masters), tmp_path / "opt.safetensors")
-    index = f"{optimizer_prefix(1)}/{update.OPTIMIZER_INDEX}"
+    index = f"{optimizer_prefix(1)}/{run_store.OPTIMIZER_INDEX}"
     store.put_json(index, {"weight_map": without_masters(store.get_json(index)["weight_map"])})
     write_experience(bf16_run, 2, experience(2))
     result = step(update, ["--run", bf16_run, "--iteration", "2"], monkeypatch, capsys)
@@ -216,7 +218,7 @@ def test_an_update_whose_parent_has_no_masters_is_refused(bf16_run, tmp_path, mo
 
 def test_publish_refuses_a_candidate_without_its_masters(bf16_run, tmp_path):
     store = Store.open(bf16_run)
-    shard = f"{candidate_prefix(1)}/{update.optimizer_shard_name(0, 1)}"
+    shard = f"{candidate_prefix(1)}/{candidate.optimizer_shard_name(0, 1)}"
     rewrite(store, shard, edit_tensors(without_masters), tmp_path / "opt.safetensors")
 
     def unlisted(index: dict) -> dict:
@@ -231,7 +233,7 @@ def test_publish_refuses_a_candidate_without_its_masters(bf16_run, tmp_path):
 
 def test_publish_refuses_a_candidate_in_another_dtype_than_the_run(bf16_run, tmp_path):
     store = Store.open(bf16_run)
-    shard = f"{candidate_prefix(1)}/{update.model_shard_name(0, 1)}"
+    shard = f"{candidate_prefix(1)}/{candidate.model_shard_name(0, 1)}"
     rewrite(store, shard, edit_tensors(lambda t: {n: v.float() for n, v in t.items()}), tmp_path / "w.safetensors")
     config = f"{candidate_prefix(1)}/config.json"
     rewrite(store, config, edit_json(lambda c: {**c, "dtype": "float32", "torch_dtype": "float32"}), tmp_path / "c")

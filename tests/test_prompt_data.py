@@ -8,7 +8,6 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipelines.config import validate_config
 from steps.errors import MoerlError
 from steps.experience import heldout_prompts, iteration_prompts, training_pool
 from steps.prompt_data import (
@@ -19,6 +18,7 @@ from steps.prompt_data import (
     parse_prompt_jsonl,
     read_prompt_uri,
 )
+from steps.run_config import validate_config
 from steps.verifiers import NumericVerifier
 
 GSM8K = [

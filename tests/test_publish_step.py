@@ -13,12 +13,14 @@ from safetensors.torch import load_file, save_file
 from test_update_experience import experience_table, make_run, write_experience
 
 from steps import checkpoint
+from steps.candidate import MARKER, model_shard_name, optimizer_shard_name
 from steps.errors import MoerlError
-from steps.model import load_pretrained
+from steps.hf_checkpoint import load_pretrained
 from steps.publish import main as publish_main
 from steps.publish import publish
+from steps.run_store import candidate_prefix
 from steps.store import Store
-from steps.update import MARKER, candidate_prefix, model_shard_name, optimizer_shard_name, run_update
+from steps.update import run_update
 
 
 def updated_run(tmp_path: Path, **config) -> tuple[str, Store]:

@@ -10,8 +10,8 @@ import pytest
 import torch
 from experience_helpers import REPO, make_run, run_files, run_step, step_env, tiny_model, write_checkpoint
 
-from steps.experience import chunk_key, rollout_prefix
 from steps.rollout import EXIT_PREEMPTED, rollout_shard
+from steps.run_store import chunk_key, rollout_prefix
 from steps.store import Store
 
 # Many small chunks, so that the signal lands while most are still to do.

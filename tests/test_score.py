@@ -15,7 +15,7 @@ import torch
 from experience_helpers import make_run, read_parquet, run_step, tiny_model, write_checkpoint
 
 from steps.char_tokenizer import EOS_ID, build_tokenizer, encode, encode_prompt
-from steps.engine import FINISH_LENGTH, FINISH_STOP, Generation, TorchEngine, evaluate_accuracy
+from steps.engine import TorchEngine, evaluate_accuracy
 from steps.errors import MoerlError
 from steps.experience import (
     SCORED_SCHEMA,
@@ -23,11 +23,11 @@ from steps.experience import (
     chunk_table,
     heldout_prompts,
     load_run_config,
-    metrics_key,
-    scored_key,
     write_chunk,
 )
+from steps.generation import FINISH_LENGTH, FINISH_STOP, Generation
 from steps.rewards import group_advantages
+from steps.run_store import metrics_key, scored_key
 from steps.score import score_iteration
 from steps.store import Store
 from steps.tokenizer import CheckpointTokenizer

@@ -28,13 +28,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import pipelines.cli
-from pipelines.config import validate_config
 from pipelines.workflow import argo_objects, workflow
 from pipelines.workflow.pytorchjob import manifest as pytorchjob_manifest
-from steps import checkpoint
+from steps import candidate, checkpoint
+from steps.candidate import MARKER
 from steps.errors import MoerlError
+from steps.run_config import validate_config
+from steps.run_store import candidate_prefix
 from steps.store import Store
-from steps.update import MARKER, candidate_prefix
 
 REPO = Path(__file__).resolve().parents[1]
 SOURCE_DIRS = ("steps", "pipelines", "tests", "bench", "images")
@@ -264,13 +265,11 @@ def test_a_manifest_that_names_files_outside_its_version_is_refused(tmp_path):
 
 
 def test_a_candidate_marker_that_names_files_outside_the_candidate_is_refused(tmp_path):
-    from steps.publish import download_candidate
-
     run = Store.open(str(tmp_path / "run"))
     marker = {"iteration": 1, "parent": 0, "files": {"../../evil": {"size": 4, "sha256": "0" * 64}}}
     run.put_json(f"{candidate_prefix(1)}/{MARKER}", marker)
     with pytest.raises(MoerlError, match="store key"):
-        download_candidate(run, 1, marker, tmp_path / "sandbox")
+        candidate.download(run, 1, marker, tmp_path / "sandbox")
     assert not list(tmp_path.rglob("evil"))
 
 

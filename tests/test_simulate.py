@@ -9,15 +9,29 @@ from pathlib import Path
 
 import pytest
 
-from pipelines import simulate as sim
-from pipelines.config import RunConfig, load_config
+from pipelines.config import load_config
+from pipelines.simulate.cli import register
+from pipelines.simulate.measured import iteration_times_from_status, load_step_times, step_times_from_status
+from pipelines.simulate.model import SimResult, Simulation, simulate
+from pipelines.simulate.sizing import (
+    CPU_ASSUMPTIONS,
+    GPU_ASSUMPTIONS,
+    Cluster,
+    Pool,
+    StepModel,
+    cluster_for,
+    derived_step_model,
+    measured_step_model,
+    tokens_per_iteration,
+)
 from steps.errors import MoerlError
+from steps.run_config import RunConfig
 
 REPO = Path(__file__).resolve().parents[1]
 EKS = REPO / "configs" / "eks-p5en.yaml"
 
 # Hand-made step seconds, so that the expected times below follow from the DAG alone.
-STEPS = sim.StepModel(
+STEPS = StepModel(
     plan_s=1.0,
     import_sft_s=2.0,
     rollout_startup_s=10.0,
@@ -29,7 +43,7 @@ STEPS = sim.StepModel(
     next_segment_s=0.0,
     source="test",
 )
-ASSUME = sim.GPU_ASSUMPTIONS.override({"node_replacement_s": 100.0})
+ASSUME = GPU_ASSUMPTIONS.override({"node_replacement_s": 100.0})
 
 
 def eks(**overrides) -> RunConfig:
@@ -38,7 +52,7 @@ def eks(**overrides) -> RunConfig:
 
 def test_sync_iterations_follow_the_critical_path():
     cfg = eks()  # 32 chunks over 32 shards: one chunk a shard
-    result = sim.simulate(cfg, STEPS, sim.cluster_for(cfg, ASSUME), ASSUME, staleness=0)
+    result = simulate(cfg, STEPS, cluster_for(cfg, ASSUME), ASSUME, staleness=0)
     rollout = 10 + 5  # start-up, one chunk
     assert result.iteration_times == pytest.approx([rollout + 3 + 20 + 4] * 10)
     # Per iteration the rollout nodes work 15 of 42 s; the trainer 20 of 42 s.
@@ -51,11 +65,11 @@ def test_sync_iterations_follow_the_critical_path():
 
 def test_async_overlaps_the_next_rollout_with_the_update():
     cfg = eks()
-    result = sim.simulate(cfg, STEPS, sim.cluster_for(cfg, ASSUME), ASSUME, staleness=1)
+    result = simulate(cfg, STEPS, cluster_for(cfg, ASSUME), ASSUME, staleness=1)
     # publish-i = max(publish-(i-1), publish-(i-2) + rollout + score) + update + publish: the trainer bounds it.
     assert result.iteration_times[0] == pytest.approx(42)
     assert result.iteration_times[1:] == pytest.approx([20 + 4] * 9)
-    sync = sim.simulate(cfg, STEPS, sim.cluster_for(cfg, ASSUME), ASSUME, staleness=0)
+    sync = simulate(cfg, STEPS, cluster_for(cfg, ASSUME), ASSUME, staleness=0)
     assert result.usage["trainer"].idle_share < sync.usage["trainer"].idle_share
 
 
@@ -70,15 +84,15 @@ def test_async_overlaps_the_next_rollout_with_the_update():
     ],
 )
 def test_async_period_when_rollout_is_the_longer_side(chunk_s, score_s, period):
-    steps = sim.StepModel(**{**vars(STEPS), "rollout_chunk_s": chunk_s, "score_s": score_s})
+    steps = StepModel(**{**vars(STEPS), "rollout_chunk_s": chunk_s, "score_s": score_s})
     cfg = eks()
-    result = sim.simulate(cfg, steps, sim.cluster_for(cfg, ASSUME), ASSUME, staleness=1)
+    result = simulate(cfg, steps, cluster_for(cfg, ASSUME), ASSUME, staleness=1)
     assert sum(result.iteration_times[-2:]) / 2 == pytest.approx(period)  # it may alternate: two in flight
 
 
 def test_each_segment_adds_its_report_and_the_next_plan():
     cfg = eks(segment_size=5)
-    result = sim.simulate(cfg, STEPS, sim.cluster_for(cfg, ASSUME), ASSUME, staleness=0)
+    result = simulate(cfg, STEPS, cluster_for(cfg, ASSUME), ASSUME, staleness=0)
     assert result.iteration_times[4] == pytest.approx(42)
     assert result.iteration_times[5] == pytest.approx(1 + 0 + 1 + 42)  # report, hand-over, plan
 
@@ -86,26 +100,26 @@ def test_each_segment_adds_its_report_and_the_next_plan():
 def test_shards_queue_for_rollout_nodes():
     cfg = eks()
     a = ASSUME.override({"rollout_nodes": 16})  # 32 shards on 16 nodes: two waves
-    result = sim.simulate(cfg, STEPS, sim.cluster_for(cfg, a), a, staleness=0)
+    result = simulate(cfg, STEPS, cluster_for(cfg, a), a, staleness=0)
     assert result.iteration_times[0] == pytest.approx(2 * 15 + 3 + 20 + 4)
 
 
-def one_shard_cluster(nodes: int) -> tuple[RunConfig, sim.Cluster]:
+def one_shard_cluster(nodes: int) -> tuple[RunConfig, Cluster]:
     # 16 prompts in chunks of 4: one shard with 4 chunks; the first retry waits 30 s.
     cfg = eks(
         **{"rollout.num_shards": 1, "rollout.chunk_size": 4, "prompts_per_iteration": 16, "iterations": 1},
         **{"retries": {"rollout": {"limit": 3, "backoff": {"duration": "30s", "factor": 2}}}},
     )
-    cluster = sim.Cluster(
-        rollout=sim.Pool("rollout", nodes, 8, spot=True),
-        trainer=sim.Pool("trainer", 1, 8, spot=False),
-        cpu=sim.Pool("cpu", 1, 0, spot=False, slots_per_node=None),
+    cluster = Cluster(
+        rollout=Pool("rollout", nodes, 8, spot=True),
+        trainer=Pool("trainer", 1, 8, spot=False),
+        cpu=Pool("cpu", 1, 0, spot=False, slots_per_node=None),
     )
     return cfg, cluster
 
 
-def interrupted_run(cfg: RunConfig, cluster: sim.Cluster, at: float) -> sim.SimResult:
-    simulation = sim.Simulation(
+def interrupted_run(cfg: RunConfig, cluster: Cluster, at: float) -> SimResult:
+    simulation = Simulation(
         cfg, STEPS, cluster, ASSUME, staleness=0, iterations=1, interruptions_per_hour=0.0, seed=0
     )
     node = simulation.nodes["rollout"][0]
@@ -113,7 +127,7 @@ def interrupted_run(cfg: RunConfig, cluster: sim.Cluster, at: float) -> sim.SimR
     return simulation.run()
 
 
-def rollout_end(result: sim.SimResult) -> float:
+def rollout_end(result: SimResult) -> float:
     return max(s.end for s in result.segments if s.step == "rollout")
 
 
@@ -155,10 +169,10 @@ def test_a_shard_out_of_retries_is_counted():
 
 def test_spot_interruptions_are_deterministic_for_a_seed_and_cost_time():
     cfg = eks(iterations=30, segment_size=30)
-    cluster = sim.cluster_for(cfg, ASSUME)
-    calm = sim.simulate(cfg, STEPS, cluster, ASSUME, staleness=0)
+    cluster = cluster_for(cfg, ASSUME)
+    calm = simulate(cfg, STEPS, cluster, ASSUME, staleness=0)
     runs = [
-        sim.simulate(cfg, STEPS, cluster, ASSUME, staleness=0, interruptions_per_hour=2.0, seed=seed)
+        simulate(cfg, STEPS, cluster, ASSUME, staleness=0, interruptions_per_hour=2.0, seed=seed)
         for seed in (7, 7, 8)
     ]
     assert runs[0].iteration_times == runs[1].iteration_times
@@ -171,9 +185,9 @@ def test_spot_interruptions_are_deterministic_for_a_seed_and_cost_time():
 
 def test_the_local_machine_runs_every_ready_step_at_once():
     cfg = load_config(REPO / "configs" / "demo.yaml", {"iterations": 3, "staleness": 1})
-    cluster = sim.cluster_for(cfg, sim.CPU_ASSUMPTIONS)
+    cluster = cluster_for(cfg, CPU_ASSUMPTIONS)
     assert cluster.local and cluster.rollout.slots_per_node is None
-    result = sim.simulate(cfg, STEPS, cluster, sim.CPU_ASSUMPTIONS)
+    result = simulate(cfg, STEPS, cluster, CPU_ASSUMPTIONS)
     # rollout-1 and rollout-2 both sample v0, and nothing makes rollout-2 wait: 4 shard pods at once.
     first = [s for s in result.segments if s.step == "rollout" and s.phase == "startup"]
     assert sorted(s.iteration for s in first if s.start == first[0].start) == [1, 1, 2, 2]
@@ -181,15 +195,15 @@ def test_the_local_machine_runs_every_ready_step_at_once():
 
 def test_derived_step_times_scale_with_the_config():
     cfg = eks()
-    a = sim.GPU_ASSUMPTIONS
-    base = sim.derived_step_model(cfg, a)
+    a = GPU_ASSUMPTIONS
+    base = derived_step_model(cfg, a)
     tokens = 1024 * 16 * 4096
-    assert sim.tokens_per_iteration(cfg, a) == tokens
+    assert tokens_per_iteration(cfg, a) == tokens
     assert base.rollout_chunk_s == pytest.approx(32 * 16 * 4096 / (a.rollout_tokens_per_gpu_s * 8))
     assert base.update_s == pytest.approx(
         a.pod_start_s + a.trainer_startup_s + tokens / (a.trainer_tokens_per_gpu_s * 128)
     )
-    half = sim.derived_step_model(load_config(EKS, {"trainer.nodes": 8}), a)
+    half = derived_step_model(load_config(EKS, {"trainer.nodes": 8}), a)
     assert half.update_s - a.pod_start_s - a.trainer_startup_s == pytest.approx(
         2 * (base.update_s - a.pod_start_s - a.trainer_startup_s)
     )
@@ -198,9 +212,9 @@ def test_derived_step_times_scale_with_the_config():
 def test_a_measured_rollout_splits_into_start_up_and_chunks():
     # 4 chunks over 2 shards: each shard starts its engine once, then generates 2 chunks.
     cfg = load_config(REPO / "configs" / "demo.yaml", {"prompts_per_iteration": 64, "rollout.chunk_size": 16})
-    model = sim.measured_step_model(cfg, sim.CPU_ASSUMPTIONS, {"rollout": 9.0, "engine_startup": 5.0}, "t")
+    model = measured_step_model(cfg, CPU_ASSUMPTIONS, {"rollout": 9.0, "engine_startup": 5.0}, "t")
     assert (model.rollout_startup_s, model.rollout_chunk_s) == (5.0, 2.0)
-    model = sim.measured_step_model(cfg, sim.CPU_ASSUMPTIONS, {"rollout": 2.0, "update": 7.0}, "t")
+    model = measured_step_model(cfg, CPU_ASSUMPTIONS, {"rollout": 2.0, "update": 7.0}, "t")
     assert model.rollout_startup_s == 2.0 and model.rollout_chunk_s == 0.0  # start-up capped at the figure
     assert model.update_s == 7.0
 
@@ -239,7 +253,7 @@ def fake_status() -> dict:
 
 
 def test_step_times_are_medians_of_succeeded_pods():
-    times = sim.step_times_from_status(fake_status())
+    times = step_times_from_status(fake_status())
     assert times == {
         "plan": 1,
         "import-sft": 2,
@@ -249,16 +263,16 @@ def test_step_times_are_medians_of_succeeded_pods():
         "publish": 2,
         "report": 2,
     }
-    assert sim.iteration_times_from_status({"status": fake_status()}) == [22, 23]  # a whole Workflow object
+    assert iteration_times_from_status({"status": fake_status()}) == [22, 23]  # a whole Workflow object
 
 
 def test_step_times_load_from_a_status_file_or_a_step_times_file(tmp_path):
     status = tmp_path / "status.json"
     status.write_text(json.dumps(fake_status()))
-    assert sim.load_step_times(status)["update"] == 11
+    assert load_step_times(status)["update"] == 11
     plain = tmp_path / "times.json"
     plain.write_text(json.dumps({"rollout": 30, "update": 12.5}))
-    assert sim.load_step_times(plain) == {"rollout": 30.0, "update": 12.5}
+    assert load_step_times(plain) == {"rollout": 30.0, "update": 12.5}
 
 
 @pytest.mark.parametrize(
@@ -274,12 +288,12 @@ def test_bad_step_times_name_the_problem(tmp_path, content, message):
     path = tmp_path / "times.json"
     path.write_text(json.dumps(content))
     with pytest.raises(MoerlError, match=message):
-        sim.load_step_times(path)
+        load_step_times(path)
 
 
 def run_cli(argv: list[str]) -> int:
     parser = argparse.ArgumentParser()
-    sim.register(parser.add_subparsers())
+    register(parser.add_subparsers())
     args = parser.parse_args(["simulate", *argv])
     return args.func(args)
 

@@ -14,10 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from pipelines import simulate as sim
 from pipelines.config import load_config
 from pipelines.local import run_workflow
 from pipelines.sft_demo import sft_demo
+from pipelines.simulate.measured import iteration_times_from_status, step_times_from_status
+from pipelines.simulate.model import simulate
+from pipelines.simulate.sizing import CPU_ASSUMPTIONS, local_cluster, measured_step_model
 from pipelines.workflow import workflow
 from steps.sft import SftSettings
 
@@ -65,13 +67,13 @@ def test_simulated_iteration_time_matches_a_real_demo_run(tmp_path, monkeypatch)
     result = run_workflow(manifest, view=None, workdir=tmp_path / "work", status_out=status)
     assert result.succeeded, f"{result.message}; logs under {result.run_dir}/pods"
 
-    measured = sim.iteration_times_from_status(status)
+    measured = iteration_times_from_status(status)
     assert len(measured) == 1
-    steps = sim.measured_step_model(cfg, sim.CPU_ASSUMPTIONS, sim.step_times_from_status(status), "status.json")
-    simulated = sim.simulate(cfg, steps, sim.local_cluster(cfg), sim.CPU_ASSUMPTIONS)
+    steps = measured_step_model(cfg, CPU_ASSUMPTIONS, step_times_from_status(status), "status.json")
+    simulated = simulate(cfg, steps, local_cluster(cfg), CPU_ASSUMPTIONS)
     mean_measured = sum(measured) / len(measured)
     if mean_measured < 2:  # Argo's timestamps have 1 s resolution: a warm tiny iteration can fit inside one tick
         pytest.skip(f"the measured iteration ({mean_measured:.0f} s) is below the status timestamps' 1 s resolution")
     error = abs(simulated.mean_iteration_s - mean_measured) / mean_measured
     print(f"measured {measured}, simulated {simulated.iteration_times}, error {error:.1%}", file=sys.stderr)
-    assert error <= 0.20, (simulated.iteration_times, measured, sim.step_times_from_status(status))
+    assert error <= 0.20, (simulated.iteration_times, measured, step_times_from_status(status))

@@ -11,9 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from pipelines import simulate as sim
 from pipelines.config import load_config
 from pipelines.local import run_workflow
+from pipelines.simulate.measured import iteration_times_from_status, step_times_from_status
+from pipelines.simulate.model import simulate, simulate_both
+from pipelines.simulate.sizing import CPU_ASSUMPTIONS, local_cluster, measured_step_model
 from pipelines.workflow import workflow
 
 REPO = Path(__file__).resolve().parents[1]
@@ -51,14 +53,14 @@ def test_simulated_iteration_time_matches_the_local_executor(tmp_path, staleness
     result = run_workflow(manifest, view=None, workdir=tmp_path / "work", status_out=tmp_path / "status.json")
     assert result.succeeded, result.message
 
-    fitted = sim.step_times_from_status(tmp_path / "status.json")
+    fitted = step_times_from_status(tmp_path / "status.json")
     for step, seconds in SLEEP.items():
         assert abs(fitted[step] - seconds) <= 1, (step, fitted)
-    measured = sim.iteration_times_from_status(tmp_path / "status.json")
+    measured = iteration_times_from_status(tmp_path / "status.json")
     assert len(measured) == 3
 
-    steps = sim.measured_step_model(cfg, sim.CPU_ASSUMPTIONS, fitted, "status.json")
-    simulated = sim.simulate(cfg, steps, sim.local_cluster(cfg), sim.CPU_ASSUMPTIONS, staleness=staleness)
+    steps = measured_step_model(cfg, CPU_ASSUMPTIONS, fitted, "status.json")
+    simulated = simulate(cfg, steps, local_cluster(cfg), CPU_ASSUMPTIONS, staleness=staleness)
     mean_measured = sum(measured) / len(measured)
     error = abs(simulated.mean_iteration_s - mean_measured) / mean_measured
     assert error <= 0.20, (simulated.iteration_times, measured)
@@ -67,8 +69,8 @@ def test_simulated_iteration_time_matches_the_local_executor(tmp_path, staleness
 def test_the_model_predicts_what_async_buys_on_this_workflow(tmp_path):
     """Before running anything: the known sleeps alone predict the sync and async iteration times."""
     _, cfg = sleeping_workflow(tmp_path, 0)
-    steps = sim.measured_step_model(cfg, sim.CPU_ASSUMPTIONS, {**SLEEP, "plan": 0, "report": 0}, "sleeps")
-    results = sim.simulate_both(cfg, steps, sim.local_cluster(cfg), sim.CPU_ASSUMPTIONS)
+    steps = measured_step_model(cfg, CPU_ASSUMPTIONS, {**SLEEP, "plan": 0, "report": 0}, "sleeps")
+    results = simulate_both(cfg, steps, local_cluster(cfg), CPU_ASSUMPTIONS)
     assert results[0].iteration_times == pytest.approx([5, 5, 5])
     # publish-2 waits for rollout-2 + score-2 (started with rollout-1): max(5, 3) + 2; publish-3 for rollout-3
     # (started at publish-1): 5 + 3 + 2 = 10 after the start.

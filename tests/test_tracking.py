@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipelines.config import validate_config
-from steps import tracking
+from steps import run_store, tracking
 from steps.errors import MoerlError
+from steps.run_config import validate_config
 from steps.store import Store
 from tests.wandb_records import history_rows, records, run_records
 
@@ -101,9 +101,9 @@ def test_tensorboard_event_files_hold_one_point_per_iteration_read_back_by_tenso
         tracking.log_iteration(run, cfg, "update", i, update_metrics(i), log=lambda _: None)
     # A retried score-2, and one that died after writing its event file but before the ledger's record.
     tracking.log_iteration(run, cfg, "score", 2, score_metrics(2), log=lambda _: None)
-    run.delete(tracking.ledger_key("tensorboard", "score", 2))
+    run.delete(run_store.ledger_key("tensorboard", "score", 2))
     tracking.log_iteration(run, cfg, "score", 2, score_metrics(2), log=lambda _: None)
-    assert run.exists(tracking.ledger_key("tensorboard", "score", 2))  # logged again: the file rewritten whole
+    assert run.exists(run_store.ledger_key("tensorboard", "score", 2))  # logged again: the file rewritten whole
 
     found = scalars(tmp_path / "run" / "tensorboard")
     assert found["score/accuracy"] == [(1, pytest.approx(0.1)), (2, pytest.approx(0.2)), (3, pytest.approx(0.3))]
@@ -346,8 +346,8 @@ def test_mlflow_server_gets_points_params_tags_and_artifacts_once(tmp_path, mlfl
     tracking.log_iteration(run, cfg, "score", 2, score_metrics(2), log=print)  # a retry: the ledger skips it
     # A retry of a step that died after the server took its points but before the ledger's record (its
     # pending record is there).
-    run.delete(tracking.ledger_key("mlflow", "update", 2))
-    assert run.exists(tracking.pending_key("mlflow", "update", 2))
+    run.delete(run_store.ledger_key("mlflow", "update", 2))
+    assert run.exists(run_store.pending_key("mlflow", "update", 2))
     tracking.log_iteration(run, cfg, "update", 2, update_metrics(2), log=print)
     report = tmp_path / "report"
     report.mkdir()
@@ -364,7 +364,7 @@ def test_mlflow_server_gets_points_params_tags_and_artifacts_once(tmp_path, mlfl
         del os.environ[tracking.STATUS_FILE_ENV]
 
     client = mlflow_client(mlflow_server.uri)
-    run_id = run.get_json(tracking.MLFLOW_RUN_KEY)["run_id"]
+    run_id = run.get_json(run_store.MLFLOW_RUN_KEY)["run_id"]
     for key in ("score/reward_mean", "score/accuracy", "update/loss", "update/clip_fraction", "update/kl",
                 "update/entropy", "update/is_weight/mean", "update/grad_norm", "update/tokens_per_s",
                 "workflow/update_retries", "workflow/rollout_seconds"):
@@ -399,12 +399,12 @@ def test_mlflow_outage_mid_run_warns_keeps_the_run_going_and_the_report_catches_
     assert any("mlflow missed update points of iteration 2" in line for line in lines), lines
     assert not any(line.startswith("warning: tracking: tensorboard") for line in lines), lines
     assert [s for s, _ in scalars(tmp_path / "run" / "tensorboard")["score/accuracy"]] == [1, 2]
-    assert not run.exists(tracking.ledger_key("mlflow", "score", 2))
+    assert not run.exists(run_store.ledger_key("mlflow", "score", 2))
 
     mlflow_server.start()  # back up, same store: the report logs what it missed
     tracking.log_run_end(run, cfg, tracking.stored_step_metrics(run), "wf", "moerl", log=print)
     client = mlflow_client(mlflow_server.uri)
-    run_id = run.get_json(tracking.MLFLOW_RUN_KEY)["run_id"]
+    run_id = run.get_json(run_store.MLFLOW_RUN_KEY)["run_id"]
     assert history(client, run_id, "score/accuracy") == [1, 2]
     assert history(client, run_id, "update/loss") == [1, 2]
 
@@ -432,8 +432,8 @@ def test_a_tracker_that_never_answers_is_cut_off_by_the_deadline(tmp_path):
         tracking.log_iteration(run, cfg, "update", 4, update_metrics(4), log=lines.append)
     assert any(line.startswith("warning: tracking: mlflow is unavailable") for line in lines), lines
     assert any("mlflow missed update points of iteration 4" in line for line in lines), lines
-    assert not run.exists(tracking.ledger_key("mlflow", "update", 4))
-    assert run.exists(tracking.ledger_key("tensorboard", "update", 4))
+    assert not run.exists(run_store.ledger_key("mlflow", "update", 4))
+    assert run.exists(run_store.ledger_key("tensorboard", "update", 4))
 
 
 # ------------------------------------------------------------------------------------------ W&B
@@ -479,7 +479,7 @@ def test_wandb_offline_run_files_hold_each_steps_points(tmp_path):
 def test_no_tracking_imports_no_tracking_library(tmp_path):
     code = (
         "import sys\n"
-        "from pipelines.config import validate_config\n"
+        "from steps.run_config import validate_config\n"
         "from steps import tracking, score, report\n"
         "from steps.store import Store\n"
         f"cfg = validate_config({{'sft_checkpoint': 'file:///x', 'run_store': '{(tmp_path / 'run').as_uri()}'}})\n"
@@ -583,7 +583,7 @@ def test_local_run_with_kills_logs_every_step_once_to_mlflow_and_tensorboard(tmp
             assert dict(found[key])[i] == pytest.approx(value), (key, i)
 
     client = mlflow_client(mlflow_server.uri)
-    run_id = Store.open(config["run_store"]).get_json(tracking.MLFLOW_RUN_KEY)["run_id"]
+    run_id = Store.open(config["run_store"]).get_json(run_store.MLFLOW_RUN_KEY)["run_id"]
     for key in ("score/accuracy", "update/loss", "update/kl", "workflow/score_retries", "workflow/publish_seconds"):
         assert history(client, run_id, key) == [1, 2], key
     tags = client.get_run(run_id).data.tags

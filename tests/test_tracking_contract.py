@@ -10,9 +10,9 @@ import io
 
 import pytest
 
-from pipelines.config import WandbTracking
 from pipelines.workflow.placement import MLFLOW_SECRET_KEYS
 from steps import tracking
+from steps.run_config import WandbTracking
 
 
 def params(fn) -> list[str]:
@@ -114,7 +114,7 @@ def test_pinned_versions(module):
 def test_every_parameter_and_metric_key_passes_mlflows_name_rules():
     from mlflow.utils.validation import path_not_unique, validate_param_and_metric_name
 
-    from pipelines.config import validate_config
+    from steps.run_config import validate_config
 
     cfg = validate_config({"sft_checkpoint": "file:///x", "run_store": "file:///y",
                            "argo": {"labels": {"team@x": "a", "example.com/owner": "b"}},

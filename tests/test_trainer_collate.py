@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from steps.trainer import Sample, collate
+from steps.experience import Sample
+from steps.trainer import collate
 
 
 def test_collate_lays_out_rows_of_different_lengths():

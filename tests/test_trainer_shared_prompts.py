@@ -14,12 +14,14 @@ from test_update_experience import experience_table, tiny_model
 
 from pipelines.config import load_config
 from steps.errors import MoerlError
-from steps.expert_parallel import ExpertPlacement, Mesh, build_mesh, make_dispatch
+from steps.experience import Sample
+from steps.expert_parallel.dispatch import make_dispatch
+from steps.expert_parallel.mesh import Mesh, build_mesh
+from steps.expert_parallel.placement import ExpertPlacement
 from steps.model import MoeForCausalLM
 from steps.rl_loss import LossSettings
 from steps.trainer import (
     PolicyTrainer,
-    Sample,
     TrainSettings,
     collate_groups,
     plan_group_steps,

@@ -10,12 +10,14 @@ import pytest
 from test_expert_parallel import run_gloo
 from test_update_experience import experience_table, make_run, start_ranks, wait_ranks, write_experience
 
-from pipelines.config import validate_config
 from steps import checkpoint
+from steps.candidate import MARKER
 from steps.errors import MoerlError
-from steps.expert_parallel import Mesh, resolve_ep_size
+from steps.expert_parallel.mesh import Mesh, resolve_ep_size
+from steps.run_config import validate_config
+from steps.run_store import candidate_prefix
 from steps.store import Store
-from steps.update import MARKER, candidate_prefix, fetch_checkpoint
+from steps.update import fetch_checkpoint
 
 BASE = {"sft_checkpoint": "file:///tmp/sft", "run_store": "file:///tmp/run"}
 

@@ -18,14 +18,15 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from pipelines.config import RunConfig
 from steps.char_tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, save_tokenizer
 from steps.errors import MoerlError
-from steps.experience import scored_key
+from steps.experience import read_scored_experience
+from steps.hf_checkpoint import save_pretrained
 from steps.import_sft import import_sft
-from steps.model import MoeConfig, MoeForCausalLM, save_pretrained
+from steps.model import MoeConfig, MoeForCausalLM
+from steps.run_config import RunConfig
+from steps.run_store import scored_key
 from steps.store import Store
-from steps.trainer import read_scored_experience
 
 REPO = Path(__file__).resolve().parents[1]
 

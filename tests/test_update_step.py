@@ -23,19 +23,14 @@ from test_update_experience import (
 )
 
 from steps import checkpoint
+from steps.candidate import CANDIDATE_INDEX, MARKER, model_shard_name
 from steps.errors import MoerlError
-from steps.expert_parallel import is_expert_param
-from steps.model import load_pretrained
+from steps.expert_parallel.mesh import is_expert_param
+from steps.hf_checkpoint import load_pretrained
 from steps.publish import publish
+from steps.run_store import candidate_prefix, update_metrics_key
 from steps.store import Store
-from steps.update import (
-    CANDIDATE_INDEX,
-    MARKER,
-    candidate_prefix,
-    model_shard_name,
-    run_update,
-    update_metrics_key,
-)
+from steps.update import run_update
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

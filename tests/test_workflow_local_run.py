@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from pipelines.config import validate_config
 from pipelines.workflow import workflow
+from steps.run_config import validate_config
 
 local = pytest.importorskip("pipelines.local")
 

@@ -10,11 +10,13 @@ import re
 import pytest
 import yaml
 
-from pipelines.config import load_config, validate_config
+from pipelines.config import load_config
 from pipelines.local.pytorchjob import match_conditions, parse_selector
 from pipelines.workflow import pytorchjob
 from pipelines.workflow.build import workflow
 from pipelines.workflow.templates import UPDATE_CLEAR, UPDATE_JOB
+from steps import pytorchjob_launcher
+from steps.run_config import validate_config
 
 BASE = {"sft_checkpoint": "file:///tmp/sft", "run_store": "file:///tmp/run", "trainer": {"nodes": 3}}
 # k8s.io/apimachinery validation.IsQualifiedName, which labels.Parse applies to every key
@@ -85,14 +87,15 @@ OUTCOMES = {
 def test_the_step_follows_the_jobs_final_state(outcome):
     status, verdict = OUTCOMES[outcome]
     assert argo_verdict(status) is verdict
-    assert pytorchjob.job_outcome({"status": status}) == {True: "Succeeded", False: "Failed", None: None}[verdict]
+    judged = pytorchjob_launcher.job_outcome({"status": status})
+    assert judged == {True: "Succeeded", False: "Failed", None: None}[verdict]
 
 
 def test_the_job_has_a_deadline_before_argos_and_frees_its_nodes_when_it_fails():
     cfg = validate_config(BASE)
     job = yaml.safe_load(templates(cfg)[UPDATE_JOB]["resource"]["manifest"])
     policy = job["spec"]["runPolicy"]
-    assert policy["activeDeadlineSeconds"] == pytorchjob.JOB_DEADLINE_SECONDS
+    assert policy["activeDeadlineSeconds"] == pytorchjob_launcher.JOB_DEADLINE_SECONDS
     assert templates(cfg)[UPDATE_JOB]["activeDeadlineSeconds"] > policy["activeDeadlineSeconds"]
     assert policy["cleanPodPolicy"] == "Running"  # the failed job's running pods go at once
     assert policy["backoffLimit"] == cfg.retries["trainer"].limit
@@ -153,9 +156,9 @@ def test_the_kfp_launcher_replaces_a_leftover_job_and_deletes_a_failed_one():
     job = pytorchjob.manifest(cfg, "4")
     failed = OUTCOMES["crash-restarted-in-place-until-the-backoff-limit"][0]
     api = FakeApi({"metadata": {"name": job["metadata"]["name"]}}, [OUTCOMES["running"][0], failed])
-    assert pytorchjob.launch(job, "moerl", poll_seconds=0, api=api) == 1
+    assert pytorchjob_launcher.launch(job, "moerl", poll_seconds=0, api=api) == 1
     name = job["metadata"]["name"]
     assert api.log == [("delete", name, "Foreground"), ("create", name, None), ("delete", name, "Foreground")]
     api = FakeApi(None, [OUTCOMES["succeeded"][0]])
-    assert pytorchjob.launch(job, "moerl", poll_seconds=0, api=api) == 0
+    assert pytorchjob_launcher.launch(job, "moerl", poll_seconds=0, api=api) == 0
     assert api.log == [("delete", name, "Foreground"), ("create", name, None)]

@@ -9,10 +9,10 @@ import sys
 
 import pytest
 
-from pipelines.config import validate_config
-from steps import checkpoint
+from steps import run_store
 from steps.errors import MoerlError
 from steps.plan import Plan, check_config, plan_segment
+from steps.run_config import validate_config
 from steps.store import Store
 
 CONFIG = validate_config({"sft_checkpoint": "file:///tmp/sft", "run_store": "file:///tmp/run"})
@@ -23,7 +23,7 @@ def plan_cli(*args: str) -> subprocess.CompletedProcess:
 
 
 def set_latest(run: Store, version: int) -> None:
-    run.put_bytes(checkpoint.LATEST, checkpoint.version_name(version).encode())
+    run.put_bytes(run_store.LATEST, run_store.version_name(version).encode())
 
 
 def test_plan_segment_resumes_after_latest():

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from pipelines.config import validate_config
 from pipelines.workflow import graph, workflow, workflow_templates
+from steps.run_config import validate_config
+from steps.run_store import behaviour_version
 
 BASE = {"sft_checkpoint": "file:///tmp/sft", "run_store": "file:///tmp/run"}
 
@@ -49,7 +50,7 @@ def test_staleness_1_overlaps_the_next_rollout_with_the_update():
 
 @pytest.mark.parametrize(("staleness", "expected"), [(0, [0, 1, 2, 3]), (1, [0, 0, 1, 2])])
 def test_rollouts_sample_from_the_policy_the_staleness_allows(staleness, expected):
-    assert [graph.policy_version(i, staleness) for i in (1, 2, 3, 4)] == expected
+    assert [behaviour_version(i, staleness) for i in (1, 2, 3, 4)] == expected
 
 
 @pytest.mark.parametrize("staleness", [0, 1])
@@ -63,7 +64,7 @@ def test_the_rendered_dag_is_the_graph(staleness):
         assert rollout["withSequence"] == {"count": "2"}
         params = {p["name"]: p["value"] for p in rollout["arguments"]["parameters"]}
         assert params == {"iteration": str(i), "shard": "{{item}}",
-                          "policy-version": str(graph.policy_version(i, staleness))}  # fmt: skip
+                          "policy-version": str(behaviour_version(i, staleness))}  # fmt: skip
         for step in graph.STEPS:  # tasks of published iterations are skipped: that is how a run resumes
             assert tasks[f"{step}-{i}"]["when"] == f"{{{{tasks.plan.outputs.parameters.latest}}}} < {i}"
     assert tasks["import-sft"]["when"] == "{{tasks.plan.outputs.parameters.latest}} < 0"

@@ -18,6 +18,7 @@ order a run meets them:
 README.md says what runs as on Argo, what is refused, how paths are sandboxed and what --chaos does.
 """
 
+from pipelines.local.chaos import parse_chaos
 from pipelines.local.run import RunResult, run_workflow
 
-__all__ = ["RunResult", "run_workflow"]
+__all__ = ["RunResult", "parse_chaos", "run_workflow"]

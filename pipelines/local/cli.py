@@ -9,6 +9,7 @@ from pathlib import Path
 
 from pipelines.local.manifest import parse_entrypoint
 from pipelines.local.run import DEFAULT_WORKDIR, run_workflow
+from pipelines.workflow.commands import warm_preload
 from steps.errors import MoerlError
 
 
@@ -94,6 +95,7 @@ def main(args: argparse.Namespace) -> int:
             status_out=args.status_out,
             workdir=args.workdir,
             warm_start=False if args.cold_start else None,
+            preload=warm_preload(),  # moerl's manifests are the ones this command runs most
             entrypoints=dict(parse_entrypoint(item) for item in args.entrypoint),
             configmaps=args.configmap,
             strict=not getattr(args, "no_strict", False),

@@ -26,6 +26,7 @@ from typing import Any, Protocol
 
 import yaml
 
+from pipelines.durations import backoff_seconds, parse_duration
 from pipelines.local import exprlang
 from pipelines.local.calls import Call, Opts, TemplateError, exit_hook_of
 from pipelines.local.chaos import ChaosMonkey, ChaosSpec, Injection, is_spot_placed, placement
@@ -34,7 +35,6 @@ from pipelines.local.expressions import (
     SubstitutionError,
     expand,
     humanize_duration,
-    parse_duration,
     substitute,
 )
 from pipelines.local.functions import go_json
@@ -994,17 +994,6 @@ def go_seconds(seconds: float) -> str:
 def go_time(seconds: float) -> str:
     """time.Time's String(): "2024-05-01 12:00:00 +0000 UTC"."""
     return time.strftime("%Y-%m-%d %H:%M:%S +0000 UTC", time.gmtime(int(seconds)))
-
-
-def backoff_seconds(backoff: dict, attempts: int) -> float:
-    """duration * factor^(attempts-1), capped: the wait before the next attempt (unscaled)."""
-    wait = parse_duration(backoff["duration"])
-    factor = int(str(backoff.get("factor") or 0))
-    if factor > 0:
-        wait = wait * factor ** (attempts - 1)
-    if backoff.get("cap"):
-        wait = min(wait, parse_duration(backoff["cap"]))
-    return wait
 
 
 def retry_scope(attempts: list[Node]) -> dict[str, str]:

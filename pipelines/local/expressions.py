@@ -8,7 +8,7 @@
   `strict` prefixes (Argo resolves `steps.*`/`tasks.*` strictly once the steps they name are done).
 - `evaluate_when(text)` evaluates a substituted `when:` condition with govaluate's rules, where bare
   words are strings: `heads == heads`, `{{workflow.status}} != Succeeded`, `5 > 3`, `abc =~ '^a'`.
-- `parse_duration` / `humanize_duration`: Argo's duration strings ("10", "1m", "1h30m") and messages.
+- `humanize_duration`: Argo's durations in messages (pipelines/durations.py parses them).
 """
 
 from __future__ import annotations
@@ -390,23 +390,6 @@ def _when_text(value: Any) -> str:
 
 
 # ----------------------------------------------------------------------------- durations
-
-DURATION_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
-DURATION_RE = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)")
-
-
-def parse_duration(text: str | int | float) -> float:
-    """Argo's ParseStringToDuration: a bare integer is seconds, else a Go duration ("1m30s", "300ms")."""
-    raw = str(text).strip()
-    if re.fullmatch(r"[+-]?\d+", raw):
-        return float(int(raw))
-    sign = -1.0 if raw.startswith("-") else 1.0
-    body = raw.lstrip("+-")
-    if body == "0":
-        return 0.0
-    if not body or DURATION_RE.sub("", body) != "":
-        raise ValueError(f'unable to parse {text} as a duration: use seconds ("30") or a Go duration ("1m30s")')
-    return sign * sum(float(n) * DURATION_UNITS[u] for n, u in DURATION_RE.findall(body))
 
 
 def humanize_duration(seconds: float) -> str:

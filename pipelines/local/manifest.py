@@ -34,9 +34,9 @@ from typing import Any
 
 import yaml
 
+from pipelines.durations import parse_duration
 from pipelines.local import exprlang
 from pipelines.local.depends import task_dependencies
-from pipelines.local.expressions import parse_duration
 from pipelines.local.functions import BUILTINS, SPRIG
 from steps.errors import MoerlError
 

@@ -17,7 +17,7 @@ import re
 import time
 from pathlib import Path
 
-from pipelines.local.expressions import parse_duration
+from pipelines.durations import parse_duration
 from pipelines.local.status import SUCCEEDED, Node, timestamp
 
 KEY_RE = re.compile(r"[-._a-zA-Z0-9]+")  # a ConfigMap key, which Argo's cache key must be

@@ -1,6 +1,7 @@
 """Warm starts: a pod whose command is `python -m MODULE ...` (or a single-node `torchrun ... -m MODULE ...`)
-starts as a fork of a Python that has already imported torch and the moerl libraries, instead of a new
-interpreter that imports them again (2-3 s of CPU a process on a laptop core; most of a demo step's life).
+starts as a fork of a Python that has already imported torch and the modules its caller names (run_workflow's
+`preload`: moerl passes its step modules), instead of a new interpreter that imports them again (2-3 s of
+CPU a process on a laptop core; most of a demo step's life).
 
 `WarmStarter.start` returns a `WarmProcess` (the part of subprocess.Popen that `pods.Pod` uses: pid,
 poll, wait, returncode) or None, and then the pod starts cold, as before: for any other command, while the
@@ -26,16 +27,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-# Imported once per run by the server: the libraries every model step needs (importing a step module only
-# defines it; its main runs in the child). Imported on first use by the steps, measured: pyarrow.pandas_compat
-# (pa.table of Python rows; pandas where installed). Not torch._dynamo: the update's optimizer (steps.optim)
-# never imports it, and preloading it would delay every run's first warm start by 1.5-2 s of CPU.
-PRELOAD = (
-    *("torch", "pandas", "pyarrow", "pyarrow.parquet", "pyarrow.pandas_compat"),
-    *("steps.rollout", "steps.score", "steps.update", "steps.publish"),
-)
+# Imported once per run by the server: the libraries every model step needs, and then the modules the caller
+# names (run_workflow's preload: its step modules; importing one only defines it, its main runs in the child).
+# Imported on first use by the steps, measured: pyarrow.pandas_compat (pa.table of Python rows; pandas where
+# installed). Not torch._dynamo: the update's optimizer (steps.optim) never imports it, and preloading it would
+# delay every run's first warm start by 1.5-2 s of CPU.
+LIBRARIES = ("torch", "pandas", "pyarrow", "pyarrow.parquet", "pyarrow.pandas_compat")
 # Set per pod (or per rank) and read by no preloaded module when it is imported (tests/test_local_warm_start.py
-# checks the import of PRELOAD for HOME and the sandbox); the thread counts are applied in the child.
+# checks the import of the demo's preload for HOME and the sandbox); the thread counts are applied in the child.
 PER_POD_ENV = frozenset({"MOERL_LOCAL_SANDBOX", "HOME", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "ARGO_PROGRESS_FILE"})
 MAX_SERVERS = 2
 SERVER_SCRIPT = Path(__file__).with_name("warm_server.py")
@@ -203,7 +202,7 @@ class WarmServer:
 class WarmStarter:
     """The warm servers of one run, one per distinct environment, started on the first pod that needs one."""
 
-    def __init__(self, preload: tuple[str, ...] = PRELOAD, wait_for_server: bool = False):
+    def __init__(self, preload: tuple[str, ...] = LIBRARIES, wait_for_server: bool = False):
         """wait_for_server: a pod waits for its server's imports instead of starting cold meanwhile."""
         self.preload = preload
         self.wait_for_server = wait_for_server

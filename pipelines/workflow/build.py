@@ -33,10 +33,10 @@ from hera.workflows.models import (
     WorkflowTemplateRef,
 )
 
-from pipelines.config import RunConfig
 from pipelines.workflow import graph
 from pipelines.workflow import placement as pl
 from pipelines.workflow import templates as tpl
+from steps.run_config import RunConfig
 from steps.store import Store
 from steps.tracking import wandb_run_id
 

@@ -4,7 +4,8 @@ Pure data, no Hera: the builders turn it into an Argo DAG and the KFP pipeline i
 tests read it directly.
 
 Per iteration i there are four tasks: rollout-i (fanned out over shards), score-i, update-i, publish-i.
-rollout-i samples from policy v(i-1-staleness) and so waits for publish-(i-1-staleness):
+rollout-i samples from policy v(i-1-staleness) (steps.run_store.behaviour_version) and so waits for
+publish-(i-1-staleness):
 
     staleness 0:  publish-(i-1) -> rollout-i -> score-i -> update-i -> publish-i       (synchronous)
     staleness 1:  publish-(i-2) -> rollout-i -> score-i ─┐
@@ -21,6 +22,8 @@ ends by submitting the next one.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from steps.run_store import behaviour_version
 
 PLAN = "plan"
 IMPORT_SFT = "import-sft"
@@ -63,11 +66,6 @@ def task_name(step: str, iteration: int) -> str:
     return f"{step}-{iteration}"
 
 
-def policy_version(iteration: int, staleness: int) -> int:
-    """The policy version that rollout-`iteration` samples from."""
-    return max(0, iteration - 1 - staleness)
-
-
 def dependencies(segment: Segment, staleness: int) -> dict[str, list[str]]:
     """Task name -> the tasks it waits for, in topological order; only edges not implied by others are kept."""
     deps: dict[str, list[str]] = {PLAN: []}
@@ -83,7 +81,7 @@ def dependencies(segment: Segment, staleness: int) -> dict[str, list[str]]:
         deps[task] = needed
 
     for i in segment.iterations:
-        source = i - 1 - staleness
+        source = behaviour_version(i, staleness)
         add(task_name("rollout", i), [task_name("publish", source)] if source >= segment.first else [start])
         add(task_name("score", i), [task_name("rollout", i)])
         previous = [task_name("publish", i - 1)] if i - 1 >= segment.first else []

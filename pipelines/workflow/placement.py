@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pipelines.config import Placement, RunConfig
+from steps.run_config import Placement, RunConfig
 
 RUN_LABEL = "moerl.io/run"
 STEP_LABEL = "moerl.io/step"

@@ -1,8 +1,9 @@
-"""A multi-node update as a Kubeflow PyTorchJob: the manifest, and a launcher for KFP.
+"""A multi-node update as a Kubeflow PyTorchJob: the manifest and the conditions a wait judges it by.
 
 Argo creates the job with a resource template and waits on its status (see templates.update_template); KFP
-has no resource templates, so its update task runs `python -m pipelines.workflow.pytorchjob`, which creates
-the same manifest through the Kubernetes API and waits the same way.
+has no resource templates, so its update task runs the launcher pod `python -m steps.pytorchjob_launcher`,
+which creates the same manifest through the Kubernetes API and waits the same way (its `job_outcome` reads
+the conditions below).
 
 Every replica runs the same torchrun command as the single-node update. With `nprocPerNode` set, the training
 operator gives each pod PET_NNODES, PET_NODE_RANK, PET_MASTER_ADDR and PET_MASTER_PORT, which torchrun reads.
@@ -29,46 +30,28 @@ that means for the wait:
 
 from __future__ import annotations
 
-import argparse
 import copy
-import json
-import signal
-import sys
-import time
 from typing import Any
 
 import yaml
 
-from pipelines.config import RunConfig
 from pipelines.workflow import placement as pl
+from pipelines.workflow.commands import torchrun_args
+from steps.pytorchjob_launcher import (
+    FAILED_CONDITION_INDEXES,
+    GROUP,
+    JOB_DEADLINE_SECONDS,
+    VERSION,
+)
+from steps.run_config import RunConfig
 
-GROUP, VERSION, PLURAL = "kubeflow.org", "v1", "pytorchjobs"
 SUCCESS_CONDITION = "status.replicaStatuses.Master.succeeded > 0"
-# Created, Running|Restarting, Suspended, Succeeded, Failed: at most five conditions, and a Failed one sits
-# at index 1 to 4 (0 too, should a job miss its Created condition).
-FAILED_CONDITION_INDEXES = range(5)
 FAILURE_CONDITION = ", ".join(f"status.conditions.{i}.type == Failed" for i in FAILED_CONDITION_INDEXES)
-# The operator fails a job that has been active this long (a hung collective, a rank that never joins);
-# Argo's own deadline on the wait is a little longer, so that the job's comes first and cleans up its pods.
-JOB_DEADLINE_SECONDS = 6 * 3600
-WAIT_DEADLINE_SECONDS = JOB_DEADLINE_SECONDS + 600
 
 
 def job_name(cfg: RunConfig, iteration: str) -> str:
     """The one PyTorchJob of a run's update-`iteration` (a DNS label: the run name is at most 40 characters)."""
     return f"{cfg.name}-update-{iteration}"
-
-
-def torchrun_args(cfg: RunConfig, iteration: str) -> list[str]:
-    t = cfg.trainer
-    args = ["--nproc-per-node", str(t.nproc_per_node)]
-    if t.nodes == 1:
-        args += ["--standalone", "--nnodes", "1"]
-    else:
-        args += ["--nnodes", str(t.nodes)]
-    # "--" ends torchrun's own options: its argparse would take the step's --run for an abbreviation of
-    # --run-path ("ambiguous option"). torchrun drops the "--" before starting the script.
-    return [*args, "-m", "steps.update", "--", "--run", cfg.run_store, "--iteration", iteration]
 
 
 def manifest(cfg: RunConfig, iteration: str) -> dict[str, Any]:
@@ -138,84 +121,3 @@ def _without_empty(d: dict[str, Any]) -> dict[str, Any]:
 
 def manifest_yaml(cfg: RunConfig, iteration: str) -> str:
     return yaml.safe_dump(manifest(cfg, iteration), sort_keys=False)
-
-
-def job_outcome(job: dict[str, Any]) -> str | None:
-    """'Succeeded', 'Failed' or None (still running), by the same rule as the Argo conditions above."""
-    status = job.get("status", {})
-    if status.get("replicaStatuses", {}).get("Master", {}).get("succeeded", 0) > 0:
-        return "Succeeded"
-    conditions = status.get("conditions", [])
-    if any(conditions[i].get("type") == "Failed" for i in FAILED_CONDITION_INDEXES if i < len(conditions)):
-        return "Failed"
-    return None
-
-
-def launch(job: dict[str, Any], namespace: str, poll_seconds: float = 10.0, api: Any = None) -> int:
-    """Replace any job of this name, wait for the new one (up to WAIT_DEADLINE_SECONDS), delete it unless it
-    succeeded; 0 iff it succeeded. The same lifecycle as the Argo update step."""
-    if api is None:
-        from kubernetes import client, config  # imported here: only KFP's launcher pod needs it
-
-        config.load_incluster_config()
-        api = client.CustomObjectsApi()
-    name = job["metadata"]["name"]
-    foreground = {"propagation_policy": "Foreground"}
-
-    def delete() -> None:
-        try:
-            api.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name, **foreground)
-        except Exception as err:  # noqa: BLE001 - kubernetes' ApiException; absent is what we want
-            if getattr(err, "status", None) != 404:
-                raise
-
-    def gone() -> bool:
-        try:
-            api.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
-        except Exception as err:  # noqa: BLE001
-            if getattr(err, "status", None) == 404:
-                return True
-            raise
-        return False
-
-    delete()
-    while not gone():
-        time.sleep(poll_seconds)
-    api.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, job)
-    print(f"created PyTorchJob {namespace}/{name}", flush=True)
-
-    def stop(signum: int, frame: object) -> None:
-        delete()
-        sys.exit(128 + signum)
-
-    previous = signal.signal(signal.SIGTERM, stop)
-    deadline = time.monotonic() + WAIT_DEADLINE_SECONDS
-    try:
-        while True:
-            outcome = job_outcome(api.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name))
-            if outcome is None and time.monotonic() > deadline:
-                outcome = f"Failed (still running after {WAIT_DEADLINE_SECONDS} s)"
-            if outcome is not None:
-                print(f"PyTorchJob {name}: {outcome}", flush=True)
-                if outcome != "Succeeded":
-                    delete()
-                return 0 if outcome == "Succeeded" else 1
-            time.sleep(poll_seconds)
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-def main() -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m pipelines.workflow.pytorchjob", description=__doc__.splitlines()[0]
-    )
-    parser.add_argument("--manifest-json", required=True, help="the PyTorchJob to create, as JSON")
-    parser.add_argument("--namespace", required=True)
-    args = parser.parse_args()
-    return launch(json.loads(args.manifest_json), args.namespace)
-
-
-if __name__ == "__main__":
-    from steps.errors import run_cli
-
-    run_cli(main)

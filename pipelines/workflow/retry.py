@@ -19,7 +19,7 @@ from __future__ import annotations
 from hera.workflows import RetryStrategy
 from hera.workflows.models import Backoff, RetryAffinity, RetryNodeAntiAffinity
 
-from pipelines.config import Retry
+from steps.run_config import Retry
 
 # Argo evaluates this with expr-lang over lastRetry.{status,exitCode,message,duration}; exitCode is a string.
 SPOT_RETRY_EXPRESSION = (

@@ -1,15 +1,13 @@
 """The Argo templates of one run: one per step, shared by every iteration, plus the DAG that unrolls them.
 
-Steps get everything else from <run>/run.json, so a template passes only the run store, the iteration, the
-shard and the policy version. Each container's pod carries the run, step and iteration as labels, and runs
-as the images' non-root user with a read-only root filesystem and /tmp as an emptyDir (placement.py): the
-outputs Argo reads back (/tmp/plan, /tmp/metrics.json, /tmp/report) are on that volume, which is where Argo's
+Each step's command line, role and image come from commands.py (as KFP's do); a template adds what Argo
+makes of them. Each container's pod carries the run, step and iteration as labels, and runs as the images'
+non-root user with a read-only root filesystem and /tmp as an emptyDir (placement.py): the outputs Argo
+reads back (commands.PLAN_OUT, SCORE_METRICS_PATH, REPORT_OUT) are on that volume, which is where Argo's
 executor can read them under a security context.
 """
 
 from __future__ import annotations
-
-import json
 
 import yaml
 from hera.workflows import DAG, Artifact, Container, NoneArchiveStrategy, Parameter, Resource, Step, Steps, Task
@@ -30,35 +28,26 @@ from hera.workflows.models import (
     VolumeMount,
 )
 
-from pipelines.config import RunConfig
 from pipelines.workflow import graph, pytorchjob
 from pipelines.workflow import placement as pl
+from pipelines.workflow.commands import ARGO, PLAN_OUT, REPORT_OUT, SCORE_METRICS_PATH, StepCommand, step_command
 from pipelines.workflow.retry import retry_for
 from pipelines.workflow.wait import PARENT_LABEL
 from steps.progress import PROGRESS_ANNOTATION
+from steps.pytorchjob_launcher import WAIT_DEADLINE_SECONDS
+from steps.run_config import RunConfig
+from steps.run_store import behaviour_version
 
-ITERATION = "{{inputs.parameters.iteration}}"
-PLAN_OUT = "/tmp/plan"
-# The score step writes its metrics JSON here; the workflow reads it back as an output parameter.
-SCORE_METRICS_PATH = "/tmp/metrics.json"
+ITERATION = ARGO.iteration
 SCORE_METRIC_KEYS = {"reward_mean": "moerl_reward_mean", "accuracy": "moerl_accuracy"}
-REPORT_OUT = "/tmp/report"
 MAIN = "main"
 CRON_LABEL = "workflows.argoproj.io/cron-workflow"  # what Argo's cron controller puts on its Workflows
-
-
-def flags(**values: object) -> list[str]:
-    """--name value pairs, in order; underscores in names become dashes."""
-    return [item for name, value in values.items() for item in (f"--{name.replace('_', '-')}", str(value))]
 
 
 def _step_container(
     cfg: RunConfig,
     name: str,
-    role: str,
-    image: str,
-    command: list[str],
-    args: list[str],
+    step: StepCommand,
     *,
     inputs: list[Parameter] | None = None,
     iteration: str | None = None,
@@ -67,14 +56,15 @@ def _step_container(
 ) -> Container:
     """A container template placed, labelled and retried as its role says; `reports_progress`: its step
     writes N/M to $ARGO_PROGRESS_FILE (steps/progress.py), and its pod starts at 0/1."""
+    role = step.role
     p = cfg.placement[role]
     res = pl.resources(p)
     annotations = pl.annotations(role) | ({PROGRESS_ANNOTATION: "0/1"} if reports_progress else {})
     return Container(
         name=name,
-        image=image,
-        command=command,
-        args=args,
+        image=step.image,
+        command=step.command,
+        args=step.args,
         inputs=inputs,
         env=extra.pop("env", None) or [EnvVar(**e) for e in pl.env()],
         resources=ResourceRequirements(**res) if res else None,
@@ -98,60 +88,26 @@ def _tracked_env(cfg: RunConfig) -> list[EnvVar]:
     return [EnvVar.model_validate(e) for e in pl.env() + pl.tracking_env(cfg)]
 
 
-def _iteration_step(
-    cfg: RunConfig, name: str, role: str, image: str, command: list[str], args: list[str], **extra: object
-) -> Container:
+def _iteration_step(cfg: RunConfig, name: str, step: StepCommand, **extra: object) -> Container:
     """A step that runs once per iteration: the iteration is its one input, and a label of its pod."""
     inputs = [Parameter(name="iteration")]
-    return _step_container(cfg, name, role, image, command, args, inputs=inputs, iteration=ITERATION, **extra)
-
-
-def config_json(cfg: RunConfig) -> str:
-    return json.dumps(cfg.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
-
-
-def python_step(module: str) -> list[str]:
-    return ["python", "-m", module]
+    return _step_container(cfg, name, step, inputs=inputs, iteration=ITERATION, **extra)
 
 
 def plan_template(cfg: RunConfig, segment: graph.Segment) -> Container:
-    args = flags(
-        run=cfg.run_store, first=segment.first, last=segment.last, out=PLAN_OUT, run_config_json=config_json(cfg)
-    )
+    step = step_command(cfg, graph.PLAN, first=segment.first, last=segment.last)
     latest = Parameter(name="latest", value_from=ValueFrom(path=f"{PLAN_OUT}/latest"))
-    return _step_container(
-        cfg, graph.PLAN, "control", cfg.images.cpu, python_step("steps.plan"), args, outputs=[latest],
-        reports_progress=True,
-    )  # fmt: skip
+    return _step_container(cfg, graph.PLAN, step, outputs=[latest], reports_progress=True)
 
 
 def import_sft_template(cfg: RunConfig) -> Container:
-    args = flags(src=cfg.sft_checkpoint, run=cfg.run_store, run_config_json=config_json(cfg))
-    return _step_container(
-        cfg, graph.IMPORT_SFT, "control", cfg.images.cpu, python_step("steps.import_sft"), args, reports_progress=True
-    )
+    return _step_container(cfg, graph.IMPORT_SFT, step_command(cfg, graph.IMPORT_SFT), reports_progress=True)
 
 
 def rollout_template(cfg: RunConfig) -> Container:
-    args = flags(
-        run=cfg.run_store,
-        iteration=ITERATION,
-        shard="{{inputs.parameters.shard}}",
-        num_shards=cfg.rollout.num_shards,
-        policy_version="{{inputs.parameters.policy-version}}",
-    )
     inputs = [Parameter(name="iteration"), Parameter(name="shard"), Parameter(name="policy-version")]
-    return _step_container(
-        cfg,
-        "rollout",
-        "rollout",
-        cfg.images.rollout,
-        python_step("steps.rollout"),
-        args,
-        inputs=inputs,
-        iteration=ITERATION,
-        reports_progress=True,
-    )
+    step = step_command(cfg, "rollout")
+    return _step_container(cfg, "rollout", step, inputs=inputs, iteration=ITERATION, reports_progress=True)
 
 
 def score_metrics(cfg: RunConfig) -> Metrics:
@@ -172,16 +128,13 @@ def score_metrics(cfg: RunConfig) -> Metrics:
 
 
 def score_template(cfg: RunConfig) -> Container:
-    args = flags(run=cfg.run_store, iteration=ITERATION, metrics_out=SCORE_METRICS_PATH)
+    step = step_command(cfg, "score", metrics_out=SCORE_METRICS_PATH)
     # The metrics feed only the Prometheus gauges (the store has them too): a missing file is no failure.
     metrics_json = Parameter(name="metrics", value_from=ValueFrom(path=SCORE_METRICS_PATH, default="{}"))
     return _iteration_step(
         cfg,
         "score",
-        "score",
-        cfg.images.cpu,
-        python_step("steps.score"),
-        args,
+        step,
         outputs=[metrics_json],
         metrics=score_metrics(cfg),
         reports_progress=True,
@@ -197,11 +150,8 @@ def update_template(cfg: RunConfig) -> Container | Steps:
     each attempt of `update` first deletes the iteration's job and waits until its pods are gone, then
     creates it anew and waits for its Master to succeed or for its Failed condition."""
     if cfg.trainer.nodes == 1:
-        args = pytorchjob.torchrun_args(cfg, ITERATION)
-        env = _tracked_env(cfg)
-        return _iteration_step(
-            cfg, "update", "trainer", cfg.images.trainer, ["torchrun"], args, env=env, reports_progress=True
-        )
+        step = step_command(cfg, "update")
+        return _iteration_step(cfg, "update", step, env=_tracked_env(cfg), reports_progress=True)
     argument = {"iteration": ITERATION}
     return Steps(
         name="update",
@@ -231,7 +181,7 @@ def update_job_templates(cfg: RunConfig) -> list[Resource]:
         manifest=pytorchjob.manifest_yaml(cfg, ITERATION),
         success_condition=pytorchjob.SUCCESS_CONDITION,
         failure_condition=pytorchjob.FAILURE_CONDITION,
-        active_deadline_seconds=pytorchjob.WAIT_DEADLINE_SECONDS,
+        active_deadline_seconds=WAIT_DEADLINE_SECONDS,
         inputs=[Parameter(name="iteration")],
         labels=pl.labels(cfg, "update", ITERATION),
     )
@@ -239,17 +189,14 @@ def update_job_templates(cfg: RunConfig) -> list[Resource]:
 
 
 def publish_template(cfg: RunConfig) -> Container:
-    args = flags(run=cfg.run_store, iteration=ITERATION)
-    return _iteration_step(
-        cfg, "publish", "control", cfg.images.cpu, python_step("steps.publish"), args, reports_progress=True
-    )
+    return _iteration_step(cfg, "publish", step_command(cfg, "publish"), reports_progress=True)
 
 
 def report_template(cfg: RunConfig) -> Container:
     """The exit handler: metrics table, report.md and the reward/accuracy PNG, whatever the outcome."""
-    args = flags(
-        run=cfg.run_store,
-        out=REPORT_OUT,
+    step = step_command(
+        cfg,
+        graph.REPORT,
         status="{{workflow.status}}",
         workflow_name="{{workflow.name}}",  # the trackers' tag and link, and whose step times to read
         namespace="{{workflow.namespace}}",
@@ -257,10 +204,7 @@ def report_template(cfg: RunConfig) -> Container:
     # Unarchived, so that the Argo UI shows the PNG itself.
     png = Artifact(name="report-png", path=f"{REPORT_OUT}/report.png", archive=NoneArchiveStrategy())
     outputs = [png] if cfg.argo.report_artifact else None
-    return _step_container(
-        cfg, graph.REPORT, "control", cfg.images.cpu, python_step("steps.report"), args, outputs=outputs,
-        env=_tracked_env(cfg),
-    )  # fmt: skip
+    return _step_container(cfg, graph.REPORT, step, outputs=outputs, env=_tracked_env(cfg))
 
 
 NEXT_SEGMENT_CRON = "next-segment-cron"  # looks the run's CronWorkflow up
@@ -335,7 +279,7 @@ def main_dag(cfg: RunConfig, segment: graph.Segment) -> DAG:
         arguments = {"iteration": str(i)}
         shards = None
         if step == "rollout":
-            arguments |= {"shard": "{{item}}", "policy-version": str(graph.policy_version(i, cfg.staleness))}
+            arguments |= {"shard": "{{item}}", "policy-version": str(behaviour_version(i, cfg.staleness))}
             shards = Sequence(count=str(cfg.rollout.num_shards))
         tasks.append(
             Task(

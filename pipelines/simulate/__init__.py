@@ -1,0 +1,34 @@
+"""`moerl simulate CONFIG`: a discrete-event model of the run's workflow on a cluster.
+
+It answers sizing questions before a cluster is rented: how long an iteration takes, how many tokens per second
+the rollout pool turns out, how much of each GPU pool sits idle, and what asynchronous training (staleness 1)
+buys over synchronous training (staleness 0). Both staleness values are always simulated and compared.
+
+The model, in the order a run meets it:
+
+- The DAG is the workflow's own: `pipelines.workflow.graph.dependencies` per segment (plan, import-sft, then
+  rollout-i x shards -> score-i -> update-i -> publish-i, with staleness 1 letting rollout-(i+1) overlap
+  update-i), the report exit handler after each segment, and the next segment's Workflow after that.
+- Pools come from the config's placement. Rollout: a Spot GPU pool of one node per shard (one SGLang engine per
+  node), `nvidia.com/gpu` GPUs each. Trainer: an on-demand gang of trainer.nodes nodes that one update takes
+  whole. CPU: score and the control steps, never short of room. A config without GPUs is this machine: one node
+  on which the local executor starts every ready step at once (the rendered Workflow sets no parallelism).
+- Step durations are measured figures (`--step-times`: per-step seconds, or a `moerl local --status-out` status
+  that `step_times_from_status` reduces to its median per step kind) or derived from the config and the
+  `Assumptions` below. A rollout shard is an engine start-up (model load) followed by its chunks.
+- Spot interruptions: a Poisson process per rollout node (X per node-hour). An interrupted node takes its pods
+  with it and comes back after `node_replacement_s`; an interrupted shard keeps its finished chunks (they are
+  resumable), loses the chunk it was generating, and is requeued after the config's retry backoff; it then
+  waits for a free node and pays the engine start-up again. A shard that runs out of retries (limit or
+  max_duration) is counted: the real run would have failed there.
+
+Iteration time is the time between two successive publications (the first one counted from the end of
+import-sft), the same definition that `iteration_times_from_status` applies to a real run. Tokens are sampled
+response tokens: prompts_per_iteration x group_size x max_new_tokens x response_fill.
+
+Deterministic: one `random.Random(seed)` per simulated run, events ordered by (time, sequence number).
+
+The modules: sizing.py (assumptions, pools, step times), measured.py (step and iteration times of a real
+run's status), model.py (the event simulation), tables.py (the printout), timeline.py (the plot), cli.py.
+"""
+

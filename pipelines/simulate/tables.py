@@ -1,0 +1,73 @@
+"""The printout of `moerl simulate`: the cluster and step times it assumed, and sync vs async side by side."""
+
+from __future__ import annotations
+
+from pipelines.simulate.model import SimResult
+from pipelines.simulate.sizing import Assumptions, Cluster, StepModel, chunks_per_iteration, tokens_per_iteration
+from steps.run_config import RunConfig
+
+
+def _fmt_s(seconds: float) -> str:
+    return f"{seconds:,.1f} s"
+
+
+def _fmt_h(seconds: float) -> str:
+    return f"{seconds / 3600:,.1f} h" if seconds >= 3 * 3600 else _fmt_s(seconds)
+
+
+def table(results: dict[int, SimResult], configured: int) -> str:
+    """Sync and async side by side; the config's own staleness is starred."""
+    columns = [0, 1]
+    heads = [f"{'sync' if s == 0 else 'async'} (staleness {s}){'*' if s == configured else ''}" for s in columns]
+    rows: list[tuple[str, list[str]]] = [
+        ("iteration time, mean", [_fmt_s(results[s].mean_iteration_s) for s in columns]),
+        ("iteration time, p50", [_fmt_s(results[s].percentile(50)) for s in columns]),
+        ("iteration time, p95", [_fmt_s(results[s].percentile(95)) for s in columns]),
+        ("rollout tokens/s, whole run", [f"{results[s].tokens_per_s:,.0f}" for s in columns]),
+        ("rollout tokens/s, while generating", [f"{results[s].generating_tokens_per_s:,.0f}" for s in columns]),
+    ]
+    for pool in ("rollout", "trainer"):
+        rows.append((f"{pool} pool idle", [f"{results[s].usage[pool].idle_share:.0%}" for s in columns]))
+    if results[0].usage["rollout"].startup_share is not None:
+        rows.append(
+            ("rollout pool in engine start-up", [f"{results[s].usage['rollout'].startup_share:.0%}" for s in columns])
+        )
+    rows.append(
+        ("Spot interruptions / requeues", [f"{results[s].interruptions} / {results[s].requeues}" for s in columns])
+    )
+    rows.append(("shards out of retries", [str(results[s].retries_exhausted) for s in columns]))
+    rows.append(("whole run (with start and report)", [_fmt_h(results[s].makespan) for s in columns]))
+    width = max(len(label) for label, _ in rows) + 2
+    col = max(max(len(h) for h in heads), 14) + 2
+    lines = ["".ljust(width) + "".join(h.rjust(col) for h in heads)]
+    lines += [label.ljust(width) + "".join(v.rjust(col) for v in values) for label, values in rows]
+    speedup = results[0].mean_iteration_s / results[1].mean_iteration_s
+    lines.append(
+        f"async vs sync: {speedup:.2f}x iterations per hour "
+        f"({results[0].mean_iteration_s - results[1].mean_iteration_s:+.1f} s saved per iteration)"
+    )
+    return "\n".join(lines)
+
+
+def describe(cfg: RunConfig, cluster: Cluster, steps: StepModel, a: Assumptions) -> str:
+    chunks = chunks_per_iteration(cfg)
+    per_shard = chunks / cfg.rollout.num_shards
+    shard_s = steps.rollout_startup_s + per_shard * steps.rollout_chunk_s
+    lines = [
+        f"cluster: rollout {cluster.rollout.label}; trainer {cluster.trainer.label}; cpu: {cluster.cpu.label}",
+        f"per iteration: {cfg.prompts_per_iteration} prompts x {cfg.group_size} samples x "
+        f"{cfg.sampling.max_new_tokens} tokens (fill {a.response_fill:g}) = "
+        f"{tokens_per_iteration(cfg, a):,.0f} tokens in {chunks} chunks over {cfg.rollout.num_shards} shards",
+        f"step times ({steps.source}):",
+        f"  rollout {shard_s:.1f} s a shard = start-up {steps.rollout_startup_s:.1f} s + {per_shard:g} "
+        f"chunk{'' if per_shard == 1 else 's'} x "
+        f"{steps.rollout_chunk_s:.2f} s; score {steps.score_s:.1f} s; update {steps.update_s:.1f} s; "
+        f"publish {steps.publish_s:.1f} s",
+        f"  plan {steps.plan_s:.1f} s; import-sft {steps.import_sft_s:.1f} s; report {steps.report_s:.1f} s",
+    ]
+    if cluster.local:
+        lines.append(
+            "note: on this machine overlapping steps share its cores and the model does not slow them down: "
+            "measure staleness 1 for its real gain here"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,90 @@
+"""The candidate format: what update writes to <run>/candidates/iter-I/ and publish verifies and publishes.
+
+    model-rank0000r-of-0000n.safetensors       the weights EP rank r holds (rank 0 also the replicated ones),
+                                               in the run's checkpoint dtype
+    optimizer-rank0000r-of-0000n.safetensors   AdamW state of the same parameters (+ their fp32 masters)
+    config.json, generation_config.json, tokenizer files
+    candidate.index.json                       {"metadata", "weight_map", "optimizer_map"}: tensor name -> file
+    CANDIDATE.json                             written LAST: iteration, parent, every file with size + sha256
+
+A candidate without CANDIDATE.json is unfinished: update deletes it and trains again, publish refuses it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+from pathlib import Path
+from typing import Any
+
+from steps.checkpoint import file_digest
+from steps.errors import MoerlError
+from steps.run_store import candidate_prefix
+from steps.store import Store
+
+MARKER = "CANDIDATE.json"
+CANDIDATE_INDEX = "candidate.index.json"
+
+
+def model_shard_name(ep_rank: int, ep_size: int) -> str:
+    return f"model-rank{ep_rank:05d}-of-{ep_size:05d}.safetensors"
+
+
+def optimizer_shard_name(ep_rank: int, ep_size: int) -> str:
+    return f"optimizer-rank{ep_rank:05d}-of-{ep_size:05d}.safetensors"
+
+
+def index_text(iteration: int, info: dict[str, Any], weight_map: dict[str, str], optimizer_map: dict[str, str]) -> str:
+    """candidate.index.json: which file holds each weight and each optimizer state tensor."""
+    index = {
+        "metadata": {"iteration": iteration, "parent": iteration - 1, **info},
+        "weight_map": dict(sorted(weight_map.items())),
+        "optimizer_map": dict(sorted(optimizer_map.items())),
+    }
+    return json.dumps(index, indent=2) + "\n"
+
+
+def write_marker(run: Store, iteration: int, info: dict[str, Any], files: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """CANDIDATE.json, the last object of a candidate: its presence says every file it lists is there."""
+    marker = {
+        "iteration": iteration,
+        "parent": iteration - 1,
+        **info,
+        "files": dict(sorted(files.items())),
+        "created_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    }
+    run.put_json(f"{candidate_prefix(iteration)}/{MARKER}", marker)
+    return marker
+
+
+def read_marker(run: Store, iteration: int) -> dict[str, Any] | None:
+    """The complete candidate's CANDIDATE.json, or None while there is none (absent or unfinished)."""
+    key = f"{candidate_prefix(iteration)}/{MARKER}"
+    return run.get_json(key) if run.exists(key) else None
+
+
+def download(run: Store, iteration: int, marker: dict[str, Any], local_dir: Path) -> None:
+    """Every file the marker lists, checked against its recorded size and sha256."""
+    prefix = candidate_prefix(iteration)
+    for name, meta in marker["files"].items():
+        key = f"{prefix}/{name}"
+        if not run.exists(key):
+            raise MoerlError(
+                f"{run.url(key)}: listed in {MARKER} but missing; the candidate is incomplete — rerun update "
+                f"for iteration {iteration} with --force"
+            )
+        target = local_dir / name
+        run.get_file(key, target)
+        if file_digest(target) != (meta["size"], meta["sha256"]):
+            raise MoerlError(
+                f"{run.url(key)}: size or sha256 differs from {MARKER}; the candidate is corrupted — rerun "
+                f"update for iteration {iteration} with --force"
+            )
+
+
+def read_index(local_dir: Path, where: str) -> dict[str, Any]:
+    """The downloaded candidate's candidate.index.json."""
+    index_path = local_dir / CANDIDATE_INDEX
+    if not index_path.is_file():
+        raise MoerlError(f"{where}: no {CANDIDATE_INDEX} in the candidate; rerun update with --force")
+    return json.loads(index_path.read_text())

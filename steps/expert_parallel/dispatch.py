@@ -1,0 +1,66 @@
+"""Choosing the expert dispatch backend a run names (trainer.ep_backend): one `ExpertDispatch` (steps/moe.py)
+whichever it is, so the model and the trainer never see which.
+
+  local     one rank, all experts (steps.moe.LocalDispatch);
+  alltoall  steps/expert_parallel/alltoall.py;
+  deepep    steps/expert_parallel/deepep.py (CUDA only).
+"""
+
+from __future__ import annotations
+
+import os
+
+from steps.errors import MoerlError
+from steps.expert_parallel.alltoall import AllToAllDispatch
+from steps.expert_parallel.deepep import DeepEPDispatch
+from steps.expert_parallel.mesh import Mesh
+from steps.expert_parallel.timing import CommTimer
+from steps.moe import ExpertDispatch, LocalDispatch
+
+BACKENDS = ("local", "alltoall", "deepep")
+
+
+def ep_group_within_node(mesh: Mesh, local_world_size: int | None = None) -> bool:
+    """Whether this rank's EP group lies inside one node: its ranks dp*ep .. dp*ep+ep-1 are consecutive, so
+    they share a node when the node's rank count (torchrun's LOCAL_WORLD_SIZE) is a multiple of ep."""
+    if local_world_size is None:
+        local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", str(mesh.world_size)))
+    return local_world_size % mesh.ep_size == 0
+
+
+def make_dispatch(
+    backend: str,
+    mesh: Mesh,
+    num_experts: int,
+    hidden_size: int = 0,
+    top_k: int = 0,
+    max_tokens_per_rank: int = 0,
+    timer: CommTimer | None = None,
+) -> ExpertDispatch:
+    """The dispatcher of `backend` for this rank (see the module docstring)."""
+    if backend not in BACKENDS:
+        raise MoerlError(f"trainer.ep_backend {backend!r}: unknown; use one of {', '.join(BACKENDS)}")
+    if backend == "local":
+        if mesh.world_size > 1:
+            raise MoerlError(
+                f"trainer.ep_backend 'local' runs on one rank but the trainer has {mesh.world_size}; "
+                "set nproc_per_node: 1 and nodes: 1, or use ep_backend: alltoall"
+            )
+        return LocalDispatch()
+    if mesh.ep_size == 1:
+        return LocalDispatch()  # pure data parallelism: every rank holds every expert, nothing to exchange
+    assert mesh.ep_group is not None
+    if backend == "alltoall":
+        return AllToAllDispatch(mesh.ep_group, mesh.ep_size, num_experts, mesh.ep_rank, mesh.device, timer)
+    if mesh.device.type != "cuda":
+        raise MoerlError(
+            "trainer.ep_backend 'deepep' needs CUDA GPUs (DeepEP is GPU-only); run the trainer on GPU nodes "
+            "or set trainer.ep_backend: alltoall"
+        )
+    if ep_group_within_node(mesh):
+        # NVLink only: DeepEP's non-Gin path, so that an EP group inside a node needs neither the OFI
+        # plugin's GIN nor GDRCopy's /dev/gdrdrv (DeepEP asserts GIN for any group of 2+ ranks otherwise).
+        os.environ.setdefault("EP_DISABLE_GIN", "1")
+    return DeepEPDispatch(
+        mesh.ep_group, num_experts, num_experts // mesh.ep_size, hidden_size, top_k, max_tokens_per_rank, timer,
+    )  # fmt: skip
