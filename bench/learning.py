@@ -440,6 +440,8 @@ def trl_worker(spec_path: str) -> int:
         model_kwargs["experts_implementation"] = spec["experts_implementation"]
     model = AutoModelForCausalLM.from_pretrained(spec["sft"], local_files_only=True, **model_kwargs)
     tokenizer = AutoTokenizer.from_pretrained(spec["sft"], local_files_only=True)
+    # save_pretrained writes the weights only: the held-out evaluation reads the SFT checkpoint's tokenizer.
+    eval_tokenizer = CheckpointTokenizer.load(spec["sft"])
     result: dict[str, Any] = {"points": [], "iteration_seconds": [], "eval_seconds": 0.0}
 
     def save() -> None:
@@ -456,7 +458,7 @@ def trl_worker(spec_path: str) -> int:
             clock = began - start - result["eval_seconds"]
             with tempfile.TemporaryDirectory(prefix="moerl-bench-trl-") as tmp:
                 model.save_pretrained(tmp)  # per-expert tensor names, which steps.model loads
-                accuracy = evaluate_accuracy(TorchEngine.from_checkpoint(tmp), CheckpointTokenizer.load(tmp), heldout,
+                accuracy = evaluate_accuracy(TorchEngine.from_checkpoint(tmp), eval_tokenizer, heldout,
                                              max_new_tokens=cfg.sampling.max_new_tokens)  # fmt: skip
             model.train()
             result["eval_seconds"] += time.time() - began

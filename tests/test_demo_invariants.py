@@ -86,38 +86,36 @@ def test_moerl_demo_runs_end_to_end_and_reports(sft_dir, tmp_path):
     assert (workdir / "run" / "report" / "report.png").read_bytes()[:4] == b"\x89PNG"
 
 
-def test_the_default_demo_raises_heldout_accuracy_by_15_points(tmp_path):
-    # `moerl demo` as `make demo` runs it: the SFT checkpoint built here, configs/demo.yaml unchanged.
+def heldout_gain(args: list[str], tmp_path: Path) -> tuple[float, float]:
+    """`moerl demo ARGS --workdir tmp_path` as a user runs it (the SFT checkpoint built there too): the held-out
+    accuracy of v000000 and of v000008, in percent, as the run's report states them."""
     result = subprocess.run(
-        [sys.executable, "-c", "from pipelines.cli import main; main()", "demo", "--workdir", str(tmp_path)],
+        [sys.executable, "-c", "from pipelines.cli import main; main()", "demo", *args, "--workdir", str(tmp_path)],
         cwd=REPO, capture_output=True, text=True, timeout=2400,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     report = (tmp_path / "run" / "report" / "report.md").read_text()
+    print(report)  # pytest shows it beside a failed bar
     outcome = re.search(r"held-out accuracy ([\d.]+)% \(v000000.*\) -> ([\d.]+)% \(v000008\)", report)
     assert outcome, report
-    start, end = float(outcome[1]), float(outcome[2])
-    assert 20 <= start <= 60, report  # the SFT checkpoint leaves room for RL
-    # On this kind of machine the run is bit-reproducible and gives +26.7 points (README). Another CPU's float
-    # rounding changes the sampled trajectory, and two seeds of the earlier recipe gave +16.0 and +17.7 on 2048
-    # prompts: the bar below catches a recipe that stopped learning without failing on that spread.
-    assert end - start >= 12, report
+    return float(outcome[1]), float(outcome[2])
+
+
+def test_the_default_demo_raises_heldout_accuracy_by_15_points(tmp_path):
+    # `moerl demo` as `make demo` runs it: configs/demo.yaml unchanged.
+    start, end = heldout_gain([], tmp_path)
+    assert 20 <= start <= 60, (start, end)  # the SFT checkpoint leaves room for RL
+    # On this kind of machine the run is bit-reproducible and gives +26.8 points (README), seeds 1-4 +21.5 to
+    # +24.4 (bench/README.md, "demo seeds"). Another CPU's float rounding changes the sampled trajectory: the bar
+    # below catches a recipe that stopped learning without failing on that spread.
+    assert end - start >= 12, (start, end)
 
 
 def test_the_chat_demo_raises_heldout_accuracy_by_15_points(tmp_path):
     # `moerl demo --config configs/demo-chat.yaml`: a BPE tokenizer trained on the task's text, a ChatML template,
     # natural-language prompts and the math verifier; measured +33.0 points (52.7% -> 85.7%) in 396 s (bench/README.md)
-    result = subprocess.run(
-        [sys.executable, "-c", "from pipelines.cli import main; main()", "demo", "--config",
-         str(REPO / "configs" / "demo-chat.yaml"), "--workdir", str(tmp_path)],
-        cwd=REPO, capture_output=True, text=True, timeout=2400,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    report = (tmp_path / "run" / "report" / "report.md").read_text()
-    outcome = re.search(r"held-out accuracy ([\d.]+)% \(v000000.*\) -> ([\d.]+)% \(v000008\)", report)
-    assert outcome, report
-    start, end = float(outcome[1]), float(outcome[2])
-    assert 20 <= start <= 70, report
-    assert end - start >= 15, report
+    start, end = heldout_gain(["--config", str(REPO / "configs" / "demo-chat.yaml")], tmp_path)
+    assert 20 <= start <= 70, (start, end)
+    assert end - start >= 15, (start, end)
     tokenizer = json.loads((tmp_path / "sft-demo" / "tokenizer.json").read_text())
     assert tokenizer["model"]["type"] == "BPE" and (tmp_path / "sft-demo" / "chat_template.jinja").is_file()
