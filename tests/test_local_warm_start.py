@@ -267,15 +267,16 @@ def test_a_dead_server_sends_pods_back_to_cold_starts(tmp_path):
 
 def test_pods_wait_for_an_importing_server_and_one_stopped_meanwhile_never_starts(tmp_path, monkeypatch):
     # With servers started on first need (no prestart), the first Python pod starts the server (whose
-    # imports take 8 s here) and itself cold; the next two come while it imports: "late" waits and then
-    # starts warm, "stopped" reaches its 2 s deadline while waiting.
+    # imports take 8 s here) and itself cold; the next two, of the same environment (so of the same server),
+    # come while it imports: "late" waits and then starts warm, "stopped" reaches its 2 s deadline while
+    # waiting, so no process of it ever runs (whatever the machine's speed: its server is still importing).
     monkeypatch.setenv("WARM_SLOW_IMPORT", "8")
     quick = [PY, "-m", "json.tool", "--help"]
     manifest = workflow(
         [
             probe("first", quick),
             probe("late", [PY, "-m", "tests.warm_probe"]),
-            probe("stopped", [PY, "-m", "tests.warm_probe"], {"PROBE": "sleep"}, activeDeadlineSeconds=2),
+            probe("stopped", [PY, "-m", "tests.warm_probe", "--behave", "sleep"], activeDeadlineSeconds=2),
         ],
         [["first"], ["late", "stopped"]],
     )

@@ -34,6 +34,9 @@ if __name__ == "__main__":
         + "\n"
     )
     behaviour, rank = os.environ.get("PROBE"), os.environ.get("RANK")
+    # argv "--behave NAME" instead of PROBE: pods of one environment share one warm server.
+    if sys.argv[1:2] in (["--behave"], ["--end"]):
+        behaviour = sys.argv[2]
     if behaviour == "sleep" or (behaviour == "rank-fail" and rank == "0"):
         print(os.getpid(), file=sys.stderr, flush=True)
         time.sleep(60)
@@ -43,8 +46,6 @@ if __name__ == "__main__":
         raise RuntimeError("probe failed on purpose")
     # How the process ends (argv "--end NAME", so that one server serves them all): what a warm pod's exit
     # (warm_server.exit_without_teardown) must still do.
-    if sys.argv[1:2] == ["--end"]:
-        behaviour = sys.argv[2]
     if behaviour == "atexit":
         atexit.register(lambda: print("atexit callback ran"))
     if behaviour == "thread":  # a non-daemon thread still running when the module returns
