@@ -129,21 +129,46 @@ def preempt_after(proc: subprocess.Popen, delay: float, grace: float = 1.0) -> F
     try:
         proc.wait(timeout=delay)
     except subprocess.TimeoutExpired:
+        tree = process_tree(proc.pid)
         os.killpg(proc.pid, signal.SIGTERM)
         try:
             proc.wait(timeout=grace)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+            kill_tree(tree)
     return finish(proc)
+
+
+def process_tree(pid: int) -> list[int]:
+    """pid and its descendants (Linux /proc), read before any of them is killed: torchrun starts each worker
+    in a session of its own, so a worker is in no process group of torchrun's."""
+    tree, i = [pid], 0
+    while i < len(tree):
+        for task in Path(f"/proc/{tree[i]}/task").glob("*/children"):
+            try:
+                tree += [int(child) for child in task.read_text().split()]
+            except OSError:
+                pass  # the task ended meanwhile
+        i += 1
+    return tree
 
 
 def kill_after(proc: subprocess.Popen, delay: float) -> Finished:
-    """A hard kill (SIGKILL to the process group, torchrun's workers included) at `delay` seconds."""
+    """A hard kill at `delay` seconds of everything the step started (torchrun's workers included), as a
+    container's end kills all of its processes."""
     try:
         proc.wait(timeout=delay)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill_tree(process_tree(proc.pid))
     return finish(proc)
+
+
+def kill_tree(pids: list[int]) -> None:
+    """SIGKILL to the process group of each of pids."""
+    for pid in pids:
+        try:
+            os.killpg(os.getpgid(pid), signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
 
 
 def error_lines(stderr: str) -> list[str]:

@@ -7,7 +7,6 @@ and at no point is a version half published or LATEST ahead of a complete versio
 from __future__ import annotations
 
 import random
-import time
 
 import pytest
 from faults_helpers import (
@@ -53,12 +52,12 @@ def test_killed_update_and_publish_rerun_to_the_fault_free_checkpoint(fault_free
     assert not run_store.exists(marker)
     assert run_store.list(candidate_prefix(ITERATION)), "the kill should have left part of a candidate"
     assert published(run_store) == ("v000000", [0])
-    # Then a hard kill of torchrun's process group at a random moment of the retry's start-up and loading, or at
-    # the latest when it starts to train (it has removed the partial candidate by then).
-    retry, delay, began = start(update, step_env()), random.Random(3).uniform(0.5, 4.0), time.monotonic()
-    while time.monotonic() - began < delay and retry.poll() is None and run_store.list(candidate_prefix(ITERATION)):
-        time.sleep(0.02)
-    killed = kill_after(retry, 0)
+    # Then a hard kill of torchrun's process group at a random moment of the retry's start-up, loading and
+    # training; a retry that gets as far as its first write (it has removed the partial candidate by then)
+    # stops itself there, so the kill lands before any of its candidate, however fast the machine.
+    stop_at_write = kill_at("put", r"^candidates/iter-\d+/model-", when="before", sig="STOP")
+    retry = start(update, step_env(stop_at_write))
+    killed = kill_after(retry, random.Random(3).uniform(0.5, 4.0))
     assert killed.returncode == -9 and not run_store.exists(marker), killed.stderr
     done = run(update, step_env())
     assert done.returncode == 0, done.stderr

@@ -4,11 +4,12 @@ A test puts this directory first on PYTHONPATH and describes the faults in MOERL
 imports this module at start-up, in the step and in every process it starts (torchrun's workers too). With
 MOERL_FAULT unset it does nothing.
 
-    {"kill": "KILL" | "TERM", "on": "put" | "replace", "match": REGEX, "nth": N, "when": "before" | "after"}
+    {"kill": "KILL" | "TERM" | "STOP", "on": "put" | "replace", "match": REGEX, "nth": N, "when": "before" | "after"}
         Send the signal to this process at the N-th store write whose key matches (on "put":
         steps.store.Store.put_bytes / put_file), or at the N-th os.replace whose target path matches (on
         "replace": the local store's renames into place), just before or just after it. Deterministic
-        crash points: "after the first chunk is written", "between the sidecar and the object rename".
+        crash points: "after the first chunk is written", "between the sidecar and the object rename"; STOP holds
+        the process there for the test to kill when it chooses.
     {"enospc": REGEX, "free": BYTES}
         A full disk for the local store's writes into directories whose path matches: once BYTES have been
         written there, every write fails with ENOSPC, as on a full filesystem. (Used where no tiny tmpfs
