@@ -125,7 +125,8 @@ def run(argv: list[str], env: dict[str, str], timeout: float = 240) -> Finished:
 
 
 def preempt_after(proc: subprocess.Popen, delay: float, grace: float = 1.0) -> Finished:
-    """A Spot reclaim at `delay` seconds: SIGTERM to the process group, SIGKILL once the grace period is over."""
+    """A Spot reclaim at `delay` seconds: SIGTERM to the process group (torchrun passes it on to its workers),
+    then SIGKILL to everything the step started once the grace period is over."""
     try:
         proc.wait(timeout=delay)
     except subprocess.TimeoutExpired:

@@ -52,7 +52,7 @@ def test_killed_update_and_publish_rerun_to_the_fault_free_checkpoint(fault_free
     assert not run_store.exists(marker)
     assert run_store.list(candidate_prefix(ITERATION)), "the kill should have left part of a candidate"
     assert published(run_store) == ("v000000", [0])
-    # Then a hard kill of torchrun's process group at a random moment of the retry's start-up, loading and
+    # Then a hard kill of the update (torchrun and its worker) at a random moment of the retry's start-up, loading and
     # training; a retry that gets as far as its first write (it has removed the partial candidate by then)
     # stops itself there, so the kill lands before any of its candidate, however fast the machine.
     stop_at_write = kill_at("put", r"^candidates/iter-\d+/model-", when="before", sig="STOP")
