@@ -49,6 +49,11 @@ OPERATIONAL_FIELDS = frozenset(
         "service_account",
     }
 )
+OPERATIONAL_SECTION_FIELDS = {
+    "rollout": frozenset({"num_shards", "servers", "server_wait_s"}),
+    "trainer": frozenset({"server"}),
+    "checkpoint": frozenset({"deltas"}),
+}
 
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _QUANTITY = re.compile(r"^[+]?(\d+(\.\d*)?|\.\d+)([KMGTPE]i|[numkMGTPE]|[eE][+-]?\d+)?$")
@@ -95,6 +100,19 @@ class RolloutConfig(_Section):
     chunk_size: int = _field(16, "prompts per generation chunk; fixed for a run, independent of the shard count", ge=1)
     engine: Literal["torch", "sglang"] = _field("torch", "generation engine: 'torch' (CPU or one GPU) or 'sglang'")
     sglang: SGLangConfig = _field(SGLangConfig(), "SGLang serving settings (engine: sglang)")
+    servers: int = _field(
+        0,
+        "long-lived rollout servers per segment (Argo daemon tasks, each holding one engine whose weights it "
+        "updates in place from the run store); the rollout steps send them their chunks. 0: each rollout step "
+        "opens an engine of its own",
+        ge=0,
+        le=1024,
+    )
+    server_wait_s: float = _field(
+        600.0,
+        "how long a rollout step waits for a ready server before it generates with an engine of its own",
+        ge=0,
+    )
 
 
 class SamplingConfig(_Section):
@@ -182,10 +200,21 @@ class TrainerConfig(_Section):
         "step and one rank's micro-batch, so micro-batches hold whole groups. Measured on the demo: steps of "
         "whole groups learn far slower than steps of samples shuffled across prompts (bench/README.md)",
     )
+    server: bool = _field(
+        False,
+        "a trainer that stays up for the segment (an Argo daemon task holding the EP group, the weights and "
+        "AdamW's state in memory), driven iteration by iteration by the update steps; false: each update "
+        "step starts its own torchrun",
+    )
 
 
 class CheckpointConfig(_Section):
     keep_last: int = _field(3, "published versions kept besides v000000 (older ones are deleted)", ge=1)
+    deltas: bool = _field(
+        True,
+        "publish also writes each version's compressed delta against its parent (deltas/v(i)/), which the "
+        "rollout servers fetch instead of the whole checkpoint; the full checkpoint stays the source of truth",
+    )
 
 
 # --------------------------------------------------------------------------------------------- where
@@ -407,11 +436,13 @@ class RunConfig(_Section):
 def training_view(config: dict[str, Any]) -> dict[str, Any]:
     """A dumped config without the fields that may change between the Workflows of one run.
 
-    Those are OPERATIONAL_FIELDS and the rollout shard count: chunks, not shards, fix what is sampled.
+    Those are OPERATIONAL_FIELDS and, within their sections, OPERATIONAL_SECTION_FIELDS: chunks, not shards or
+    servers, fix what is sampled, and a trainer that stays up trains the bits of one started per iteration.
     """
     out = {k: v for k, v in config.items() if k not in OPERATIONAL_FIELDS}
-    if isinstance(out.get("rollout"), dict):
-        out["rollout"] = {k: v for k, v in out["rollout"].items() if k != "num_shards"}
+    for section, fields in OPERATIONAL_SECTION_FIELDS.items():
+        if isinstance(out.get(section), dict):
+            out[section] = {k: v for k, v in out[section].items() if k not in fields}
     return out
 
 

@@ -10,6 +10,8 @@
     <run>/metrics/iter-000001.update.json               the update step's metrics
     <run>/candidates/iter-000001/                       update's unpublished output (steps/candidate.py)
     <run>/optimizer/v000001/                            AdamW state (+ fp32 masters) the next update resumes from
+    <run>/deltas/v000001/                               v000001's compressed delta against its parent (publish)
+    <run>/servers/<workflow>/<server>.json              a live rollout server's address (its registration)
     <run>/report/                                       the report's table and plot
     <run>/tensorboard/, <run>/wandb/, <run>/tracking/   experiment trackers' files and ledger (steps/tracking.py)
 
@@ -109,7 +111,27 @@ def optimizer_prefix(version: int) -> str:
     return f"{OPTIMIZER_PREFIX}/{version_name(version)}"
 
 
+DELTAS_PREFIX = "deltas"
+
+
+def delta_prefix(version: int) -> str:
+    """Where v(version)'s delta against v(version-1) lies; the full checkpoint stays the source of truth."""
+    return f"{DELTAS_PREFIX}/{version_name(version)}"
+
+
 # ------------------------------------------------------------------------------------------ whole run
+
+SERVERS_PREFIX = "servers"
+
+
+def servers_prefix(workflow: str) -> str:
+    """The registrations of one Workflow's rollout servers (a segment's; a later segment has its own)."""
+    return f"{SERVERS_PREFIX}/{workflow}"
+
+
+def server_key(workflow: str, server: str) -> str:
+    return f"{servers_prefix(workflow)}/{server}.json"
+
 
 REPORT_PREFIX = "report"
 REPORT_MD = "report.md"  # the metrics table, also under the report step's --out DIR

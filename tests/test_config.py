@@ -182,8 +182,10 @@ def test_tolerations_take_kubernetes_spelling():
 def test_training_view_leaves_out_what_a_run_may_change():
     cfg = validate_config(BASE).model_dump(mode="json")
     view = training_view(cfg)
-    assert not OPERATIONAL_FIELDS & view.keys() and "num_shards" not in view["rollout"]
-    assert view["trainer"] == cfg["trainer"] and view["seed"] == cfg["seed"]
+    assert not OPERATIONAL_FIELDS & view.keys()
+    assert not {"num_shards", "servers", "server_wait_s"} & view["rollout"].keys()
+    assert "server" not in view["trainer"] and "deltas" not in view["checkpoint"]
+    assert view["trainer"]["lr"] == cfg["trainer"]["lr"] and view["seed"] == cfg["seed"]
 
 
 @pytest.mark.parametrize(
