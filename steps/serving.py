@@ -1,0 +1,246 @@
+"""The long-lived servers of a run (rollout servers, the trainer): how they register, answer and are found.
+
+A server is an Argo daemon task of one Workflow (a segment). It listens on an ephemeral port, then writes its
+registration, `<run>/servers/<workflow>/<name>.json` (steps/run_store.py `server_key`): its address and an
+instance id that changes with every start. A client reads the registrations of its Workflow and keeps those
+whose `/health` answers with the same run and instance, so a stale entry (a killed server, an address that
+another pod took over) is never used. Discovery goes through the store, not `{{tasks.X.ip}}`, because a
+replacement started by a retry has a new address that a task already running could not learn from Argo.
+
+The face is JSON over HTTP: `GET /health` answers at once, while `POST /<operation>` calls run one at a time
+(a server holds one engine or one trainer). An operation that raises MoerlError answers 400 with its message,
+which the client raises again as a MoerlError: a bad request fails the same on every server. Anything else
+that ends a call without an answer (the server was killed, reclaimed, restarted) is ServerLost: the client
+step exits with EXIT_SERVER_LOST and the workflow's retryStrategy sends its unfinished work to another server
+or to the replacement.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from steps.errors import MoerlError
+from steps.run_store import server_key, servers_prefix
+from steps.store import Store
+
+# A client whose server went away: the attempt is retried (pipelines/workflow/retry.py), as a reclaim is.
+EXIT_SERVER_LOST = 75  # EX_TEMPFAIL
+HEALTH_TIMEOUT_S = 5.0
+# A request is answered when its work is done; a server that is killed resets the connection at once, so this
+# only bounds a peer that vanished without a word (a node lost without notice).
+REQUEST_TIMEOUT_S = 3600.0
+
+
+class ServerLost(Exception):
+    """The server stopped answering before it finished the request."""
+
+
+@dataclass(frozen=True)
+class Registration:
+    name: str  # the server's name in its Workflow: rollout-server-0, trainer
+    address: str  # host:port
+    instance: str  # new at every start
+    run: str  # the run store's URL
+    workflow: str
+    pid: int
+    started: float  # time.time() at registration
+
+    def connection(self, timeout: float) -> http.client.HTTPConnection:
+        host, port = self.address.rsplit(":", 1)
+        return http.client.HTTPConnection(host, int(port), timeout=timeout)
+
+
+def pod_ip() -> str:
+    """This pod's address: POD_IP from the downward API (the templates set it), else the loopback."""
+    return os.environ.get("POD_IP") or "127.0.0.1"
+
+
+# ------------------------------------------------------------------------------------------ the server
+
+
+Operation = Callable[[dict[str, Any]], dict[str, Any]]
+
+
+class JsonServer:
+    """An HTTP server of named operations, run one at a time; `health()` answers between them."""
+
+    def __init__(self, operations: dict[str, Operation], health: Callable[[], dict[str, Any]], port: int = 0):
+        self.operations = operations
+        self.health = health
+        self._lock = threading.Lock()  # one engine: one operation at a time
+        self.httpd = ThreadingHTTPServer(("0.0.0.0", port), self._handler())
+        self.httpd.daemon_threads = True
+
+    @property
+    def port(self) -> int:
+        return self.httpd.server_address[1]
+
+    def _handler(self) -> type[BaseHTTPRequestHandler]:
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
+                pass  # the operations log what they do; a line per health check would drown it
+
+            def _answer(self, status: int, body: dict[str, Any]) -> None:
+                data = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self) -> None:  # noqa: N802 - http.server's name
+                if self.path != "/health":
+                    self._answer(404, {"error": f"no such path {self.path}"})
+                    return
+                self._answer(200, server.health())
+
+            def do_POST(self) -> None:  # noqa: N802 - http.server's name
+                operation = server.operations.get(self.path.lstrip("/"))
+                if operation is None:
+                    self._answer(404, {"error": f"no such operation {self.path}"})
+                    return
+                length = int(self.headers.get("Content-Length") or 0)
+                try:
+                    body = json.loads(self.rfile.read(length) or b"{}")
+                except ValueError as err:
+                    self._answer(400, {"error": f"request body is not JSON: {err}"})
+                    return
+                with server._lock:
+                    try:
+                        answer = operation(body)
+                    except MoerlError as err:
+                        self._answer(400, {"error": str(err)})
+                        return
+                    except Exception as err:  # noqa: BLE001 - the client must hear of it; the server serves on
+                        self._answer(500, {"error": f"{type(err).__name__}: {err}"})
+                        return
+                self._answer(200, answer)
+
+        return Handler
+
+    def serve_in_background(self) -> threading.Thread:
+        thread = threading.Thread(target=self.httpd.serve_forever, name="json-server", daemon=True)
+        thread.start()
+        return thread
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+# ------------------------------------------------------------------------------------------ registry
+
+
+def register(run: Store, workflow: str, name: str, port: int) -> Registration:
+    """Write this server's registration (after it listens: a client may call it as soon as it reads this)."""
+    entry = Registration(
+        name=name,
+        address=f"{pod_ip()}:{port}",
+        instance=uuid.uuid4().hex,
+        run=run.url(""),
+        workflow=workflow,
+        pid=os.getpid(),
+        started=time.time(),
+    )
+    run.put_json(server_key(workflow, name), asdict(entry))
+    return entry
+
+
+def unregister(run: Store, entry: Registration) -> None:
+    """Remove the registration if it is still this instance's (a replacement may have written its own)."""
+    key = server_key(entry.workflow, entry.name)
+    try:
+        if run.get_json(key).get("instance") == entry.instance:
+            run.delete(key)
+    except (MoerlError, OSError, ValueError):
+        pass  # a stale registration is harmless: health checks leave it out
+
+
+def registrations(run: Store, workflow: str, kind: str = "") -> list[Registration]:
+    """The registrations of one Workflow's servers whose names start with `kind`, by name."""
+    found = []
+    for key in sorted(run.list(servers_prefix(workflow) + "/")):
+        name = key.rsplit("/", 1)[-1].removesuffix(".json")
+        if not name.startswith(kind):
+            continue
+        try:
+            found.append(Registration(**run.get_json(key)))
+        except (MoerlError, OSError, ValueError, TypeError):
+            continue  # being rewritten or removed right now: the next look sees it
+    return found
+
+
+def health(entry: Registration, timeout: float = HEALTH_TIMEOUT_S) -> dict[str, Any] | None:
+    """The server's /health if it answers as this registration's instance of this run, else None."""
+    try:
+        conn = entry.connection(timeout)
+        try:
+            conn.request("GET", "/health")
+            response = conn.getresponse()
+            body = json.loads(response.read())
+        finally:
+            conn.close()
+    except (OSError, ValueError, http.client.HTTPException):
+        return None
+    if response.status != 200 or body.get("instance") != entry.instance or body.get("run") != entry.run:
+        return None
+    return body
+
+
+def live_servers(run: Store, workflow: str, kind: str, ready: bool = True) -> list[Registration]:
+    """The registered servers of `kind` that answer as themselves (and, with `ready`, say they are ready)."""
+    out = []
+    for entry in registrations(run, workflow, kind):
+        state = health(entry)
+        if state is not None and (state.get("ready") or not ready):
+            out.append(entry)
+    return out
+
+
+def wait_for_servers(
+    run: Store, workflow: str, kind: str, wait_s: float, log: Callable[[str], None] = print
+) -> list[Registration]:
+    """Live, ready servers of `kind`, waiting up to wait_s for a first one; [] when none came."""
+    deadline = time.monotonic() + wait_s
+    said = False
+    while True:
+        found = live_servers(run, workflow, kind)
+        if found or time.monotonic() >= deadline:
+            return found
+        if not said:
+            log(f"waiting up to {wait_s:.0f}s for a ready {kind} server of workflow {workflow}")
+            said = True
+        time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+
+
+def call(entry: Registration, operation: str, body: dict[str, Any], timeout: float = REQUEST_TIMEOUT_S) -> dict:
+    """POST one operation and return its answer; MoerlError for a refused request, ServerLost otherwise."""
+    data = json.dumps(body).encode()
+    try:
+        conn = entry.connection(timeout)
+        try:
+            conn.request("POST", f"/{operation}", body=data, headers={"Content-Type": "application/json"})
+            response = conn.getresponse()
+            answer = json.loads(response.read())
+        finally:
+            conn.close()
+    except (OSError, ValueError, http.client.HTTPException) as err:  # a timeout is an OSError
+        raise ServerLost(f"server {entry.name} at {entry.address}: {type(err).__name__}: {err}") from err
+    if response.status == 400:
+        raise MoerlError(f"server {entry.name} refused {operation}: {answer.get('error')}")
+    if response.status != 200:
+        raise ServerLost(f"server {entry.name} at {entry.address} failed {operation}: {answer.get('error')}")
+    return answer
