@@ -87,7 +87,7 @@ sys.path.insert(0, sys.argv[1])
 import steps.sglang_engine as se
 from steps.generation import GenerationRequest, SamplingParams
 from steps.sglang_engine import SGLangSettings
-from steps.rollout import EXIT_PREEMPTED, Preempted, Preemption
+from steps.rollout_chunks import EXIT_PREEMPTED, Preempted, Preemption
 se.sglang_unavailable_reason = lambda: None  # the fake needs no GPU
 preemption = Preemption()
 preemption.install()  # as steps.rollout's main does, before the engine starts

@@ -1,0 +1,125 @@
+"""A rollout server's work: one engine, one policy version at a time, chunks generated on request.
+
+A `chunk` request names the run, the iteration, the chunk and the policy version that must generate it. The
+server refuses a request for another run, or for a version the iteration does not sample from; otherwise it
+brings its engine to that version (in place, from the run store: steps/weight_sync.py), generates the chunk
+and writes it, exactly as a rollout step would, and answers with what it did. It never answers with samples
+of another version than the one asked for: the version check happens before the engine is touched, and the
+chunk's rows carry the version that generated them.
+
+Progress (for Argo's UI and `moerl local --chaos`, steps/progress.py) counts each request as two units,
+generated and written, over the requests received so far: a struck server stops between the two, with the
+chunk generated and not written, which is the worst moment to lose it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import asdict
+from typing import Any
+
+from steps import checkpoint, progress
+from steps.errors import MoerlError
+from steps.experience import load_run_config
+from steps.generation import Engine
+from steps.rollout_chunks import IterationRollout, engine_settings, open_engine
+from steps.store import Store
+
+
+class RolloutService:
+    def __init__(self, run: Store, name: str, device: str = "cpu", log: Callable[[str], None] = print) -> None:
+        self.run = run
+        self.name = name
+        self.device = device
+        self.log = log
+        self.cfg = load_run_config(run)
+        self.engine: Engine | None = None
+        self.version: int | None = None  # the policy version the engine holds
+        self.instance = ""  # set by the step once registered
+        self.stopping = threading.Event()  # SIGTERM: the request in flight stops between decode steps
+        self._iterations: dict[int, IterationRollout] = {}
+        self._received = 0
+        self._done = 0
+
+    # ------------------------------------------------------------------------------- state
+
+    def start(self) -> None:
+        """Open the engine on the newest published version: a server is ready once its engine is."""
+        version = checkpoint.latest_version(self.run)
+        if version is None:
+            raise MoerlError(f"{self.run.url('')}: no published version yet; the server starts after import-sft")
+        self.engine = open_engine(
+            self.cfg.rollout.engine, checkpoint.fetch(self.run, version), self.device, engine_settings(self.cfg)
+        )
+        self.version = version
+        self.log(f"{self.name}: {self.cfg.rollout.engine} engine ready with v{version:06d}")
+
+    def health(self) -> dict[str, Any]:
+        return {
+            "run": self.run.url(""),
+            "instance": self.instance,
+            "ready": self.engine is not None and not self.stopping.is_set(),
+            "version": self.version,
+            "requests": self._done,
+        }
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
+
+    def bring_to(self, version: int) -> None:
+        """Make the engine hold `version`: nothing when it does, else its weights are replaced."""
+        if self.version == version:
+            return
+        assert self.engine is not None
+        model_dir = checkpoint.fetch(self.run, version)
+        self.engine.close()  # until the in-place update: a new engine on the new version's weights
+        self.engine = open_engine(self.cfg.rollout.engine, model_dir, self.device, engine_settings(self.cfg))
+        self.log(f"{self.name}: v{self.version:06d} -> v{version:06d} (new engine)")
+        self.version = version
+
+    # ------------------------------------------------------------------------------- requests
+
+    def _iteration(self, iteration: int) -> IterationRollout:
+        if iteration not in self._iterations:
+            self._iterations = {iteration: IterationRollout.open(self.run, iteration, self.cfg)} | {
+                k: v for k, v in self._iterations.items() if k > iteration - 2
+            }
+        return self._iterations[iteration]
+
+    def chunk(self, request: dict[str, Any]) -> dict[str, Any]:
+        """The `chunk` operation: {run, iteration, chunk, policy_version} -> what was done."""
+        if request.get("run") != self.run.url(""):
+            raise MoerlError(f"request for run {request.get('run')!r}: this server serves {self.run.url('')}")
+        try:
+            iteration, chunk, version = (int(request[k]) for k in ("iteration", "chunk", "policy_version"))
+        except (KeyError, TypeError, ValueError) as err:
+            raise MoerlError(f"chunk request {request}: needs integer iteration, chunk, policy_version") from err
+        work = self._iteration(iteration)
+        work.check_version(version, flag="policy_version")
+        if not 0 <= chunk < work.plan.num_chunks:
+            raise MoerlError(f"chunk {chunk}: iteration {iteration} has chunks 0..{work.plan.num_chunks - 1}")
+        self._received += 1
+        progress.report(2 * self._done, 2 * self._received)
+        answer: dict[str, Any] = {"chunk": chunk, "policy_version": version, "server": self.name}
+        if work.finished([chunk]):  # a retried request whose chunk another attempt wrote
+            self._done += 1
+            progress.report(2 * self._done, 2 * self._received)
+            return answer | {"generated": False}
+        self.bring_to(version)
+        assert self.engine is not None
+        stats = work.generate(
+            self.engine,
+            chunk,
+            should_stop=self.stopping.is_set,
+            before_write=lambda: progress.report(2 * self._done + 1, 2 * self._received),
+        )
+        self._done += 1
+        progress.report(2 * self._done, 2 * self._received)
+        self.log(
+            f"{self.name}: iteration {iteration} chunk {chunk:06d} with v{version:06d}: {stats.samples} samples, "
+            f"{stats.tokens} tokens in {stats.seconds:.1f}s"
+        )
+        return answer | {"generated": True} | asdict(stats)
