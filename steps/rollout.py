@@ -150,7 +150,7 @@ def send_to_servers(
     server = servers[shard % len(servers)]
     log(f"{where}: sending its chunks to {server.name} at {server.address}")
     result.servers = [server.name]
-    request = {"run": work.run.url(""), "iteration": work.iteration, "policy_version": work.version}
+    request = {"run": work.run.uri, "iteration": work.iteration, "policy_version": work.version}
     for done, chunk in enumerate(todo, start=finished + 1):
         answer = serving.call(server, "chunk", request | {"chunk": chunk})
         if answer.get("policy_version") != work.version or answer.get("chunk") != chunk:

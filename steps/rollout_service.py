@@ -48,7 +48,7 @@ class RolloutService:
         """Open the engine on the newest published version: a server is ready once its engine is."""
         version = checkpoint.latest_version(self.run)
         if version is None:
-            raise MoerlError(f"{self.run.url('')}: no published version yet; the server starts after import-sft")
+            raise MoerlError(f"{self.run.uri}: no published version yet; the server starts after import-sft")
         self.engine = open_engine(
             self.cfg.rollout.engine, checkpoint.fetch(self.run, version), self.device, engine_settings(self.cfg)
         )
@@ -57,7 +57,7 @@ class RolloutService:
 
     def health(self) -> dict[str, Any]:
         return {
-            "run": self.run.url(""),
+            "run": self.run.uri,
             "instance": self.instance,
             "ready": self.engine is not None and not self.stopping.is_set(),
             "version": self.version,
@@ -91,8 +91,8 @@ class RolloutService:
 
     def chunk(self, request: dict[str, Any]) -> dict[str, Any]:
         """The `chunk` operation: {run, iteration, chunk, policy_version} -> what was done."""
-        if request.get("run") != self.run.url(""):
-            raise MoerlError(f"request for run {request.get('run')!r}: this server serves {self.run.url('')}")
+        if request.get("run") != self.run.uri:
+            raise MoerlError(f"request for run {request.get('run')!r}: this server serves {self.run.uri}")
         try:
             iteration, chunk, version = (int(request[k]) for k in ("iteration", "chunk", "policy_version"))
         except (KeyError, TypeError, ValueError) as err:

@@ -150,7 +150,7 @@ def register(run: Store, workflow: str, name: str, port: int) -> Registration:
         name=name,
         address=f"{pod_ip()}:{port}",
         instance=uuid.uuid4().hex,
-        run=run.url(""),
+        run=run.uri,
         workflow=workflow,
         pid=os.getpid(),
         started=time.time(),
