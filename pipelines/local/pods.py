@@ -649,6 +649,7 @@ def _probe(probe: dict, cwd: Path, env: dict[str, str]) -> bool:
             return False
     if probe.get("exec"):
         argv = [str(a) for a in probe["exec"].get("command") or []]
+        argv[:1] = [host_program(argv[0])] if argv else []  # the image's python is this one, as for the command
         try:
             done = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, timeout=timeout, check=False)
         except (OSError, subprocess.TimeoutExpired):

@@ -40,9 +40,18 @@ class Slots:
     iteration: str
     shard: str
     policy_version: str
+    server: str | None = None  # a rollout server's index
+    workflow: str | None = None  # the Workflow's name, where an orchestrator runs long-lived servers
 
 
-ARGO = Slots("{{inputs.parameters.iteration}}", "{{inputs.parameters.shard}}", "{{inputs.parameters.policy-version}}")
+ARGO = Slots(
+    "{{inputs.parameters.iteration}}",
+    "{{inputs.parameters.shard}}",
+    "{{inputs.parameters.policy-version}}",
+    server="{{inputs.parameters.server}}",
+    workflow="{{workflow.name}}",
+)
+# KFP has no daemon tasks: its rollout steps open engines of their own (rollout.servers is Argo's).
 KFP = Slots("{iteration}", "{shard}", "{policy_version}")
 
 
@@ -57,6 +66,7 @@ STEP_KINDS: dict[str, StepKind] = {
     "plan": StepKind("steps.plan", "control", "cpu"),
     "import-sft": StepKind("steps.import_sft", "control", "cpu"),
     "rollout": StepKind("steps.rollout", "rollout", "rollout"),
+    "rollout-server": StepKind("steps.rollout_server", "rollout", "rollout"),
     "score": StepKind("steps.score", "score", "cpu"),
     "update": StepKind("steps.update", "trainer", "trainer"),
     "publish": StepKind("steps.publish", "control", "cpu"),
@@ -121,16 +131,38 @@ def _args(cfg: RunConfig, kind: str, at: Slots, first: int, last: int) -> list[s
     if kind == "import-sft":
         return flags(src=cfg.sft_checkpoint, run=run, run_config_json=config_json(cfg))
     if kind == "rollout":
-        return flags(
-            run=run,
-            iteration=at.iteration,
-            shard=at.shard,
-            num_shards=cfg.rollout.num_shards,
-            policy_version=at.policy_version,
+        served = flags(workflow=at.workflow) if rollout_served(cfg, at) else []
+        return (
+            flags(
+                run=run,
+                iteration=at.iteration,
+                shard=at.shard,
+                num_shards=cfg.rollout.num_shards,
+                policy_version=at.policy_version,
+            )
+            + served
         )
+    if kind == "rollout-server":
+        return flags(run=run, workflow=at.workflow, name=rollout_server_name(at.server))
     if kind == "report":
         return flags(run=run, out=REPORT_OUT)
     return flags(run=run, iteration=at.iteration)  # score, publish
+
+
+def rollout_served(cfg: RunConfig, at: Slots) -> bool:
+    """Whether the rollout steps send their chunks to long-lived servers (Argo, rollout.servers > 0)."""
+    return cfg.rollout.servers > 0 and at.workflow is not None
+
+
+def rollout_server_name(index: object) -> str:
+    """The name of rollout server `index`: its DAG task's and its registration's (steps/rollout.py finds
+    its Workflow's servers by this prefix)."""
+    return f"rollout-server-{index}"
+
+
+def server_probe(cfg: RunConfig, name: str, at: Slots = ARGO) -> list[str]:
+    """A long-lived server's readinessProbe command (exec): ready once registered and answering as ready."""
+    return python_step("steps.server_probe") + flags(run=cfg.run_store, workflow=at.workflow, server=name)
 
 
 def step_command(
@@ -147,6 +179,8 @@ def step_command(
             raise ValueError("a multi-node update has no container of its own: see pytorchjob_launcher_command")
         return StepCommand(step.role, image, ["torchrun"], torchrun_args(cfg, at.iteration) + flags(**more))
     args = _args(cfg, kind, at, first, cfg.iterations if last is None else last)
+    if kind == "rollout" and rollout_served(cfg, at):  # a client: no engine, no GPU; on-demand CPU nodes
+        return StepCommand("control", cfg.images.cpu, python_step(step.module), args + flags(**more))
     return StepCommand(step.role, image, python_step(step.module), args + flags(**more))
 
 

@@ -29,6 +29,7 @@ PLAN = "plan"
 IMPORT_SFT = "import-sft"
 NEXT_SEGMENT = "next-segment"
 REPORT = "report"
+ROLLOUT_SERVER = "rollout-server"  # the template of a segment's long-lived rollout servers (rollout.servers)
 STEPS = ("rollout", "score", "update", "publish")
 
 

@@ -8,6 +8,10 @@ node got before it went away:
     Failed  "The node was low on resource: memory. ..."           kubelet eviction while the node drains
     Failed  exit code 143 (SIGTERM) or 137 (SIGKILL)              the container was stopped mid-run
 
+A client of a long-lived server (a rollout step sending its chunks to a rollout server) whose server was lost
+mid-request exits with 75 (steps/serving.py EXIT_SERVER_LOST): that is a reclaim one hop away, retried the
+same way wherever the client runs, so that the retry reaches another server or the replacement.
+
 A step that fails by itself (a bug, a bad input: exit 1, or 2 for a MoerlError) fails the same way on any
 node, so retrying it only burns the retry budget and hides the message: it is not retried.
 `retryPolicy: Always` lets the expression see Failed as well as Error attempts; `nodeAntiAffinity` sends
@@ -20,13 +24,16 @@ from hera.workflows import RetryStrategy
 from hera.workflows.models import Backoff, RetryAffinity, RetryNodeAntiAffinity
 
 from steps.run_config import Retry
+from steps.serving import EXIT_SERVER_LOST
 
 # Argo evaluates this with expr-lang over lastRetry.{status,exitCode,message,duration}; exitCode is a string.
 SPOT_RETRY_EXPRESSION = (
     'lastRetry.status == "Error" || (lastRetry.status == "Failed" && ('
     'lastRetry.message matches "imminent node shutdown|low on resource" || '
-    'lastRetry.exitCode in ["137", "143"]))'
+    f'lastRetry.exitCode in ["137", "143", "{EXIT_SERVER_LOST}"]))'
 )
+# An on-demand client of a server: Argo's errors and a lost server.
+CLIENT_RETRY_EXPRESSION = f'lastRetry.status == "Error" || lastRetry.exitCode == "{EXIT_SERVER_LOST}"'
 
 
 def _backoff(retry: Retry) -> Backoff:
@@ -50,5 +57,16 @@ def on_demand_retry(retry: Retry) -> RetryStrategy:
     return RetryStrategy(limit=retry.limit, retry_policy="OnError", backoff=_backoff(retry))
 
 
-def retry_for(retry: Retry, spot: bool) -> RetryStrategy:
-    return spot_retry(retry) if spot else on_demand_retry(retry)
+def client_retry(retry: Retry) -> RetryStrategy:
+    """Retry what Argo calls an error and a lost server (exit 75), never another failure."""
+    return RetryStrategy(
+        limit=retry.limit, retry_policy="Always", expression=CLIENT_RETRY_EXPRESSION, backoff=_backoff(retry)
+    )
+
+
+def retry_for(retry: Retry, spot: bool, client: bool = False) -> RetryStrategy:
+    """The retryStrategy of a pod of a role (its retries and whether it is on Spot); `client`: it calls a
+    long-lived server."""
+    if spot:
+        return spot_retry(retry)
+    return client_retry(retry) if client else on_demand_retry(retry)

@@ -14,10 +14,14 @@ from hera.workflows import DAG, Artifact, Container, NoneArchiveStrategy, Parame
 from hera.workflows.models import (
     Affinity,
     EnvVar,
+    EnvVarSource,
+    ExecAction,
     Gauge,
     MetricLabel,
     Metrics,
+    ObjectFieldSelector,
     PodSecurityContext,
+    Probe,
     Prometheus,
     ResourceRequirements,
     SecurityContext,
@@ -30,7 +34,17 @@ from hera.workflows.models import (
 
 from pipelines.workflow import graph, pytorchjob
 from pipelines.workflow import placement as pl
-from pipelines.workflow.commands import ARGO, PLAN_OUT, REPORT_OUT, SCORE_METRICS_PATH, StepCommand, step_command
+from pipelines.workflow.commands import (
+    ARGO,
+    PLAN_OUT,
+    REPORT_OUT,
+    SCORE_METRICS_PATH,
+    StepCommand,
+    rollout_served,
+    rollout_server_name,
+    server_probe,
+    step_command,
+)
 from pipelines.workflow.retry import retry_for
 from pipelines.workflow.wait import PARENT_LABEL
 from steps.progress import PROGRESS_ANNOTATION
@@ -42,6 +56,7 @@ ITERATION = ARGO.iteration
 SCORE_METRIC_KEYS = {"reward_mean": "moerl_reward_mean", "accuracy": "moerl_accuracy"}
 MAIN = "main"
 CRON_LABEL = "workflows.argoproj.io/cron-workflow"  # what Argo's cron controller puts on its Workflows
+POD_IP = EnvVarSource(field_ref=ObjectFieldSelector(field_path="status.podIP"))  # where a server is reached
 
 
 def _step_container(
@@ -52,10 +67,12 @@ def _step_container(
     inputs: list[Parameter] | None = None,
     iteration: str | None = None,
     reports_progress: bool = False,
+    retries: str | None = None,
     **extra: object,
 ) -> Container:
     """A container template placed, labelled and retried as its role says; `reports_progress`: its step
-    writes N/M to $ARGO_PROGRESS_FILE (steps/progress.py), and its pod starts at 0/1."""
+    writes N/M to $ARGO_PROGRESS_FILE (steps/progress.py), and its pod starts at 0/1. `retries`: the role
+    whose retry budget a client of a server spends (placed as its own role, retried as that one's)."""
     role = step.role
     p = cfg.placement[role]
     res = pl.resources(p)
@@ -72,7 +89,7 @@ def _step_container(
         affinity=Affinity.model_validate(affinity) if (affinity := pl.node_affinity(cfg, role)) else None,
         tolerations=[Toleration(**t) for t in pl.tolerations(p)] or None,
         priority_class_name=p.priority_class,
-        retry_strategy=retry_for(cfg.retries[role], p.spot),
+        retry_strategy=retry_for(cfg.retries[retries or role], p.spot, client=retries is not None),
         labels=pl.labels(cfg, name, iteration),
         annotations=annotations or None,
         volumes=[Volume.model_validate(v) for v in pl.volumes(p)],
@@ -105,9 +122,34 @@ def import_sft_template(cfg: RunConfig) -> Container:
 
 
 def rollout_template(cfg: RunConfig) -> Container:
+    """A rollout shard: with rollout.servers, a client on a CPU node that sends its chunks to the servers and
+    is retried, with the rollout's budget, when its server is lost."""
     inputs = [Parameter(name="iteration"), Parameter(name="shard"), Parameter(name="policy-version")]
     step = step_command(cfg, "rollout")
-    return _step_container(cfg, "rollout", step, inputs=inputs, iteration=ITERATION, reports_progress=True)
+    retries = "rollout" if rollout_served(cfg, ARGO) else None
+    return _step_container(
+        cfg, "rollout", step, inputs=inputs, iteration=ITERATION, reports_progress=True, retries=retries
+    )
+
+
+def rollout_server_template(cfg: RunConfig) -> Container:
+    """A rollout server: a daemon on the rollout pool (Spot), ready once its engine is (an exec probe, as
+    it listens on a port of the system's choosing), retried as a rollout pod is when it is reclaimed."""
+    step = step_command(cfg, graph.ROLLOUT_SERVER)
+    name = rollout_server_name(ARGO.server)
+    probe = Probe(
+        exec=ExecAction(command=server_probe(cfg, name)), period_seconds=5, timeout_seconds=10, failure_threshold=1
+    )
+    return _step_container(
+        cfg,
+        graph.ROLLOUT_SERVER,
+        step,
+        inputs=[Parameter(name="server")],
+        reports_progress=True,
+        daemon=True,
+        readiness_probe=probe,
+        env=[*(EnvVar(**e) for e in pl.env()), EnvVar(name="POD_IP", value_from=POD_IP)],
+    )
 
 
 def score_metrics(cfg: RunConfig) -> Metrics:
@@ -249,17 +291,29 @@ def next_segment_templates(cfg: RunConfig, next_template: str, segment_index: in
             sub_steps=[
                 Step(name="cron", template=NEXT_SEGMENT_CRON),
                 [
-                    Step(name="owned", template=NEXT_SEGMENT_OWNED, when=f"'{found}' != ''",
-                         arguments={CRON_UID: found}),  # fmt: skip
+                    Step(
+                        name="owned", template=NEXT_SEGMENT_OWNED, when=f"'{found}' != ''", arguments={CRON_UID: found}
+                    ),  # fmt: skip
                     Step(name="alone", template=NEXT_SEGMENT_ALONE, when=f"'{found}' == ''"),
                 ],
             ],
         ),
         # --ignore-not-found: no cron, empty output, and Argo gives the output parameter its default
-        Resource(name=NEXT_SEGMENT_CRON, action="get", flags=["--ignore-not-found"],
-                 manifest=yaml.safe_dump(cron, sort_keys=False), outputs=[uid], retry_strategy=retry),  # fmt: skip
-        Resource(name=NEXT_SEGMENT_OWNED, action="create", manifest=workflow(True),
-                 inputs=[Parameter(name=CRON_UID)], retry_strategy=retry),  # fmt: skip
+        Resource(
+            name=NEXT_SEGMENT_CRON,
+            action="get",
+            flags=["--ignore-not-found"],
+            manifest=yaml.safe_dump(cron, sort_keys=False),
+            outputs=[uid],
+            retry_strategy=retry,
+        ),  # fmt: skip
+        Resource(
+            name=NEXT_SEGMENT_OWNED,
+            action="create",
+            manifest=workflow(True),
+            inputs=[Parameter(name=CRON_UID)],
+            retry_strategy=retry,
+        ),  # fmt: skip
         Resource(name=NEXT_SEGMENT_ALONE, action="create", manifest=workflow(False), retry_strategy=retry),
     ]
 
@@ -291,7 +345,27 @@ def main_dag(cfg: RunConfig, segment: graph.Segment) -> DAG:
                 with_sequence=shards,
             )
         )
-    return DAG(name=MAIN, tasks=tasks)
+    return DAG(name=MAIN, tasks=server_tasks(cfg, segment, latest) + tasks)
+
+
+def server_tasks(cfg: RunConfig, segment: graph.Segment, latest: str) -> list[Task]:
+    """The segment's rollout servers: daemons from the start of the segment (once v000000 exists) to its end,
+    when Argo stops them; none when the segment has nothing left to do. No task depends on them: the rollout
+    steps find them through the run store (a replacement's address is new). A server whose retries are spent
+    fails the run, as its clients could not finish either."""
+    if not rollout_served(cfg, ARGO):
+        return []
+    start = graph.IMPORT_SFT if segment.is_first else graph.PLAN
+    return [
+        Task(
+            name=rollout_server_name(k),
+            template=graph.ROLLOUT_SERVER,
+            depends=start,
+            when=f"{latest} < {segment.last}",
+            arguments={"server": str(k)},
+        )
+        for k in range(cfg.rollout.servers)
+    ]
 
 
 def templates(cfg: RunConfig, segment: graph.Segment, next_template: str | None) -> list:
@@ -299,6 +373,7 @@ def templates(cfg: RunConfig, segment: graph.Segment, next_template: str | None)
     if segment.is_first:
         out.append(import_sft_template(cfg))
     out += [
+        *([rollout_server_template(cfg)] if rollout_served(cfg, ARGO) else []),
         rollout_template(cfg),
         score_template(cfg),
         update_template(cfg),
