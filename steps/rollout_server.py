@@ -28,6 +28,10 @@ from steps.rollout_chunks import EXIT_PREEMPTED
 from steps.rollout_service import RolloutService
 from steps.store import Store
 
+# How long a stopping server waits for the request in flight: it stops between two decode steps, so this
+# only bounds a chunk write under way; Kubernetes' grace period (30 s by default) is longer.
+DRAIN_SECONDS = 10.0
+
 
 def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m steps.rollout_server", description=__doc__.splitlines()[0])
@@ -61,6 +65,7 @@ def main() -> int:
         stop.wait()
     finally:
         serving.unregister(run, entry)
+        server.drain(DRAIN_SECONDS)
         server.close()
         service.close()
     log(f"{args.name}: SIGTERM: stopped after {service.health()['requests']} requests")

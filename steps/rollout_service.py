@@ -22,8 +22,9 @@ from typing import Any
 from steps import checkpoint, progress
 from steps.errors import MoerlError
 from steps.experience import load_run_config
-from steps.generation import Engine
+from steps.generation import Engine, GenerationInterrupted
 from steps.rollout_chunks import IterationRollout, engine_settings, open_engine
+from steps.serving import Unavailable
 from steps.store import Store
 
 
@@ -110,12 +111,15 @@ class RolloutService:
             return answer | {"generated": False}
         self.bring_to(version)
         assert self.engine is not None
-        stats = work.generate(
-            self.engine,
-            chunk,
-            should_stop=self.stopping.is_set,
-            before_write=lambda: progress.report(2 * self._done + 1, 2 * self._received),
-        )
+        try:
+            stats = work.generate(
+                self.engine,
+                chunk,
+                should_stop=self.stopping.is_set,
+                before_write=lambda: progress.report(2 * self._done + 1, 2 * self._received),
+            )
+        except GenerationInterrupted as err:
+            raise Unavailable(f"{self.name} is stopping: chunk {chunk} not generated ({err})") from err
         self._done += 1
         progress.report(2 * self._done, 2 * self._received)
         self.log(

@@ -44,6 +44,11 @@ class ServerLost(Exception):
     """The server stopped answering before it finished the request."""
 
 
+class Unavailable(Exception):
+    """Raised by an operation that the server cannot finish now (it is stopping): answered 503, which the
+    client takes for a lost server."""
+
+
 @dataclass(frozen=True)
 class Registration:
     name: str  # the server's name in its Workflow: rollout-server-0, trainer
@@ -124,6 +129,9 @@ class JsonServer:
                     except MoerlError as err:
                         self._answer(400, {"error": str(err)})
                         return
+                    except Unavailable as err:
+                        self._answer(503, {"error": str(err)})
+                        return
                     except Exception as err:  # noqa: BLE001 - the client must hear of it; the server serves on
                         self._answer(500, {"error": f"{type(err).__name__}: {err}"})
                         return
@@ -135,6 +143,13 @@ class JsonServer:
         thread = threading.Thread(target=self.httpd.serve_forever, name="json-server", daemon=True)
         thread.start()
         return thread
+
+    def drain(self, timeout: float) -> bool:
+        """Wait up to `timeout` for the operation in flight to answer (it stops early once told to)."""
+        if self._lock.acquire(timeout=timeout):
+            self._lock.release()
+            return True
+        return False
 
     def close(self) -> None:
         self.httpd.shutdown()
