@@ -526,3 +526,37 @@ def test_plain_log_lines_and_the_live_tree(tmp_path):
     # the failed pod (continueOn) is not done: Argo's progress counts it 0/1 (workflow/progress/updater.go)
     assert f"{result.name} Succeeded" in text and "1/2 pods" in text
     assert "✔ good" in text and "✖ bad" in text and "main: Error (exit code 4)" in text
+
+
+# A process that leaves its pod's process group and session (as torchrun's workers do) and records its pid.
+ESCAPE = (
+    "python3 -c 'import subprocess, sys; "
+    'p = subprocess.Popen(["sleep", "300"], start_new_session=True); '
+    'open(sys.argv[1], "w").write(str(p.pid))\' {where}; {then}'
+)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.parametrize("end", ["exits", "is killed at its deadline"])
+def test_a_pods_end_ends_every_process_of_its_container_in_a_session_of_its_own_too(tmp_path, end):
+    """A container's processes end with it (the kubelet kills its cgroup), also those in a session of their
+    own, such as torchrun's workers, and those whose parent ended first."""
+    where = tmp_path / "escaped.pid"
+    then = "exit 0" if end == "exits" else "sleep 30"
+    deadline = {} if end == "exits" else {"activeDeadlineSeconds": 1}
+    manifest = workflow(
+        [
+            {"name": "main", "steps": [[step("leaky", "leaky")]]},
+            sh("leaky", ESCAPE.format(where=where, then=then), **deadline),
+        ]  # fmt: skip
+    )
+    result, nodes = run(manifest, tmp_path)
+    assert nodes["leaky"]["phase"] == ("Succeeded" if end == "exits" else "Failed")
+    assert not _alive(int(where.read_text()))

@@ -433,13 +433,22 @@ class Pod:
         code = self.process.poll()
         if code is None:
             return None
-        try:  # a container ends with its main process: whatever it left running goes with it
-            os.killpg(self.process.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+        # A container ends with its main process: whatever it left running goes with it.
+        self._signal_container(signal.SIGKILL)
         self._close_exit_fd()
         self.outcome = self._finish(128 - code if code < 0 else code)
         return self.outcome
+
+    def _signal_container(self, sig: int) -> None:
+        """`sig` to the pod's process group and to every process started in its container, wherever it went:
+        torchrun starts each worker in a session of its own, and a process whose parent died is the init's."""
+        assert self.process is not None
+        groups = {self.process.pid, *(_pgid(pid) for pid in container_processes(self.plan.env))}
+        for pgid in groups - {0, os.getpgrp()}:  # never the executor's own group
+            try:
+                os.killpg(pgid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
 
     def stopped_at_strike(self) -> int | None:
         """The pid that wrote the strike marker (steps/progress.py), once that process has stopped itself."""
@@ -495,10 +504,13 @@ class Pod:
     def _signal(self, sig: int) -> None:
         if self.process is None or self.process.returncode is not None:
             return
-        try:
-            os.killpg(self.process.pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
+        if sig == signal.SIGKILL:  # the kubelet's SIGKILL ends every process of the container
+            self._signal_container(sig)
+        else:
+            try:
+                os.killpg(self.process.pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
         if self.struck_pid is not None:
             for each in (sig, signal.SIGCONT):  # a stopped process takes a SIGTERM only once it runs again
                 try:
@@ -625,6 +637,30 @@ def read_progress(pod_dir: Path) -> tuple[int, int] | None:
     if not sep or not done.isdigit() or not total.isdigit() or not 0 <= int(done) <= int(total) or int(total) == 0:
         return None
     return int(done), int(total)
+
+
+def container_processes(pod_env: dict[str, str]) -> list[int]:
+    """The processes started in a pod's container: those whose environment carries its sandbox (each pod's
+    own MOERL_LOCAL_SANDBOX), as a cgroup holds a container's processes. A pod started as a fork of the warm
+    server does not show it (a fork's /proc environ is its parent's); its process group does."""
+    tag = f"MOERL_LOCAL_SANDBOX={pod_env.get('MOERL_LOCAL_SANDBOX', '')}".encode()
+    if tag.endswith(b"="):
+        return []
+    found = []
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            if tag in environ.read_bytes().split(b"\0"):
+                found.append(int(environ.parent.name))
+        except (OSError, ValueError):
+            continue  # ended meanwhile, or another user's
+    return found
+
+
+def _pgid(pid: int) -> int:
+    try:
+        return os.getpgid(pid)
+    except (ProcessLookupError, PermissionError):
+        return 0
 
 
 def _probe(probe: dict, cwd: Path, env: dict[str, str]) -> bool:
