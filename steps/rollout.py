@@ -40,10 +40,11 @@ from steps.rollout_chunks import (
     engine_settings,
     open_engine,
 )
+from steps.run_store import rollout_server_name
 from steps.store import Store
 
 __all__ = ["EXIT_PREEMPTED", "Preempted", "Preemption", "ShardResult", "rollout_shard"]
-SERVER_KIND = "rollout-server-"  # the rollout servers' names: rollout-server-0, rollout-server-1, ...
+SERVER_KIND = rollout_server_name("")  # the prefix of the rollout servers' names
 
 
 @dataclass
@@ -137,17 +138,21 @@ def send_to_servers(
     work: IterationRollout, workflow: str, shard: int, todo: list[int], finished: int, total: int,
     result: ShardResult, log: Callable[[str], None], where: str,
 ) -> None:  # fmt: skip
-    """The chunks sent, one request each, to one of the Workflow's live rollout servers (shard K to the K-th
-    of those that answer, by name). A server lost mid-request raises ServerLost: the step exits with
-    EXIT_SERVER_LOST and its retry sends the chunks left to the servers alive then."""
-    servers = serving.wait_for_servers(work.run, workflow, SERVER_KIND, work.cfg.rollout.server_wait_s, log)
+    """The chunks sent, one request each, to rollout server K mod rollout.servers, or to its replacement (a
+    retry of its daemon registers under its name); when it is not up within rollout.server_wait_s, to any
+    live server. A server lost mid-request raises ServerLost: the step exits with EXIT_SERVER_LOST and its
+    retry sends the chunks left to the server alive then."""
+    run, wait_s = work.run, work.cfg.rollout.server_wait_s
+    mine = rollout_server_name(shard % work.cfg.rollout.servers)
+    servers = serving.wait_for_servers(run, workflow, mine, wait_s, log, exact=True)
+    servers = servers or serving.live_servers(run, workflow, SERVER_KIND)
     if not servers:
         raise serving.ServerLost(
-            f"no rollout server of workflow {workflow} answered within rollout.server_wait_s="
-            f"{work.cfg.rollout.server_wait_s:.0f}s (their pods: the Workflow's rollout-server-K tasks; "
-            "`argo retry` does not restart daemons, argoproj/argo-workflows#13484: resubmit the run instead)"
+            f"no rollout server of workflow {workflow} answered within rollout.server_wait_s={wait_s:.0f}s "
+            f"(their pods: the Workflow's {SERVER_KIND}K tasks; `argo retry` does not restart daemons, "
+            "argoproj/argo-workflows#13484: resubmit the run instead)"
         )
-    server = servers[shard % len(servers)]
+    server = servers[0]
     log(f"{where}: sending its chunks to {server.name} at {server.address}")
     result.servers = [server.name]
     request = {"run": work.run.uri, "iteration": work.iteration, "policy_version": work.version}

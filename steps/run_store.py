@@ -133,6 +133,11 @@ def server_key(workflow: str, server: str) -> str:
     return f"{servers_prefix(workflow)}/{server}.json"
 
 
+def rollout_server_name(index: object) -> str:
+    """Rollout server `index`'s name: its Workflow task's and its registration's (rollout-server-0, ...)."""
+    return f"rollout-server-{index}"
+
+
 REPORT_PREFIX = "report"
 REPORT_MD = "report.md"  # the metrics table, also under the report step's --out DIR
 REPORT_PNG = "report.png"  # the reward/accuracy curve

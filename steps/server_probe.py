@@ -23,8 +23,7 @@ def main() -> int:
     parser.add_argument("--workflow", required=True, help="the server's Workflow")
     parser.add_argument("--server", required=True, help="the server's name: rollout-server-K, trainer")
     args = parser.parse_args()
-    ready = serving.live_servers(Store.open(args.run), args.workflow, args.server)
-    return 0 if any(entry.name == args.server for entry in ready) else 1
+    return 0 if serving.live_servers(Store.open(args.run), args.workflow, args.server, exact=True) else 1
 
 
 if __name__ == "__main__":

@@ -215,10 +215,13 @@ def health(entry: Registration, timeout: float = HEALTH_TIMEOUT_S) -> dict[str, 
     return body
 
 
-def live_servers(run: Store, workflow: str, kind: str, ready: bool = True) -> list[Registration]:
-    """The registered servers of `kind` that answer as themselves (and, with `ready`, say they are ready)."""
+def live_servers(run: Store, workflow: str, kind: str, ready: bool = True, exact: bool = False) -> list[Registration]:
+    """The registered servers of `kind` (a name prefix; `exact`: the name) that answer as themselves (and,
+    with `ready`, say they are ready)."""
     out = []
     for entry in registrations(run, workflow, kind):
+        if exact and entry.name != kind:
+            continue
         state = health(entry)
         if state is not None and (state.get("ready") or not ready):
             out.append(entry)
@@ -226,13 +229,13 @@ def live_servers(run: Store, workflow: str, kind: str, ready: bool = True) -> li
 
 
 def wait_for_servers(
-    run: Store, workflow: str, kind: str, wait_s: float, log: Callable[[str], None] = print
+    run: Store, workflow: str, kind: str, wait_s: float, log: Callable[[str], None] = print, exact: bool = False
 ) -> list[Registration]:
-    """Live, ready servers of `kind`, waiting up to wait_s for a first one; [] when none came."""
+    """Live, ready servers of `kind` (as live_servers), waiting up to wait_s for a first one; [] when none came."""
     deadline = time.monotonic() + wait_s
     said = False
     while True:
-        found = live_servers(run, workflow, kind)
+        found = live_servers(run, workflow, kind, exact=exact)
         if found or time.monotonic() >= deadline:
             return found
         if not said:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from pipelines.workflow import graph
 from steps.run_config import RunConfig
+from steps.run_store import rollout_server_name
 
 # The files each step writes for its orchestrator to read back (Argo output parameters and artifacts). They
 # lie on the pods' /tmp emptyDir (placement.py), where Argo's executor can read them under a read-only root.
@@ -152,12 +153,6 @@ def _args(cfg: RunConfig, kind: str, at: Slots, first: int, last: int) -> list[s
 def rollout_served(cfg: RunConfig, at: Slots) -> bool:
     """Whether the rollout steps send their chunks to long-lived servers (Argo, rollout.servers > 0)."""
     return cfg.rollout.servers > 0 and at.workflow is not None
-
-
-def rollout_server_name(index: object) -> str:
-    """The name of rollout server `index`: its DAG task's and its registration's (steps/rollout.py finds
-    its Workflow's servers by this prefix)."""
-    return f"rollout-server-{index}"
 
 
 def server_probe(cfg: RunConfig, name: str, at: Slots = ARGO) -> list[str]:

@@ -41,7 +41,6 @@ from pipelines.workflow.commands import (
     SCORE_METRICS_PATH,
     StepCommand,
     rollout_served,
-    rollout_server_name,
     server_probe,
     step_command,
 )
@@ -50,7 +49,7 @@ from pipelines.workflow.wait import PARENT_LABEL
 from steps.progress import PROGRESS_ANNOTATION
 from steps.pytorchjob_launcher import WAIT_DEADLINE_SECONDS
 from steps.run_config import RunConfig
-from steps.run_store import behaviour_version
+from steps.run_store import behaviour_version, rollout_server_name
 
 ITERATION = ARGO.iteration
 SCORE_METRIC_KEYS = {"reward_mean": "moerl_reward_mean", "accuracy": "moerl_accuracy"}
