@@ -1,0 +1,44 @@
+"""Rollout servers under faults: Spot reclaims of the servers in the middle of a request and kills of their
+clients end in the fault-free run's experience, scores and weights, whatever the number of servers and shards;
+nothing is lost and nothing doubled."""
+
+from __future__ import annotations
+
+import pytest
+from faults_helpers import assert_same_result, run_local
+
+from steps.store import Store
+
+pytestmark = pytest.mark.faults
+
+# Lands, in pod start order, a preemption of rollout server 1 while it holds a generated, unwritten chunk and
+# a kill of a rollout client at one of its progress reports (pipelines/local/chaos.py): on any machine.
+CHAOS = "preempt=1@rollout-server,kill=1@rollout,seed=1"
+
+
+def served(fault_free_run, run_uri: str, servers: int, shards: int):
+    rollout = {"num_shards": shards, "chunk_size": 2, "engine": "torch", "servers": servers, "server_wait_s": 300}
+    return fault_free_run.config_for(run_uri, rollout=rollout)
+
+
+def test_reclaimed_servers_and_killed_clients_end_in_the_fault_free_weights(fault_free_run, tmp_path, monkeypatch):
+    monkeypatch.setenv("MOERL_LOCAL_TIME_SCALE", "0.05")  # 30 s grace -> 1.5 s; backoff 1 s -> 0.05 s
+    run_uri = (tmp_path / "run").as_uri()
+    result = run_local(served(fault_free_run, run_uri, servers=2, shards=2), tmp_path / "work", chaos=CHAOS)
+    assert result.succeeded, result.message
+    landed = sorted((f.template, f.kind) for f in result.faults)
+    assert landed == [("rollout", "kill"), ("rollout-server", "preempt")]
+    pods = [n for n in result.status["nodes"].values() if n["type"] == "Pod"]
+    lost = [n for n in pods if n["templateName"] == "rollout" and n.get("message", "").endswith("(exit code 75)")]
+    assert lost, "the reclaimed server's client should have lost it mid-request and been retried"
+    assert_same_result(Store.open(run_uri), fault_free_run.store)
+
+
+@pytest.mark.parametrize(("servers", "shards"), [(1, 3), (3, 1)])
+def test_any_number_of_servers_and_shards_gives_the_fault_free_weights(fault_free_run, tmp_path, servers, shards):
+    run_uri = (tmp_path / "run").as_uri()
+    result = run_local(served(fault_free_run, run_uri, servers, shards), tmp_path / "work")
+    assert result.succeeded, result.message
+    daemons = {n["displayName"] for n in result.status["nodes"].values() if n["templateName"] == "rollout-server"}
+    assert {f"rollout-server-{k}" for k in range(servers)} <= daemons
+    assert_same_result(Store.open(run_uri), fault_free_run.store)
