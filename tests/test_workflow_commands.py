@@ -52,3 +52,19 @@ def test_a_multi_node_update_on_kfp_is_the_launcher_pod_of_the_argo_job(tmp_path
     launcher = pytorchjob_launcher_command(cfg, pytorchjob.manifest(cfg, KFP.iteration))
     assert kfp_argv(cfg, tmp_path, "update-slot-1") == (cfg.images.cpu, launcher.argv)
     assert launcher.command == ["python", "-m", "steps.pytorchjob_launcher"] and launcher.role == "control"
+
+
+def test_kfp_rollouts_open_engines_of_their_own_with_rollout_servers_configured():
+    """KFP has no daemon tasks: rollout.servers is Argo's, so a KFP rollout shard keeps its engine and its GPU
+    pool, and Argo's is a client of its Workflow's servers."""
+    from pipelines.workflow.commands import ARGO, KFP, step_command
+    from steps.run_config import validate_config
+
+    cfg = validate_config({"sft_checkpoint": "file:///tmp/sft", "run_store": "file:///tmp/run",
+                           "rollout": {"servers": 2}})  # fmt: skip
+    kfp, argo = step_command(cfg, "rollout", KFP), step_command(cfg, "rollout", ARGO)
+    assert "--workflow" not in kfp.args and (kfp.role, kfp.image) == ("rollout", cfg.images.rollout)
+    assert argo.args[-2:] == ["--workflow", "{{workflow.name}}"] and (argo.role, argo.image) == (
+        "control",
+        cfg.images.cpu,
+    )

@@ -25,6 +25,7 @@ VARIANTS = {
     "demo": None,
     "eks-p5en": None,
     "staleness-1-segments": {**BASE, "iterations": 5, "segment_size": 2, "staleness": 1},
+    "rollout-servers": {**BASE, "iterations": 3, "segment_size": 2, "rollout": {"num_shards": 3, "servers": 2}},
     "multi-node": {**BASE, "iterations": 2, "trainer": {"nodes": 3},
                    "placement": {"trainer": {"priority_class": "moerl-trainer", "shm_size": "8Gi",
                                              "resources": {"limits": {"nvidia.com/gpu": 8}}}}},
@@ -213,4 +214,30 @@ def test_the_steps_that_report_progress_say_so_to_argo(rendered):
         if (t.get("metadata") or {}).get("annotations", {}).get("workflows.argoproj.io/progress") == "0/1"
     }  # fmt: skip
     one_pod_update = {"update"} if "container" in by_name["update"] else set()  # a PyTorchJob's pods are not Argo's
-    assert reporting == {"plan", "import-sft", "rollout", "score", "publish"} | one_pod_update
+    servers = {"rollout-server"} if "rollout-server" in by_name else set()  # requests served: see rollout_service
+    assert reporting == {"plan", "import-sft", "rollout", "score", "publish"} | one_pod_update | servers
+
+
+def test_rollout_servers_are_daemons_of_each_segment_and_the_shards_their_clients(rendered):
+    name, out = rendered
+    if name != "rollout-servers":
+        pytest.skip("the variant with rollout.servers")
+    segments = [m for m in manifests(out)[WORKFLOW_TEMPLATE] if m["kind"] == "WorkflowTemplate"]
+    assert len(segments) == 2
+    for segment in segments:
+        by_name = templates(segment)
+        tasks = {t["name"]: t for t in by_name["main"]["dag"]["tasks"]}
+        assert {"rollout-server-0", "rollout-server-1"} <= tasks.keys() and "rollout-server-2" not in tasks
+        assert not any("rollout-server" in (t.get("depends") or "") for t in tasks.values())  # found via the store
+        server = by_name["rollout-server"]
+        assert server["daemon"] is True
+        probe = server["container"]["readinessProbe"]["exec"]["command"]
+        assert probe[:3] == ["python", "-m", "steps.server_probe"] and "{{workflow.name}}" in probe
+        env = {e["name"]: e for e in server["container"]["env"]}
+        assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+        assert server["nodeSelector"] == {"karpenter.sh/capacity-type": "spot"}
+        assert '"75"' in server["retryStrategy"]["expression"]
+        client = by_name["rollout"]
+        assert client["container"]["args"][-2:] == ["--workflow", "{{workflow.name}}"]
+        assert "nodeSelector" not in client  # a client holds no engine: off the GPU Spot pool
+        assert client["retryStrategy"]["expression"] == 'lastRetry.status == "Error" || lastRetry.exitCode == "75"'
