@@ -28,10 +28,6 @@ from steps.rollout_chunks import EXIT_PREEMPTED
 from steps.rollout_service import RolloutService
 from steps.store import Store
 
-# How long a stopping server waits for the request in flight: it stops between two decode steps, so this
-# only bounds a chunk write under way; Kubernetes' grace period (30 s by default) is longer.
-DRAIN_SECONDS = 10.0
-
 
 def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m steps.rollout_server", description=__doc__.splitlines()[0])
@@ -55,17 +51,16 @@ def main() -> int:
     signal.signal(signal.SIGTERM, on_sigterm)
     if args.device == "cpu":
         torch.set_num_threads(args.threads)
-    server = serving.JsonServer({"chunk": service.chunk}, service.health, port=args.port)
+    server = serving.JsonServer({"chunk": service.chunk}, service.health, port=args.port, main_thread=True)
     server.serve_in_background()
     entry = serving.register(run, args.workflow, args.name, server.port)
     service.instance = entry.instance
     log(f"{args.name}: listening on {entry.address} for workflow {args.workflow}")
     try:
         service.start()
-        stop.wait()
+        server.run_operations(stop)  # the engine runs on this thread, where SIGTERM interrupts it
     finally:
         serving.unregister(run, entry)
-        server.drain(DRAIN_SECONDS)
         server.close()
         service.close()
     log(f"{args.name}: SIGTERM: stopped after {service.health()['requests']} requests")

@@ -20,11 +20,12 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import queue
 import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -75,19 +76,50 @@ def pod_ip() -> str:
 Operation = Callable[[dict[str, Any]], dict[str, Any]]
 
 
-class JsonServer:
-    """An HTTP server of named operations, run one at a time; `health()` answers between them."""
+@dataclass
+class _Call:
+    operation: Operation
+    body: dict[str, Any]
+    done: threading.Event = field(default_factory=threading.Event)
+    status: int = 503
+    answer: dict[str, Any] = field(default_factory=lambda: {"error": "the server stopped before this call ran"})
 
-    def __init__(self, operations: dict[str, Operation], health: Callable[[], dict[str, Any]], port: int = 0):
+
+class JsonServer:
+    """An HTTP server of named operations, run one at a time; `health()` answers between them.
+
+    With `main_thread`, the operations run on the thread that calls `run_operations` (the main one), not on
+    the connections' threads: an engine may need it (SGLang's asyncio loop), and a SIGTERM handler, which
+    Python runs on the main thread, then interrupts the operation itself."""
+
+    def __init__(
+        self,
+        operations: dict[str, Operation],
+        health: Callable[[], dict[str, Any]],
+        port: int = 0,
+        main_thread: bool = False,
+    ):
         self.operations = operations
         self.health = health
         self._lock = threading.Lock()  # one engine: one operation at a time
+        self._calls: queue.Queue[_Call] | None = queue.Queue() if main_thread else None
         self.httpd = ThreadingHTTPServer(("0.0.0.0", port), self._handler())
         self.httpd.daemon_threads = True
 
     @property
     def port(self) -> int:
         return self.httpd.server_address[1]
+
+    def _execute(self, operation: Operation, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        with self._lock:
+            try:
+                return 200, operation(body)
+            except MoerlError as err:
+                return 400, {"error": str(err)}
+            except Unavailable as err:
+                return 503, {"error": str(err)}
+            except Exception as err:  # noqa: BLE001 - the client must hear of it; the server serves on
+                return 500, {"error": f"{type(err).__name__}: {err}"}
 
     def _handler(self) -> type[BaseHTTPRequestHandler]:
         server = self
@@ -123,19 +155,13 @@ class JsonServer:
                 except ValueError as err:
                     self._answer(400, {"error": f"request body is not JSON: {err}"})
                     return
-                with server._lock:
-                    try:
-                        answer = operation(body)
-                    except MoerlError as err:
-                        self._answer(400, {"error": str(err)})
-                        return
-                    except Unavailable as err:
-                        self._answer(503, {"error": str(err)})
-                        return
-                    except Exception as err:  # noqa: BLE001 - the client must hear of it; the server serves on
-                        self._answer(500, {"error": f"{type(err).__name__}: {err}"})
-                        return
-                self._answer(200, answer)
+                if server._calls is None:
+                    self._answer(*server._execute(operation, body))
+                    return
+                call = _Call(operation, body)
+                server._calls.put(call)
+                call.done.wait()
+                self._answer(call.status, call.answer)
 
         return Handler
 
@@ -143,6 +169,17 @@ class JsonServer:
         thread = threading.Thread(target=self.httpd.serve_forever, name="json-server", daemon=True)
         thread.start()
         return thread
+
+    def run_operations(self, stop: threading.Event) -> None:
+        """Run the calls that arrive on this thread until `stop` is set (main_thread servers)."""
+        assert self._calls is not None, "JsonServer(main_thread=True) runs its operations here"
+        while not stop.is_set():
+            try:
+                call = self._calls.get(timeout=0.2)  # returns as soon as a call arrives; the timeout sees stop
+            except queue.Empty:
+                continue
+            call.status, call.answer = self._execute(call.operation, call.body)
+            call.done.set()
 
     def drain(self, timeout: float) -> bool:
         """Wait up to `timeout` for the operation in flight to answer (it stops early once told to)."""
@@ -154,6 +191,8 @@ class JsonServer:
     def close(self) -> None:
         self.httpd.shutdown()
         self.httpd.server_close()
+        while self._calls is not None and not self._calls.empty():  # came too late: answered 503
+            self._calls.get_nowait().done.set()
 
 
 # ------------------------------------------------------------------------------------------ registry
