@@ -36,6 +36,7 @@ from steps.store import Store
 # A client whose server went away: the attempt is retried (pipelines/workflow/retry.py), as a reclaim is.
 EXIT_SERVER_LOST = 75  # EX_TEMPFAIL
 HEALTH_TIMEOUT_S = 5.0
+POLL_S = 0.25  # how often a waiting client looks for its server again (a health check is one small request)
 # A request is answered when its work is done; a server that is killed resets the connection at once, so this
 # only bounds a peer that vanished without a word (a node lost without notice).
 REQUEST_TIMEOUT_S = 3600.0
@@ -280,7 +281,7 @@ def wait_for_servers(
         if not said:
             log(f"waiting up to {wait_s:.0f}s for a ready {kind} server of workflow {workflow}")
             said = True
-        time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+        time.sleep(min(POLL_S, max(0.0, deadline - time.monotonic())))
 
 
 def call(entry: Registration, operation: str, body: dict[str, Any], timeout: float = REQUEST_TIMEOUT_S) -> dict:
