@@ -84,10 +84,11 @@ class RolloutService:
     # ------------------------------------------------------------------------------- requests
 
     def _iteration(self, iteration: int) -> IterationRollout:
+        """The iteration's plan and tokenizer, read once; two iterations are in flight at most (staleness 1)."""
         if iteration not in self._iterations:
-            self._iterations = {iteration: IterationRollout.open(self.run, iteration, self.cfg)} | {
-                k: v for k, v in self._iterations.items() if k > iteration - 2
-            }
+            self._iterations[iteration] = IterationRollout.open(self.run, iteration, self.cfg)
+            for old in sorted(self._iterations)[:-2]:
+                del self._iterations[old]
         return self._iterations[iteration]
 
     def chunk(self, request: dict[str, Any]) -> dict[str, Any]:
