@@ -57,8 +57,8 @@ def main() -> int:
     service.instance = entry.instance
     log(f"{args.name}: listening on {entry.address} for workflow {args.workflow}")
     try:
-        service.start()
-        server.run_operations(stop)  # the engine runs on this thread, where SIGTERM interrupts it
+        if service.start():
+            server.run_operations(stop)  # the engine runs on this thread, where SIGTERM interrupts it
     finally:
         serving.unregister(run, entry)
         server.close()

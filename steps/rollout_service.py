@@ -27,6 +27,8 @@ from steps.rollout_chunks import IterationRollout, engine_settings, open_engine
 from steps.serving import Unavailable
 from steps.store import Store
 
+VERSION_POLL_S = 0.5  # how often a server that starts before v000000 exists looks for it
+
 
 class RolloutService:
     def __init__(self, run: Store, name: str, device: str = "cpu", log: Callable[[str], None] = print) -> None:
@@ -45,16 +47,23 @@ class RolloutService:
 
     # ------------------------------------------------------------------------------- state
 
-    def start(self) -> None:
-        """Open the engine on the newest published version: a server is ready once its engine is."""
-        version = checkpoint.latest_version(self.run)
-        if version is None:
-            raise MoerlError(f"{self.run.uri}: no published version yet; the server starts after import-sft")
+    def start(self) -> bool:
+        """Open the engine on the newest published version, waiting for import-sft's v000000 when there is none
+        yet (a server's pod starts with the segment, so that its node, image and imports overlap the import).
+        A server is ready once its engine is; False if it was told to stop first."""
+        said = False
+        while (version := checkpoint.latest_version(self.run)) is None:
+            if not said:
+                self.log(f"{self.name}: waiting for the run's first published version (import-sft)")
+                said = True
+            if self.stopping.wait(VERSION_POLL_S):
+                return False
         self.engine = open_engine(
             self.cfg.rollout.engine, checkpoint.fetch(self.run, version), self.device, engine_settings(self.cfg)
         )
         self.version = version
         self.log(f"{self.name}: {self.cfg.rollout.engine} engine ready with v{version:06d}")
+        return True
 
     def health(self) -> dict[str, Any]:
         return {

@@ -348,18 +348,18 @@ def main_dag(cfg: RunConfig, segment: graph.Segment) -> DAG:
 
 
 def server_tasks(cfg: RunConfig, segment: graph.Segment, latest: str) -> list[Task]:
-    """The segment's rollout servers: daemons from the start of the segment (once v000000 exists) to its end,
-    when Argo stops them; none when the segment has nothing left to do. No task depends on them: the rollout
+    """The segment's rollout servers: daemons from the start of the segment to its end, when Argo stops them;
+    none when the segment has nothing left to do. They start beside import-sft, whose v000000 they wait for, so
+    that their nodes, images and imports overlap the import. No task depends on them: the rollout
     steps find them through the run store (a replacement's address is new). A server whose retries are spent
     fails the run, as its clients could not finish either."""
     if not rollout_served(cfg, ARGO):
         return []
-    start = graph.IMPORT_SFT if segment.is_first else graph.PLAN
     return [
         Task(
             name=rollout_server_name(k),
             template=graph.ROLLOUT_SERVER,
-            depends=start,
+            depends=graph.PLAN,
             when=f"{latest} < {segment.last}",
             arguments={"server": str(k)},
         )
