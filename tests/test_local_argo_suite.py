@@ -867,3 +867,25 @@ def test_a_free_slot_goes_to_the_workflow_at_the_front_of_argos_queue(tmp_path):
     (tmp_path / "default_Mutex_m.queue" / "default_gone").write_text(json.dumps(entry))
     assert old_low.try_acquire("default/old-low", mutex) == (True, "")
     assert not (tmp_path / "default_Mutex_m.queue" / "default_gone").exists()
+
+
+def test_a_daemon_lost_after_it_was_ready_is_retried_while_its_dependent_runs(tmp_path):
+    """test/e2e/daemon_pod_test.go TestDaemonPodRetry, in a DAG: attempt 0 of a daemon with a retryStrategy dies
+    after it became ready while the task that depends on it runs. Argo (v4.1.2) keeps the Retry node daemoned
+    (its dependents go on), re-executes it on each pass ("pre-execute daemoned tasks", dag.go) and starts a new
+    attempt because a node below the lost one is unfinished (operator.go executeTemplate); at the end of the DAG
+    the live attempt is stopped and marked Succeeded."""
+    d = str(tmp_path)
+    serve = (f"touch {d}/ready{{{{retries}}}}; if [ {{{{retries}}}} = 0 ]; then "
+             f"while [ ! -f {d}/lose-it ]; do sleep 0.05; done; exit 1; fi; sleep 300")  # fmt: skip
+    server = sh("server", serve, daemon=True, retryStrategy={"limit": "2", "retryPolicy": "Always"})
+    # The probe leaves a mark when it passes: the client ends only once attempt 1 is ready (daemoned).
+    ready = f"test -f {d}/ready{{{{retries}}}} && touch {d}/probed{{{{retries}}}}"
+    server["container"]["readinessProbe"] = {"exec": {"command": ["sh", "-c", ready]}}
+    client = sh("client", f"touch {d}/lose-it; while [ ! -f {d}/probed1 ]; do sleep 0.05; done")
+    tasks = [{"name": "server", "template": "server"}, {"name": "client", "template": "client", "depends": "server"}]
+    dag = {"name": "main", "dag": {"tasks": tasks}}
+    result, nodes = run(workflow([dag, server, client]), tmp_path)
+    assert result.phase == "Succeeded", [(n["displayName"], n["phase"], n.get("message")) for n in nodes.values()]
+    assert (nodes["server(0)"]["phase"], nodes["server(1)"]["phase"]) == ("Failed", "Succeeded")
+    assert nodes["server"]["phase"] == "Succeeded" and nodes["client"]["phase"] == "Succeeded"

@@ -47,6 +47,9 @@ def execute_dag(ctl: Controller, node_name: str, template: dict, opts: Opts, sco
     node = ctl.nodes.by_name(node_name) or ctl.create_node(node_name, DAG, template, opts, RUNNING)
     ctl.node_templates[node.id] = template
     dag = DagWalk(ctl, node, template, opts, scope_key)
+    for name in dag.tasks:  # Argo's "pre-execute daemoned tasks": a lost daemon is retried on every pass
+        if (task_node := dag.task_node(name)) is not None and task_node.daemoned:
+            dag.execute_task(name)
     targets = str(template["dag"].get("target") or "").split() or dag.leaf_tasks()
     for target in targets:
         dag.execute_task(target)
@@ -150,7 +153,7 @@ class DagWalk:
         self.visited.add(name)
         task = self.tasks[name]
         node = self.task_node(name)
-        if node is not None and node.fulfilled:
+        if node is not None and node.fulfilled and not self.ctl.daemon_lost(node):
             self.run_hook(name, node)
             return
         node_name = f"{self.node.name}.{name}"

@@ -227,16 +227,12 @@ class Controller:
 
     def stop_daemons_out_of_scope(self, root: Node | None) -> None:
         """Argo's killDaemonedChildren: once the steps or DAG node a daemon belongs to is fulfilled (the
-        workflow's root, for one at the top), its pod is stopped and its node Succeeded. A Retry node whose
-        daemon attempt ended on its own is no longer daemoned, so that it retries."""
+        workflow's root, for one at the top), its pod is stopped and its node Succeeded, whatever its phase: a
+        daemon's Retry node stays daemoned after its attempt's pod ended, retried or out of retries
+        (daemon_lost)."""
         for node in self.nodes:
             if not node.daemoned:
                 continue
-            if node.type == RETRY:
-                last = last_attempt(node, self.nodes)
-                if last is None or not last.daemoned and fulfilled(last.phase):
-                    node.daemoned = False
-                    continue
             boundary = self.nodes.get(node.boundary_id) if node.boundary_id else root
             if boundary is None or not fulfilled(boundary.phase):
                 continue
@@ -644,7 +640,7 @@ class Controller:
         """Argo's executeTemplate: the node for `node_name`, created (and its pod started) if its
         turn has come; None when parallelism holds it back."""
         node = self.nodes.by_name(node_name)
-        if node is not None and node.fulfilled:
+        if node is not None and node.fulfilled and not self.daemon_lost(node):
             return node
         try:
             template, scope = self.resolve(call)
@@ -756,7 +752,7 @@ class Controller:
         last = last_attempt(node, self.nodes)
         if node.fulfilled and last is not None:  # a Retry node shows its last attempt's outputs
             node.outputs = copy.deepcopy(last.outputs)
-        if not proceed or node.fulfilled:
+        if not proceed or node.fulfilled and not self.daemon_lost(node):
             return node
         attempts = [a for a in (self.nodes.get(c) for c in node.children) if a is not None and not a.hooked]
         if last is not None and not last.fulfilled:
@@ -777,6 +773,28 @@ class Controller:
         if self.dispatch(attempt_name, attempt_template, call, attempt_opts, scope) is not None:
             self.nodes.add_child(node_name, attempt_name)
         return node  # an attempt that ended is settled by the next pass
+
+    def daemon_lost(self, node: Node) -> bool:
+        """A daemon's Retry node whose attempt's pod ended while some node below that attempt (a dependent's)
+        is unfinished: Argo keeps it daemoned, so its dependents go on, and starts a new attempt (operator.go
+        executeTemplate and processNodeRetries, v4.1.2). With every node below it done, Argo starts none."""
+        if node.type != RETRY or not node.daemoned or node.failed_or_error:
+            return False
+        last = last_attempt(node, self.nodes)
+        return last is not None and last.failed_or_error and not self.descendants_fulfilled(last)
+
+    def descendants_fulfilled(self, node: Node) -> bool:
+        """Argo's childrenFulfilled: every node below `node` is fulfilled."""
+        queue, seen = list(node.children), set()
+        while queue:
+            child = self.nodes.get(queue.pop())
+            if child is None or child.id in seen:
+                continue
+            seen.add(child.id)
+            if not child.fulfilled:
+                return False
+            queue += child.children
+        return True
 
     def process_retries(self, node: Node, retry: dict, opts: Opts) -> bool:
         """Argo's processNodeRetries: settle the Retry node from its last attempt, or decide that

@@ -334,6 +334,7 @@ def main_dag(cfg: RunConfig, segment: graph.Segment) -> DAG:
         if step == "rollout":
             arguments |= {"shard": "{{item}}", "policy-version": str(behaviour_version(i, cfg.staleness))}
             shards = Sequence(count=str(cfg.rollout.num_shards))
+            depends = " && ".join([*deps, *served_by(cfg)])
         tasks.append(
             Task(
                 name=name,
@@ -347,12 +348,28 @@ def main_dag(cfg: RunConfig, segment: graph.Segment) -> DAG:
     return DAG(name=MAIN, tasks=server_tasks(cfg, segment, latest) + tasks)
 
 
+def served_by(cfg: RunConfig) -> list[str]:
+    """What a rollout task adds to its `depends` with rollout servers: each server, ready or failed for good.
+
+    The edge matters to Argo beyond the picture (controller v4.1.2, operator.go executeTemplate and
+    processNodeRetries): a daemon's Retry node starts a new attempt after its pod was lost only while some task
+    below the lost attempt is unfinished, and the tasks below it are its dependents; a server nobody depended on
+    would never be replaced. Its `.Failed`/`.Errored` keep a server whose retries are spent from omitting the
+    rollouts (their clients then use another server) and make its failure theirs to report, not the DAG's."""
+    if not rollout_served(cfg, ARGO):
+        return []
+    return [
+        f"({name} || {name}.Failed || {name}.Errored)"
+        for name in (rollout_server_name(k) for k in range(cfg.rollout.servers))
+    ]
+
+
 def server_tasks(cfg: RunConfig, segment: graph.Segment, latest: str) -> list[Task]:
     """The segment's rollout servers: daemons from the start of the segment to its end, when Argo stops them;
     none when the segment has nothing left to do. They start beside import-sft, whose v000000 they wait for, so
-    that their nodes, images and imports overlap the import. No task depends on them: the rollout
-    steps find them through the run store (a replacement's address is new). A server whose retries are spent
-    fails the run, as its clients could not finish either."""
+    that their nodes, images and imports overlap the import. Every rollout depends on them (served_by), and
+    finds them through the run store: a replacement's address is new, and Argo holds no dependent back while
+    a daemon's new attempt starts."""
     if not rollout_served(cfg, ARGO):
         return []
     return [
