@@ -14,7 +14,7 @@ from steps.model import MoeForCausalLM
 from steps.store import Store
 
 
-def moved(model: MoeForCausalLM, seed: int, lr: float = 1e-3) -> MoeForCausalLM:
+def moved(model: MoeForCausalLM, seed: int, lr: float = 1e-5) -> MoeForCausalLM:
     """A copy with every weight moved by up to lr (most fp32 bits change; as an optimizer step does), and one
     norm weight replaced outright."""
     gen = torch.Generator().manual_seed(seed)
@@ -32,9 +32,14 @@ class VersionedRun:
     """A run store and the local dirs of its published versions."""
 
     def __init__(
-        self, tmp_path: Path, dtype: torch.dtype = torch.float32, max_shard_bytes: int | None = None, seed: int = 0
+        self,
+        tmp_path: Path,
+        dtype: torch.dtype = torch.float32,
+        max_shard_bytes: int | None = None,
+        seed: int = 0,
+        lr: float = 1e-5,
     ):
-        self.tmp, self.seed = tmp_path, seed  # seed: of the moves (another seed, other versions of the same v0)
+        self.tmp, self.seed, self.lr = tmp_path, seed, lr  # of the moves (another seed: other versions of one v0)
         self.max_shard_bytes = max_shard_bytes
         self.models = [tiny_model(seed=3).to(dtype)]
         self.dirs = [self._write(self.models[0], 0)]
@@ -55,7 +60,7 @@ class VersionedRun:
     def next_dir(self) -> Path:
         """The next version's local dir (not published yet)."""
         version = len(self.models)
-        self.models.append(moved(self.models[-1], seed=1000 * self.seed + version))
+        self.models.append(moved(self.models[-1], seed=1000 * self.seed + version, lr=self.lr))
         self.dirs.append(self._write(self.models[-1], version))
         return self.dirs[-1]
 
