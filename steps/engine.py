@@ -32,6 +32,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from steps.errors import MoerlError
 from steps.generation import (
     FINISH_LENGTH,
     FINISH_STOP,
@@ -41,9 +42,9 @@ from steps.generation import (
     GenerationRequest,
     SamplingParams,
 )
-from steps.hf_checkpoint import checkpoint_dtype, load_pretrained
+from steps.hf_checkpoint import check_checkpoint, checkpoint_dtype, load_pretrained, load_state_dict_from_dir
 from steps.kernels import token_logprobs
-from steps.model import MoeForCausalLM, rotary_cos_sin
+from steps.model import MoeForCausalLM, dtype_name, rotary_cos_sin
 from steps.moe import MoeBlock, group_by_expert
 from steps.tasks import Prompt, Task, get_task, verify_ids
 from steps.tokenizer import RAW, CheckpointTokenizer, PromptFormat
@@ -146,7 +147,8 @@ class TorchEngine:
     is finished. All of this is decided by the batch alone, so a batch always decodes the same way.
 
     The engine serves the weights the model had when the engine was built (the decoder keeps a fused copy of
-    the expert weights): build a new engine after changing the model.
+    the expert weights): after changing the model, build a new engine or call update_weights, which replaces
+    the model's and the decoder's weights in place from a checkpoint dir (another version of the same run).
     """
 
     model: MoeForCausalLM
@@ -155,6 +157,7 @@ class TorchEngine:
     # Keep the generated keys/values in the prefix tree (DecodeBatch) while a query reads at most this many
     # times the columns it attends to; beyond, copy them out per row (RowBatch) for the rest of the batch.
     tree_waste: float = 3.0
+    stored_dtype: torch.dtype | None = None  # the checkpoint's (from_checkpoint): every update must keep it
     device: torch.device = field(init=False)
     decoder: Decoder = field(init=False)
 
@@ -169,7 +172,33 @@ class TorchEngine:
         """The engine over a checkpoint dir's weights, read in the dtype they are stored in and computed in
         `dtype` (default: compute_dtype for that dtype and the device)."""
         stored = checkpoint_dtype(directory)
-        return cls(load_pretrained(directory, dtype=dtype or compute_dtype(stored, device), device=device).eval())
+        model = load_pretrained(directory, dtype=dtype or compute_dtype(stored, device), device=device).eval()
+        return cls(model, stored_dtype=stored)
+
+    def update_weights(self, model_dir: str | os.PathLike) -> None:
+        """Replace the weights in place with checkpoint dir model_dir's (steps/generation.py Engine): each tensor
+        is copied into the existing parameter, cast as from_checkpoint casts it (bf16/fp16 to fp32 on CPU is
+        exact), and the decoder's fused copies are refreshed in place, so the engine then generates exactly what
+        an engine opened on model_dir does. The model must be the same (config.json) and stored in the same dtype.
+        """
+        cfg = check_checkpoint(model_dir)  # config, every tensor's shape and one dtype, before touching anything
+        if cfg != self.model.config:
+            raise MoerlError(
+                f"{model_dir}: config.json describes another model than this engine serves; an in-place update "
+                "takes another version of the same run — open a new engine for another model"
+            )
+        stored = checkpoint_dtype(model_dir)
+        if self.stored_dtype is not None and stored != self.stored_dtype:
+            raise MoerlError(
+                f"{model_dir}: weights stored as {dtype_name(stored)}, but this engine's checkpoint was "
+                f"{dtype_name(self.stored_dtype)} (a run keeps one dtype); open a new engine on it"
+            )
+        params = self.model.state_dict(keep_vars=True)
+        state = load_state_dict_from_dir(model_dir, params)
+        with torch.no_grad():
+            for name, param in params.items():
+                param.copy_(state[name])
+        self.decoder.refresh()
 
     def close(self) -> None:
         pass
@@ -489,19 +518,41 @@ class Decoder:
         self.experts: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         with torch.no_grad():
             for index, layer in enumerate(model.model.layers):
-                attn = layer.self_attn
-                projections = (attn.q_proj, attn.k_proj, attn.v_proj)
-                bias = torch.cat([p.bias for p in projections]) if attn.q_proj.bias is not None else None
-                self.qkv.append((torch.cat([p.weight for p in projections]), bias))
-                if not isinstance(layer.mlp, MoeBlock):
-                    continue
-                block = layer.mlp
-                if block.num_local_experts != block.num_experts:
-                    raise ValueError("TorchEngine needs every expert on this process (a full model)")
-                experts = [block.experts[str(e)] for e in range(block.num_experts)]
-                gate_up = [torch.cat([e.gate_proj.weight, e.up_proj.weight]).t().contiguous() for e in experts]
-                down = [e.down_proj.weight.t().contiguous() for e in experts]
-                self.experts[index] = (gate_up, down)
+                self.qkv.append(self._fused_qkv(layer))
+                if isinstance(layer.mlp, MoeBlock):
+                    self.experts[index] = self._fused_experts(layer.mlp)
+
+    @staticmethod
+    def _fused_qkv(layer: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+        attn = layer.self_attn
+        projections = (attn.q_proj, attn.k_proj, attn.v_proj)
+        bias = torch.cat([p.bias for p in projections]) if attn.q_proj.bias is not None else None
+        return torch.cat([p.weight for p in projections]), bias
+
+    @staticmethod
+    def _fused_experts(block: MoeBlock) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        if block.num_local_experts != block.num_experts:
+            raise ValueError("TorchEngine needs every expert on this process (a full model)")
+        experts = [block.experts[str(e)] for e in range(block.num_experts)]
+        gate_up = [torch.cat([e.gate_proj.weight, e.up_proj.weight]).t().contiguous() for e in experts]
+        down = [e.down_proj.weight.t().contiguous() for e in experts]
+        return gate_up, down
+
+    def refresh(self) -> None:
+        """Recompute the fused copies from the model's current weights, into the tensors they already occupy
+        (TorchEngine.update_weights): the same values __init__ computes; one expert's worth of scratch at a time."""
+        with torch.no_grad():
+            for index, layer in enumerate(self.model.model.layers):
+                for kept, fresh in zip(self.qkv[index], self._fused_qkv(layer), strict=True):
+                    if kept is not None and fresh is not None:
+                        kept.copy_(fresh)
+                if index in self.experts:
+                    block = layer.mlp
+                    experts = [block.experts[str(e)] for e in range(block.num_experts)]
+                    gate_up, down = self.experts[index]
+                    for e, expert in enumerate(experts):
+                        gate_up[e].copy_(torch.cat([expert.gate_proj.weight, expert.up_proj.weight]).t())
+                        down[e].copy_(expert.down_proj.weight.t())
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sign-folded sin [B, 1, D] at positions [B]: rotate_half(x) * sin equals

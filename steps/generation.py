@@ -21,6 +21,7 @@ run config names).
 from __future__ import annotations
 
 import hashlib
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
@@ -94,6 +95,12 @@ class Engine(Protocol):
     ) -> list[Generation]:
         """One Generation per request, in request order. Raises GenerationInterrupted when should_stop()
         returns True (polled between decode steps); nothing is returned then."""
+        ...
+
+    def update_weights(self, model_dir: str | os.PathLike) -> None:
+        """Serve the weights of checkpoint dir `model_dir` from now on, replaced in place (not a new engine):
+        another version of the same run, so the same architecture and dtype; anything else is refused with a
+        MoerlError. Generations afterwards are those of an engine opened on model_dir."""
         ...
 
     def close(self) -> None: ...

@@ -10,10 +10,12 @@
 2. Assemble a Hugging Face checkpoint dir as transformers writes it: config.json, generation_config.json,
    tokenizer files and model.safetensors (one shard) or model-0000k-of-0000n.safetensors +
    model.safetensors.index.json (one shard per EP rank), loadable by transformers and SGLang.
-3. Store the optimizer state at <run>/optimizer/v(I)/ (the next update resumes AdamW from it), then publish
-   the dir with steps.checkpoint.publish_dir: files, MANIFEST.json last, LATEST moved.
+3. Store the optimizer state at <run>/optimizer/v(I)/ (the next update resumes AdamW from it); with
+   checkpoint.deltas, write v(I)'s delta against v(I-1) at <run>/deltas/v(I)/ (steps/weight_delta.py: what
+   rollout servers fetch instead of the whole checkpoint); then publish the dir with
+   steps.checkpoint.publish_dir: files, MANIFEST.json last, LATEST moved.
 4. Apply retention (checkpoint.keep_last; v000000 is kept as the KL reference), drop the optimizer state
-   of deleted versions, and delete the candidate.
+   and the deltas of deleted versions, and delete the candidate.
 
 Idempotent: if v(I) is already published, only steps 3's LATEST move and 4 run again.
 """
@@ -29,7 +31,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from steps import candidate, checkpoint, progress
+from steps import candidate, checkpoint, progress, weight_delta
 from steps.candidate import CANDIDATE_INDEX, MARKER
 from steps.errors import MoerlError, run_cli
 from steps.experience import load_run_config
@@ -49,8 +51,11 @@ from steps.hf_format import validate_checkpoint_dir
 from steps.model import dtype_name
 from steps.optimizer_state import MASTER_FIELD, OPTIMIZER_FIELDS, store_optimizer_state
 from steps.run_store import (
+    DELTAS_PREFIX,
     OPTIMIZER_PREFIX,
     candidate_prefix,
+    delta_index_key,
+    delta_prefix,
     parse_version,
     version_name,
     version_prefix,
@@ -161,13 +166,21 @@ def assemble_hf_dir(
 
 
 def clean_up(run: Store, iteration: int, keep_last: int) -> list[int]:
-    """Retention, the optimizer state of versions no longer published, and the published candidate."""
+    """Retention, the optimizer state and deltas of versions no longer published, and the published candidate.
+
+    A delta above `iteration` belongs to a publish still to come (it is written before its MANIFEST.json)."""
     doomed = checkpoint.apply_retention(run, keep_last)
     published = set(checkpoint.published_versions(run))
     stale = {key.split("/")[1] for key in run.list(f"{OPTIMIZER_PREFIX}/") if len(key.split("/")) == 3}
     for name in sorted(stale):
         if parse_version(name) not in published:
             run.delete_prefix(f"{OPTIMIZER_PREFIX}/{name}/")
+    deltas = {key.split("/")[1] for key in run.list(f"{DELTAS_PREFIX}/") if len(key.split("/")) == 3}
+    for name in sorted(deltas):
+        version = parse_version(name)
+        if version not in published and version <= iteration:
+            run.delete(delta_index_key(version))  # first: a delta half-way through deletion reads as unfinished
+            run.delete_prefix(delta_prefix(version))
     run.delete_prefix(candidate_prefix(iteration))
     return doomed
 
@@ -213,6 +226,8 @@ def publish(run_uri: str, iteration: int) -> checkpoint.Manifest:
         progress.report(2, 3)
         assemble_hf_dir(candidate_dir, index, model_files, optimizer_files, hf_dir)
         validate_checkpoint_dir(hf_dir)
+        if cfg.checkpoint.deltas:  # before MANIFEST.json: a published version's delta is complete or absent
+            print(weight_delta.describe(weight_delta.write_delta(run, iteration, hf_dir)))
         manifest = checkpoint.publish_dir(run, hf_dir, iteration, parent=iteration - 1, iteration=iteration)
     doomed = clean_up(run, iteration, keep_last)
     progress.report(3, 3)

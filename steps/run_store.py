@@ -11,6 +11,7 @@
     <run>/candidates/iter-000001/                       update's unpublished output (steps/candidate.py)
     <run>/optimizer/v000001/                            AdamW state (+ fp32 masters) the next update resumes from
     <run>/deltas/v000001/                               v000001's compressed delta against its parent (publish)
+    <run>/deltas/v000001/DELTA.json                     written LAST: the delta's index (steps/weight_delta.py)
     <run>/servers/<workflow>/<server>.json              a live rollout server's address (its registration)
     <run>/report/                                       the report's table and plot
     <run>/tensorboard/, <run>/wandb/, <run>/tracking/   experiment trackers' files and ledger (steps/tracking.py)
@@ -117,6 +118,18 @@ DELTAS_PREFIX = "deltas"
 def delta_prefix(version: int) -> str:
     """Where v(version)'s delta against v(version-1) lies; the full checkpoint stays the source of truth."""
     return f"{DELTAS_PREFIX}/{version_name(version)}"
+
+
+DELTA_INDEX = "DELTA.json"  # written LAST: what the delta holds and how to check what it rebuilds
+
+
+def delta_index_key(version: int) -> str:
+    return f"{delta_prefix(version)}/{DELTA_INDEX}"
+
+
+def delta_blob_key(version: int, file_name: str) -> str:
+    """The delta of one safetensors file of v(version): its header and every tensor, XORed and compressed."""
+    return f"{delta_prefix(version)}/{file_name}.delta"
 
 
 # ------------------------------------------------------------------------------------------ whole run

@@ -22,6 +22,19 @@ How the interface maps onto SGLang (names as in SGLang's ServerArgs, SamplingPar
                             log_softmax(logits) before temperature, which is what the torch engine records and the
                             trainer recomputes (steps/generation.py)
     finish reason           meta_info["finish_reason"]["type"]: "stop" or "length" ("abort" is an error)
+    new weights in place    Engine.update_weights_from_disk(model_path=dir) -> (success, message,
+                            num_paused_requests) (TokenizerManager.update_weights_from_disk): the scheduler
+                            reloads the dir's safetensors into the running model (DefaultModelLoader, the
+                            config.json it started with: same model, same dtype) and flushes the prefix cache
+
+In-place updates (update_weights). SGLang 0.5.17 reports a failed load as success False and a message (no
+weights iterator for the dir; a tensor that does not fit the model: "Failed to update weights: ... Rolling back
+to original weights."), and raises when its weight cache is on (--weight-cache-mode, which moerl never sets).
+Its "rollback" reloads from model_config.model_path, which it has already pointed at the new dir, so after a
+failure the weights are not known to be either version's: the engine refuses to generate from then on (the
+server opens a new one). A tensor the dir lacks is not an error for SGLang (the old one stays), so the dir
+must be a whole verified checkpoint (steps/weight_sync.py makes it one); config.json is not read again, so a
+dir of another model or dtype is refused here before SGLang sees it.
 
 SIGTERM: SGLang's first generate (TokenizerManager.auto_create_handle_loop) hands SIGTERM to its asyncio
 loop, whose handler drains the requests and then SIGKILLs its own process tree, the engine's process
@@ -119,6 +132,16 @@ def checkpoint_dtype(model_dir: str | os.PathLike) -> str:
     return SGLANG_DTYPES[name]
 
 
+def _model_fields(model_dir: str | os.PathLike) -> dict[str, Any]:
+    """config.json without what names the dtype (compared on its own): what an in-place update must keep."""
+    path = Path(model_dir) / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise MoerlError(f"{path}: cannot read the checkpoint's config ({err}); republish the checkpoint") from err
+    return {k: v for k, v in config.items() if k not in ("dtype", "torch_dtype", "transformers_version")}
+
+
 def take_back_sigterm(engine: Any) -> None:
     """Create SGLang's request loop now and take SIGTERM back from it (module docstring, "SIGTERM")."""
     ours = signal.getsignal(signal.SIGTERM)
@@ -194,8 +217,25 @@ class SGLangEngine:
         }
         if settings.moe_a2a_backend != "none":
             kwargs["moe_a2a_backend"] = settings.moe_a2a_backend
+        self.dtype = kwargs["dtype"]
+        self.model_config = _model_fields(model_dir)
+        self.broken: str | None = None  # why the weights are unknown after a failed in-place update
         self.engine = sglang.Engine(**kwargs)
         take_back_sigterm(self.engine)
+
+    def update_weights(self, model_dir: str | os.PathLike) -> None:
+        """SGLang's in-place update from a checkpoint dir on local disk (module docstring, "In-place updates")."""
+        if checkpoint_dtype(model_dir) != self.dtype or _model_fields(model_dir) != self.model_config:
+            raise MoerlError(
+                f"{model_dir}: another model or dtype than this SGLang engine serves (config.json); an in-place "
+                "update takes another version of the same run — open a new engine for another model"
+            )
+        result = self.engine.update_weights_from_disk(model_path=str(model_dir))
+        success, message = bool(result[0]), str(result[1])
+        if not success:
+            self.broken = f"SGLang could not load {model_dir} in place: {message}"
+            raise MoerlError(f"{self.broken}; open a new engine on it (check the rollout pod's SGLang log)")
+        self.broken = None
 
     def generate(
         self,
@@ -207,6 +247,8 @@ class SGLangEngine:
         a SIGTERM during the batch ends the process through the step's signal handling instead."""
         if not requests:
             return []
+        if self.broken is not None:
+            raise MoerlError(f"{self.broken}: its weights are no version's; open a new engine")
         if should_stop is not None and should_stop():
             raise GenerationInterrupted("stopped before the batch started")
         outputs = self.engine.generate(

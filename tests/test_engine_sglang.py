@@ -147,3 +147,76 @@ def checkpoint_dtype_of(tmp_path, config: dict) -> str:
 def test_a_dtype_sglang_cannot_serve_is_a_clear_error(tmp_path):
     with pytest.raises(MoerlError, match=r"config.json: dtype 'int8' is not one SGLang serves; publish"):
         checkpoint_dtype_of(tmp_path, {"dtype": "int8"})
+
+
+UPDATE_WITH_SGLANG = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import steps.sglang_engine as se
+from steps.errors import MoerlError
+from steps.generation import GenerationRequest, SamplingParams
+se.sglang_unavailable_reason = lambda: None  # the fake needs no GPU
+engine = se.SGLangEngine(sys.argv[2], se.SGLangSettings())
+said = {}
+for label, model_dir in json.loads(sys.argv[3]).items():
+    try:
+        engine.update_weights(model_dir)
+        said[label] = "ok"
+    except MoerlError as err:
+        said[label] = str(err)
+said["updates"] = engine.engine.updates
+try:
+    engine.generate([GenerationRequest("p", (1, 2), 0, seed=1)], SamplingParams(stop_token_ids=(2,)))
+    said["generate"] = "ok"
+except MoerlError as err:
+    said["generate"] = str(err)
+print(json.dumps(said))
+"""
+
+
+def update_with_fake_sglang(start: Path, updates: dict[str, Path]) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
+    paths = json.dumps({label: str(path) for label, path in updates.items()})
+    done = subprocess.run(
+        [sys.executable, "-c", UPDATE_WITH_SGLANG, str(FAKE_SGLANG), str(start), paths],
+        env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def test_an_in_place_update_calls_update_weights_from_disk_and_a_failure_stops_the_engine(tmp_path):
+    """SGLang 0.5.17: Engine.update_weights_from_disk(model_path, load_format=None) -> (success, message,
+    num_paused_requests); the fake holds its signature and failure rules (tests/fake_sglang)."""
+    import shutil
+
+    import torch
+    from delta_helpers import moved
+    from experience_helpers import tiny_model, write_checkpoint
+
+    model = tiny_model(seed=3).to(torch.bfloat16)
+    v0 = write_checkpoint(model, tmp_path / "v0")
+    v1 = write_checkpoint(moved(model, seed=1), tmp_path / "v1")
+    other_dtype = write_checkpoint(moved(model, seed=1).float(), tmp_path / "fp32")
+    other_model = write_checkpoint(tiny_model(seed=3, num_experts=8).to(torch.bfloat16), tmp_path / "experts8")
+    no_weights = tmp_path / "no-weights"
+    no_weights.mkdir()
+    shutil.copy(v1 / "config.json", no_weights / "config.json")
+    misfit = write_checkpoint(moved(model, seed=2), tmp_path / "misfit")
+    with open(misfit / "config.json") as f:  # same config.json, weights of a wider expert: SGLang's load fails
+        config = json.load(f)
+    write_checkpoint(tiny_model(seed=3, moe_intermediate_size=24).to(torch.bfloat16), misfit)
+    (misfit / "config.json").write_text(json.dumps(config))
+
+    said = update_with_fake_sglang(
+        v0, {"v1": v1, "fp32": other_dtype, "experts8": other_model, "no_weights": no_weights}
+    )
+    assert said["v1"] == "ok" and said["updates"] == [str(v1)]
+    for label in ("fp32", "experts8"):  # refused before SGLang sees them: it would not read config.json again
+        assert "another model or dtype than this SGLang engine serves" in said[label]
+    assert "Failed to get weights iterator" in said["no_weights"]
+    assert said["generate"].startswith("SGLang could not load") and "no version's" in said["generate"]
+
+    said = update_with_fake_sglang(v0, {"misfit": misfit, "v1": v1})
+    assert "Failed to update weights" in said["misfit"] and "Rolling back" in said["misfit"]
+    assert said["v1"] == "ok" and said["generate"] == "ok"  # a successful update makes it whole again

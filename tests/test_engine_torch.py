@@ -289,3 +289,35 @@ def test_samples_that_drew_the_same_tokens_share_a_state(checkpoints):
     for index, one in enumerate(alone):
         for g in grouped[4 * index : 4 * index + 4]:
             assert (g.response_ids, g.logprobs, g.finish_reason) == (one.response_ids, one.logprobs, one.finish_reason)
+
+
+@pytest.mark.parametrize("name", ["dense_layer", "dense_layer_bf16", "tied_bias_top3"])
+def test_an_engine_updated_in_place_generates_what_a_fresh_engine_does(checkpoints, name, tmp_path):
+    """The in-place update (TorchEngine.update_weights, what a rollout server does between versions) gives
+    bit-identical samples and log-probs to an engine opened on the new version."""
+    from delta_helpers import moved
+
+    from steps.hf_checkpoint import load_pretrained
+
+    newer = write_checkpoint(moved(load_pretrained(checkpoints[name], dtype=None), seed=1, lr=0.05), tmp_path / "v1")
+    params = SamplingParams(stop_token_ids=DEMO_STOP, n=3, max_new_tokens=10, temperature=1.3, top_k=8)
+    requests = sample_requests(PROMPT_IDS, params, seeds())
+    live = TorchEngine.from_checkpoint(checkpoints[name])
+    before = live.generate(requests, params)
+    weights = [p.data_ptr() for p in live.model.parameters()]
+    live.update_weights(newer)
+    assert [p.data_ptr() for p in live.model.parameters()] == weights  # the same tensors, new values
+    fresh = TorchEngine.from_checkpoint(newer)
+    after = live.generate(requests, params)
+    assert after == fresh.generate(requests, params)
+    assert after != before
+
+
+def test_an_in_place_update_refuses_another_model_or_dtype(checkpoints):
+    from steps.errors import MoerlError
+
+    live = TorchEngine.from_checkpoint(checkpoints["dense_layer"])
+    with pytest.raises(MoerlError, match="describes another model than this engine serves"):
+        live.update_weights(checkpoints["tied_bias_top3"])
+    with pytest.raises(MoerlError, match="stored as bfloat16, but this engine's checkpoint was float32"):
+        live.update_weights(checkpoints["dense_layer_bf16"])

@@ -22,16 +22,18 @@ from faults_helpers import (
     step_env,
 )
 
-from steps import checkpoint
+from steps import checkpoint, weight_delta
 from steps.candidate import MARKER
 from steps.run_store import candidate_prefix, optimizer_prefix
 
 pytestmark = pytest.mark.faults
 
-# Where publish is killed, in the order of its writes: the optimizer state (1st), some checkpoint files (4th),
-# just before MANIFEST.json, just after it (LATEST not moved yet), and just after LATEST (before clean-up).
+# Where publish is killed, in the order of its writes: the optimizer state (1st), the delta's blob written and
+# not its DELTA.json, some checkpoint files (4th), just before MANIFEST.json, just after it (LATEST not moved
+# yet), and just after LATEST (before clean-up).
 PUBLISH_KILLS = [
     kill_at("put", r".", nth=1),
+    kill_at("put", r"^deltas/v000001/DELTA\.json$", when="before"),
     kill_at("put", r".", nth=4),
     kill_at("put", r"/v000001/MANIFEST\.json$", when="before"),
     kill_at("put", r"/v000001/MANIFEST\.json$"),
@@ -85,3 +87,7 @@ def test_killed_update_and_publish_rerun_to_the_fault_free_checkpoint(fault_free
     assert not run_store.list(candidate_prefix(ITERATION))
     assert checkpoint.latest_version(run_store) == 1
     assert_nothing_half_published(run_store)
+    # The delta the retries left rebuilds v000001 exactly (steps/weight_delta.py checks every file's sha256).
+    rebuilt = tmp_path / "rebuilt"
+    rebuilt.mkdir()
+    weight_delta.apply_delta(run_store, 1, checkpoint.fetch(run_store, 0), rebuilt)
