@@ -31,4 +31,3 @@ Deterministic: one `random.Random(seed)` per simulated run, events ordered by (t
 The modules: sizing.py (assumptions, pools, step times), measured.py (step and iteration times of a real
 run's status), model.py (the event simulation), tables.py (the printout), timeline.py (the plot), cli.py.
 """
-

@@ -278,9 +278,10 @@ def delta_gb(a: Assumptions) -> float:
 
 
 def publish_delta_s(cfg: RunConfig, a: Assumptions) -> float:
-    """Publish's extra work for the delta: read the parent's weights (the candidate's are read for their
-    digests anyway) and write the compressed delta, at the publish pod's node's S3 throughput."""
-    return (a.checkpoint_gb + delta_gb(a)) / a.s3_gb_per_s if deltas_written(cfg) else 0.0
+    """Publish's extra work for the delta (steps/weight_delta.py's write_delta(run, version)): read v(i) and
+    v(i-1) from the store, write their compressed XOR, at the publish pod's node's S3 throughput. It is on the
+    critical path: the next update and rollout wait for publish."""
+    return (2 * a.checkpoint_gb + delta_gb(a)) / a.s3_gb_per_s if deltas_written(cfg) else 0.0
 
 
 def candidate_write_s(cfg: RunConfig, a: Assumptions) -> float:
