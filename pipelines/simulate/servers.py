@@ -121,13 +121,16 @@ class ServedSteps:
             self.dispatch(pool)
 
     def stop_servers(self, segment: int) -> None:
-        for server in self.servers.pop(segment, []):
+        servers = self.servers.pop(segment, [])
+        for server in servers:  # all first: a node freed below must not start a server of this segment
             server.stopped = True
             server.token += 1
+            queue = self.queues[server.job.pool]
+            if server.job in queue:  # waiting for a node (a retry in its backoff is voided by `stopped`)
+                queue.remove(server.job)
+        for server in servers:
             job = server.job
-            if job.node is None:  # waiting for a node, or for its retry's backoff
-                if job in self.queues[job.pool]:
-                    self.queues[job.pool].remove(job)
+            if job.node is None:
                 continue
             if not server.ready:
                 self.record(job, job.started, self.now, "startup")
