@@ -254,3 +254,11 @@ def test_the_command_prints_the_servers_and_plots_their_lanes(tmp_path, capsys):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     run_cli([str(EKS), "--iterations", "5", *TODAY_ARGS])
     assert "rollout servers" not in capsys.readouterr().out
+
+
+def test_a_server_past_its_retry_budget_is_counted_apart_from_the_clients():
+    # backoff.max_duration counts from a pod's first start: for a server, its segment's start.
+    retry = {"limit": 3, "backoff": {"duration": "30s", "factor": 2, "max_duration": "40s"}}
+    cfg, cluster = one_server(nodes=2, **{"retries.rollout": retry})
+    result = run_with(cfg, cluster, [(3 + 22, "interrupt")])
+    assert (result.retries_exhausted, result.servers_out_of_retries) == (2, 1)  # the client and the server

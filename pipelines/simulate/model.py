@@ -35,6 +35,7 @@ class SimResult:
     segments: list[Segment]
     publish_times: list[float]
     server_starts: dict[str, int] = field(default_factory=dict)  # starts per server kind (segments, replacements)
+    servers_out_of_retries: int = 0  # of retries_exhausted: long-lived servers (their daemon's retryStrategy)
 
     @property
     def mean_iteration_s(self) -> float:
@@ -95,7 +96,7 @@ class Simulation(ServedSteps):
         self.segments: list[Segment] = []
         self.tasks: dict[tuple[int, str], Task] = {}
         self.unfinished: dict[int, int] = {}  # tasks of each segment's DAG not yet done
-        self.interruptions = self.requeues = self.retries_exhausted = 0
+        self.interruptions = self.requeues = self.retries_exhausted = self.servers_out_of_retries = 0
         self.latest = 0  # the newest published version (v000000 once import-sft is done)
         self.init_servers()
         self.loop_start: float | None = None
@@ -304,6 +305,8 @@ class Simulation(ServedSteps):
         max_duration = parse_duration(retry.backoff.max_duration) if retry.backoff.max_duration else math.inf
         if job.attempt > retry.limit or self.now + wait - (job.first_start or 0.0) > max_duration:
             self.retries_exhausted += 1  # Argo would fail the run here; the model goes on to show the rest
+            # A daemon's max_duration runs from its first start, at the segment's: a long segment spends it.
+            self.servers_out_of_retries += job.server is not None
         job.attempt += 1
         self.requeues += 1
         self.at(self.now + wait, lambda: self.submit(job))
@@ -337,6 +340,7 @@ class Simulation(ServedSteps):
             segments=self.segments,
             publish_times=published,
             server_starts=dict(self.server_starts),
+            servers_out_of_retries=self.servers_out_of_retries,
         )
 
 

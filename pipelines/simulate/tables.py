@@ -60,7 +60,16 @@ def table(results: dict[int, SimResult], configured: int) -> str:
     rows.append(
         ("Spot interruptions / requeues", [f"{results[s].interruptions} / {results[s].requeues}" for s in columns])
     )
-    rows.append(("shards out of retries", [str(results[s].retries_exhausted) for s in columns]))
+    if any(results[0].server_starts.values()):
+        rows.append(
+            (
+                "clients / servers out of retries",
+                [f"{r.retries_exhausted - r.servers_out_of_retries} / {r.servers_out_of_retries}"
+                 for r in (results[s] for s in columns)],
+            )
+        )  # fmt: skip
+    else:
+        rows.append(("shards out of retries", [str(results[s].retries_exhausted) for s in columns]))
     rows.append(("whole run (with start and report)", [_fmt_h(results[s].makespan) for s in columns]))
     width = max(len(label) for label, _ in rows) + 2
     col = max(max(len(h) for h in heads), 14) + 2
