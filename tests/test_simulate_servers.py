@@ -102,6 +102,9 @@ def test_a_segment_boundary_costs_one_server_start():
     assert result.iteration_times[6:] == pytest.approx([steady] * 4)
     assert result.server_starts[ROLLOUT_SERVER] == 2 * 32
     assert result.usage["rollout"].startup_seconds == pytest.approx(2 * 32 * 10)
+    # The first segment's servers take their nodes after plan and wait there, idle, for import-sft's v000000.
+    first = {(s.phase, s.end) for s in result.segments if s.step == ROLLOUT_SERVER and s.start == 1.0}
+    assert first == {("ready", 3.0)}
     assert result.usage["rollout"].sync_seconds == pytest.approx(8 * 32 * 2)
 
 

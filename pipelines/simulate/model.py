@@ -97,7 +97,8 @@ class Simulation(ServedSteps):
         self.tasks: dict[tuple[int, str], Task] = {}
         self.unfinished: dict[int, int] = {}  # tasks of each segment's DAG not yet done
         self.interruptions = self.requeues = self.retries_exhausted = self.servers_out_of_retries = 0
-        self.latest = 0  # the newest published version (v000000 once import-sft is done)
+        self.latest = 0  # the newest published version
+        self.has_v0 = False  # v000000 is there once the first segment's import-sft is done
         self.init_servers()
         self.loop_start: float | None = None
         self.finished = False
@@ -160,8 +161,10 @@ class Simulation(ServedSteps):
             self.loop_start = self.now  # import-sft finishes after plan: it overrides plan's mark
         if task.step == "publish" and task.iteration is not None:
             self.latest = max(self.latest, task.iteration)
-        if name == (graph.IMPORT_SFT if self.workflow_segments[segment_index].is_first else graph.PLAN):
-            self.start_servers(segment_index)  # the segment's daemons wait for v000000 (pipelines/workflow)
+        if name == graph.PLAN:
+            self.start_servers(segment_index)  # the segment's daemons start after plan (pipelines/workflow)
+        if name == graph.IMPORT_SFT:
+            self.v0_published()
         if name == graph.REPORT:
             if segment_index + 1 < len(self.workflow_segments):
                 self.start_segment(segment_index + 1)

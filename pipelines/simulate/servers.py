@@ -1,9 +1,10 @@
 """Engines that stay up, in the event simulation: a segment's rollout servers and trainer server (Argo daemon
 tasks) and the per-iteration steps that are their clients.
 
-- A server starts when its segment has v000000 (after import-sft, or after plan in a later segment), on its
-  pool (a rollout server takes a rollout node; the trainer, the trainer gang), pays the start-up of today's
-  per-step engine once (rollout_startup_s; trainer_startup_s), and is stopped when the segment's DAG is done.
+- A server starts after its segment's plan, on its pool (a rollout server takes a rollout node; the trainer,
+  the trainer gang), waits there for v000000 in the first segment (import-sft runs meanwhile), pays the
+  start-up of today's per-step engine once (rollout_startup_s; trainer_startup_s), and is stopped when the
+  segment's DAG is done.
 - A rollout server opens the newest published version. It serves one request at a time (a request is a
   whole chunk at the node's throughput), in arrival order; before a chunk of a version it does not hold, it
   brings its weights there: weight_sync_s for the next version (a delta, or the whole checkpoint without
@@ -41,6 +42,7 @@ class ServedSteps:
     now: float
     staleness: int
     latest: int
+    has_v0: bool
     usage: dict[str, PoolUsage]
     queues: dict[str, list[Job]]
 
@@ -77,16 +79,27 @@ class ServedSteps:
 
     def start_server(self, server: Server) -> None:
         """Its pod is on a node: the engine (or the trainer) starts, on the newest published version."""
+        if not self.has_v0:
+            server.awaiting_v0 = True  # its node held, idle: counted as a ready server's
+            return
         self.server_starts[server.kind] += 1
+        server.startup_from = self.now
         server.version = self.latest
         startup = self.steps.rollout_startup_s if server.kind == ROLLOUT_SERVER else self.steps.trainer_startup_s
         token = server.token
         self.at(self.now + startup, lambda: self.server_ready(server, token))
 
+    def v0_published(self) -> None:
+        self.has_v0 = True
+        for server in [s for servers in self.servers.values() for s in servers if s.awaiting_v0]:
+            server.awaiting_v0 = False
+            self.record(server.job, server.job.started, self.now, "ready")
+            self.start_server(server)
+
     def server_ready(self, server: Server, token: int) -> None:
         if token != server.token:
             return
-        self.record(server.job, server.job.started, self.now, "startup")
+        self.record(server.job, server.startup_from, self.now, "startup")
         server.ready, server.idle_since = True, self.now
         waiting, server.waiting = server.waiting, []
         for client in waiting:
@@ -101,10 +114,12 @@ class ServedSteps:
             iteration = server.current.task.iteration
             self.record(job, server.current_start, sync_end, "sync", iteration)
             self.record(job, sync_end, self.now, "lost", iteration)
+        elif server.awaiting_v0:
+            self.record(job, job.started, self.now, "ready")
         elif not server.ready:
-            self.record(job, job.started, self.now, "startup")
+            self.record(job, server.startup_from, self.now, "startup")
         self.end_idle(server)
-        server.ready, server.current, server.queue = False, None, []
+        server.ready, server.current, server.queue, server.awaiting_v0 = False, None, [], False
         server.token += 1
         clients, server.clients = server.clients, []
         for client in clients:
@@ -133,7 +148,7 @@ class ServedSteps:
             if job.node is None:
                 continue
             if not server.ready:
-                self.record(job, job.started, self.now, "startup")
+                self.record(job, server.startup_from, self.now, "startup")
             self.end_idle(server)
             self.leave_node(job)
             self.dispatch(job.pool)

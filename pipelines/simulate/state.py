@@ -128,6 +128,8 @@ class Server:
     current_start: float = 0.0
     current_sync: float = 0.0  # seconds of the current request spent bringing the weights
     idle_since: float | None = None  # ready, with nothing to do
+    awaiting_v0: bool = False  # on its node, waiting for import-sft's v000000 before its engine starts
+    startup_from: float = 0.0  # when its engine (or trainer) began to start
     waiting: list[Job] = field(default_factory=list)  # clients waiting for it to be ready
     clients: list[Job] = field(default_factory=list)  # clients with a request sent or queued
     token: int = 0  # bumped when the server is lost: its pending events are void
