@@ -29,6 +29,9 @@ from steps.run_config import RunConfig
 
 REPO = Path(__file__).resolve().parents[1]
 EKS = REPO / "configs" / "eks-p5en.yaml"
+# These tests model today's shape, an engine per step (engines that stay up: tests/test_simulate_servers.py).
+TODAY = {"rollout.servers": 0, "trainer.server": False}
+TODAY_ARGS = ["--set", "rollout.servers=0", "--set", "trainer.server=false"]
 
 # Hand-made step seconds, so that the expected times below follow from the DAG alone.
 STEPS = StepModel(
@@ -47,7 +50,7 @@ ASSUME = GPU_ASSUMPTIONS.override({"node_replacement_s": 100.0})
 
 
 def eks(**overrides) -> RunConfig:
-    return load_config(EKS, {"iterations": 10, "segment_size": 10, **overrides})
+    return load_config(EKS, {"iterations": 10, "segment_size": 10, **TODAY, **overrides})
 
 
 def test_sync_iterations_follow_the_critical_path():
@@ -119,9 +122,7 @@ def one_shard_cluster(nodes: int) -> tuple[RunConfig, Cluster]:
 
 
 def interrupted_run(cfg: RunConfig, cluster: Cluster, at: float) -> SimResult:
-    simulation = Simulation(
-        cfg, STEPS, cluster, ASSUME, staleness=0, iterations=1, interruptions_per_hour=0.0, seed=0
-    )
+    simulation = Simulation(cfg, STEPS, cluster, ASSUME, staleness=0, iterations=1, interruptions_per_hour=0.0, seed=0)
     node = simulation.nodes["rollout"][0]
     simulation.at(at, lambda: simulation.interrupt(node))
     return simulation.run()
@@ -172,8 +173,7 @@ def test_spot_interruptions_are_deterministic_for_a_seed_and_cost_time():
     cluster = cluster_for(cfg, ASSUME)
     calm = simulate(cfg, STEPS, cluster, ASSUME, staleness=0)
     runs = [
-        simulate(cfg, STEPS, cluster, ASSUME, staleness=0, interruptions_per_hour=2.0, seed=seed)
-        for seed in (7, 7, 8)
+        simulate(cfg, STEPS, cluster, ASSUME, staleness=0, interruptions_per_hour=2.0, seed=seed) for seed in (7, 7, 8)
     ]
     assert runs[0].iteration_times == runs[1].iteration_times
     assert runs[0].iteration_times != runs[2].iteration_times
@@ -203,7 +203,7 @@ def test_derived_step_times_scale_with_the_config():
     assert base.update_s == pytest.approx(
         a.pod_start_s + a.trainer_startup_s + tokens / (a.trainer_tokens_per_gpu_s * 128)
     )
-    half = derived_step_model(load_config(EKS, {"trainer.nodes": 8}), a)
+    half = derived_step_model(load_config(EKS, {"trainer.nodes": 8, **TODAY}), a)
     assert half.update_s - a.pod_start_s - a.trainer_startup_s == pytest.approx(
         2 * (base.update_s - a.pod_start_s - a.trainer_startup_s)
     )
@@ -323,7 +323,7 @@ def test_the_command_is_deterministic_for_a_seed(capsys):
 def test_the_command_reads_measured_step_times_and_assumptions(tmp_path, capsys):
     times = tmp_path / "times.json"
     times.write_text(json.dumps({"rollout": 400, "engine_startup": 200, "update": 300}))
-    run_cli([str(EKS), "--iterations", "5", "--step-times", str(times), "--assume", "publish_s=10"])
+    run_cli([str(EKS), "--iterations", "5", "--step-times", str(times), "--assume", "publish_s=10", *TODAY_ARGS])
     out = capsys.readouterr().out
     assert "start-up 200.0 s + 1 chunk x 200.00 s" in out
     assert "update 300.0 s" in out and "publish 25.0 s" in out  # pod start 10 + step start 5 + 10 s

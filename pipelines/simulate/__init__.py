@@ -21,6 +21,12 @@ The model, in the order a run meets it:
   resumable), loses the chunk it was generating, and is requeued after the config's retry backoff; it then
   waits for a free node and pays the engine start-up again. A shard that runs out of retries (limit or
   max_duration) is counted: the real run would have failed there.
+- Engines that stay up (rollout.servers > 0, trainer.server; servers.py): per segment, daemon servers that pay
+  the engine (or trainer) start-up once and again per replacement; rollout and update steps become clients on
+  the CPU pool. A rollout server brings its weights to each new version from bytes and bandwidth (the delta,
+  checkpoint.deltas, or the whole checkpoint, from S3; the version from local disk; the in-place update), and
+  publish pays the delta's write. A reclaimed server loses its chunk in flight; its clients are retried and
+  find it (or another) again. rollout.servers 0 is modelled exactly as before.
 
 Iteration time is the time between two successive publications (the first one counted from the end of
 import-sft), the same definition that `iteration_times_from_status` applies to a real run. Tokens are sampled
@@ -29,6 +35,6 @@ response tokens: prompts_per_iteration x group_size x max_new_tokens x response_
 Deterministic: one `random.Random(seed)` per simulated run, events ordered by (time, sequence number).
 
 The modules: sizing.py (assumptions, pools, step times), measured.py (step and iteration times of a real
-run's status), model.py (the event simulation), tables.py (the printout), timeline.py (the plot), cli.py.
+run's status), model.py (the event simulation), state.py (what it tracks), servers.py (servers and clients),
+tables.py (the printout), timeline.py (the plot), cli.py.
 """
-

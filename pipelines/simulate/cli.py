@@ -70,10 +70,15 @@ def main(args: argparse.Namespace) -> int:
     print(describe(cfg, cluster, steps, a))
     print()
     print(table(results, cfg.staleness))
-    if any(r.retries_exhausted for r in results.values()):
+    if any(r.retries_exhausted - r.servers_out_of_retries for r in results.values()):
         print(
             f"warning: some rollout shards ran out of retries (retries.rollout limit {cfg.retries['rollout'].limit}):"
             " the real run would have failed there"
+        )
+    if any(r.servers_out_of_retries for r in results.values()):
+        print(
+            "warning: some servers ran out of retries (their role's retries: limit, or backoff.max_duration counted"
+            " from the segment's start): the real run would have failed there"
         )
     if args.plot:
         print(f"wrote {plot_timeline(results, args.plot)}")

@@ -12,44 +12,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pipelines.durations import backoff_seconds, parse_duration
-from pipelines.simulate.sizing import Assumptions, Cluster, Pool, StepModel, pool_of, shard_chunks, tokens_per_iteration
+from pipelines.simulate.servers import ServedSteps
+from pipelines.simulate.sizing import Assumptions, Cluster, StepModel, pool_of, shard_chunks, tokens_per_iteration
+from pipelines.simulate.state import Job, Node, PoolUsage, Segment, Task
 from pipelines.workflow import graph
 from steps.errors import MoerlError
 from steps.run_config import RunConfig
-
-
-@dataclass
-class Segment:
-    """One interval of a pod on a node, for the pool shares and the timeline."""
-
-    pool: str
-    node: int
-    start: float
-    end: float
-    step: str
-    iteration: int | None
-    phase: str  # "startup", "work", "lost" (generation an interruption threw away) or "down" (node gone)
-
-
-@dataclass
-class PoolUsage:
-    slots_per_node: int | None  # 1: a pod takes a whole node, so the shares below are shares of GPU time
-    node_seconds: float = 0.0  # nodes up x time, over the run
-    busy_seconds: float = 0.0  # node time with at least one pod on the node
-    startup_seconds: float = 0.0
-    lost_seconds: float = 0.0
-
-    @property
-    def idle_share(self) -> float:
-        """Share of node time with no pod on the node (a replaced Spot node counts from when it is back)."""
-        return 1.0 - self.busy_seconds / self.node_seconds if self.node_seconds else 0.0
-
-    @property
-    def startup_share(self) -> float | None:
-        """Share of node time spent starting engines; None where pods share a node (this machine)."""
-        if self.slots_per_node != 1 or not self.node_seconds:
-            return None
-        return self.startup_seconds / self.node_seconds
 
 
 @dataclass
@@ -66,6 +34,8 @@ class SimResult:
     retries_exhausted: int
     segments: list[Segment]
     publish_times: list[float]
+    server_starts: dict[str, int] = field(default_factory=dict)  # starts per server kind (segments, replacements)
+    servers_out_of_retries: int = 0  # of retries_exhausted: long-lived servers (their daemon's retryStrategy)
 
     @property
     def mean_iteration_s(self) -> float:
@@ -94,51 +64,10 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
 
 
-@dataclass
-class _Node:
-    pool: Pool
-    index: int
-    up: bool = True
-    up_since: float = 0.0
-    jobs: list[_Job] = field(default_factory=list)
-    busy_since: float | None = None
+class Simulation(ServedSteps):
+    """Events on a heap: (time, sequence number, callback). One instance simulates one run.
 
-    def has_room(self) -> bool:
-        slots = self.pool.slots_per_node
-        return self.up and (slots is None or len(self.jobs) < slots)
-
-
-@dataclass
-class _Job:
-    """One pod of a task (a rollout shard, or the single pod of any other step) and its retries."""
-
-    task: _Task
-    step: str
-    pool: str
-    shard: int = 0
-    chunks_left: int = 0
-    duration: float = 0.0  # a fixed step's seconds
-    attempt: int = 1
-    first_start: float | None = None
-    node: _Node | None = None
-    started: float = 0.0
-    token: int = 0  # bumped when an attempt is interrupted: its pending finish event is void
-
-
-@dataclass
-class _Task:
-    key: tuple[int, str]  # (segment index, task name)
-    step: str
-    iteration: int | None
-    waiting_for: int  # unfinished dependencies
-    dependents: list[tuple[int, str]] = field(default_factory=list)
-    pods_left: int = 0
-    first_start: float | None = None
-    end: float | None = None
-
-
-class Simulation:
-    """Events on a heap: (time, sequence number, callback). One instance simulates one run."""
+    Engines that stay up (rollout.servers, trainer.server) are ServedSteps' (servers.py)."""
 
     def __init__(
         self,
@@ -161,13 +90,16 @@ class Simulation:
         self.now = 0.0
         self.heap: list[tuple[float, int, Callable[[], None]]] = []
         self.sequence = itertools.count()
-        self.nodes = {p.name: [_Node(p, k) for k in range(p.nodes)] for p in cluster.pools()}
-        self.queues: dict[str, list[_Job]] = {p.name: [] for p in cluster.pools()}
+        self.nodes = {p.name: [Node(p, k) for k in range(p.nodes)] for p in cluster.pools()}
+        self.queues: dict[str, list[Job]] = {p.name: [] for p in cluster.pools()}
         self.usage = {p.name: PoolUsage(p.slots_per_node) for p in cluster.pools()}
         self.segments: list[Segment] = []
-        self.tasks: dict[tuple[int, str], _Task] = {}
+        self.tasks: dict[tuple[int, str], Task] = {}
         self.unfinished: dict[int, int] = {}  # tasks of each segment's DAG not yet done
-        self.interruptions = self.requeues = self.retries_exhausted = 0
+        self.interruptions = self.requeues = self.retries_exhausted = self.servers_out_of_retries = 0
+        self.latest = 0  # the newest published version
+        self.has_v0 = False  # v000000 is there once the first segment's import-sft is done
+        self.init_servers()
         self.loop_start: float | None = None
         self.finished = False
         # One Workflow on this machine; on a cluster one per segment of segment_size iterations.
@@ -197,7 +129,7 @@ class Simulation:
             step, _, number = name.rpartition("-")
             iteration = int(number) if step in graph.STEPS else None
             step = step if iteration is not None else name
-            self.tasks[(index, name)] = _Task((index, name), step, iteration, len(parents))
+            self.tasks[(index, name)] = Task((index, name), step, iteration, len(parents))
         self.unfinished[index] = len(deps)
         for name, parents in deps.items():
             for parent in parents:
@@ -206,23 +138,33 @@ class Simulation:
             if not parents:
                 self.start_task(self.tasks[(index, name)])
 
-    def start_task(self, task: _Task) -> None:
+    def start_task(self, task: Task) -> None:
         if task.step == "rollout":
+            served = self.rollout_served
             jobs = [
-                _Job(task, "rollout", "rollout", shard=s, chunks_left=shard_chunks(self.cfg, s))
+                Job(task, "rollout", "cpu" if served else "rollout", shard=s, chunks_left=shard_chunks(self.cfg, s),
+                    client=served)
                 for s in range(self.cfg.rollout.num_shards)
-            ]
+            ]  # fmt: skip
+        elif task.step == "update" and self.trainer_served:
+            jobs = [Job(task, "update", "cpu", chunks_left=1, client=True)]
         else:
-            jobs = [_Job(task, task.step, pool_of(task.step), duration=self.steps.fixed(task.step))]
+            jobs = [Job(task, task.step, pool_of(task.step), duration=self.steps.fixed(task.step))]
         task.pods_left = len(jobs)
         for job in jobs:
             self.submit(job)
 
-    def task_done(self, task: _Task) -> None:
+    def task_done(self, task: Task) -> None:
         task.end = self.now
         segment_index, name = task.key
         if name == graph.IMPORT_SFT or (name == graph.PLAN and self.loop_start is None):
             self.loop_start = self.now  # import-sft finishes after plan: it overrides plan's mark
+        if task.step == "publish" and task.iteration is not None:
+            self.latest = max(self.latest, task.iteration)
+        if name == graph.PLAN:
+            self.start_servers(segment_index)  # the segment's daemons start after plan (pipelines/workflow)
+        if name == graph.IMPORT_SFT:
+            self.v0_published()
         if name == graph.REPORT:
             if segment_index + 1 < len(self.workflow_segments):
                 self.start_segment(segment_index + 1)
@@ -236,13 +178,16 @@ class Simulation:
                 self.start_task(child)
         self.unfinished[segment_index] -= 1
         if self.unfinished[segment_index] == 0:
+            self.stop_servers(segment_index)  # Argo stops a DAG's daemons once its other tasks are done
             # The DAG is done: the exit handler reports, then (on a cluster) the next segment's Workflow runs.
-            report = _Task((segment_index, graph.REPORT), graph.REPORT, None, 0)
+            report = Task((segment_index, graph.REPORT), graph.REPORT, None, 0)
             self.tasks[report.key] = report
             self.start_task(report)
 
     # -- pods on pools
-    def submit(self, job: _Job) -> None:
+    def submit(self, job: Job) -> None:
+        if job.server is not None and job.server.stopped:
+            return  # a daemon's retry that comes after its segment ended
         self.queues[job.pool].append(job)
         self.dispatch(job.pool)
 
@@ -254,46 +199,58 @@ class Simulation:
                 return
             self.start_job(queue.pop(0), node)
 
-    def start_job(self, job: _Job, node: _Node) -> None:
+    def start_job(self, job: Job, node: Node) -> None:
         job.node, job.started = node, self.now
         if job.first_start is None:
             job.first_start = self.now
         if job.task.first_start is None:
             job.task.first_start = self.now
-        if not node.jobs:
-            node.busy_since = self.now
+        was_occupied = node.occupied()
         node.jobs.append(job)
+        if not was_occupied and node.occupied():
+            node.busy_since = self.now
         token = job.token
-        self.at(self.now + self.job_seconds(job), lambda: self.finish_job(job, token))
+        if job.server is not None:
+            self.start_server(job.server)
+        elif job.client:
+            self.at(self.now + self.steps.client_s, lambda: self.client_started(job, token))
+        else:
+            self.at(self.now + self.job_seconds(job), lambda: self.finish_job(job, token))
 
-    def job_seconds(self, job: _Job) -> float:
+    def job_seconds(self, job: Job) -> float:
         if job.step == "rollout":
             return self.steps.rollout_startup_s + job.chunks_left * self.steps.rollout_chunk_s
         return job.duration
 
-    def leave_node(self, job: _Job) -> None:
+    def leave_node(self, job: Job) -> None:
         node = job.node
         assert node is not None
         node.jobs.remove(job)
-        if not node.jobs and node.busy_since is not None:
+        if not node.occupied() and node.busy_since is not None:
             self.usage[node.pool.name].busy_seconds += self.now - node.busy_since
             node.busy_since = None
         job.node = None
 
-    def record(self, job: _Job, start: float, end: float, phase: str) -> None:
+    def record(self, job: Job, start: float, end: float, phase: str, iteration: int | None = None) -> None:
         if end <= start or job.node is None:
             return
         pool = job.node.pool.name
-        self.segments.append(Segment(pool, job.node.index, start, end, job.step, job.task.iteration, phase))
+        iteration = job.task.iteration if iteration is None else iteration
+        self.segments.append(Segment(pool, job.node.index, start, end, job.step, iteration, phase))
+        usage = self.usage[pool]
         if phase == "startup":
-            self.usage[pool].startup_seconds += end - start
+            usage.startup_seconds += end - start
         elif phase == "lost":
-            self.usage[pool].lost_seconds += end - start
+            usage.lost_seconds += end - start
+        elif phase == "sync":
+            usage.sync_seconds += end - start
+        if not job.node.counts_busy(job) and phase != "ready":
+            usage.busy_seconds += end - start
 
-    def finish_job(self, job: _Job, token: int) -> None:
+    def finish_job(self, job: Job, token: int) -> None:
         if token != job.token:  # this attempt was interrupted; its finish never comes
             return
-        if job.step == "rollout":
+        if job.step == "rollout" and not job.client:
             generate_from = job.started + self.steps.rollout_startup_s
             self.record(job, job.started, generate_from, "startup")
             self.record(job, generate_from, self.now, "work")
@@ -306,26 +263,29 @@ class Simulation:
         self.dispatch(job.pool)
 
     # -- Spot interruptions
-    def schedule_interruption(self, node: _Node) -> None:
+    def schedule_interruption(self, node: Node) -> None:
         self.at(self.now + self.rng.expovariate(self.rate), lambda: self.interrupt(node))
 
-    def interrupt(self, node: _Node) -> None:
+    def interrupt(self, node: Node) -> None:
         self.interruptions += 1
         for job in list(node.jobs):
-            self.preempt(job)
+            if job.server is not None:
+                self.lose_server(job.server)
+            else:
+                self.preempt(job)
         self.usage[node.pool.name].node_seconds += self.now - node.up_since
         node.up = False
         self.segments.append(Segment(node.pool.name, node.index, self.now, self.now + self.node_replacement_s,
                                      "", None, "down"))  # fmt: skip
         self.at(self.now + self.node_replacement_s, lambda: self.replace(node))
 
-    def replace(self, node: _Node) -> None:
+    def replace(self, node: Node) -> None:
         node.up, node.up_since = True, self.now
         if self.rate > 0:
             self.schedule_interruption(node)
         self.dispatch(node.pool.name)
 
-    def preempt(self, job: _Job) -> None:
+    def preempt(self, job: Job) -> None:
         """The shard keeps its finished chunks, loses the one in progress, and is retried after a backoff."""
         generate_from = job.started + self.steps.rollout_startup_s
         done = 0
@@ -338,12 +298,18 @@ class Simulation:
         self.leave_node(job)
         job.chunks_left -= done
         job.token += 1
-        retry = self.cfg.retries["rollout"]
+        self.retry(job, "rollout")
+
+    def retry(self, job: Job, role: str) -> None:
+        """The pod's retryStrategy (the config's retries[role]): resubmitted after its backoff."""
+        retry = self.cfg.retries[role]
         backoff = retry.backoff.model_dump()
         wait = backoff_seconds(backoff, job.attempt)
         max_duration = parse_duration(retry.backoff.max_duration) if retry.backoff.max_duration else math.inf
         if job.attempt > retry.limit or self.now + wait - (job.first_start or 0.0) > max_duration:
             self.retries_exhausted += 1  # Argo would fail the run here; the model goes on to show the rest
+            # A daemon's max_duration runs from its first start, at the segment's: a long segment spends it.
+            self.servers_out_of_retries += job.server is not None
         job.attempt += 1
         self.requeues += 1
         self.at(self.now + wait, lambda: self.submit(job))
@@ -376,6 +342,8 @@ class Simulation:
             retries_exhausted=self.retries_exhausted,
             segments=self.segments,
             publish_times=published,
+            server_starts=dict(self.server_starts),
+            servers_out_of_retries=self.servers_out_of_retries,
         )
 
 

@@ -16,6 +16,12 @@ GPU = "nvidia.com/gpu"
 STEP_KINDS = ("plan", "import-sft", "rollout", "score", "update", "publish", "report", "next-segment")
 ENGINE_STARTUP = "engine_startup"
 
+# The share of a version's bf16 checkpoint bytes that its compressed delta against its parent takes (what a
+# rollout server fetches per new version with checkpoint.deltas). Measured by bench/weight_update.py (bytes
+# moved per version, full vs delta; issue 21's weight-delta bench); until its figure is in, a conservative
+# half of the checkpoint: `--assume delta_fraction=X` puts the measured one in.
+DELTA_FRACTION = 0.5
+
 
 @dataclass(frozen=True)
 class Assumptions:
@@ -37,6 +43,13 @@ class Assumptions:
     node_replacement_s: float  # a reclaimed Spot node until its replacement has joined the pool
     response_fill: float = 1.0  # mean response length as a share of max_new_tokens (1: all run to the cap)
     rollout_nodes: int = 0  # nodes of the rollout pool; 0: one per shard
+    # Bytes and bandwidths, for engines that stay up (rollout.servers, trainer.server, checkpoint.deltas).
+    checkpoint_gb: float = 61.0  # a version's weights as stored (bf16): what an engine loads
+    optimizer_gb: float = 366.0  # the AdamW state a candidate carries (fp32 masters, exp_avg, exp_avg_sq)
+    s3_gb_per_s: float = 1.0  # one node's S3 throughput, read or write (the figure engine_startup_s assumes)
+    nvme_gb_per_s: float = 4.0  # one node's local-disk read (one NVMe drive; a RAID0 of p5en's 8 reads faster)
+    engine_update_s: float = 10.0  # the engine's in-place weight update beyond reading the files
+    delta_fraction: float = DELTA_FRACTION  # a version's delta as a share of checkpoint_gb
 
     def override(self, pairs: dict[str, float]) -> Assumptions:
         return dataclasses.replace(self, **pairs)
@@ -64,6 +77,14 @@ GPU_ASSUMPTIONS = Assumptions(
     report_s=30.0,
     # Karpenter launches a p5en Spot node, it boots, joins, gets its GPU/EFA plugins and pulls the image.
     node_replacement_s=420.0,
+    checkpoint_gb=61.0,
+    optimizer_gb=366.0,
+    s3_gb_per_s=1.0,
+    # p5en.48xlarge: 8 x 3.84 TB NVMe; one drive's sequential read, so a RAID0 only makes it faster.
+    nvme_gb_per_s=4.0,
+    # SGLang's update_weights_from_disk: pause, load the safetensors into the existing parameters (the read is
+    # counted above), flush the cache. Peers' in-place updates of this model take 0.7-7 s (issue 21).
+    engine_update_s=10.0,
 )
 
 # This machine (2 CPU cores, the demo model), measured on it while other jobs shared the cores: a step's
@@ -80,6 +101,11 @@ CPU_ASSUMPTIONS = Assumptions(
     publish_s=3.0,
     report_s=1.0,
     node_replacement_s=0.0,  # the executor retries on this same machine
+    checkpoint_gb=0.01,  # the demo model: a few MB
+    optimizer_gb=0.03,
+    s3_gb_per_s=0.5,  # the run store is a local directory
+    nvme_gb_per_s=0.5,
+    engine_update_s=0.5,  # the torch engine copies the tensors into its modules
 )
 
 
@@ -174,6 +200,14 @@ class StepModel:
     report_s: float
     next_segment_s: float
     source: str  # where the figures come from, for the printout
+    # Engines that stay up (rollout.servers > 0, trainer.server): a server starts once per segment and once per
+    # replacement (rollout servers: rollout_startup_s; the trainer: trainer_startup_s); the per-iteration steps
+    # are clients that start in client_s and wait for their server's answers.
+    client_s: float = 0.0  # a client step's pod and Python start
+    weight_sync_s: float = 0.0  # a rollout server's move to the next version: fetch (delta or whole) + apply
+    full_sync_s: float = 0.0  # a rollout server's move to any other version: the whole checkpoint + apply
+    trainer_startup_s: float = 0.0  # the trainer server's start: pod, rendezvous, comm init, weights + AdamW
+    train_s: float = 0.0  # the trainer server's work per update: train, then write the candidate
 
     def fixed(self, step: str) -> float:
         return {
@@ -221,18 +255,65 @@ def derived_step_model(cfg: RunConfig, a: Assumptions) -> StepModel:
         rollout_chunk_s=chunk_tokens / (a.rollout_tokens_per_gpu_s * rollout_devices),
         score_s=python_step + samples / a.score_samples_per_s + heldout_s,
         update_s=a.pod_start_s + a.trainer_startup_s + train_s,
-        publish_s=python_step + a.publish_s,
+        publish_s=python_step + a.publish_s + publish_delta_s(cfg, a),
         report_s=python_step + a.report_s,
         next_segment_s=a.pod_start_s,  # Argo creates the next Workflow itself: no pod
         source="derived from the config and the assumptions",
+        **served_step_times(cfg, a, train_s),
     )
+
+
+def rollout_served(cfg: RunConfig) -> bool:
+    """Rollout steps are clients of the segment's long-lived rollout servers."""
+    return cfg.rollout.servers > 0
+
+
+def deltas_written(cfg: RunConfig) -> bool:
+    """Publish writes the version's delta: only read by rollout servers, so only paid where there are some."""
+    return cfg.checkpoint.deltas and rollout_served(cfg)
+
+
+def delta_gb(a: Assumptions) -> float:
+    return a.delta_fraction * a.checkpoint_gb
+
+
+def publish_delta_s(cfg: RunConfig, a: Assumptions) -> float:
+    """Publish's extra work for the delta (steps/weight_delta.py's write_delta(run, version)): read v(i) and
+    v(i-1) from the store, write their compressed XOR, at the publish pod's node's S3 throughput. It is on the
+    critical path: the next update and rollout wait for publish."""
+    return (2 * a.checkpoint_gb + delta_gb(a)) / a.s3_gb_per_s if deltas_written(cfg) else 0.0
+
+
+def candidate_write_s(cfg: RunConfig, a: Assumptions) -> float:
+    """A trainer that stays up writes each candidate (weights + AdamW state), every node its shard at once."""
+    return (a.checkpoint_gb + a.optimizer_gb) / (a.s3_gb_per_s * cfg.trainer.nodes)
+
+
+def served_step_times(cfg: RunConfig, a: Assumptions, train_s: float) -> dict[str, float]:
+    """The StepModel fields of engines that stay up, from bytes and bandwidths.
+
+    A rollout server's next version: its node fetches the delta once (or the whole checkpoint without
+    checkpoint.deltas) from S3, reads the reconstructed version from its local disk and updates the engine
+    in place. The trainer server pays its start-up once, then per update trains and writes the candidate."""
+    apply_s = a.checkpoint_gb / a.nvme_gb_per_s + a.engine_update_s
+    fetched_gb = delta_gb(a) if cfg.checkpoint.deltas else a.checkpoint_gb
+    return {
+        "client_s": a.pod_start_s + a.step_startup_s,
+        "weight_sync_s": fetched_gb / a.s3_gb_per_s + apply_s,
+        "full_sync_s": a.checkpoint_gb / a.s3_gb_per_s + apply_s,
+        "trainer_startup_s": a.pod_start_s + a.trainer_startup_s,
+        "train_s": train_s + candidate_write_s(cfg, a),
+    }
 
 
 def measured_step_model(cfg: RunConfig, a: Assumptions, measured: dict[str, float], source: str) -> StepModel:
     """Measured per-step seconds where given, derived ones elsewhere.
 
     A measured rollout figure is one whole shard: its start-up (measured `engine_startup` if given, else the
-    assumed one, at most the whole figure) and then the shard's share of the iteration's chunks."""
+    assumed one, at most the whole figure) and then the shard's share of the iteration's chunks. Measured in
+    today's shape (rollout.servers 0, no trainer server), they carry over to servers: a rollout server starts
+    as a shard does and generates its chunks as fast; a trainer server's update is the measured one less the
+    assumed start-up."""
     derived = derived_step_model(cfg, a)
     values = {kind: measured[kind] for kind in STEP_KINDS if kind in measured}
     startup, chunk = derived.rollout_startup_s, derived.rollout_chunk_s
@@ -257,4 +338,11 @@ def measured_step_model(cfg: RunConfig, a: Assumptions, measured: dict[str, floa
         report_s=pick("report", derived.report_s),
         next_segment_s=pick("next-segment", derived.next_segment_s),
         source=f"measured ({source}: {', '.join(sorted(values)) or 'none'}); the rest derived",
+        client_s=derived.client_s,
+        weight_sync_s=derived.weight_sync_s,
+        full_sync_s=derived.full_sync_s,
+        trainer_startup_s=derived.trainer_startup_s,
+        # A measured update is a start-up and then the training and the candidate's write: the trainer that
+        # stays up keeps the latter.
+        train_s=max(values["update"] - derived.trainer_startup_s, 0.0) if "update" in values else derived.train_s,
     )

@@ -3,7 +3,20 @@
 from __future__ import annotations
 
 from pipelines.simulate.model import SimResult
-from pipelines.simulate.sizing import Assumptions, Cluster, StepModel, chunks_per_iteration, tokens_per_iteration
+from pipelines.simulate.sizing import (
+    Assumptions,
+    Cluster,
+    StepModel,
+    candidate_write_s,
+    chunks_per_iteration,
+    delta_gb,
+    deltas_written,
+    publish_delta_s,
+    rollout_served,
+    tokens_per_iteration,
+)
+from pipelines.simulate.state import TRAINER_SERVER
+from pipelines.workflow.graph import ROLLOUT_SERVER
 from steps.run_config import RunConfig
 
 
@@ -32,10 +45,31 @@ def table(results: dict[int, SimResult], configured: int) -> str:
         rows.append(
             ("rollout pool in engine start-up", [f"{results[s].usage['rollout'].startup_share:.0%}" for s in columns])
         )
+        if results[0].server_starts.get(ROLLOUT_SERVER):
+            rows.append(
+                ("rollout pool updating weights", [f"{results[s].usage['rollout'].sync_share:.0%}" for s in columns])
+            )
+    if any(results[0].server_starts.values()):
+        rows.append(
+            (
+                "server starts (rollout / trainer)",
+                [f"{results[s].server_starts[ROLLOUT_SERVER]} / {results[s].server_starts[TRAINER_SERVER]}"
+                 for s in columns],
+            )
+        )  # fmt: skip
     rows.append(
         ("Spot interruptions / requeues", [f"{results[s].interruptions} / {results[s].requeues}" for s in columns])
     )
-    rows.append(("shards out of retries", [str(results[s].retries_exhausted) for s in columns]))
+    if any(results[0].server_starts.values()):
+        rows.append(
+            (
+                "clients / servers out of retries",
+                [f"{r.retries_exhausted - r.servers_out_of_retries} / {r.servers_out_of_retries}"
+                 for r in (results[s] for s in columns)],
+            )
+        )  # fmt: skip
+    else:
+        rows.append(("shards out of retries", [str(results[s].retries_exhausted) for s in columns]))
     rows.append(("whole run (with start and report)", [_fmt_h(results[s].makespan) for s in columns]))
     width = max(len(label) for label, _ in rows) + 2
     col = max(max(len(h) for h in heads), 14) + 2
@@ -53,21 +87,53 @@ def describe(cfg: RunConfig, cluster: Cluster, steps: StepModel, a: Assumptions)
     chunks = chunks_per_iteration(cfg)
     per_shard = chunks / cfg.rollout.num_shards
     shard_s = steps.rollout_startup_s + per_shard * steps.rollout_chunk_s
+    chunks_text = f"{per_shard:g} chunk{'' if per_shard == 1 else 's'} x {steps.rollout_chunk_s:.2f} s"
+    rollout = f"rollout {shard_s:.1f} s a shard = start-up {steps.rollout_startup_s:.1f} s + {chunks_text}"
+    if rollout_served(cfg):
+        rollout = f"rollout a client of a server: {chunks_text} on the server"
+    update = f"update {steps.update_s:.1f} s"
+    if cfg.trainer.server:
+        update = f"update a client of the trainer server: {steps.train_s:.1f} s on the server"
     lines = [
         f"cluster: rollout {cluster.rollout.label}; trainer {cluster.trainer.label}; cpu: {cluster.cpu.label}",
         f"per iteration: {cfg.prompts_per_iteration} prompts x {cfg.group_size} samples x "
         f"{cfg.sampling.max_new_tokens} tokens (fill {a.response_fill:g}) = "
         f"{tokens_per_iteration(cfg, a):,.0f} tokens in {chunks} chunks over {cfg.rollout.num_shards} shards",
         f"step times ({steps.source}):",
-        f"  rollout {shard_s:.1f} s a shard = start-up {steps.rollout_startup_s:.1f} s + {per_shard:g} "
-        f"chunk{'' if per_shard == 1 else 's'} x "
-        f"{steps.rollout_chunk_s:.2f} s; score {steps.score_s:.1f} s; update {steps.update_s:.1f} s; "
-        f"publish {steps.publish_s:.1f} s",
+        f"  {rollout}; score {steps.score_s:.1f} s; {update}; publish {steps.publish_s:.1f} s",
         f"  plan {steps.plan_s:.1f} s; import-sft {steps.import_sft_s:.1f} s; report {steps.report_s:.1f} s",
     ]
+    lines += served_lines(cfg, steps, a)
     if cluster.local:
         lines.append(
             "note: on this machine overlapping steps share its cores and the model does not slow them down: "
             "measure staleness 1 for its real gain here"
         )
     return "\n".join(lines)
+
+
+def served_lines(cfg: RunConfig, steps: StepModel, a: Assumptions) -> list[str]:
+    """How engines that stay up are modelled, with their figures (nothing for today's shape)."""
+    lines = []
+    if rollout_served(cfg):
+        fetched = f"delta {delta_gb(a):g} GB (delta_fraction {a.delta_fraction:g})" if cfg.checkpoint.deltas else (
+            f"whole checkpoint {a.checkpoint_gb:g} GB (checkpoint.deltas false)")  # fmt: skip
+        lines += [
+            f"rollout servers: {cfg.rollout.servers} a segment, start-up {steps.rollout_startup_s:.1f} s once a "
+            f"segment and once a replacement; rollout steps are clients ({steps.client_s:.1f} s to start)",
+            f"  per new version a server fetches the {fetched} at {a.s3_gb_per_s:g} GB/s and applies it in place "
+            f"({a.checkpoint_gb:g} GB from local disk at {a.nvme_gb_per_s:g} GB/s + {a.engine_update_s:g} s): "
+            f"{steps.weight_sync_s:.1f} s; any other version {steps.full_sync_s:.1f} s",
+        ]
+        if deltas_written(cfg):
+            lines.append(
+                f"  publish writes the delta: reads v(i) and v(i-1), writes {delta_gb(a):g} GB at "
+                f"{a.s3_gb_per_s:g} GB/s: +{publish_delta_s(cfg, a):.1f} s (in publish's figure)"
+            )
+    if cfg.trainer.server:
+        lines.append(
+            f"trainer server: start-up {steps.trainer_startup_s:.1f} s once a segment and once a restart; per "
+            f"update {steps.train_s:.1f} s (train, write the candidate: {candidate_write_s(cfg, a):.1f} s), "
+            f"its update step a client ({steps.client_s:.1f} s to start)"
+        )
+    return lines

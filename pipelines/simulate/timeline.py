@@ -15,7 +15,11 @@ STEP_COLORS = {
     "publish": "#9467bd",
     "report": "#e377c2",
     "next-segment": "#bdbdbd",
+    "rollout-server": "#1f77b4",  # a rollout server generating: the rollout's colour, on the server's lane
+    "trainer-server": "#2ca02c",  # the trainer server training: the update's
 }
+SYNC_COLOR = "#17becf"  # a server bringing its weights to a new version
+READY_COLOR = "#e3e3e3"  # a server up with nothing to do
 
 
 def plot_timeline(results: dict[int, SimResult], path: str | Path, first_iterations: int = 3) -> Path:
@@ -46,10 +50,16 @@ def plot_timeline(results: dict[int, SimResult], path: str | Path, first_iterati
                     [(seg.start, end - seg.start)], (y - 0.4, 0.8), facecolor="#f4f4f4", edgecolor="#b0b0b0", hatch="//"
                 )
                 continue
-            color = "#d62728" if seg.phase == "lost" else STEP_COLORS.get(seg.step, "#333333")
+            if seg.phase == "ready":
+                ax.broken_barh([(seg.start, end - seg.start)], (y - 0.25, 0.5), color=READY_COLOR)
+                continue
+            phase_colors = {"lost": "#d62728", "sync": SYNC_COLOR}
+            color = phase_colors.get(seg.phase, STEP_COLORS.get(seg.step, "#333333"))
             alpha = 0.45 if seg.phase == "startup" else 0.95
             ax.broken_barh([(seg.start, end - seg.start)], (y - 0.4, 0.8), color=color, alpha=alpha)
-        labels = [f"rollout node {n}" for _, n in rows[:-2]] + ["trainer", "cpu"]
+        served = {(s.pool, s.node) for s in result.segments if s.step.endswith("-server")}
+        labels = [f"rollout node {n}{' (server)' if ('rollout', n) in served else ''}" for _, n in rows[:-2]]
+        labels += ["trainer (server)" if ("trainer", 0) in served else "trainer", "cpu (steps, clients)"]
         ax.set_yticks(range(len(rows)), labels, fontsize=7)
         ax.invert_yaxis()
         ax.set_xlim(0, until)
@@ -63,14 +73,16 @@ def plot_timeline(results: dict[int, SimResult], path: str | Path, first_iterati
                 else ""
             )
         )
-    handles = [Patch(color=c, label=k) for k, c in STEP_COLORS.items()]
+    handles = [Patch(color=c, label=k) for k, c in STEP_COLORS.items() if not k.endswith("-server")]
     handles += [
         Patch(color="#1f77b4", alpha=0.45, label="engine start-up"),
+        Patch(color=SYNC_COLOR, label="server: weights to a new version"),
+        Patch(color=READY_COLOR, label="server ready, idle"),
         Patch(color="#d62728", label="lost chunk"),
         Patch(facecolor="#f4f4f4", edgecolor="#b0b0b0", hatch="//", label="Spot node replaced"),
     ]
-    fig.legend(handles=handles, loc="lower center", ncol=11, fontsize=8)
-    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    fig.legend(handles=handles, loc="lower center", ncol=7, fontsize=8)
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
