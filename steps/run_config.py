@@ -51,7 +51,7 @@ OPERATIONAL_FIELDS = frozenset(
 )
 OPERATIONAL_SECTION_FIELDS = {
     "rollout": frozenset({"num_shards", "servers", "server_wait_s"}),
-    "trainer": frozenset({"server"}),
+    "trainer": frozenset({"server", "server_wait_s"}),
     "checkpoint": frozenset({"deltas"}),
 }
 
@@ -205,6 +205,12 @@ class TrainerConfig(_Section):
         "a trainer that stays up for the segment (an Argo daemon task holding the EP group, the weights and "
         "AdamW's state in memory), driven iteration by iteration by the update steps; false: each update "
         "step starts its own torchrun",
+    )
+    server_wait_s: float = _field(
+        600.0,
+        "with trainer.server: how long an update step waits for its Workflow's trainer to be ready before it "
+        "trains the iteration itself (a torchrun of its own, the same bits)",
+        ge=0,
     )
 
 

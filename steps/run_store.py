@@ -11,7 +11,7 @@
     <run>/candidates/iter-000001/                       update's unpublished output (steps/candidate.py)
     <run>/optimizer/v000001/                            AdamW state (+ fp32 masters) the next update resumes from
     <run>/deltas/v000001/                               v000001's compressed delta against its parent (publish)
-    <run>/servers/<workflow>/<server>.json              a live rollout server's address (its registration)
+    <run>/servers/<workflow>/<server>.json              a live server's address (its registration)
     <run>/report/                                       the report's table and plot
     <run>/tensorboard/, <run>/wandb/, <run>/tracking/   experiment trackers' files and ledger (steps/tracking.py)
 
@@ -136,6 +136,10 @@ def server_key(workflow: str, server: str) -> str:
 def rollout_server_name(index: object) -> str:
     """Rollout server `index`'s name: its Workflow task's and its registration's (rollout-server-0, ...)."""
     return f"rollout-server-{index}"
+
+
+# The trainer that stays up: its Workflow task's and its registration's name (servers/<workflow>/trainer.json).
+TRAINER_SERVER_NAME = "trainer"
 
 
 REPORT_PREFIX = "report"
