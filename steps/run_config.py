@@ -544,6 +544,12 @@ def semantic_problems(cfg: RunConfig) -> list[tuple[str, str]]:
             f"{cfg.rollout.chunk_size} prompts per iteration; use at most {chunks} shards "
             "or a smaller rollout.chunk_size",
         )
+    if cfg.trainer.server and cfg.trainer.nodes != 1:
+        bad(
+            "trainer.server",
+            f"a trainer that stays up runs on one node, not trainer.nodes={cfg.trainer.nodes}; set trainer.nodes: 1 "
+            "or trainer.server: false (a multi-node update runs as a PyTorchJob per iteration)",
+        )
     sg = cfg.rollout.sglang
     if sg.moe_a2a_backend == "deepep" and sg.ep_size < 2:
         bad(
