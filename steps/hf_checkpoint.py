@@ -305,9 +305,23 @@ def load_pretrained(
     check_placement(cfg, placement, ep_rank)
     wanted = expected_tensor_shapes(cfg, placement, ep_rank)
     state = load_state_dict_from_dir(directory, wanted)
+    return model_from_state(cfg, state, dtype or stored, device, placement, ep_rank)
+
+
+def model_from_state(
+    cfg: MoeConfig,
+    state: dict[str, torch.Tensor],
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+    placement: ExpertPlacement | None = None,
+    ep_rank: int = 0,
+) -> MoeForCausalLM:
+    """A MoeForCausalLM of `cfg` (EP rank ep_rank's experts under `placement`) holding copies of `state`'s
+    tensors, cast to `dtype`: load_pretrained's last half, and how a trainer that stays up rebuilds its model
+    from the tensors it holds (the same construction, so the same bits)."""
     # Always a copy into torch's own (64-byte aligned) memory: a tensor as safetensors hands it over may sit at
     # any offset, and CPU kernels round differently on unaligned data, so the same weights would train other bits.
-    state = {name: t.to(device=device, dtype=dtype or stored, copy=True) for name, t in state.items()}
+    state = {name: t.to(device=device, dtype=dtype, copy=True) for name, t in state.items()}
     # The meta device skips allocating and initialising weights that are about to be replaced, but its
     # first use imports torch's reference ops (~2 s per process); a small model is cheaper to build plainly.
     numel = sum(t.numel() for t in state.values())

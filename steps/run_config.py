@@ -51,7 +51,7 @@ OPERATIONAL_FIELDS = frozenset(
 )
 OPERATIONAL_SECTION_FIELDS = {
     "rollout": frozenset({"num_shards", "servers", "server_wait_s"}),
-    "trainer": frozenset({"server"}),
+    "trainer": frozenset({"server", "server_wait_s"}),
     "checkpoint": frozenset({"deltas"}),
 }
 
@@ -205,6 +205,12 @@ class TrainerConfig(_Section):
         "a trainer that stays up for the segment (an Argo daemon task holding the EP group, the weights and "
         "AdamW's state in memory), driven iteration by iteration by the update steps; false: each update "
         "step starts its own torchrun",
+    )
+    server_wait_s: float = _field(
+        600.0,
+        "with trainer.server: how long an update step waits for its Workflow's trainer to be ready before it "
+        "trains the iteration itself (a torchrun of its own, the same bits)",
+        ge=0,
     )
 
 
@@ -537,6 +543,12 @@ def semantic_problems(cfg: RunConfig) -> list[tuple[str, str]]:
             f"{cfg.rollout.num_shards} shards but only {chunks} chunks of "
             f"{cfg.rollout.chunk_size} prompts per iteration; use at most {chunks} shards "
             "or a smaller rollout.chunk_size",
+        )
+    if cfg.trainer.server and cfg.trainer.nodes != 1:
+        bad(
+            "trainer.server",
+            f"a trainer that stays up runs on one node, not trainer.nodes={cfg.trainer.nodes}; set trainer.nodes: 1 "
+            "or trainer.server: false (a multi-node update runs as a PyTorchJob per iteration)",
         )
     sg = cfg.rollout.sglang
     if sg.moe_a2a_backend == "deepep" and sg.ep_size < 2:

@@ -12,7 +12,7 @@
     <run>/optimizer/v000001/                            AdamW state (+ fp32 masters) the next update resumes from
     <run>/deltas/v000001/                               v000001's compressed delta against its parent (publish)
     <run>/deltas/v000001/DELTA.json                     written LAST: the delta's index (steps/weight_delta.py)
-    <run>/servers/<workflow>/<server>.json              a live rollout server's address (its registration)
+    <run>/servers/<workflow>/<server>.json              a live server's address (its registration)
     <run>/report/                                       the report's table and plot
     <run>/tensorboard/, <run>/wandb/, <run>/tracking/   experiment trackers' files and ledger (steps/tracking.py)
 
@@ -149,6 +149,10 @@ def server_key(workflow: str, server: str) -> str:
 def rollout_server_name(index: object) -> str:
     """Rollout server `index`'s name: its Workflow task's and its registration's (rollout-server-0, ...)."""
     return f"rollout-server-{index}"
+
+
+# The trainer that stays up: its Workflow task's and its registration's name (servers/<workflow>/trainer.json).
+TRAINER_SERVER_NAME = "trainer"
 
 
 REPORT_PREFIX = "report"

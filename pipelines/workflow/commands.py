@@ -70,6 +70,7 @@ STEP_KINDS: dict[str, StepKind] = {
     "rollout-server": StepKind("steps.rollout_server", "rollout", "rollout"),
     "score": StepKind("steps.score", "score", "cpu"),
     "update": StepKind("steps.update", "trainer", "trainer"),
+    "trainer-server": StepKind("steps.trainer_server", "trainer", "trainer"),
     "publish": StepKind("steps.publish", "control", "cpu"),
     "report": StepKind("steps.report", "control", "cpu"),
 }
@@ -114,6 +115,10 @@ def warm_preload() -> tuple[str, ...]:
 
 def torchrun_args(cfg: RunConfig, iteration: str) -> list[str]:
     """torchrun's arguments for the update: one node standalone, or one replica of a PyTorchJob."""
+    return _torchrun(cfg, "update", ["--run", cfg.run_store, "--iteration", iteration])
+
+
+def _torchrun(cfg: RunConfig, kind: str, step_args: list[str]) -> list[str]:
     t = cfg.trainer
     args = ["--nproc-per-node", str(t.nproc_per_node)]
     if t.nodes == 1:
@@ -122,7 +127,13 @@ def torchrun_args(cfg: RunConfig, iteration: str) -> list[str]:
         args += ["--nnodes", str(t.nodes)]
     # "--" ends torchrun's own options: its argparse would take the step's --run for an abbreviation of
     # --run-path ("ambiguous option"). torchrun drops the "--" before starting the script.
-    return [*args, "-m", STEP_KINDS["update"].module, "--", "--run", cfg.run_store, "--iteration", iteration]
+    return [*args, "-m", STEP_KINDS[kind].module, "--", *step_args]
+
+
+def trainer_served(cfg: RunConfig, at: Slots) -> bool:
+    """Whether the update steps send their iteration to the Workflow's trainer that stays up (Argo,
+    trainer.server, one trainer node)."""
+    return cfg.trainer.server and cfg.trainer.nodes == 1 and at.workflow is not None
 
 
 def _args(cfg: RunConfig, kind: str, at: Slots, first: int, last: int) -> list[str]:
@@ -172,7 +183,15 @@ def step_command(
     if kind == "update":
         if cfg.trainer.nodes != 1:
             raise ValueError("a multi-node update has no container of its own: see pytorchjob_launcher_command")
+        if trainer_served(cfg, at):  # a client of the trainer; on the trainer's pool for its fallback torchrun
+            args = flags(run=cfg.run_store, iteration=at.iteration, workflow=at.workflow, **more)
+            return StepCommand(step.role, image, python_step(step.module), args)
         return StepCommand(step.role, image, ["torchrun"], torchrun_args(cfg, at.iteration) + flags(**more))
+    if kind == "trainer-server":
+        if cfg.trainer.nodes != 1:
+            raise ValueError("trainer.server runs on one node (trainer.nodes: 1); a multi-node update is a PyTorchJob")
+        args = _torchrun(cfg, kind, flags(run=cfg.run_store, workflow=at.workflow, **more))
+        return StepCommand(step.role, image, ["torchrun"], args)
     args = _args(cfg, kind, at, first, cfg.iterations if last is None else last)
     if kind == "rollout" and rollout_served(cfg, at):  # a client: no engine, no GPU; on-demand CPU nodes
         return StepCommand("control", cfg.images.cpu, python_step(step.module), args + flags(**more))

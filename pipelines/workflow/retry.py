@@ -12,6 +12,11 @@ A client of a long-lived server (a rollout step sending its chunks to a rollout 
 mid-request exits with 75 (steps/serving.py EXIT_SERVER_LOST): that is a reclaim one hop away, retried the
 same way wherever the client runs, so that the retry reaches another server or the replacement.
 
+A long-lived server (a daemon task: rollout servers, the trainer) is retried on any failure when it is on
+demand: losing it never changes what the run computes, and a trainer whose rank dies ends with torchrun's own
+exit 1, not a signal's code. Its clients never wait for it forever (they fall back or are retried), and the
+retry limit bounds a server that fails by itself.
+
 A step that fails by itself (a bug, a bad input: exit 1, or 2 for a MoerlError) fails the same way on any
 node, so retrying it only burns the retry budget and hides the message: it is not retried.
 `retryPolicy: Always` lets the expression see Failed as well as Error attempts; `nodeAntiAffinity` sends
@@ -64,9 +69,16 @@ def client_retry(retry: Retry) -> RetryStrategy:
     )
 
 
-def retry_for(retry: Retry, spot: bool, client: bool = False) -> RetryStrategy:
+def server_retry(retry: Retry) -> RetryStrategy:
+    """An on-demand long-lived server: restarted after any failure or error, with backoff."""
+    return RetryStrategy(limit=retry.limit, retry_policy="Always", backoff=_backoff(retry))
+
+
+def retry_for(retry: Retry, spot: bool, client: bool = False, server: bool = False) -> RetryStrategy:
     """The retryStrategy of a pod of a role (its retries and whether it is on Spot); `client`: it calls a
-    long-lived server."""
+    long-lived server; `server`: it is one."""
     if spot:
         return spot_retry(retry)
+    if server:
+        return server_retry(retry)
     return client_retry(retry) if client else on_demand_retry(retry)

@@ -43,18 +43,20 @@ from pipelines.workflow.commands import (
     rollout_served,
     server_probe,
     step_command,
+    trainer_served,
 )
 from pipelines.workflow.retry import retry_for
 from pipelines.workflow.wait import PARENT_LABEL
 from steps.progress import PROGRESS_ANNOTATION
 from steps.pytorchjob_launcher import WAIT_DEADLINE_SECONDS
 from steps.run_config import RunConfig
-from steps.run_store import behaviour_version, rollout_server_name
+from steps.run_store import TRAINER_SERVER_NAME, behaviour_version, rollout_server_name
 
 ITERATION = ARGO.iteration
 SCORE_METRIC_KEYS = {"reward_mean": "moerl_reward_mean", "accuracy": "moerl_accuracy"}
 MAIN = "main"
 CRON_LABEL = "workflows.argoproj.io/cron-workflow"  # what Argo's cron controller puts on its Workflows
+TRAINER_SERVER = "trainer-server"  # the template (and step kind) of a segment's trainer that stays up
 POD_IP = EnvVarSource(field_ref=ObjectFieldSelector(field_path="status.podIP"))  # where a server is reached
 
 
@@ -67,11 +69,13 @@ def _step_container(
     iteration: str | None = None,
     reports_progress: bool = False,
     retries: str | None = None,
+    server: bool = False,
     **extra: object,
 ) -> Container:
     """A container template placed, labelled and retried as its role says; `reports_progress`: its step
     writes N/M to $ARGO_PROGRESS_FILE (steps/progress.py), and its pod starts at 0/1. `retries`: the role
-    whose retry budget a client of a server spends (placed as its own role, retried as that one's)."""
+    whose retry budget a client of a server spends (placed as its own role, retried as that one's).
+    `server`: a long-lived server's daemon (retried after any failure when on demand: retry.py)."""
     role = step.role
     p = cfg.placement[role]
     res = pl.resources(p)
@@ -88,7 +92,7 @@ def _step_container(
         affinity=Affinity.model_validate(affinity) if (affinity := pl.node_affinity(cfg, role)) else None,
         tolerations=[Toleration(**t) for t in pl.tolerations(p)] or None,
         priority_class_name=p.priority_class,
-        retry_strategy=retry_for(cfg.retries[retries or role], p.spot, client=retries is not None),
+        retry_strategy=retry_for(cfg.retries[retries or role], p.spot, client=retries is not None, server=server),
         labels=pl.labels(cfg, name, iteration),
         annotations=annotations or None,
         volumes=[Volume.model_validate(v) for v in pl.volumes(p)],
@@ -151,6 +155,30 @@ def rollout_server_template(cfg: RunConfig) -> Container:
     )
 
 
+def trainer_server_template(cfg: RunConfig) -> Container:
+    """The trainer that stays up for a segment (trainer.server): a daemon placed and sized as the update (its
+    torchrun holds the trainer's GPUs), ready once rank 0 answers /health as ready (an exec probe: it listens on
+    a port of the system's choosing), restarted by its retryStrategy after a crash or a reclaim. Not in the DAG
+    here: graph.py adds a segment's daemon tasks."""
+    step = step_command(cfg, TRAINER_SERVER)
+    probe = Probe(
+        exec=ExecAction(command=server_probe(cfg, TRAINER_SERVER_NAME)),
+        period_seconds=5,
+        timeout_seconds=10,
+        failure_threshold=1,
+    )
+    return _step_container(
+        cfg,
+        TRAINER_SERVER,
+        step,
+        reports_progress=True,
+        server=True,
+        daemon=True,
+        readiness_probe=probe,
+        env=[*_tracked_env(cfg), EnvVar(name="POD_IP", value_from=POD_IP)],
+    )
+
+
 def score_metrics(cfg: RunConfig) -> Metrics:
     """Prometheus gauges per iteration, read from the score step's metrics JSON once it succeeded."""
     labels = [MetricLabel(key="run", value=cfg.name), MetricLabel(key="iteration", value=ITERATION)]
@@ -192,7 +220,8 @@ def update_template(cfg: RunConfig) -> Container | Steps:
     creates it anew and waits for its Master to succeed or for its Failed condition."""
     if cfg.trainer.nodes == 1:
         step = step_command(cfg, "update")
-        return _iteration_step(cfg, "update", step, env=_tracked_env(cfg), reports_progress=True)
+        retries = "trainer" if trainer_served(cfg, ARGO) else None  # a client: also retried when its trainer is lost
+        return _iteration_step(cfg, "update", step, env=_tracked_env(cfg), reports_progress=True, retries=retries)
     argument = {"iteration": ITERATION}
     return Steps(
         name="update",

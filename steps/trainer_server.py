@@ -1,0 +1,99 @@
+"""Step trainer-server: the trainer that stays up for a Workflow (an Argo daemon task), driven by its update steps.
+
+    torchrun --nproc-per-node P --standalone --nnodes 1 -m steps.trainer_server -- --run URI --workflow NAME
+                                                                                  [--port P]
+
+Its ranks start the process group and the dp x ep mesh once (trainer.ep_size, the model's experts: from the
+newest published version's config.json); rank 0 listens, registers as `<run>/servers/<workflow>/trainer.json`
+and says it is ready (`GET /health`; the readinessProbe is `python -m steps.server_probe --server trainer`).
+The update steps of its Workflow send it `update` {run, iteration} (steps/update.py --workflow); every rank
+trains that iteration with the update step's own code (steps/policy_update.py), from the state it holds in
+memory when that is v(I-1) as published, else from the store, and writes the same candidate bit for bit
+(steps/trainer_service.py, steps/trainer_state.py). A trainer killed mid-update loses nothing: its client
+exits 75 and is retried, and the restarted trainer reloads v(I-1) from the store.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import signal
+import sys
+from types import FrameType
+
+import torch.distributed as dist
+
+from steps import checkpoint, serving
+from steps.errors import MoerlError, run_cli
+from steps.experience import load_run_config
+from steps.expert_parallel.mesh import build_mesh, resolve_ep_size
+from steps.hf_checkpoint import CONFIG_NAME
+from steps.model import MoeConfig
+from steps.policy_update import COLLECTIVE_TIMEOUT_SECONDS, init_distributed
+from steps.run_store import TRAINER_SERVER_NAME
+from steps.store import Store
+from steps.trainer_service import TrainerService
+
+EXIT_STOPPED = 143  # SIGTERM: the end of the Workflow's scope, or a reclaim
+
+
+def newest_model_config(run: Store) -> MoeConfig:
+    """The model's config, from the newest published version (every version has v000000's)."""
+    version = checkpoint.latest_version(run)
+    if version is None:
+        raise MoerlError(f"{run.uri}: no published version yet; the trainer starts after import-sft")
+    data = checkpoint.read_file(run, version, CONFIG_NAME)
+    return MoeConfig.from_hf_dict(json.loads(data), source=run.url(f"v{version:06d}/{CONFIG_NAME}"))
+
+
+def serve_trainer(run_uri: str, workflow: str, port: int = 0) -> int:
+    """Run the trainer until SIGTERM (rank 0) or until rank 0 says stop (the others)."""
+    log = lambda line: print(line, flush=True)  # noqa: E731
+    rank, world, local_rank, device = init_distributed()
+    run = Store.open(run_uri)
+    cfg = load_run_config(run)
+    model_config = newest_model_config(run)
+    mesh = build_mesh(rank, world, resolve_ep_size(world, model_config.num_experts, cfg.trainer.ep_size), device)
+    command_group = None
+    if world > 1:  # the commands' own group: gloo whatever the training backend
+        timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_SECONDS)
+        command_group = dist.new_group(list(range(world)), backend="gloo", timeout=timeout)
+    service = TrainerService(run, mesh, local_rank, model_config, command_group, log)
+    if rank != 0:
+        service.follow()
+        return 0
+
+    def on_sigterm(signum: int, frame: FrameType | None) -> None:
+        service.stopping.set()
+        raise SystemExit(EXIT_STOPPED)  # between two requests; one in flight is lost and retried
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    server = serving.JsonServer({"update": service.update}, service.health, port=port)
+    server.serve_in_background()
+    entry = serving.register(run, workflow, TRAINER_SERVER_NAME, server.port)
+    service.instance = entry.instance
+    log(f"trainer: {world} rank(s), ep {mesh.ep_size}; listening on {entry.address} for workflow {workflow}")
+    try:
+        service.serve()
+    finally:
+        serving.unregister(run, entry)
+        server.close()
+    return 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(prog="python -m steps.trainer_server", description=__doc__.splitlines()[0])
+    parser.add_argument("--run", required=True, help="run store URI (file://, plain path or s3://bucket/prefix)")
+    parser.add_argument("--workflow", required=True, help="the Workflow whose update steps it serves")
+    parser.add_argument("--port", type=int, default=0, help="port rank 0 listens on (default 0: any free port)")
+    argv = sys.argv[1:]
+    args = parser.parse_args(argv[1:] if argv[:1] == ["--"] else argv)
+    # cuBLAS needs this before CUDA starts for deterministic GEMMs (torch.use_deterministic_algorithms).
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    return serve_trainer(args.run, args.workflow, args.port)
+
+
+if __name__ == "__main__":
+    run_cli(main)

@@ -1,0 +1,183 @@
+"""The trainer that stays up (steps/trainer_server.py), end to end without Argo: a 2-rank torchrun trainer driven
+by update clients (steps/update.py --workflow) trains the very bytes of plain update steps, whether it trains
+on from memory or reloads after it was killed mid-update and restarted; and a client with no trainer trains
+the iteration itself."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from faults_helpers import HOOKS
+from test_update_experience import REPO, experience_table, run_cmd, step_env, tiny_model, write_experience
+
+from steps import checkpoint, serving
+from steps.candidate import MARKER
+from steps.char_tokenizer import save_tokenizer
+from steps.errors import MoerlError
+from steps.hf_checkpoint import save_pretrained
+from steps.import_sft import import_sft
+from steps.publish import publish
+from steps.run_config import RunConfig
+from steps.run_store import TRAINER_SERVER_NAME, candidate_prefix, optimizer_prefix, update_metrics_key
+from steps.store import Store
+
+WORKFLOW = "wf-segment-1"
+TRAINER = {"steps_per_epoch": 2, "server": True}
+
+
+def new_run(base: Path, dtype: str, trainer: dict) -> str:
+    """A file:// run store whose v000000 is the tiny model in `dtype` (fp32 or bf16)."""
+    base.mkdir()
+    sft = base / "sft"
+    save_pretrained(tiny_model().to(getattr(torch, {"fp32": "float32", "bf16": "bfloat16"}[dtype])), sft)
+    save_tokenizer(sft)
+    run_uri = (base / "run").as_uri()
+    cfg = RunConfig(sft_checkpoint=sft.as_uri(), run_store=run_uri,
+                    trainer={"ep_backend": "alltoall", "micro_batch_size": 4, "lr": 1e-2, **trainer})  # fmt: skip
+    import_sft(sft.as_uri(), run_uri, cfg.model_dump_json())
+    return run_uri
+
+
+def client(run_uri: str, iteration: int) -> subprocess.CompletedProcess:
+    return run_cmd([sys.executable, "-m", "steps.update", "--run", run_uri, "--iteration", str(iteration),
+                    "--workflow", WORKFLOW], timeout=300)  # fmt: skip
+
+
+def start_trainer(run_uri: str, log: Path, fault: str | None = None) -> subprocess.Popen:
+    env = step_env()
+    if fault:  # tests/fault_hooks/sitecustomize.py: a crash point in the trainer's own processes
+        env |= {"PYTHONPATH": os.pathsep.join([str(HOOKS), env["PYTHONPATH"]]), "MOERL_FAULT": fault}
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc-per-node", "2",
+            "-m", "steps.trainer_server", "--", "--run", run_uri, "--workflow", WORKFLOW]  # fmt: skip
+    with log.open("a") as out:
+        return subprocess.Popen(argv, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL the trainer and every process below it (torchrun's workers run in sessions of their own)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    tree, todo = [], [proc.pid]
+    while todo:
+        pid = todo.pop()
+        tree.append(pid)
+        todo += children.get(pid, [])
+    for pid in tree:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait(timeout=60)
+
+
+def wait_for(condition, what: str, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.2)
+
+
+def candidate_files(run_uri: str, iteration: int) -> dict:
+    return Store.open(run_uri).get_json(f"{candidate_prefix(iteration)}/{MARKER}")["files"]
+
+
+def published_bytes(run_uri: str, version: int) -> dict[str, bytes]:
+    """The weights and config of v(version) and its optimizer state, byte for byte."""
+    run = Store.open(run_uri)
+    files = {name: meta["sha256"] for name, meta in checkpoint.require_manifest(run, version).files.items()}
+    prefix = optimizer_prefix(version)
+    return files | {key: run.get_bytes(key) for key in run.list(f"{prefix}/")}
+
+
+def placement(run_uri: str, iteration: int) -> list:
+    return Store.open(run_uri).get_json(update_metrics_key(iteration))["update"]["expert_placement"]["slots"]
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_a_trainer_that_stays_up_trains_the_bytes_of_plain_updates(tmp_path, dtype):
+    iterations = (1, 2, 3)
+    # bf16: the SFT checkpoint and every version in bf16, fp32 masters in the optimizer state, the KL
+    # penalty against v000000 on (the reference policy read each iteration).
+    extra = {"kl_coef": 0.05} if dtype == "bf16" else {}
+    runs, candidates = {}, {"plain": {}, "served": {}}
+    for name, wait_s in (("plain", 0), ("served", 300)):
+        runs[name] = new_run(tmp_path / name, dtype, {**TRAINER, **extra, "server_wait_s": wait_s})
+        for i in iterations:
+            write_experience(runs[name], i, experience_table(policy_version=i - 1, prompts=4, group=4, seed=i))
+
+    # Plain: no trainer answers (server_wait_s 0), so each client trains its iteration as a torchrun of its own.
+    plain = runs["plain"]
+    for i in iterations:
+        done = client(plain, i)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        assert "training iteration" in done.stdout and f"iteration {i}: loss" in done.stdout
+        candidates["plain"][i] = candidate_files(plain, i)
+        publish(plain, i)
+
+    # Served: iteration 1 from the store; iteration 2 killed while rank 0 holds (SIGSTOP) right after writing
+    # its optimizer shard, the client exits 75, a new trainer reloads v000001 and trains it; iteration 3 on
+    # from memory.
+    served, log = runs["served"], tmp_path / "trainer.log"
+    stop_at_write = '[{"kill": "STOP", "on": "put", "match": "^candidates/iter-000002/optimizer-rank00000"}]'
+    first = start_trainer(served, log, fault=stop_at_write)
+    try:
+        done = client(served, 1)
+        assert done.returncode == 0, done.stdout[-3000:] + log.read_text()[-3000:]
+        assert "update 1: trained by trainer (store)" in done.stdout
+        candidates["served"][1] = candidate_files(served, 1)
+        publish(served, 1)
+        second = subprocess.Popen(
+            [sys.executable, "-m", "steps.update", "--run", served, "--iteration", "2", "--workflow", WORKFLOW],
+            cwd=REPO, env=step_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        store = Store.open(served)
+        wait_for(lambda: any("optimizer-rank00000" in k for k in store.list(f"{candidate_prefix(2)}/")),
+                 "the trainer never wrote its iteration-2 optimizer shard\n" + log.read_text()[-3000:])  # fmt: skip
+        kill_tree(first)
+        out, err = second.communicate(timeout=120)
+        assert second.returncode == serving.EXIT_SERVER_LOST, out + err
+        assert not store.exists(f"{candidate_prefix(2)}/{MARKER}")
+    finally:
+        if first.poll() is None:
+            kill_tree(first)
+
+    restarted = start_trainer(served, log)
+    try:
+        retried = client(served, 2)  # the retry reaches the replacement, registered under the same name
+        assert retried.returncode == 0, retried.stdout[-3000:] + log.read_text()[-3000:]
+        assert "update 2: trained by trainer (store)" in retried.stdout
+        candidates["served"][2] = candidate_files(served, 2)
+        publish(served, 2)
+        done = client(served, 3)
+        assert done.returncode == 0, done.stdout[-3000:] + log.read_text()[-3000:]
+        assert "update 3: trained by trainer (memory)" in done.stdout
+        moved = placement(served, 2) != placement(served, 3)  # then the ranks swapped experts in memory
+        assert ("0 expert(s) changed EP rank" not in log.read_text()) == moved, log.read_text()[-2000:]
+        again = client(served, 3)  # a retried client finds the candidate complete
+        assert again.returncode == 0 and "nothing to do" in again.stdout
+        (trainer,) = serving.live_servers(store, WORKFLOW, TRAINER_SERVER_NAME, exact=True)
+        answer = serving.call(trainer, "update", {"run": store.uri, "iteration": 3})  # and so does the trainer
+        assert answer["outcome"] == "nothing to do"
+        with pytest.raises(MoerlError, match="not 'file:///elsewhere'"):
+            serving.call(trainer, "update", {"run": "file:///elsewhere", "iteration": 3})
+    finally:
+        kill_tree(restarted)
+    candidates["served"][3] = candidate_files(served, 3)
+    publish(served, 3)
+
+    for i in iterations:
+        assert candidates["served"][i] == candidates["plain"][i], f"candidate {i}"
+        assert placement(served, i) == placement(plain, i)
+        assert published_bytes(served, i) == published_bytes(plain, i), f"v{i}"

@@ -1,0 +1,108 @@
+"""The trainer that stays up as Argo runs it: its daemon template (placed and sized as the update, an exec
+readinessProbe, POD_IP, restarted after a crash), its command lines, and the update step as its client, retried
+when the trainer is lost (exit 75). The DAG's daemon tasks are graph.py's (not here)."""
+
+from __future__ import annotations
+
+import pytest
+from argo_strict_schema import validator
+from hera.workflows import Workflow
+
+from pipelines.workflow import templates
+from pipelines.workflow.commands import step_command
+from pipelines.workflow.retry import CLIENT_RETRY_EXPRESSION
+from steps.errors import MoerlError
+from steps.run_config import validate_config
+from steps.serving import EXIT_SERVER_LOST
+
+BASE = {"sft_checkpoint": "file:///tmp/sft", "run_store": "file:///tmp/run"}
+
+
+def config(**trainer: object):
+    trainer_placement = {"priority_class": "moerl-trainer", "node_selector": {"pool": "gpu"},
+                         "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+                         "resources": {"requests": {"cpu": "8"}, "limits": {"nvidia.com/gpu": "4"}}}  # fmt: skip
+    data = {**BASE, "trainer": {"server": True, "nproc_per_node": 4, **trainer},
+            "placement": {"trainer": trainer_placement}}  # fmt: skip
+    return validate_config(data, "test config")
+
+
+def rendered(template) -> dict:
+    """The template as it lands in a Workflow, checked against Argo's strict schema."""
+    manifest = Workflow(name="wf", entrypoint=template.name, templates=[template]).to_dict()
+    errors = sorted(validator("Workflow").iter_errors(manifest), key=str)
+    assert not errors, errors[0]
+    return manifest["spec"]["templates"][0]
+
+
+def test_the_trainer_server_is_a_torchrun_of_the_trainers_ranks_serving_its_workflow():
+    step = step_command(config(), "trainer-server")
+    assert step.role == "trainer" and step.image == config().images.trainer
+    assert step.argv == [
+        "torchrun", "--nproc-per-node", "4", "--standalone", "--nnodes", "1", "-m", "steps.trainer_server", "--",
+        "--run", "file:///tmp/run", "--workflow", "{{workflow.name}}",
+    ]  # fmt: skip
+    with pytest.raises(MoerlError, match="trainer.server: a trainer that stays up runs on one node"):
+        config(nodes=2)
+
+
+def test_the_step_parses_the_command_line_the_template_gives_it(monkeypatch):
+    from steps import trainer_server
+
+    seen = {}
+
+    def serve_trainer(run: str, workflow: str, port: int) -> int:
+        seen.update(run=run, workflow=workflow, port=port)
+        return 0
+
+    monkeypatch.setattr(trainer_server, "serve_trainer", serve_trainer)
+    argv = step_command(config(), "trainer-server").argv
+    monkeypatch.setattr("sys.argv", ["trainer_server", *argv[argv.index("--") :]])
+    assert trainer_server.main() == 0
+    assert seen == {"run": "file:///tmp/run", "workflow": "{{workflow.name}}", "port": 0}
+
+
+def test_the_update_is_a_client_of_the_trainer_only_when_trainer_server():
+    assert step_command(config(), "update").argv == [
+        "python", "-m", "steps.update", "--run", "file:///tmp/run", "--iteration", "{{inputs.parameters.iteration}}",
+        "--workflow", "{{workflow.name}}",
+    ]  # fmt: skip
+    plain = step_command(config(server=False), "update")
+    assert plain.command == ["torchrun"] and "--workflow" not in plain.args
+
+
+def test_the_daemon_is_placed_sized_and_probed_as_a_server():
+    cfg = config()
+    daemon = rendered(templates.trainer_server_template(cfg))
+    update = rendered(templates.update_template(cfg))
+    assert daemon["daemon"] is True
+    for field in ("nodeSelector", "affinity", "tolerations", "priorityClassName", "volumes", "securityContext"):
+        assert daemon.get(field) == update.get(field), field
+    assert daemon["container"]["resources"] == update["container"]["resources"]
+    assert daemon["container"]["resources"]["limits"]["nvidia.com/gpu"] in (4, "4")
+    probe = daemon["container"]["readinessProbe"]
+    assert probe["exec"]["command"] == [
+        "python", "-m", "steps.server_probe", "--run", "file:///tmp/run", "--workflow", "{{workflow.name}}",
+        "--server", "trainer",
+    ]  # fmt: skip
+    env = {e["name"]: e for e in daemon["container"]["env"]}
+    assert env["POD_IP"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    # On demand (the trainer always is): restarted after any failure, as a dead rank ends torchrun with exit 1.
+    assert daemon["retryStrategy"]["retryPolicy"] == "Always" and "expression" not in daemon["retryStrategy"]
+    assert daemon["retryStrategy"]["limit"] == cfg.retries["trainer"].limit
+
+
+def test_a_client_whose_trainer_was_lost_is_retried_and_no_other_failure():
+    exprlang = pytest.importorskip("pipelines.local.exprlang")
+    strategy = rendered(templates.update_template(config()))["retryStrategy"]
+    assert strategy["expression"] == CLIENT_RETRY_EXPRESSION
+    assert strategy["retryPolicy"] == "Always"
+
+    def retried(status: str, code: str) -> bool:
+        env = {"lastRetry": {"status": status, "exitCode": code, "message": f"exit code {code}", "duration": "9"}}
+        return exprlang.evaluate_bool(strategy["expression"], env)
+
+    assert retried("Failed", str(EXIT_SERVER_LOST)) and retried("Error", "-1")
+    assert not retried("Failed", "1") and not retried("Failed", "2")
+    # Without trainer.server the update keeps today's strategy: Argo errors only.
+    assert rendered(templates.update_template(config(server=False)))["retryStrategy"]["retryPolicy"] == "OnError"
