@@ -11,8 +11,8 @@
    tokenizer files and model.safetensors (one shard) or model-0000k-of-0000n.safetensors +
    model.safetensors.index.json (one shard per EP rank), loadable by transformers and SGLang.
 3. Store the optimizer state at <run>/optimizer/v(I)/ (the next update resumes AdamW from it); with
-   checkpoint.deltas, write v(I)'s delta against v(I-1) at <run>/deltas/v(I)/ (steps/weight_delta.py: what
-   rollout servers fetch instead of the whole checkpoint); then publish the dir with
+   checkpoint.deltas and rollout.servers, write v(I)'s delta against v(I-1) at <run>/deltas/v(I)/
+   (steps/weight_delta.py: what rollout servers fetch instead of the whole checkpoint); then publish the dir with
    steps.checkpoint.publish_dir: files, MANIFEST.json last, LATEST moved.
 4. Apply retention (checkpoint.keep_last; v000000 is kept as the KL reference), drop the optimizer state
    and the deltas of deleted versions, and delete the candidate.
@@ -226,7 +226,7 @@ def publish(run_uri: str, iteration: int) -> checkpoint.Manifest:
         progress.report(2, 3)
         assemble_hf_dir(candidate_dir, index, model_files, optimizer_files, hf_dir)
         validate_checkpoint_dir(hf_dir)
-        if cfg.checkpoint.deltas:  # before MANIFEST.json: a published version's delta is complete or absent
+        if cfg.checkpoint.deltas and cfg.rollout.servers:  # before MANIFEST.json: a delta is complete or absent
             print(weight_delta.describe(weight_delta.write_delta(run, iteration, hf_dir)))
         manifest = checkpoint.publish_dir(run, hf_dir, iteration, parent=iteration - 1, iteration=iteration)
     doomed = clean_up(run, iteration, keep_last)

@@ -138,14 +138,15 @@ def send_to_servers(
     work: IterationRollout, workflow: str, shard: int, todo: list[int], finished: int, total: int,
     result: ShardResult, log: Callable[[str], None], where: str,
 ) -> None:  # fmt: skip
-    """The chunks sent, one request each, to rollout server K mod rollout.servers, or to its replacement (a
-    retry of its daemon registers under its name); when it is not up within rollout.server_wait_s, to any
-    live server. A server lost mid-request raises ServerLost: the step exits with EXIT_SERVER_LOST and its
-    retry sends the chunks left to the server alive then."""
+    """The chunks sent, one request each, to rollout server K mod rollout.servers (or its replacement, which
+    registers under its name) when it is ready, else to any ready server, else to the first that is ready
+    within rollout.server_wait_s. The workflow starts a rollout once every server is ready, so the first
+    attempts go to their own servers. A server lost mid-request raises ServerLost: the step exits with
+    EXIT_SERVER_LOST and its retry sends the chunks left to a server alive then."""
     run, wait_s = work.run, work.cfg.rollout.server_wait_s
     mine = rollout_server_name(shard % work.cfg.rollout.servers)
-    servers = serving.wait_for_servers(run, workflow, mine, wait_s, log, exact=True)
-    servers = servers or serving.live_servers(run, workflow, SERVER_KIND)
+    servers = serving.live_servers(run, workflow, mine, exact=True) or serving.live_servers(run, workflow, SERVER_KIND)
+    servers = servers or serving.wait_for_servers(run, workflow, SERVER_KIND, wait_s, log)
     if not servers:
         raise serving.ServerLost(
             f"no rollout server of workflow {workflow} answered within rollout.server_wait_s={wait_s:.0f}s "

@@ -24,8 +24,10 @@ from steps.errors import MoerlError
 from steps.experience import load_run_config
 from steps.generation import Engine, GenerationInterrupted
 from steps.rollout_chunks import IterationRollout, engine_settings, open_engine
+from steps.run_store import behaviour_version
 from steps.serving import Unavailable
 from steps.store import Store
+from steps.weight_sync import WeightSync
 
 VERSION_POLL_S = 0.5  # how often a server that starts before v000000 exists looks for it
 
@@ -37,6 +39,7 @@ class RolloutService:
         self.device = device
         self.log = log
         self.cfg = load_run_config(run)
+        self.sync = WeightSync(run, log=log)
         self.engine: Engine | None = None
         self.version: int | None = None  # the policy version the engine holds
         self.instance = ""  # set by the step once registered
@@ -48,16 +51,17 @@ class RolloutService:
     # ------------------------------------------------------------------------------- state
 
     def start(self) -> bool:
-        """Open the engine on the newest published version, waiting for import-sft's v000000 when there is none
-        yet (a server's pod starts with the segment, so that its node, image and imports overlap the import).
-        A server is ready once its engine is; False if it was told to stop first."""
+        """Open the engine on the version the run's next iteration samples from, waiting for import-sft's
+        v000000 when there is none yet (a server's pod starts with the segment, so that its node, image and
+        imports overlap the import). A server is ready once its engine is; False if told to stop first."""
         said = False
-        while (version := checkpoint.latest_version(self.run)) is None:
+        while (latest := checkpoint.latest_version(self.run)) is None:
             if not said:
                 self.log(f"{self.name}: waiting for the run's first published version (import-sft)")
                 said = True
             if self.stopping.wait(VERSION_POLL_S):
                 return False
+        version = behaviour_version(latest + 1, self.cfg.staleness)  # what the next iteration samples from
         self.engine = open_engine(
             self.cfg.rollout.engine, checkpoint.fetch(self.run, version), self.device, engine_settings(self.cfg)
         )
@@ -80,14 +84,16 @@ class RolloutService:
             self.engine = None
 
     def bring_to(self, version: int) -> None:
-        """Make the engine hold `version`: nothing when it does, else its weights are replaced."""
+        """Make the engine hold `version`, in place: the version's delta (or whole checkpoint) fetched once per
+        node, its weights copied into the engine (steps/weight_sync.py)."""
         if self.version == version:
             return
         assert self.engine is not None
-        model_dir = checkpoint.fetch(self.run, version)
-        self.engine.close()  # until the in-place update: a new engine on the new version's weights
-        self.engine = open_engine(self.cfg.rollout.engine, model_dir, self.device, engine_settings(self.cfg))
-        self.log(f"{self.name}: v{self.version:06d} -> v{version:06d} (new engine)")
+        result = self.sync.bring(self.engine, self.version, version)
+        self.log(
+            f"{self.name}: v{self.version:06d} -> v{version:06d} in place ({result.path}, "
+            f"{result.bytes_fetched / 1e6:.1f} MB fetched, {result.seconds:.2f}s)"
+        )
         self.version = version
 
     # ------------------------------------------------------------------------------- requests

@@ -218,8 +218,9 @@ class CheckpointConfig(_Section):
     keep_last: int = _field(3, "published versions kept besides v000000 (older ones are deleted)", ge=1)
     deltas: bool = _field(
         True,
-        "publish also writes each version's compressed delta against its parent (deltas/v(i)/), which the "
-        "rollout servers fetch instead of the whole checkpoint; the full checkpoint stays the source of truth",
+        "with rollout servers, publish also writes each version's compressed delta against its parent "
+        "(deltas/v(i)/), which the servers fetch instead of the whole checkpoint; the full checkpoint stays the "
+        "source of truth",
     )
 
 

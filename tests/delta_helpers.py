@@ -43,7 +43,7 @@ class VersionedRun:
         self.max_shard_bytes = max_shard_bytes
         self.models = [tiny_model(seed=3).to(dtype)]
         self.dirs = [self._write(self.models[0], 0)]
-        self.uri = make_run(tmp_path, self.dirs[0], checkpoint={"keep_last": 10})
+        self.uri = make_run(tmp_path, self.dirs[0], checkpoint={"keep_last": 10}, rollout={"servers": 2})
         self.run = Store.open(self.uri)
 
     def _write(self, model: MoeForCausalLM, version: int) -> Path:

@@ -24,7 +24,7 @@ from faults_helpers import (
 
 from steps import checkpoint, weight_delta
 from steps.candidate import MARKER
-from steps.run_store import candidate_prefix, optimizer_prefix
+from steps.run_store import RUN_CONFIG, candidate_prefix, optimizer_prefix
 
 pytestmark = pytest.mark.faults
 
@@ -45,6 +45,8 @@ def test_killed_update_and_publish_rerun_to_the_fault_free_checkpoint(fault_free
     run_uri = (tmp_path / "run").as_uri()
     cfg = fault_free_run.config_for(run_uri)
     run_store = fault_free_run.copy_stage(run_uri, "update")
+    stored = run_store.get_json(RUN_CONFIG)  # with rollout servers, publish writes the version's delta too
+    run_store.put_json(RUN_CONFIG, stored | {"rollout": stored["rollout"] | {"servers": 1}})
     marker = f"{candidate_prefix(ITERATION)}/{MARKER}"
     update, publish = step_argv("update", run_uri, cfg), step_argv("publish", run_uri, cfg)
 

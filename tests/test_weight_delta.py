@@ -152,7 +152,7 @@ def test_an_unfinished_or_stale_delta_is_not_applied(tmp_path):
 
 
 def test_publish_writes_the_delta_before_the_manifest_and_a_retry_keeps_it(tmp_path, monkeypatch):
-    run_uri, run = updated_run(tmp_path)  # a real update step: v1 is one AdamW step from v0
+    run_uri, run = updated_run(tmp_path, rollout={"servers": 1})  # a real update: v1 is one AdamW step from v0
     order = []
     real_publish_dir = checkpoint.publish_dir
     monkeypatch.setattr(
