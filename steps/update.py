@@ -36,10 +36,10 @@ published version I, makes the step a no-op (--force retrains a complete candida
 With trainer.server and --workflow (the Workflow's name, `{{workflow.name}}`), the step is a client of its
 Workflow's trainer that stays up (steps/trainer_server.py): it waits up to trainer.server_wait_s for the
 server registered as "trainer" to be ready, sends it `update` {run, iteration} and checks that the
-candidate is complete. When no trainer is ready within that time it trains the iteration itself, as a
-torchrun of trainer.nproc_per_node ranks on this node (the same bits). A trainer lost mid-request ends the
-step with steps/serving.py EXIT_SERVER_LOST (75), which the trainer role's retryStrategy retries: the retry
-reaches the restarted trainer, which reloads v(I-1) from the store and trains the same bits.
+candidate is complete. The client runs on a CPU node (it holds no GPU: a trainer pool of one node is the
+daemon's), so with no trainer ready within that time, or a trainer lost mid-request, it ends with
+steps/serving.py EXIT_SERVER_LOST (75), which its retryStrategy retries: the retry reaches the restarted
+trainer, which reloads v(I-1) from the store and trains the same bits.
 
 The update itself is steps/policy_update.py (shared with the trainer server).
 """
@@ -48,11 +48,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 
 from steps import candidate, checkpoint, progress, serving
-from steps.errors import MoerlError, run_cli
+from steps.errors import run_cli
 from steps.experience import load_run_config
 from steps.policy_update import choose_placement, fetch_checkpoint, run_update
 from steps.run_store import TRAINER_SERVER_NAME
@@ -65,13 +64,6 @@ def finished(run: Store, iteration: int) -> bool:
     """Whether update `iteration` has nothing left to do: its candidate is complete or v(I) is published."""
     return checkpoint.read_manifest(run, iteration) is not None or candidate.read_marker(run, iteration) is not None
 
-
-def torchrun_argv(nproc: int, iteration_args: list[str]) -> list[str]:
-    """Today's update on this node: torchrun (torch.distributed.run) of `nproc` ranks of this step."""
-    return [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc-per-node",
-        str(nproc), "-m", "steps.update", "--", *iteration_args,
-    ]  # fmt: skip
 
 
 def serve_update(run_uri: str, iteration: int, workflow: str, ep_size: int | None, force: bool) -> int:
@@ -86,20 +78,13 @@ def serve_update(run_uri: str, iteration: int, workflow: str, ep_size: int | Non
         return 0
     wait_s = cfg.trainer.server_wait_s
     servers = serving.wait_for_servers(run, workflow, TRAINER_SERVER_NAME, wait_s, log, exact=True)
-    if not servers:
-        if cfg.trainer.nodes != 1:
-            raise MoerlError(
-                f"no trainer of workflow {workflow} was ready within trainer.server_wait_s={wait_s:.0f}s, and a "
-                f"{cfg.trainer.nodes}-node update cannot run in this pod; raise trainer.server_wait_s"
-            )
-        log(f"no trainer of workflow {workflow} was ready within {wait_s:.0f}s: training iteration {iteration} here")
-        args = ["--run", run_uri, "--iteration", str(iteration)]
-        args += ["--ep-size", str(ep_size)] if ep_size else []
-        args += ["--force"] if force else []
-        code = subprocess.call(torchrun_argv(cfg.trainer.nproc_per_node, args))
-        if code == 0:
-            progress.report(2, 2)
-        return code
+    if not servers:  # this pod holds no GPU: the retry waits for the trainer's replacement
+        log(
+            f"update {iteration}: no trainer of workflow {workflow} was ready within trainer.server_wait_s="
+            f"{wait_s:.0f}s (its pod: the Workflow's {TRAINER_SERVER_NAME} task; `argo retry` does not restart "
+            f"daemons, argoproj/argo-workflows#13484: resubmit the run instead); exiting {serving.EXIT_SERVER_LOST}"
+        )
+        return serving.EXIT_SERVER_LOST
     trainer = servers[0]
     log(f"update {iteration}: sent to {trainer.name} at {trainer.address}")
     request = {"run": run.uri, "iteration": iteration, "ep_size": ep_size, "force": force}

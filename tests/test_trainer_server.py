@@ -1,7 +1,7 @@
 """The trainer that stays up (steps/trainer_server.py), end to end without Argo: a 2-rank torchrun trainer driven
 by update clients (steps/update.py --workflow) trains the very bytes of plain update steps, whether it trains
-on from memory or reloads after it was killed mid-update and restarted; and a client with no trainer trains
-the iteration itself."""
+on from memory or reloads after it was killed mid-update and restarted; and a client with no trainer exits to
+be retried (it holds no GPU)."""
 
 from __future__ import annotations
 
@@ -43,6 +43,13 @@ def new_run(base: Path, dtype: str, trainer: dict) -> str:
                     trainer={"ep_backend": "alltoall", "micro_batch_size": 4, "lr": 1e-2, **trainer})  # fmt: skip
     import_sft(sft.as_uri(), run_uri, cfg.model_dump_json())
     return run_uri
+
+
+def plain_update(run_uri: str, iteration: int) -> subprocess.CompletedProcess:
+    """Today's update step: a torchrun of two ranks of its own."""
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc-per-node", "2",
+            "-m", "steps.update", "--", "--run", run_uri, "--iteration", str(iteration)]  # fmt: skip
+    return run_cmd(argv, timeout=300)
 
 
 def client(run_uri: str, iteration: int) -> subprocess.CompletedProcess:
@@ -117,12 +124,15 @@ def test_a_trainer_that_stays_up_trains_the_bytes_of_plain_updates(tmp_path, dty
         for i in iterations:
             write_experience(runs[name], i, experience_table(policy_version=i - 1, prompts=4, group=4, seed=i))
 
-    # Plain: no trainer answers (server_wait_s 0), so each client trains its iteration as a torchrun of its own.
+    # Plain: today's update steps. A client finds no trainer (server_wait_s 0) and exits to be retried: it holds
+    # no GPU to train on.
     plain = runs["plain"]
+    lonely = client(plain, 1)
+    assert lonely.returncode == serving.EXIT_SERVER_LOST and "no trainer of workflow" in lonely.stdout
     for i in iterations:
-        done = client(plain, i)
+        done = plain_update(plain, i)
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-        assert "training iteration" in done.stdout and f"iteration {i}: loss" in done.stdout
+        assert f"iteration {i}: loss" in done.stdout
         candidates["plain"][i] = candidate_files(plain, i)
         publish(plain, i)
 

@@ -74,11 +74,14 @@ def test_the_update_is_a_client_of_the_trainer_only_when_trainer_server():
 def test_the_daemon_is_placed_sized_and_probed_as_a_server():
     cfg = config()
     daemon = rendered(templates.trainer_server_template(cfg))
-    update = rendered(templates.update_template(cfg))
+    plain = rendered(templates.update_template(cfg.model_copy(update={"trainer": cfg.trainer.model_copy(
+        update={"server": False})})))  # fmt: skip
+    client = rendered(templates.update_template(cfg))
     assert daemon["daemon"] is True
     for field in ("nodeSelector", "affinity", "tolerations", "priorityClassName", "volumes", "securityContext"):
-        assert daemon.get(field) == update.get(field), field
-    assert daemon["container"]["resources"] == update["container"]["resources"]
+        assert daemon.get(field) == plain.get(field), field  # the GPUs of today's update
+    assert daemon["container"]["resources"] == plain["container"]["resources"]
+    assert "resources" not in client["container"] and client.get("nodeSelector") != daemon.get("nodeSelector")
     assert daemon["container"]["resources"]["limits"]["nvidia.com/gpu"] in (4, "4")
     probe = daemon["container"]["readinessProbe"]
     assert probe["exec"]["command"] == [

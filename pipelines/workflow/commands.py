@@ -183,9 +183,9 @@ def step_command(
     if kind == "update":
         if cfg.trainer.nodes != 1:
             raise ValueError("a multi-node update has no container of its own: see pytorchjob_launcher_command")
-        if trainer_served(cfg, at):  # a client of the trainer; on the trainer's pool for its fallback torchrun
+        if trainer_served(cfg, at):  # a client of the trainer: no GPU; on-demand CPU nodes
             args = flags(run=cfg.run_store, iteration=at.iteration, workflow=at.workflow, **more)
-            return StepCommand(step.role, image, python_step(step.module), args)
+            return StepCommand("control", cfg.images.cpu, python_step(step.module), args)
         return StepCommand(step.role, image, ["torchrun"], torchrun_args(cfg, at.iteration) + flags(**more))
     if kind == "trainer-server":
         if cfg.trainer.nodes != 1:

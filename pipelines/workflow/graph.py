@@ -30,6 +30,7 @@ IMPORT_SFT = "import-sft"
 NEXT_SEGMENT = "next-segment"
 REPORT = "report"
 ROLLOUT_SERVER = "rollout-server"  # the template of a segment's long-lived rollout servers (rollout.servers)
+TRAINER_SERVER = "trainer-server"  # the template and task of a segment's trainer that stays up (trainer.server)
 STEPS = ("rollout", "score", "update", "publish")
 
 

@@ -56,7 +56,7 @@ ITERATION = ARGO.iteration
 SCORE_METRIC_KEYS = {"reward_mean": "moerl_reward_mean", "accuracy": "moerl_accuracy"}
 MAIN = "main"
 CRON_LABEL = "workflows.argoproj.io/cron-workflow"  # what Argo's cron controller puts on its Workflows
-TRAINER_SERVER = "trainer-server"  # the template (and step kind) of a segment's trainer that stays up
+TRAINER_SERVER = graph.TRAINER_SERVER
 POD_IP = EnvVarSource(field_ref=ObjectFieldSelector(field_path="status.podIP"))  # where a server is reached
 
 
@@ -364,6 +364,8 @@ def main_dag(cfg: RunConfig, segment: graph.Segment) -> DAG:
             arguments |= {"shard": "{{item}}", "policy-version": str(behaviour_version(i, cfg.staleness))}
             shards = Sequence(count=str(cfg.rollout.num_shards))
             depends = " && ".join([*deps, *served_by(cfg)])
+        if step == "update":
+            depends = " && ".join([*deps, *trained_by(cfg)])
         tasks.append(
             Task(
                 name=name,
@@ -387,30 +389,33 @@ def served_by(cfg: RunConfig) -> list[str]:
     rollouts (their clients then use another server) and make its failure theirs to report, not the DAG's."""
     if not rollout_served(cfg, ARGO):
         return []
-    return [
-        f"({name} || {name}.Failed || {name}.Errored)"
-        for name in (rollout_server_name(k) for k in range(cfg.rollout.servers))
-    ]
+    return [_ready_or_failed(rollout_server_name(k)) for k in range(cfg.rollout.servers)]
+
+
+def _ready_or_failed(name: str) -> str:
+    return f"({name} || {name}.Failed || {name}.Errored)"
+
+
+def trained_by(cfg: RunConfig) -> list[str]:
+    """What an update task adds to its `depends` with a trainer that stays up (as served_by, for the trainer)."""
+    return [_ready_or_failed(TRAINER_SERVER)] if trainer_served(cfg, ARGO) else []
 
 
 def server_tasks(cfg: RunConfig, segment: graph.Segment, latest: str) -> list[Task]:
-    """The segment's rollout servers: daemons from the start of the segment to its end, when Argo stops them;
-    none when the segment has nothing left to do. They start beside import-sft, whose v000000 they wait for, so
-    that their nodes, images and imports overlap the import. Every rollout depends on them (served_by), and
-    finds them through the run store: a replacement's address is new, and Argo holds no dependent back while
-    a daemon's new attempt starts."""
-    if not rollout_served(cfg, ARGO):
-        return []
-    return [
-        Task(
-            name=rollout_server_name(k),
-            template=graph.ROLLOUT_SERVER,
-            depends=graph.PLAN,
-            when=f"{latest} < {segment.last}",
-            arguments={"server": str(k)},
-        )
-        for k in range(cfg.rollout.servers)
-    ]
+    """The segment's rollout servers and its trainer that stays up: daemons from the start of the segment to
+    its end, when Argo stops them; none when the segment has nothing left to do. They start beside import-sft,
+    whose v000000 they wait for, so that their nodes, images and imports overlap the import. Every rollout
+    depends on the rollout servers (served_by) and every update on the trainer (trained_by); the clients find
+    them through the run store: a replacement's address is new, and Argo holds no dependent back while a
+    daemon's new attempt starts."""
+    when = f"{latest} < {segment.last}"
+    rollout = [
+        Task(name=rollout_server_name(k), template=graph.ROLLOUT_SERVER, depends=graph.PLAN, when=when,
+             arguments={"server": str(k)})
+        for k in range(cfg.rollout.servers if rollout_served(cfg, ARGO) else 0)
+    ]  # fmt: skip
+    trainer = [Task(name=TRAINER_SERVER, template=TRAINER_SERVER, depends=graph.PLAN, when=when)]
+    return rollout + (trainer if trainer_served(cfg, ARGO) else [])
 
 
 def templates(cfg: RunConfig, segment: graph.Segment, next_template: str | None) -> list:
@@ -419,6 +424,7 @@ def templates(cfg: RunConfig, segment: graph.Segment, next_template: str | None)
         out.append(import_sft_template(cfg))
     out += [
         *([rollout_server_template(cfg)] if rollout_served(cfg, ARGO) else []),
+        *([trainer_server_template(cfg)] if trainer_served(cfg, ARGO) else []),
         rollout_template(cfg),
         score_template(cfg),
         update_template(cfg),
