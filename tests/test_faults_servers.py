@@ -42,3 +42,22 @@ def test_any_number_of_servers_and_shards_gives_the_fault_free_weights(fault_fre
     daemons = {n["displayName"] for n in result.status["nodes"].values() if n["templateName"] == "rollout-server"}
     assert {f"rollout-server-{k}" for k in range(servers)} <= daemons
     assert_same_result(Store.open(run_uri), fault_free_run.store)
+
+
+# A kill of the trainer that stays up at one of its progress reports (in the middle of an update request), with
+# rollout servers beside it: the update's client loses it, is retried, and the restarted trainer reloads v(i-1).
+TRAINER_CHAOS = "kill=1@trainer-server,seed=2"  # seed 2 lets no eligible pod start pass before the kill
+
+
+def test_a_trainer_killed_mid_update_ends_in_the_fault_free_weights(fault_free_run, tmp_path, monkeypatch):
+    monkeypatch.setenv("MOERL_LOCAL_TIME_SCALE", "0.05")
+    run_uri = (tmp_path / "run").as_uri()
+    cfg = served(fault_free_run, run_uri, servers=1, shards=2)
+    cfg = cfg.model_copy(update={"trainer": cfg.trainer.model_copy(update={"server": True})})
+    result = run_local(cfg, tmp_path / "work", chaos=TRAINER_CHAOS)
+    assert result.succeeded, result.message
+    assert [(f.template, f.kind) for f in result.faults] == [("trainer-server", "kill")]
+    pods = [n for n in result.status["nodes"].values() if n["type"] == "Pod"]
+    lost = [n for n in pods if n["templateName"] == "update" and n.get("message", "").endswith("(exit code 75)")]
+    assert lost, "the update's client should have lost its trainer mid-request and been retried"
+    assert_same_result(Store.open(run_uri), fault_free_run.store)
