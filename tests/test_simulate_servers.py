@@ -261,9 +261,14 @@ def test_the_command_prints_the_servers_and_plots_their_lanes(tmp_path, capsys):
     assert "rollout servers" not in capsys.readouterr().out
 
 
-def test_a_server_past_its_retry_budget_is_counted_apart_from_the_clients():
-    # backoff.max_duration counts from a pod's first start: for a server, its segment's start.
-    retry = {"limit": 3, "backoff": {"duration": "30s", "factor": 2, "max_duration": "40s"}}
-    cfg, cluster = one_server(nodes=2, **{"retries.rollout": retry})
+def test_a_server_is_bounded_by_its_retry_limit_not_by_max_duration():
+    """backoff.max_duration counts from a pod's first start, for a server its segment's: a server's retries
+    leave it out (pipelines/workflow/retry.py), so only a client past it runs out; the limit bounds both."""
+    timed = {"limit": 3, "backoff": {"duration": "30s", "factor": 2, "max_duration": "40s"}}
+    cfg, cluster = one_server(nodes=2, **{"retries.rollout": timed})
     result = run_with(cfg, cluster, [(3 + 22, "interrupt")])
-    assert (result.retries_exhausted, result.servers_out_of_retries) == (2, 1)  # the client and the server
+    assert (result.retries_exhausted, result.servers_out_of_retries) == (1, 0)  # the client only
+    spent = {"limit": 0, "backoff": {"duration": "30s", "factor": 2}}
+    cfg, cluster = one_server(nodes=2, **{"retries.rollout": spent})
+    result = run_with(cfg, cluster, [(3 + 22, "interrupt")])
+    assert result.servers_out_of_retries == 1

@@ -240,6 +240,7 @@ def test_rollout_servers_are_daemons_of_each_segment_and_the_shards_their_client
         assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
         assert server["nodeSelector"] == {"karpenter.sh/capacity-type": "spot"}
         assert '"75"' in server["retryStrategy"]["expression"]
+        assert "maxDuration" not in server["retryStrategy"]["backoff"]  # Argo counts it from the segment's start
         client = by_name["rollout"]
         assert client["container"]["args"][-2:] == ["--workflow", "{{workflow.name}}"]
         assert "nodeSelector" not in client  # a client holds no engine: off the GPU Spot pool

@@ -305,10 +305,11 @@ class Simulation(ServedSteps):
         retry = self.cfg.retries[role]
         backoff = retry.backoff.model_dump()
         wait = backoff_seconds(backoff, job.attempt)
-        max_duration = parse_duration(retry.backoff.max_duration) if retry.backoff.max_duration else math.inf
+        # A server's backoff has no maxDuration (pipelines/workflow/retry.py: it would run from its segment's start).
+        timed = retry.backoff.max_duration and job.server is None
+        max_duration = parse_duration(retry.backoff.max_duration) if timed else math.inf
         if job.attempt > retry.limit or self.now + wait - (job.first_start or 0.0) > max_duration:
             self.retries_exhausted += 1  # Argo would fail the run here; the model goes on to show the rest
-            # A daemon's max_duration runs from its first start, at the segment's: a long segment spends it.
             self.servers_out_of_retries += job.server is not None
         job.attempt += 1
         self.requeues += 1

@@ -11,8 +11,8 @@ tasks) and the per-iteration steps that are their clients.
   checkpoint.deltas), full_sync_s for any other (the whole checkpoint).
 - The trainer server serves one update at a time: train_s (train, write the candidate).
 - A client step (a rollout shard, on the CPU pool; the update, likewise) starts in client_s, then sends its
-  requests one after the other to its server: shard K to rollout-server-(K mod servers), waiting for it (or
-  its replacement) up to rollout.server_wait_s, then to any ready one; the update to the trainer.
+  requests one after the other to its server: shard K to rollout-server-(K mod servers) when it is ready, else
+  to any ready one, else to the first ready within rollout.server_wait_s; the update to the trainer.
 - A lost server (its Spot node reclaimed, or a crash) fails the attempts of the clients it was serving
   (their chunk in flight is lost, their finished chunks are kept), which are retried after their backoff and
   find the server ready then; the server itself is retried by its daemon's retryStrategy, waits for a node,
@@ -210,6 +210,10 @@ class ServedSteps:
         server = self.server_of(job)
         if server.ready:
             self.connect(job, server)
+            return
+        ready = [s for s in self.servers.get(job.task.key[0], []) if s.kind == server.kind and s.ready]
+        if ready and job.step != "update":  # steps/rollout.py: its own server is down, any ready one at once
+            self.connect(job, ready[0])
             return
         server.waiting.append(job)
         self.at(self.now + self.cfg.rollout.server_wait_s, lambda: self.wait_over(job, server, token))

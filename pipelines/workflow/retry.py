@@ -14,8 +14,9 @@ same way wherever the client runs, so that the retry reaches another server or t
 
 A long-lived server (a daemon task: rollout servers, the trainer) is retried on any failure when it is on
 demand: losing it never changes what the run computes, and a trainer whose rank dies ends with torchrun's own
-exit 1, not a signal's code. Its clients never wait for it forever (they fall back or are retried), and the
-retry limit bounds a server that fails by itself.
+exit 1, not a signal's code. Its clients never wait for it forever (they are retried), the retry limit
+bounds a server that fails by itself, and its backoff has no maxDuration (counted from a daemon's first start,
+at its segment's, it would refuse a replacement hours later).
 
 A step that fails by itself (a bug, a bad input: exit 1, or 2 for a MoerlError) fails the same way on any
 node, so retrying it only burns the retry budget and hides the message: it is not retried.
@@ -41,18 +42,20 @@ SPOT_RETRY_EXPRESSION = (
 CLIENT_RETRY_EXPRESSION = f'lastRetry.status == "Error" || lastRetry.exitCode == "{EXIT_SERVER_LOST}"'
 
 
-def _backoff(retry: Retry) -> Backoff:
+def _backoff(retry: Retry, timed: bool = True) -> Backoff:
+    """The role's backoff; `timed` False leaves out maxDuration, which Argo counts from the first attempt's
+    start: a server's first attempt starts with its segment, so hours later it would refuse any replacement."""
     b = retry.backoff
-    return Backoff(duration=b.duration, factor=b.factor, max_duration=b.max_duration, cap=b.cap)
+    return Backoff(duration=b.duration, factor=b.factor, max_duration=b.max_duration if timed else None, cap=b.cap)
 
 
-def spot_retry(retry: Retry) -> RetryStrategy:
-    """Retry preemptions of a Spot pod on another node, with exponential backoff."""
+def spot_retry(retry: Retry, server: bool = False) -> RetryStrategy:
+    """Retry preemptions of a Spot pod on another node, with exponential backoff (a server's: not timed)."""
     return RetryStrategy(
         limit=retry.limit,
         retry_policy="Always",
         expression=SPOT_RETRY_EXPRESSION,
-        backoff=_backoff(retry),
+        backoff=_backoff(retry, timed=not server),
         affinity=RetryAffinity(node_anti_affinity=RetryNodeAntiAffinity()),
     )
 
@@ -70,15 +73,15 @@ def client_retry(retry: Retry) -> RetryStrategy:
 
 
 def server_retry(retry: Retry) -> RetryStrategy:
-    """An on-demand long-lived server: restarted after any failure or error, with backoff."""
-    return RetryStrategy(limit=retry.limit, retry_policy="Always", backoff=_backoff(retry))
+    """An on-demand long-lived server: restarted after any failure or error, with backoff (not timed)."""
+    return RetryStrategy(limit=retry.limit, retry_policy="Always", backoff=_backoff(retry, timed=False))
 
 
 def retry_for(retry: Retry, spot: bool, client: bool = False, server: bool = False) -> RetryStrategy:
     """The retryStrategy of a pod of a role (its retries and whether it is on Spot); `client`: it calls a
     long-lived server; `server`: it is one."""
     if spot:
-        return spot_retry(retry)
+        return spot_retry(retry, server)
     if server:
         return server_retry(retry)
     return client_retry(retry) if client else on_demand_retry(retry)

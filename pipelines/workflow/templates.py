@@ -149,6 +149,7 @@ def rollout_server_template(cfg: RunConfig) -> Container:
         step,
         inputs=[Parameter(name="server")],
         reports_progress=True,
+        server=True,
         daemon=True,
         readiness_probe=probe,
         env=[*(EnvVar(**e) for e in pl.env()), EnvVar(name="POD_IP", value_from=POD_IP)],
