@@ -210,14 +210,15 @@ def test_delta_bytes_scale_the_servers_update_time():
     assert runs[1].iteration_times[2] - runs[0].iteration_times[2] == pytest.approx(2 * fetched_gb / a.s3_gb_per_s)
 
 
-def test_a_server_opens_the_newest_version_and_fetches_an_older_one_whole():
+def test_a_server_opens_the_version_its_segments_first_rollout_samples():
     """Asynchronous, a segment's first rollout samples v(first-2) while LATEST is v(first-1): the new servers
-    open LATEST and bring the whole older checkpoint; the next iteration's version is a delta again."""
+    open that version (steps/rollout_service.py), not LATEST, so no whole checkpoint is fetched; every next
+    version is a delta."""
     cfg = eks(**{"rollout.servers": 32}, segment_size=5)
     result = simulate(cfg, STEPS, cluster_for(cfg, ASSUME), ASSUME, staleness=1)
     syncs = {(s.iteration, round(s.end - s.start, 6)) for s in result.segments if s.phase == "sync"}
-    # Iterations 1 and 2 sample v0, which the servers open; 6 samples v4 while LATEST is v5.
-    assert syncs == {(6, STEPS.full_sync_s)} | {(i, STEPS.weight_sync_s) for i in (3, 4, 5, 7, 8, 9, 10)}
+    # Iterations 1 and 2 sample v0, 6 samples v4 (LATEST v5): each opened by its segment's servers.
+    assert syncs == {(i, STEPS.weight_sync_s) for i in (3, 4, 5, 7, 8, 9, 10)}
 
 
 def test_spot_interruptions_with_servers_end_every_iteration_deterministically():

@@ -78,13 +78,15 @@ class ServedSteps:
             self.submit(server.job)
 
     def start_server(self, server: Server) -> None:
-        """Its pod is on a node: the engine (or the trainer) starts, on the newest published version."""
+        """Its pod is on a node: the engine (or the trainer) starts, a rollout server on the version the next
+        iteration samples from (steps/rollout_service.py), the trainer on the newest."""
         if not self.has_v0:
             server.awaiting_v0 = True  # its node held, idle: counted as a ready server's
             return
         self.server_starts[server.kind] += 1
         server.startup_from = self.now
-        server.version = self.latest
+        rollout = server.kind == ROLLOUT_SERVER
+        server.version = behaviour_version(self.latest + 1, self.staleness) if rollout else self.latest
         startup = self.steps.rollout_startup_s if server.kind == ROLLOUT_SERVER else self.steps.trainer_startup_s
         token = server.token
         self.at(self.now + startup, lambda: self.server_ready(server, token))
