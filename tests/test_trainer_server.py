@@ -6,12 +6,12 @@ be retried (it holds no GPU)."""
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import faults_helpers
 import pytest
 import torch
 from faults_helpers import HOOKS
@@ -69,23 +69,7 @@ def start_trainer(run_uri: str, log: Path, fault: str | None = None) -> subproce
 
 def kill_tree(proc: subprocess.Popen) -> None:
     """SIGKILL the trainer and every process below it (torchrun's workers run in sessions of their own)."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    tree, todo = [], [proc.pid]
-    while todo:
-        pid = todo.pop()
-        tree.append(pid)
-        todo += children.get(pid, [])
-    for pid in tree:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    faults_helpers.kill_tree(faults_helpers.process_tree(proc.pid))
     proc.wait(timeout=60)
 
 
