@@ -68,6 +68,8 @@ TRAINER_NOT_MAPPED = {
     "is_cap": "no importance correction without vLLM (both sides on-policy at staleness 0)",
     "old_logprobs": "recomputes them in an extra forward pass (steps_per_generation > 1): it has no engine log-probs",
     "shared_prompts": "runs each sample's prompt itself, and shuffles samples, not whole groups, into steps",
+    "server": "one process that trains in place (a trainer that stays up changes where moerl trains, not what)",
+    "server_wait_s": "one process, no trainer server to wait for",
 }
 # Trainer fields mapped by grpo_settings.
 TRAINER_MAPPED = {
