@@ -21,12 +21,14 @@ import json
 import os
 import signal
 import sys
+import time
+from collections.abc import Callable
 from types import FrameType
 
 import torch.distributed as dist
 
 from steps import checkpoint, serving
-from steps.errors import MoerlError, run_cli
+from steps.errors import run_cli
 from steps.experience import load_run_config
 from steps.expert_parallel.mesh import build_mesh, resolve_ep_size
 from steps.hf_checkpoint import CONFIG_NAME
@@ -37,13 +39,18 @@ from steps.store import Store
 from steps.trainer_service import TrainerService
 
 EXIT_STOPPED = 143  # SIGTERM: the end of the Workflow's scope, or a reclaim
+VERSION_POLL_S = 0.5  # how often a trainer that starts before v000000 exists looks for it
 
 
-def newest_model_config(run: Store) -> MoeConfig:
-    """The model's config, from the newest published version (every version has v000000's)."""
-    version = checkpoint.latest_version(run)
-    if version is None:
-        raise MoerlError(f"{run.uri}: no published version yet; the trainer starts after import-sft")
+def newest_model_config(run: Store, log: Callable[[str], None]) -> MoeConfig:
+    """The model's config, from the newest published version (every version has v000000's), waiting for
+    import-sft's v000000 when there is none yet: the trainer's pod starts with its segment, beside the import."""
+    said = False
+    while (version := checkpoint.latest_version(run)) is None:
+        if not said:
+            log("trainer: waiting for the run's first published version (import-sft)")
+            said = True
+        time.sleep(VERSION_POLL_S)
     data = checkpoint.read_file(run, version, CONFIG_NAME)
     return MoeConfig.from_hf_dict(json.loads(data), source=run.url(f"v{version:06d}/{CONFIG_NAME}"))
 
@@ -54,7 +61,7 @@ def serve_trainer(run_uri: str, workflow: str, port: int = 0) -> int:
     rank, world, local_rank, device = init_distributed()
     run = Store.open(run_uri)
     cfg = load_run_config(run)
-    model_config = newest_model_config(run)
+    model_config = newest_model_config(run, log)
     mesh = build_mesh(rank, world, resolve_ep_size(world, model_config.num_experts, cfg.trainer.ep_size), device)
     command_group = None
     if world > 1:  # the commands' own group: gloo whatever the training backend
