@@ -4,7 +4,8 @@
                                    [--device cpu|cuda] [--threads N]
 
 It listens (port 0: any free port), registers as `<run>/servers/<workflow>/<name>.json`, opens its engine on
-the newest published version and then says it is ready (`GET /health`; the readinessProbe is
+the version the run's next iteration samples from (in the node cache, steps/weight_sync.py; waiting for
+v000000 when it starts beside import-sft) and then says it is ready (`GET /health`; the readinessProbe is
 `python -m steps.server_probe`). The rollout steps of its Workflow send it their chunks (`POST /chunk`,
 steps/rollout_service.py); it brings its engine to each request's policy version in place and writes the
 chunk to the store. On SIGTERM (the end of its Workflow's scope, or a Spot reclaim) it stops the request in
@@ -17,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import signal
-import threading
 from types import FrameType
 
 import torch
@@ -40,11 +40,8 @@ def main() -> int:
     args = parser.parse_args()
     log = lambda line: print(line, flush=True)  # noqa: E731
 
-    stop = threading.Event()
-
     def on_sigterm(signum: int, frame: FrameType | None) -> None:
         service.stopping.set()
-        stop.set()
 
     run = Store.open(args.run)
     service = RolloutService(run, args.name, device=args.device, log=log)
@@ -58,7 +55,7 @@ def main() -> int:
     log(f"{args.name}: listening on {entry.address} for workflow {args.workflow}")
     try:
         if service.start():
-            server.run_operations(stop)  # the engine runs on this thread, where SIGTERM interrupts it
+            server.run_operations(service.stopping)  # the engine runs on this thread, where SIGTERM interrupts it
     finally:
         serving.unregister(run, entry)
         server.close()

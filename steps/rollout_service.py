@@ -62,9 +62,8 @@ class RolloutService:
             if self.stopping.wait(VERSION_POLL_S):
                 return False
         version = behaviour_version(latest + 1, self.cfg.staleness)  # what the next iteration samples from
-        self.engine = open_engine(
-            self.cfg.rollout.engine, checkpoint.fetch(self.run, version), self.device, engine_settings(self.cfg)
-        )
+        settings = engine_settings(self.cfg)
+        self.engine = self.sync.open(version, lambda d: open_engine(self.cfg.rollout.engine, d, self.device, settings))
         self.version = version
         self.log(f"{self.name}: {self.cfg.rollout.engine} engine ready with v{version:06d}")
         return True

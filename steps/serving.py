@@ -182,13 +182,6 @@ class JsonServer:
             call.status, call.answer = self._execute(call.operation, call.body)
             call.done.set()
 
-    def drain(self, timeout: float) -> bool:
-        """Wait up to `timeout` for the operation in flight to answer (it stops early once told to)."""
-        if self._lock.acquire(timeout=timeout):
-            self._lock.release()
-            return True
-        return False
-
     def close(self) -> None:
         self.httpd.shutdown()
         self.httpd.server_close()

@@ -37,12 +37,16 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 from steps import checkpoint, weight_delta
 from steps.errors import MoerlError
 from steps.generation import Engine
 from steps.run_store import MANIFEST, parse_version, version_name, version_prefix
 from steps.store import Store
+
+E = TypeVar("E", bound=Engine)
+T = TypeVar("T")
 
 CACHE_ENV = "MOERL_NODE_CACHE"
 KEEP_VERSIONS = 2
@@ -89,16 +93,23 @@ class WeightSync:
         start = time.perf_counter()
         if held == wanted:
             return SyncResult("none", 0, time.perf_counter() - start, wanted)
+        (path, fetched), update_seconds = self._with_dir(wanted, lambda model_dir: _timed_update(engine, model_dir))
+        return SyncResult(path, fetched, time.perf_counter() - start, wanted, update_seconds)
+
+    def open(self, wanted: int, opener: Callable[[Path], E]) -> E:
+        """A new engine, `opener(model_dir)` on `wanted`'s dir in the node cache: the version the deltas of a
+        later bring start from, fetched once per node."""
+        return self._with_dir(wanted, opener)[1]
+
+    def _with_dir(self, wanted: int, use: Callable[[Path], T]) -> tuple[tuple[str, int], T]:
+        """materialize(wanted), then use(its dir) under the shared lock; (materialize's result, use's)."""
         while True:
-            path, fetched = self.materialize(wanted)
+            made = self.materialize(wanted)
             with self._locked(fcntl.LOCK_SH):
                 model_dir = self.version_dir(wanted)
                 if not model_dir.is_dir():  # evicted between the two locks by a server far ahead: again
                     continue
-                began = time.perf_counter()
-                engine.update_weights(model_dir)
-                ended = time.perf_counter()
-            return SyncResult(path, fetched, ended - start, wanted, ended - began)
+                return made, use(model_dir)
 
     def materialize(self, wanted: int) -> tuple[str, int]:
         """Make sure the cache holds `wanted`'s dir; returns (how: cache|delta|full, bytes fetched)."""
@@ -204,3 +215,10 @@ def _is_version_name(name: str) -> bool:
     except MoerlError:
         return False
     return True
+
+
+def _timed_update(engine: Engine, model_dir: Path) -> float:
+    """engine.update_weights(model_dir); its seconds."""
+    began = time.perf_counter()
+    engine.update_weights(model_dir)
+    return time.perf_counter() - began

@@ -121,3 +121,20 @@ def test_the_cache_is_the_nodes_own_directory_by_default(monkeypatch, tmp_path):
     assert default_cache_dir() == tmp_path / "node"
     monkeypatch.delenv(CACHE_ENV)
     assert default_cache_dir().name == "moerl-node-cache"
+
+
+def test_an_engine_opened_from_the_cache_is_brought_on_by_delta(versions, tmp_path):
+    """A server opens its first engine on the node cache's dir (WeightSync.open), so its first bring starts
+    from a cached version: a delta, not a second whole checkpoint."""
+    sync = WeightSync(versions.run, tmp_path / "cache")
+    opened: list[Path] = []
+
+    def opener(model_dir: Path) -> RecordingEngine:
+        opened.append(model_dir)
+        engine = RecordingEngine()
+        engine.update_weights(model_dir)
+        return engine
+
+    engine = sync.open(0, opener)
+    assert opened == [sync.version_dir(0)] and holds(engine, versions.dirs[0])
+    assert sync.bring(engine, 0, 1).path == "delta" and holds(engine, versions.dirs[1])
