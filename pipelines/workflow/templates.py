@@ -135,49 +135,43 @@ def rollout_template(cfg: RunConfig) -> Container:
     )
 
 
-def rollout_server_template(cfg: RunConfig) -> Container:
-    """A rollout server: a daemon on the rollout pool (Spot), ready once its engine is (an exec probe, as
-    it listens on a port of the system's choosing), retried as a rollout pod is when it is reclaimed."""
-    step = step_command(cfg, graph.ROLLOUT_SERVER)
-    name = rollout_server_name(ARGO.server)
+def _server_container(
+    cfg: RunConfig, template: str, registered_as: str, env: list[EnvVar], **extra: object
+) -> Container:
+    """A long-lived server's daemon: ready once its registration answers /health as ready (an exec probe, as it
+    listens on a port of the system's choosing), reached at POD_IP, retried as a server (retry.py)."""
     probe = Probe(
-        exec=ExecAction(command=server_probe(cfg, name)), period_seconds=5, timeout_seconds=10, failure_threshold=1
-    )
-    return _step_container(
-        cfg,
-        graph.ROLLOUT_SERVER,
-        step,
-        inputs=[Parameter(name="server")],
-        reports_progress=True,
-        server=True,
-        daemon=True,
-        readiness_probe=probe,
-        env=[*(EnvVar(**e) for e in pl.env()), EnvVar(name="POD_IP", value_from=POD_IP)],
-    )
-
-
-def trainer_server_template(cfg: RunConfig) -> Container:
-    """The trainer that stays up for a segment (trainer.server): a daemon placed and sized as the update (its
-    torchrun holds the trainer's GPUs), ready once rank 0 answers /health as ready (an exec probe: it listens on
-    a port of the system's choosing), restarted by its retryStrategy after a crash or a reclaim. Not in the DAG
-    here: graph.py adds a segment's daemon tasks."""
-    step = step_command(cfg, TRAINER_SERVER)
-    probe = Probe(
-        exec=ExecAction(command=server_probe(cfg, TRAINER_SERVER_NAME)),
+        exec=ExecAction(command=server_probe(cfg, registered_as)),
         period_seconds=5,
         timeout_seconds=10,
         failure_threshold=1,
     )
     return _step_container(
         cfg,
-        TRAINER_SERVER,
-        step,
+        template,
+        step_command(cfg, template),
         reports_progress=True,
         server=True,
         daemon=True,
         readiness_probe=probe,
-        env=[*_tracked_env(cfg), EnvVar(name="POD_IP", value_from=POD_IP)],
+        env=[*env, EnvVar(name="POD_IP", value_from=POD_IP)],
+        **extra,
     )
+
+
+def rollout_server_template(cfg: RunConfig) -> Container:
+    """A rollout server: a daemon on the rollout pool (Spot), ready once its engine is, retried as a rollout
+    pod is when it is reclaimed."""
+    env = [EnvVar(**e) for e in pl.env()]
+    name = rollout_server_name(ARGO.server)
+    return _server_container(cfg, graph.ROLLOUT_SERVER, name, env, inputs=[Parameter(name="server")])
+
+
+def trainer_server_template(cfg: RunConfig) -> Container:
+    """The trainer that stays up for a segment (trainer.server): a daemon placed and sized as the update (its
+    torchrun holds the trainer's GPUs), ready once rank 0 answers /health as ready, restarted by its
+    retryStrategy after a crash or a reclaim; server_tasks puts it in the segment's DAG."""
+    return _server_container(cfg, TRAINER_SERVER, TRAINER_SERVER_NAME, _tracked_env(cfg))
 
 
 def score_metrics(cfg: RunConfig) -> Metrics:
@@ -320,29 +314,17 @@ def next_segment_templates(cfg: RunConfig, next_template: str, segment_index: in
             sub_steps=[
                 Step(name="cron", template=NEXT_SEGMENT_CRON),
                 [
-                    Step(
-                        name="owned", template=NEXT_SEGMENT_OWNED, when=f"'{found}' != ''", arguments={CRON_UID: found}
-                    ),  # fmt: skip
+                    Step(name="owned", template=NEXT_SEGMENT_OWNED, when=f"'{found}' != ''",
+                         arguments={CRON_UID: found}),  # fmt: skip
                     Step(name="alone", template=NEXT_SEGMENT_ALONE, when=f"'{found}' == ''"),
                 ],
             ],
         ),
         # --ignore-not-found: no cron, empty output, and Argo gives the output parameter its default
-        Resource(
-            name=NEXT_SEGMENT_CRON,
-            action="get",
-            flags=["--ignore-not-found"],
-            manifest=yaml.safe_dump(cron, sort_keys=False),
-            outputs=[uid],
-            retry_strategy=retry,
-        ),  # fmt: skip
-        Resource(
-            name=NEXT_SEGMENT_OWNED,
-            action="create",
-            manifest=workflow(True),
-            inputs=[Parameter(name=CRON_UID)],
-            retry_strategy=retry,
-        ),  # fmt: skip
+        Resource(name=NEXT_SEGMENT_CRON, action="get", flags=["--ignore-not-found"],
+                 manifest=yaml.safe_dump(cron, sort_keys=False), outputs=[uid], retry_strategy=retry),  # fmt: skip
+        Resource(name=NEXT_SEGMENT_OWNED, action="create", manifest=workflow(True),
+                 inputs=[Parameter(name=CRON_UID)], retry_strategy=retry),  # fmt: skip
         Resource(name=NEXT_SEGMENT_ALONE, action="create", manifest=workflow(False), retry_strategy=retry),
     ]
 
