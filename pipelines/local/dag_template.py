@@ -153,7 +153,7 @@ class DagWalk:
         self.visited.add(name)
         task = self.tasks[name]
         node = self.task_node(name)
-        if node is not None and node.fulfilled and not self.ctl.daemon_lost(node):
+        if node is not None and self.ctl.settled(node):
             self.run_hook(name, node)
             return
         node_name = f"{self.node.name}.{name}"

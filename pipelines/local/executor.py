@@ -640,7 +640,7 @@ class Controller:
         """Argo's executeTemplate: the node for `node_name`, created (and its pod started) if its
         turn has come; None when parallelism holds it back."""
         node = self.nodes.by_name(node_name)
-        if node is not None and node.fulfilled and not self.daemon_lost(node):
+        if node is not None and self.settled(node):
             return node
         try:
             template, scope = self.resolve(call)
@@ -752,7 +752,7 @@ class Controller:
         last = last_attempt(node, self.nodes)
         if node.fulfilled and last is not None:  # a Retry node shows its last attempt's outputs
             node.outputs = copy.deepcopy(last.outputs)
-        if not proceed or node.fulfilled and not self.daemon_lost(node):
+        if not proceed or self.settled(node):
             return node
         attempts = [a for a in (self.nodes.get(c) for c in node.children) if a is not None and not a.hooked]
         if last is not None and not last.fulfilled:
@@ -773,6 +773,10 @@ class Controller:
         if self.dispatch(attempt_name, attempt_template, call, attempt_opts, scope) is not None:
             self.nodes.add_child(node_name, attempt_name)
         return node  # an attempt that ended is settled by the next pass
+
+    def settled(self, node: Node) -> bool:
+        """Fulfilled, and so left alone by this pass, unless it is a lost daemon that Argo retries."""
+        return node.fulfilled and not self.daemon_lost(node)
 
     def daemon_lost(self, node: Node) -> bool:
         """A daemon's Retry node whose attempt's pod ended while some node below that attempt (a dependent's)
