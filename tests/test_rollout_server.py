@@ -9,6 +9,7 @@ import time
 
 import pytest
 from experience_helpers import REPO, make_run, run_files, step_env, tiny_model, write_checkpoint
+from test_update_experience import free_port
 
 from steps import serving
 from steps.errors import MoerlError
@@ -144,17 +145,9 @@ def test_a_rollout_step_with_no_server_exits_to_be_retried(tmp_path, checkpoint_
 
 def test_a_stale_registration_is_not_a_live_server(tmp_path):
     run = Store.open(tmp_path.as_uri())
-    entry = serving.register(run, WORKFLOW, "rollout-server-0", port=_free_port())  # nobody listens there
+    entry = serving.register(run, WORKFLOW, "rollout-server-0", port=free_port())  # nobody listens there
     assert serving.registrations(run, WORKFLOW, "rollout-server-") == [entry]
     assert serving.live_servers(run, WORKFLOW, "rollout-server-") == []
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_the_probe_says_ready_only_for_a_ready_server(tmp_path, checkpoint_dir):
