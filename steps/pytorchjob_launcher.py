@@ -1,8 +1,11 @@
-"""The launcher pod of a multi-node update on KFP: create the iteration's PyTorchJob through the Kubernetes
-API, wait for it the way Argo's resource template waits (pipelines/workflow/pytorchjob.py builds the job and
-says what the training operator does), and exit 0 iff it succeeded.
+"""The launcher pod of a PyTorchJob: create the job through the Kubernetes API, wait for it the way Argo's
+resource template waits (pipelines/workflow/pytorchjob.py builds the jobs and says what the training
+operator does), and exit 0 iff it succeeded; on SIGTERM delete it. It runs a multi-node update on KFP, and
+on Argo the daemon of a multi-node trainer that stays up (its job never succeeds: it runs until the daemon
+is stopped, or fails and the daemon is retried).
 
-`python -m steps.pytorchjob_launcher --manifest-json JOB --namespace NS`; runs with the pod's service account.
+`python -m steps.pytorchjob_launcher --manifest-json JOB --namespace NS [--deadline-seconds S]`; runs with
+the pod's service account (create, get and delete on pytorchjobs, as Argo's resource templates need).
 """
 
 from __future__ import annotations
@@ -36,9 +39,16 @@ def job_outcome(job: dict[str, Any]) -> str | None:
     return None
 
 
-def launch(job: dict[str, Any], namespace: str, poll_seconds: float = 10.0, api: Any = None) -> int:
-    """Replace any job of this name, wait for the new one (up to WAIT_DEADLINE_SECONDS), delete it unless it
-    succeeded; 0 iff it succeeded. The same lifecycle as the Argo update step."""
+def launch(
+    job: dict[str, Any],
+    namespace: str,
+    poll_seconds: float = 10.0,
+    api: Any = None,
+    deadline_seconds: float = WAIT_DEADLINE_SECONDS,
+) -> int:
+    """Replace any job of this name, wait for the new one (up to `deadline_seconds`; 0: no deadline, for a
+    trainer that stays up until SIGTERM), delete it unless it succeeded, and on SIGTERM; 0 iff it succeeded.
+    The same lifecycle as the Argo update step."""
     if api is None:
         from kubernetes import client, config  # imported here: only KFP's launcher pod needs it
 
@@ -74,12 +84,12 @@ def launch(job: dict[str, Any], namespace: str, poll_seconds: float = 10.0, api:
         sys.exit(128 + signum)
 
     previous = signal.signal(signal.SIGTERM, stop)
-    deadline = time.monotonic() + WAIT_DEADLINE_SECONDS
+    deadline = time.monotonic() + deadline_seconds if deadline_seconds > 0 else float("inf")
     try:
         while True:
             outcome = job_outcome(api.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name))
             if outcome is None and time.monotonic() > deadline:
-                outcome = f"Failed (still running after {WAIT_DEADLINE_SECONDS} s)"
+                outcome = f"Failed (still running after {deadline_seconds:.0f} s)"
             if outcome is not None:
                 print(f"PyTorchJob {name}: {outcome}", flush=True)
                 if outcome != "Succeeded":
@@ -94,8 +104,14 @@ def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m steps.pytorchjob_launcher", description=__doc__.splitlines()[0])
     parser.add_argument("--manifest-json", required=True, help="the PyTorchJob to create, as JSON")
     parser.add_argument("--namespace", required=True)
+    parser.add_argument(
+        "--deadline-seconds",
+        type=float,
+        default=WAIT_DEADLINE_SECONDS,
+        help=f"fail a job still running after this long (default {WAIT_DEADLINE_SECONDS}; 0: never, for a server)",
+    )
     args = parser.parse_args()
-    return launch(json.loads(args.manifest_json), args.namespace)
+    return launch(json.loads(args.manifest_json), args.namespace, deadline_seconds=args.deadline_seconds)
 
 
 if __name__ == "__main__":

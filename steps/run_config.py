@@ -383,9 +383,7 @@ class RunConfig(_Section):
     )
     staleness: Literal[0, 1] = _field(0, "0: synchronous; 1: rollout of iteration i+1 overlaps update i")
     task: TaskConfig | None = _field(None, "the built-in task to train on (default: addition)")
-    prompt_file: str | None = _field(
-        None, "prompts from a JSONL or Parquet file on a store instead of a built-in task"
-    )
+    prompt_file: str | None = _field(None, "prompts from a JSONL or Parquet file on a store instead of a built-in task")
     prompt_fields: PromptFieldsConfig = _field(PromptFieldsConfig(), "field names of the prompt file's records")
     heldout_file: str | None = _field(None, "held-out prompts of a prompt-file run (same format and fields)")
     heldout_fraction: float = _field(
@@ -544,12 +542,6 @@ def semantic_problems(cfg: RunConfig) -> list[tuple[str, str]]:
             f"{cfg.rollout.num_shards} shards but only {chunks} chunks of "
             f"{cfg.rollout.chunk_size} prompts per iteration; use at most {chunks} shards "
             "or a smaller rollout.chunk_size",
-        )
-    if cfg.trainer.server and cfg.trainer.nodes != 1:
-        bad(
-            "trainer.server",
-            f"a trainer that stays up runs on one node, not trainer.nodes={cfg.trainer.nodes}; set trainer.nodes: 1 "
-            "or trainer.server: false (a multi-node update runs as a PyTorchJob per iteration)",
         )
     sg = cfg.rollout.sglang
     if sg.moe_a2a_backend == "deepep" and sg.ep_size < 2:

@@ -4,6 +4,8 @@ nothing is lost and nothing doubled."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from faults_helpers import assert_same_result, run_local
 
@@ -61,3 +63,29 @@ def test_a_trainer_killed_mid_update_ends_in_the_fault_free_weights(fault_free_r
     lost = [n for n in pods if n["templateName"] == "update" and n.get("message", "").endswith("(exit code 75)")]
     assert lost, "the update's client should have lost its trainer mid-request and been retried"
     assert_same_result(Store.open(run_uri), fault_free_run.store)
+
+
+def test_a_multi_node_trainer_that_stays_up_killed_mid_update_trains_the_per_step_bits(
+    fault_free_run, tmp_path, monkeypatch
+):
+    """trainer.nodes 2: the daemon is the launcher of the trainer's PyTorchJob (run here as the job's torchrun);
+    killed in the middle of an update, it is retried, and the weights are those of per-iteration updates over
+    the same two ranks (one node of two: the local executor has no kubectl for a per-iteration job's delete)."""
+    monkeypatch.setenv("MOERL_LOCAL_TIME_SCALE", "0.05")
+    two_nodes = {"ep_backend": "alltoall", "nproc_per_node": 1, "nodes": 2, "micro_batch_size": 32}
+    two_ranks = {**two_nodes, "nproc_per_node": 2, "nodes": 1}
+    per_step_uri, served_uri = (tmp_path / "per-step").as_uri(), (tmp_path / "served").as_uri()
+    per_step = run_local(fault_free_run.config_for(per_step_uri, trainer=two_ranks), tmp_path / "work-per-step")
+    assert per_step.succeeded, per_step.message
+    served = fault_free_run.config_for(served_uri, trainer={**two_nodes, "server": True, "server_wait_s": 300})
+    result = run_local(served, tmp_path / "work", chaos=TRAINER_CHAOS)
+    assert result.succeeded, result.message
+    assert [(f.template, f.kind) for f in result.faults] == [("trainer-server", "kill")]
+    pods = [n for n in result.status["nodes"].values() if n["type"] == "Pod"]
+    assert not [n for n in pods if n["templateName"].startswith("update-")], "no per-iteration job with a server"
+    lost = [n for n in pods if n["templateName"] == "update" and n.get("message", "").endswith("(exit code 75)")]
+    assert lost, "the update's client should have lost its trainer mid-request and been retried"
+    trainer_pods = [pod for pod in (result.run_dir / "pods").iterdir() if "-trainer-server-" in pod.name]
+    jobs = [json.loads((pod / "pod.json").read_text())["local"]["pytorchJob"] for pod in trainer_pods]
+    assert len(jobs) == 2 and {job["metadata"]["name"] for job in jobs} == {"faults-trainer-server"}
+    assert_same_result(Store.open(served_uri), Store.open(per_step_uri))

@@ -478,7 +478,7 @@ class Controller:
                 injection.phase,
                 injection.message,
                 keep_exit_code=injection.phase == FAILED,
-                override=pod.plan.job is None,
+                override=pod.plan.job is None or pod.plan.job.launched,  # a launcher pod's end is its own
             )
             if injection.kind == "kill":
                 pod.kill(termination)

@@ -134,6 +134,11 @@ def plan_pod(
     else:
         container = template[kind]
         container = _patched_main(container, (workflow.spec.get("podSpecPatch"), template.get("podSpecPatch")))
+    probe = container.get("readinessProbe") if template.get("daemon") else None
+    if kind == "container" and (
+        launched := pytorchjob.launched_job([*container.get("command", []), *container.get("args", [])])
+    ):
+        job, container = launched, launched.container
     outputs = (template.get("outputs") or {}).get("parameters") or []
     # output parameter -> the container file it is read from
     from_files = {p["name"]: p["valueFrom"]["path"] for p in outputs if (p.get("valueFrom") or {}).get("path")}
@@ -220,7 +225,7 @@ def plan_pod(
         script=script,
         recorded=recorded,
         daemon=bool(template.get("daemon")),
-        readiness_probe=container.get("readinessProbe") if template.get("daemon") else None,
+        readiness_probe=probe,
     )
 
 
@@ -552,6 +557,11 @@ class Pod:
             job, exit_code, timestamp(self.started_at) or "", timestamp(time.time()) or ""
         )
         (self.plan.pod_dir / "pytorchjob.json").write_text(json.dumps(job_object, indent=2) + "\n")
+        if job.launched:  # the launcher pod's own end: a daemon's job that succeeds is a daemon that ended
+            code = pytorchjob.launcher_exit(job_object)
+            if code == 0:
+                return PodOutcome(FAILED if self.plan.daemon else SUCCEEDED, "", 0, None, parameters)
+            return PodOutcome(FAILED, f"main: Error (exit code {code})", code, None, parameters)
         try:
             ok, message = pytorchjob.match_conditions(job_object, job.success_condition, job.failure_condition)
         except ValueError as err:

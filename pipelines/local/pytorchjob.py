@@ -45,6 +45,34 @@ class PyTorchJob:
     success_condition: str
     failure_condition: str
     replicas: dict[str, int]
+    launched: bool = False  # created by a launcher pod (steps/pytorchjob_launcher.py), not a resource template
+
+
+# The program of a launcher pod: it creates the PyTorchJob of its --manifest-json through the Kubernetes API.
+LAUNCHER_MODULE = "steps.pytorchjob_launcher"
+
+
+def launched_job(command: list[str]) -> PyTorchJob | None:
+    """The job a container's command+args creates when it is the launcher (`python -m LAUNCHER_MODULE
+    --manifest-json JOB ...`), else None. This machine has no Kubernetes API for it to call, so the pod runs
+    the job itself, as a resource template's job runs here, and ends as the launcher would (launcher_exit)."""
+    words = [str(w) for w in command]
+    if LAUNCHER_MODULE not in words or words[words.index(LAUNCHER_MODULE) - 1] != "-m":
+        return None
+    args = words[words.index(LAUNCHER_MODULE) + 1 :]
+    manifest = next((args[i + 1] for i, a in enumerate(args[:-1]) if a == "--manifest-json"), None)
+    if manifest is None:
+        return None
+    job = parse_job(manifest, "", "")
+    job.launched = True
+    return job
+
+
+def launcher_exit(job_object: dict) -> int:
+    """The launcher's exit code once its job ended: 0 iff it succeeded (its own job_outcome rule)."""
+    from steps.pytorchjob_launcher import job_outcome  # the program this pod stands in for
+
+    return 0 if job_outcome(job_object) == "Succeeded" else 1
 
 
 def parse_job(manifest_text: str, success: str, failure: str) -> PyTorchJob:

@@ -118,6 +118,11 @@ def torchrun_args(cfg: RunConfig, iteration: str) -> list[str]:
     return _torchrun(cfg, "update", ["--run", cfg.run_store, "--iteration", iteration])
 
 
+def trainer_server_args(cfg: RunConfig, workflow: str) -> list[str]:
+    """torchrun's arguments for the trainer that stays up: one node standalone, or one replica of its PyTorchJob."""
+    return _torchrun(cfg, "trainer-server", flags(run=cfg.run_store, workflow=workflow))
+
+
 def _torchrun(cfg: RunConfig, kind: str, step_args: list[str]) -> list[str]:
     t = cfg.trainer
     args = ["--nproc-per-node", str(t.nproc_per_node)]
@@ -132,8 +137,8 @@ def _torchrun(cfg: RunConfig, kind: str, step_args: list[str]) -> list[str]:
 
 def trainer_served(cfg: RunConfig, at: Slots) -> bool:
     """Whether the update steps send their iteration to the Workflow's trainer that stays up (Argo,
-    trainer.server, one trainer node)."""
-    return cfg.trainer.server and cfg.trainer.nodes == 1 and at.workflow is not None
+    trainer.server)."""
+    return cfg.trainer.server and at.workflow is not None
 
 
 def _args(cfg: RunConfig, kind: str, at: Slots, first: int, last: int) -> list[str]:
@@ -181,25 +186,29 @@ def step_command(
     step = STEP_KINDS[kind]
     image = getattr(cfg.images, step.image)
     if kind == "update":
-        if cfg.trainer.nodes != 1:
-            raise ValueError("a multi-node update has no container of its own: see pytorchjob_launcher_command")
         if trainer_served(cfg, at):  # a client of the trainer: no GPU; on-demand CPU nodes
             args = flags(run=cfg.run_store, iteration=at.iteration, workflow=at.workflow, **more)
             return StepCommand("control", cfg.images.cpu, python_step(step.module), args)
+        if cfg.trainer.nodes != 1:
+            raise ValueError("a multi-node update has no container of its own: see pytorchjob_launcher_command")
         return StepCommand(step.role, image, ["torchrun"], torchrun_args(cfg, at.iteration) + flags(**more))
     if kind == "trainer-server":
         if cfg.trainer.nodes != 1:
-            raise ValueError("trainer.server runs on one node (trainer.nodes: 1); a multi-node update is a PyTorchJob")
-        args = _torchrun(cfg, kind, flags(run=cfg.run_store, workflow=at.workflow, **more))
-        return StepCommand(step.role, image, ["torchrun"], args)
+            raise ValueError("a multi-node trainer server is a PyTorchJob: see pytorchjob_launcher_command")
+        assert at.workflow is not None, "a trainer server serves one Workflow"
+        return StepCommand(step.role, image, ["torchrun"], trainer_server_args(cfg, at.workflow) + flags(**more))
     args = _args(cfg, kind, at, first, cfg.iterations if last is None else last)
     if kind == "rollout" and rollout_served(cfg, at):  # a client: no engine, no GPU; on-demand CPU nodes
         return StepCommand("control", cfg.images.cpu, python_step(step.module), args + flags(**more))
     return StepCommand(step.role, image, python_step(step.module), args + flags(**more))
 
 
-def pytorchjob_launcher_command(cfg: RunConfig, job: dict) -> StepCommand:
-    """The launcher pod of a multi-node update: creates `job` (pytorchjob.manifest) and waits for it."""
+def pytorchjob_launcher_command(cfg: RunConfig, job: dict, *, server: bool = False) -> StepCommand:
+    """The launcher pod that creates `job` and waits for it: a multi-node update on KFP (pytorchjob.manifest),
+    or on Argo the daemon of a multi-node trainer that stays up (`server`: pytorchjob.trainer_server_manifest,
+    waited for without a deadline, deleted when the daemon is stopped)."""
     launcher = PYTORCHJOB_LAUNCHER
     args = flags(manifest_json=json.dumps(job), namespace=cfg.namespace)
+    if server:
+        args += flags(deadline_seconds=0)
     return StepCommand(launcher.role, getattr(cfg.images, launcher.image), python_step(launcher.module), args)

@@ -36,7 +36,7 @@ from typing import Any
 import yaml
 
 from pipelines.workflow import placement as pl
-from pipelines.workflow.commands import torchrun_args
+from pipelines.workflow.commands import torchrun_args, trainer_server_args
 from steps.pytorchjob_launcher import (
     FAILED_CONDITION_INDEXES,
     GROUP,
@@ -56,15 +56,58 @@ def job_name(cfg: RunConfig, iteration: str) -> str:
 
 def manifest(cfg: RunConfig, iteration: str) -> dict[str, Any]:
     """The PyTorchJob of update-`iteration` (iteration may be an Argo expression such as {{inputs...}})."""
+    run_policy = {
+        "backoffLimit": cfg.retries["trainer"].limit,
+        "activeDeadlineSeconds": JOB_DEADLINE_SECONDS,
+        "cleanPodPolicy": "Running",
+    }
+    labels = pl.labels(cfg, "update", iteration)
+    return _job(cfg, job_name(cfg, iteration), labels, torchrun_args(cfg, iteration), run_policy, "OnFailure")
+
+
+def trainer_server_job_name(cfg: RunConfig) -> str:
+    """The one PyTorchJob of a run's trainer that stays up (a segment's; the next segment's replaces it)."""
+    return f"{cfg.name}-trainer-server"
+
+
+def trainer_server_manifest(cfg: RunConfig, workflow: str, workflow_uid: str) -> dict[str, Any]:
+    """The PyTorchJob of a multi-node trainer that stays up, which the segment's trainer-server daemon creates
+    (steps/pytorchjob_launcher.py) and deletes when Argo stops it.
+
+    restartPolicy Never and backoffLimit 0: the first replica that fails fails the job (the operator's rule
+    for any replica type), its other pods are deleted, and the daemon exits 1, so the restart is the daemon's
+    own retry, visible in the Workflow, never a replica restarted alone into a process group that is gone.
+    No activeDeadlineSeconds: the job lives as long as its segment. The owner reference to the Workflow
+    removes the job with it should the daemon be killed before it could delete it."""
+    run_policy = {"backoffLimit": 0, "cleanPodPolicy": "Running"}
+    labels = pl.labels(cfg, "trainer-server")
+    env = [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]  # rank 0 registers it
+    job = _job(cfg, trainer_server_job_name(cfg), labels, trainer_server_args(cfg, workflow), run_policy, "Never", env)
+    job["metadata"]["ownerReferences"] = [
+        {"apiVersion": "argoproj.io/v1alpha1", "kind": "Workflow", "name": workflow, "uid": workflow_uid}
+    ]
+    return job
+
+
+def _job(
+    cfg: RunConfig,
+    name: str,
+    pod_labels: dict[str, str],
+    args: list[str],
+    run_policy: dict[str, Any],
+    restart_policy: str,
+    extra_env: list[dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """A PyTorchJob of trainer.nodes replicas (1 Master, the rest Workers), each a pod on a trainer node that
+    runs `torchrun args`."""
     p = cfg.placement["trainer"]
-    pod_labels = pl.labels(cfg, "update", iteration)
     container = _without_empty(
         {
             "name": "pytorch",  # the training operator looks for this container name
             "image": cfg.images.trainer,
             "command": ["torchrun"],
-            "args": torchrun_args(cfg, iteration),
-            "env": pl.env() + pl.tracking_env(cfg),
+            "args": args,
+            "env": pl.env() + pl.tracking_env(cfg) + (extra_env or []),
             "resources": pl.resources(p),
             "volumeMounts": pl.volume_mounts(p),
             "securityContext": pl.container_security_context(),
@@ -87,7 +130,7 @@ def manifest(cfg: RunConfig, iteration: str) -> dict[str, Any]:
         metadata = {"labels": dict(pod_labels), "annotations": pl.annotations("trainer")}
         return {
             "replicas": count,
-            "restartPolicy": "OnFailure",
+            "restartPolicy": restart_policy,
             "template": copy.deepcopy({"metadata": metadata, "spec": pod_spec}),
         }
 
@@ -97,14 +140,10 @@ def manifest(cfg: RunConfig, iteration: str) -> dict[str, Any]:
     return {
         "apiVersion": f"{GROUP}/{VERSION}",
         "kind": "PyTorchJob",
-        "metadata": {"name": job_name(cfg, iteration), "labels": dict(pod_labels)},
+        "metadata": {"name": name, "labels": dict(pod_labels)},
         "spec": {
             "nprocPerNode": str(cfg.trainer.nproc_per_node),
-            "runPolicy": {
-                "backoffLimit": cfg.retries["trainer"].limit,
-                "activeDeadlineSeconds": JOB_DEADLINE_SECONDS,
-                "cleanPodPolicy": "Running",
-            },
+            "runPolicy": run_policy,
             "pytorchReplicaSpecs": specs,
         },
     }

@@ -40,6 +40,7 @@ from pipelines.workflow.commands import (
     REPORT_OUT,
     SCORE_METRICS_PATH,
     StepCommand,
+    pytorchjob_launcher_command,
     rollout_served,
     server_probe,
     step_command,
@@ -74,8 +75,9 @@ def _step_container(
 ) -> Container:
     """A container template placed, labelled and retried as its role says; `reports_progress`: its step
     writes N/M to $ARGO_PROGRESS_FILE (steps/progress.py), and its pod starts at 0/1. `retries`: the role
-    whose retry budget a client of a server spends (placed as its own role, retried as that one's).
-    `server`: a long-lived server's daemon (retried after any failure when on demand: retry.py)."""
+    whose retry budget it spends when that is not its own: a client of a server, or the launcher of a
+    server whose pods are that role's. `server`: a long-lived server's daemon (retried after any failure
+    when on demand: retry.py)."""
     role = step.role
     p = cfg.placement[role]
     res = pl.resources(p)
@@ -92,7 +94,9 @@ def _step_container(
         affinity=Affinity.model_validate(affinity) if (affinity := pl.node_affinity(cfg, role)) else None,
         tolerations=[Toleration(**t) for t in pl.tolerations(p)] or None,
         priority_class_name=p.priority_class,
-        retry_strategy=retry_for(cfg.retries[retries or role], p.spot, client=retries is not None, server=server),
+        retry_strategy=retry_for(
+            cfg.retries[retries or role], p.spot, client=retries is not None and not server, server=server
+        ),
         labels=pl.labels(cfg, name, iteration),
         annotations=annotations or None,
         volumes=[Volume.model_validate(v) for v in pl.volumes(p)],
@@ -136,7 +140,12 @@ def rollout_template(cfg: RunConfig) -> Container:
 
 
 def _server_container(
-    cfg: RunConfig, template: str, registered_as: str, env: list[EnvVar], **extra: object
+    cfg: RunConfig,
+    template: str,
+    registered_as: str,
+    env: list[EnvVar],
+    step: StepCommand | None = None,
+    **extra: object,
 ) -> Container:
     """A long-lived server's daemon: ready once its registration answers /health as ready (an exec probe, as it
     listens on a port of the system's choosing), reached at POD_IP, retried as a server (retry.py)."""
@@ -149,7 +158,7 @@ def _server_container(
     return _step_container(
         cfg,
         template,
-        step_command(cfg, template),
+        step or step_command(cfg, template),
         reports_progress=True,
         server=True,
         daemon=True,
@@ -168,10 +177,17 @@ def rollout_server_template(cfg: RunConfig) -> Container:
 
 
 def trainer_server_template(cfg: RunConfig) -> Container:
-    """The trainer that stays up for a segment (trainer.server): a daemon placed and sized as the update (its
-    torchrun holds the trainer's GPUs), ready once rank 0 answers /health as ready, restarted by its
-    retryStrategy after a crash or a reclaim; server_tasks puts it in the segment's DAG."""
-    return _server_container(cfg, TRAINER_SERVER, TRAINER_SERVER_NAME, _tracked_env(cfg))
+    """The trainer that stays up for a segment (trainer.server): a daemon, ready once rank 0 answers /health as
+    ready, restarted by its retryStrategy after a crash or a reclaim; server_tasks puts it in the segment's DAG.
+    On one node the daemon is the trainer, placed and sized as the update (its torchrun holds the GPUs); over
+    trainer.nodes nodes it is the launcher of the trainer's PyTorchJob (pytorchjob.trainer_server_manifest),
+    on a control node: it fails when the job does, and deletes the job when Argo stops it."""
+    if cfg.trainer.nodes == 1:
+        return _server_container(cfg, TRAINER_SERVER, TRAINER_SERVER_NAME, _tracked_env(cfg))
+    job = pytorchjob.trainer_server_manifest(cfg, ARGO.workflow, "{{workflow.uid}}")
+    launcher = pytorchjob_launcher_command(cfg, job, server=True)
+    env = [EnvVar(**e) for e in pl.env()]
+    return _server_container(cfg, TRAINER_SERVER, TRAINER_SERVER_NAME, env, launcher, retries="trainer")
 
 
 def score_metrics(cfg: RunConfig) -> Metrics:
@@ -212,8 +228,9 @@ UPDATE_CLEAR, UPDATE_JOB = "update-clear", "update-job"
 def update_template(cfg: RunConfig) -> Container | Steps:
     """torchrun in one pod, or a PyTorchJob over trainer.nodes nodes (pytorchjob.py says why it is built so):
     each attempt of `update` first deletes the iteration's job and waits until its pods are gone, then
-    creates it anew and waits for its Master to succeed or for its Failed condition."""
-    if cfg.trainer.nodes == 1:
+    creates it anew and waits for its Master to succeed or for its Failed condition. With a trainer that
+    stays up, on any number of nodes, the update is its client: one pod on a CPU node."""
+    if cfg.trainer.nodes == 1 or trainer_served(cfg, ARGO):
         step = step_command(cfg, "update")
         retries = "trainer" if trainer_served(cfg, ARGO) else None  # a client: also retried when its trainer is lost
         return _iteration_step(cfg, "update", step, env=_tracked_env(cfg), reports_progress=True, retries=retries)
@@ -314,17 +331,29 @@ def next_segment_templates(cfg: RunConfig, next_template: str, segment_index: in
             sub_steps=[
                 Step(name="cron", template=NEXT_SEGMENT_CRON),
                 [
-                    Step(name="owned", template=NEXT_SEGMENT_OWNED, when=f"'{found}' != ''",
-                         arguments={CRON_UID: found}),  # fmt: skip
+                    Step(
+                        name="owned", template=NEXT_SEGMENT_OWNED, when=f"'{found}' != ''", arguments={CRON_UID: found}
+                    ),  # fmt: skip
                     Step(name="alone", template=NEXT_SEGMENT_ALONE, when=f"'{found}' == ''"),
                 ],
             ],
         ),
         # --ignore-not-found: no cron, empty output, and Argo gives the output parameter its default
-        Resource(name=NEXT_SEGMENT_CRON, action="get", flags=["--ignore-not-found"],
-                 manifest=yaml.safe_dump(cron, sort_keys=False), outputs=[uid], retry_strategy=retry),  # fmt: skip
-        Resource(name=NEXT_SEGMENT_OWNED, action="create", manifest=workflow(True),
-                 inputs=[Parameter(name=CRON_UID)], retry_strategy=retry),  # fmt: skip
+        Resource(
+            name=NEXT_SEGMENT_CRON,
+            action="get",
+            flags=["--ignore-not-found"],
+            manifest=yaml.safe_dump(cron, sort_keys=False),
+            outputs=[uid],
+            retry_strategy=retry,
+        ),  # fmt: skip
+        Resource(
+            name=NEXT_SEGMENT_OWNED,
+            action="create",
+            manifest=workflow(True),
+            inputs=[Parameter(name=CRON_UID)],
+            retry_strategy=retry,
+        ),  # fmt: skip
         Resource(name=NEXT_SEGMENT_ALONE, action="create", manifest=workflow(False), retry_strategy=retry),
     ]
 
@@ -411,7 +440,7 @@ def templates(cfg: RunConfig, segment: graph.Segment, next_template: str | None)
         rollout_template(cfg),
         score_template(cfg),
         update_template(cfg),
-        *(update_job_templates(cfg) if cfg.trainer.nodes > 1 else []),
+        *(update_job_templates(cfg) if cfg.trainer.nodes > 1 and not trainer_served(cfg, ARGO) else []),
         publish_template(cfg),
         report_template(cfg),
     ]
