@@ -374,7 +374,8 @@ def test_global_outputs_and_suspend(tmp_path):
     assert result.status["outputs"] == {"parameters": [{"name": "version", "value": "v1"}]}
 
 
-def test_a_pytorchjob_runs_as_torchrun_and_its_conditions_decide(tmp_path):
+def two_rank_job(tmp_path: Path) -> dict:
+    """A PyTorchJob of a Master and a Worker whose ranks print RANK WORLD_SIZE and exit FAIL."""
     script = tmp_path / "train.py"
     script.write_text(
         # One write per rank: both ranks share the pod's log, and with PYTHONUNBUFFERED set (as on CI) a
@@ -407,6 +408,11 @@ def test_a_pytorchjob_runs_as_torchrun_and_its_conditions_decide(tmp_path):
             }
         },
     }
+    return job
+
+
+def test_a_pytorchjob_runs_as_torchrun_and_its_conditions_decide(tmp_path):
+    job = two_rank_job(tmp_path)
     manifest = workflow(
         [
             {
@@ -436,6 +442,29 @@ def test_a_pytorchjob_runs_as_torchrun_and_its_conditions_decide(tmp_path):
     )
     job_status = json.loads((pod_dir(result, nodes["ok"]) / "pytorchjob.json").read_text())["status"]
     assert job_status["replicaStatuses"] == {"Master": {"succeeded": 1}, "Worker": {"succeeded": 1}}
+
+
+def test_a_launcher_pod_runs_its_pytorchjob_and_ends_as_the_launcher_would(tmp_path):
+    """A container that runs steps.pytorchjob_launcher (the daemon of a multi-node trainer that stays up): no
+    Kubernetes API here, so the pod is its job's torchrun, and it exits 0 iff the job succeeded."""
+    job = two_rank_job(tmp_path)
+    launcher = {
+        "name": "launch",
+        "inputs": {"parameters": [{"name": "fail"}]},
+        "container": {
+            "image": "control",
+            "command": ["python", "-m", "steps.pytorchjob_launcher"],
+            "args": ["--manifest-json", json.dumps(job), "--namespace", "moerl", "--deadline-seconds", "0"],
+        },
+    }
+    main = {"name": "main", "steps": [[step("ok", "launch", arguments=params(fail="0")),
+                                       step("bad", "launch", arguments=params(fail="1"))]]}  # fmt: skip
+    result, nodes = run(workflow([main, launcher]), tmp_path)
+    assert nodes["ok"]["phase"] == "Succeeded"
+    assert sorted(stdout(result, nodes["ok"]).split("\n")) == ["", "0 2", "1 2"]
+    assert (nodes["bad"]["phase"], nodes["bad"]["message"]) == ("Failed", "main: Error (exit code 1)")
+    job_status = json.loads((pod_dir(result, nodes["bad"]) / "pytorchjob.json").read_text())["status"]
+    assert job_status["conditions"][-1]["type"] == "Failed"
 
 
 def test_moerl_local_exits_0_iff_the_workflow_succeeded(tmp_path, capsys):

@@ -54,10 +54,8 @@ FAST_RETRY = {"retries.rollout": {"limit": 3, "backoff": {"duration": "30s", "fa
 
 
 def eks(**overrides) -> RunConfig:
-    """The EKS config in today's shape, with the overrides (the servers each test turns on). A trainer that
-    stays up runs on one node (steps/run_config.py), so a test that turns it on gets trainer.nodes 1."""
-    one_node = {"trainer.nodes": 1} if overrides.get("trainer.server") else {}
-    return load_config(EKS, {"iterations": 10, "segment_size": 10, **TODAY, **one_node, **overrides})
+    """The EKS config in today's shape, with the overrides (the servers each test turns on)."""
+    return load_config(EKS, {"iterations": 10, "segment_size": 10, **TODAY, **overrides})
 
 
 def rollout_end(result: SimResult) -> float:
@@ -251,7 +249,7 @@ def run_cli(argv: list[str]) -> int:
 def test_the_command_prints_the_servers_and_plots_their_lanes(tmp_path, capsys):
     png = tmp_path / "timeline.png"
     argv = [str(EKS), "--iterations", "40", "--plot", str(png), "--set", "rollout.servers=32"]
-    assert run_cli([*argv, "--set", "trainer.server=true", "--set", "trainer.nodes=1"]) == 0
+    assert run_cli([*argv, "--set", "trainer.server=true"]) == 0
     out = capsys.readouterr().out
     for line in ("rollout servers: 32 a segment", "per new version a server fetches", "trainer server: start-up",
                  "rollout pool updating weights", "server starts (rollout / trainer)"):  # fmt: skip

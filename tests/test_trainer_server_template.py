@@ -1,17 +1,19 @@
 """The trainer that stays up as Argo runs it: its daemon template (placed and sized as the update, an exec
-readinessProbe, POD_IP, restarted after a crash), its command lines, and the update step as its client, retried
-when the trainer is lost (exit 75). The DAG's daemon tasks are graph.py's (not here)."""
+readinessProbe, POD_IP, restarted after a crash; over several nodes, the launcher of its PyTorchJob), its
+command lines, and the update step as its client, retried when the trainer is lost (exit 75). The DAG's
+daemon tasks are graph.py's (not here)."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 from argo_strict_schema import validator
 from hera.workflows import Workflow
 
-from pipelines.workflow import templates
+from pipelines.workflow import graph, pytorchjob, templates
 from pipelines.workflow.commands import step_command
 from pipelines.workflow.retry import CLIENT_RETRY_EXPRESSION
-from steps.errors import MoerlError
 from steps.run_config import validate_config
 from steps.serving import EXIT_SERVER_LOST
 
@@ -42,8 +44,6 @@ def test_the_trainer_server_is_a_torchrun_of_the_trainers_ranks_serving_its_work
         "torchrun", "--nproc-per-node", "4", "--standalone", "--nnodes", "1", "-m", "steps.trainer_server", "--",
         "--run", "file:///tmp/run", "--workflow", "{{workflow.name}}",
     ]  # fmt: skip
-    with pytest.raises(MoerlError, match="trainer.server: a trainer that stays up runs on one node"):
-        config(nodes=2)
 
 
 def test_the_step_parses_the_command_line_the_template_gives_it(monkeypatch):
@@ -109,3 +109,49 @@ def test_a_client_whose_trainer_was_lost_is_retried_and_no_other_failure():
     assert not retried("Failed", "1") and not retried("Failed", "2")
     # Without trainer.server the update keeps today's strategy: Argo errors only.
     assert rendered(templates.update_template(config(server=False)))["retryStrategy"]["retryPolicy"] == "OnError"
+
+
+def launched_job(daemon: dict) -> dict:
+    args = daemon["container"]["args"]
+    return json.loads(args[args.index("--manifest-json") + 1])
+
+
+def test_over_several_nodes_the_daemon_launches_the_trainers_pytorchjob_and_the_update_is_its_client():
+    cfg = config(nodes=3)
+    daemon = rendered(templates.trainer_server_template(cfg))
+    assert daemon["daemon"] is True
+    assert daemon["container"]["command"] == ["python", "-m", "steps.pytorchjob_launcher"]
+    args = daemon["container"]["args"]
+    assert args[args.index("--deadline-seconds") + 1] == "0"  # the job lives as long as its segment
+    assert "resources" not in daemon["container"]  # the launcher holds no GPU; the job's pods do
+    assert daemon["container"]["readinessProbe"]["exec"]["command"][-2:] == ["--server", "trainer"]
+    assert daemon["retryStrategy"]["retryPolicy"] == "Always" and "expression" not in daemon["retryStrategy"]
+    assert daemon["retryStrategy"]["limit"] == cfg.retries["trainer"].limit  # the trainer's budget, not control's
+
+    job = launched_job(daemon)
+    assert job["metadata"]["name"] == pytorchjob.trainer_server_job_name(cfg)
+    assert job["metadata"]["ownerReferences"] == [{"apiVersion": "argoproj.io/v1alpha1", "kind": "Workflow",
+                                                   "name": "{{workflow.name}}", "uid": "{{workflow.uid}}"}]  # fmt: skip
+    assert job["spec"]["runPolicy"] == {"backoffLimit": 0, "cleanPodPolicy": "Running"}  # no deadline
+    replicas = job["spec"]["pytorchReplicaSpecs"]
+    assert (replicas["Master"]["replicas"], replicas["Worker"]["replicas"]) == (1, 2)
+    assert {spec["restartPolicy"] for spec in replicas.values()} == {"Never"}  # a failed rank fails the job
+    container = replicas["Master"]["template"]["spec"]["containers"][0]
+    assert container["args"] == [
+        "--nproc-per-node", "4", "--nnodes", "3", "-m", "steps.trainer_server", "--",
+        "--run", "file:///tmp/run", "--workflow", "{{workflow.name}}",
+    ]  # fmt: skip
+    env = {e["name"]: e for e in container["env"]}
+    assert env["POD_IP"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}  # rank 0 registers it
+    update = pytorchjob.manifest(cfg.model_copy(update={"trainer": cfg.trainer.model_copy(update={"server": False})}),
+                                 "1")  # fmt: skip
+    per_iteration_pod = update["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]
+    for field in ("nodeSelector", "affinity", "tolerations", "priorityClassName", "securityContext"):
+        assert replicas["Worker"]["template"]["spec"].get(field) == per_iteration_pod.get(field), field
+    assert container["resources"] == per_iteration_pod["containers"][0]["resources"]
+
+    client = rendered(templates.update_template(cfg))
+    assert client["container"]["command"] == ["python", "-m", "steps.update"]
+    assert "--workflow" in client["container"]["args"] and "resources" not in client["container"]
+    names = {t.name for t in templates.templates(cfg, graph.segments(cfg.iterations, cfg.segment_size)[0], None)}
+    assert templates.UPDATE_JOB not in names and templates.UPDATE_CLEAR not in names

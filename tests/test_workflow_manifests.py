@@ -4,6 +4,7 @@ through Hera unchanged, and carries what the cluster and the Argo UI need."""
 from __future__ import annotations
 
 import copy
+import json
 import re
 from pathlib import Path
 
@@ -29,6 +30,9 @@ VARIANTS = {
     "multi-node": {**BASE, "iterations": 2, "trainer": {"nodes": 3},
                    "placement": {"trainer": {"priority_class": "moerl-trainer", "shm_size": "8Gi",
                                              "resources": {"limits": {"nvidia.com/gpu": 8}}}}},
+    "multi-node-server": {**BASE, "iterations": 2, "trainer": {"nodes": 3, "server": True},
+                          "placement": {"trainer": {"priority_class": "moerl-trainer", "shm_size": "8Gi",
+                                                    "resources": {"limits": {"nvidia.com/gpu": 8}}}}},
 }  # fmt: skip
 
 
@@ -140,34 +144,42 @@ def test_the_report_is_the_exit_handler_and_its_png_an_artifact(rendered):
             {"name": "report-png", "path": "/tmp/report/report.png", "archive": {"none": {}}}]  # fmt: skip
 
 
+def trainer_pod(by_name: dict[str, dict]) -> dict:
+    """The pod that holds the trainer's GPUs, as {metadata, spec}: the update's, the trainer server's, or the
+    Master replica of the PyTorchJob that the update or the trainer server's launcher creates."""
+    server = by_name.get("trainer-server")
+    holder = server if server is not None else by_name["update"]
+    if server is None and "container" not in holder:
+        job = yaml.safe_load(by_name["update-job"]["resource"]["manifest"])
+    elif holder["container"]["command"] == ["python", "-m", "steps.pytorchjob_launcher"]:
+        args = holder["container"]["args"]
+        job = json.loads(args[args.index("--manifest-json") + 1])
+    else:
+        return {"metadata": holder["metadata"], "spec": {**holder, "containers": [holder["container"]]}}
+    return job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]
+
+
 def test_trainer_pods_are_not_disrupted_and_get_shared_memory(rendered):
     variant, out = rendered
-    update = templates(manifests(out)[WORKFLOW][0])["update"]
-    if "container" in update:
-        assert update["metadata"]["annotations"]["karpenter.sh/do-not-disrupt"] == "true"
-        assert update["container"]["command"] == ["torchrun"]
-        args = update["container"]["args"]
-        assert args[args.index("--nproc-per-node") + 1] == ("8" if variant == "eks-p5en" else "2")
-        assert {"name": "dshm", "mountPath": "/dev/shm"} in update["container"]["volumeMounts"]
-        volumes = {v["name"]: v for v in update["volumes"]}
-        assert volumes["dshm"]["emptyDir"]["medium"] == "Memory"
-        pod = None
-    else:
-        job = yaml.safe_load(templates(manifests(out)[WORKFLOW][0])["update-job"]["resource"]["manifest"])
-        pod = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]
-        assert pod["metadata"]["annotations"] == {"karpenter.sh/do-not-disrupt": "true"}
-        assert {"name": "dshm", "mountPath": "/dev/shm"} in pod["spec"]["containers"][0]["volumeMounts"]
+    pod = trainer_pod(templates(manifests(out)[WORKFLOW][0]))
+    assert pod["metadata"]["annotations"]["karpenter.sh/do-not-disrupt"] == "true"
+    container = pod["spec"]["containers"][0]
+    assert container["command"] == ["torchrun"]
+    args = container["args"]
+    assert args[args.index("--nproc-per-node") + 1] == ("8" if variant == "eks-p5en" else "2")
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in container["volumeMounts"]
+    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+    assert volumes["dshm"]["emptyDir"]["medium"] == "Memory"
     if variant == "eks-p5en":
-        pod = pod or {"spec": {"containers": [update.get("container")]}}
-        limits = pod["spec"]["containers"][0]["resources"]["limits"]
+        limits = container["resources"]["limits"]
         assert limits["vpc.amazonaws.com/efa"] == "16" and limits["hugepages-2Mi"] == "5120Mi"
         assert pod["spec"]["priorityClassName"] == "moerl-trainer"
 
 
 def test_a_multi_node_update_is_a_pytorchjob_that_argo_waits_on(rendered):
     variant, out = rendered
-    if variant not in ("multi-node", "eks-p5en"):
-        pytest.skip("single-node update")
+    if variant != "multi-node":
+        pytest.skip("single-node update, or a multi-node trainer that stays up")
     update = templates(manifests(out)[WORKFLOW][0])["update-job"]
     resource = update["resource"]
     assert resource["action"] == "create" and resource["setOwnerReference"] is True
@@ -175,7 +187,7 @@ def test_a_multi_node_update_is_a_pytorchjob_that_argo_waits_on(rendered):
     assert resource["failureCondition"] == pytorchjob.FAILURE_CONDITION
     job = yaml.safe_load(resource["manifest"])
     assert (job["apiVersion"], job["kind"]) == ("kubeflow.org/v1", "PyTorchJob")
-    nodes = 16 if variant == "eks-p5en" else 3
+    nodes = 3
     replicas = job["spec"]["pytorchReplicaSpecs"]
     assert replicas["Master"]["replicas"] == 1 and replicas["Worker"]["replicas"] == nodes - 1
     container = replicas["Worker"]["template"]["spec"]["containers"][0]
@@ -214,7 +226,7 @@ def test_the_steps_that_report_progress_say_so_to_argo(rendered):
         if (t.get("metadata") or {}).get("annotations", {}).get("workflows.argoproj.io/progress") == "0/1"
     }  # fmt: skip
     one_pod_update = {"update"} if "container" in by_name["update"] else set()  # a PyTorchJob's pods are not Argo's
-    servers = {"rollout-server"} if "rollout-server" in by_name else set()  # requests served: see rollout_service
+    servers = {"rollout-server", "trainer-server"} & by_name.keys()  # requests served: rollout_service, trainer_server
     assert reporting == {"plan", "import-sft", "rollout", "score", "publish"} | one_pod_update | servers
 
 

@@ -104,7 +104,8 @@ def test_the_job_has_a_deadline_before_argos_and_frees_its_nodes_when_it_fails()
 
 
 def test_each_attempt_deletes_the_iterations_job_before_it_creates_it():
-    cfg = load_config(pytest.importorskip("pathlib").Path(__file__).parents[1] / "configs" / "eks-p5en.yaml")
+    eks = pytest.importorskip("pathlib").Path(__file__).parents[1] / "configs" / "eks-p5en.yaml"
+    cfg = load_config(eks, {"trainer.server": False})  # a PyTorchJob per iteration
     tpl = templates(cfg)
     update = tpl["update"]
     assert "retryStrategy" in update and "retryStrategy" not in tpl[UPDATE_JOB]  # a retry repeats both steps
@@ -162,3 +163,32 @@ def test_the_kfp_launcher_replaces_a_leftover_job_and_deletes_a_failed_one():
     api = FakeApi(None, [OUTCOMES["succeeded"][0]])
     assert pytorchjob_launcher.launch(job, "moerl", poll_seconds=0, api=api) == 0
     assert api.log == [("delete", name, "Foreground"), ("create", name, None)]
+
+
+def test_the_trainer_servers_launcher_waits_without_a_deadline_and_deletes_its_job_on_sigterm(monkeypatch):
+    """The daemon of a multi-node trainer that stays up: its job never succeeds; it runs past the update's
+    deadline, and Argo's SIGTERM at the end of the segment deletes it (the launcher then exits 128+15)."""
+    cfg = validate_config({**BASE, "trainer": {"nodes": 2, "server": True}})
+    job = pytorchjob.trainer_server_manifest(cfg, "wf", "uid-1")
+    name = job["metadata"]["name"]
+    clock = iter(range(0, 10**9, pytorchjob_launcher.WAIT_DEADLINE_SECONDS))  # each poll a deadline later
+    monkeypatch.setattr(pytorchjob_launcher.time, "monotonic", lambda: float(next(clock)))
+    handlers = {}
+    monkeypatch.setattr(pytorchjob_launcher.signal, "signal", lambda sig, handler: handlers.setdefault(sig, handler))
+    running = OUTCOMES["running"][0]
+    polls = 0
+
+    class StoppedAfterPolls(FakeApi):
+        def get_namespaced_custom_object(self, *args):
+            nonlocal polls
+            polls += 1
+            if polls == 5:  # Argo stops the daemon
+                handlers[pytorchjob_launcher.signal.SIGTERM](pytorchjob_launcher.signal.SIGTERM, None)
+            return super().get_namespaced_custom_object(*args)
+
+    api = StoppedAfterPolls(None, [running] * 10)
+    with pytest.raises(SystemExit) as stopped:
+        pytorchjob_launcher.launch(job, "moerl", poll_seconds=0, api=api, deadline_seconds=0)
+    assert stopped.value.code == 128 + pytorchjob_launcher.signal.SIGTERM
+    assert api.log == [("delete", name, "Foreground"), ("create", name, None), ("delete", name, "Foreground")]
+    assert name not in api.jobs and polls == 5
