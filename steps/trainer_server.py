@@ -3,6 +3,9 @@
     torchrun --nproc-per-node P --standalone --nnodes 1 -m steps.trainer_server -- --run URI --workflow NAME
                                                                                   [--port P]
 
+On several nodes it is each replica's command of the trainer's PyTorchJob (`--nnodes N`, the rendezvous from
+the training operator's PET_* variables), which the segment's trainer-server daemon launches.
+
 Its ranks start the process group and the dp x ep mesh once (trainer.ep_size, the model's experts: from the
 newest published version's config.json); rank 0 listens, registers as `<run>/servers/<workflow>/trainer.json`
 and says it is ready (`GET /health`; the readinessProbe is `python -m steps.server_probe --server trainer`).

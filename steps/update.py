@@ -36,8 +36,8 @@ published version I, makes the step a no-op (--force retrains a complete candida
 With trainer.server and --workflow (the Workflow's name, `{{workflow.name}}`), the step is a client of its
 Workflow's trainer that stays up (steps/trainer_server.py): it waits up to trainer.server_wait_s for the
 server registered as "trainer" to be ready, sends it `update` {run, iteration} and checks that the
-candidate is complete. The client runs on a CPU node (it holds no GPU: a trainer pool of one node is the
-daemon's), so with no trainer ready within that time, or a trainer lost mid-request, it ends with
+candidate is complete. The client runs on a CPU node (it holds no GPU: the trainer's nodes are the trainer
+server's), so with no trainer ready within that time, or a trainer lost mid-request, it ends with
 steps/serving.py EXIT_SERVER_LOST (75), which its retryStrategy retries: the retry reaches the restarted
 trainer, which reloads v(I-1) from the store and trains the same bits.
 
