@@ -19,6 +19,7 @@ from pipelines.simulate.sizing import (
     Cluster,
     Pool,
     StepModel,
+    chunks_per_iteration,
     cluster_for,
     derived_step_model,
     measured_step_model,
@@ -342,3 +343,23 @@ def test_the_command_reads_measured_step_times_and_assumptions(tmp_path, capsys)
 def test_bad_arguments_name_the_problem(argv, message):
     with pytest.raises(MoerlError, match=message):
         run_cli([str(EKS), *argv])
+
+
+def test_a_served_runs_rollout_and_update_pods_are_measured_as_clients():
+    """With server daemons in the status, the rollout and update pods are clients: keyed rollout-client and
+    update-client, and fitted as the servers' work (their own start inside the figure)."""
+    status = fake_status()
+    daemons = [pod("wf.rollout-server-0(0)", "rollout-server", 2, 48, phase="Succeeded"),
+               pod("wf.trainer-server(0)", "trainer-server", 2, 48, phase="Succeeded")]  # fmt: skip
+    status["nodes"].update({f"d{k}": node for k, node in enumerate(daemons)})
+    times = step_times_from_status(status)
+    assert (times["rollout-client"], times["update-client"]) == (6, 11)
+    assert "rollout" not in times and "update" not in times and "rollout-server" not in times
+    cfg = load_config(REPO / "configs" / "demo.yaml", {"rollout.servers": 2, "trainer.server": True})
+    model = measured_step_model(cfg, CPU_ASSUMPTIONS, times, "status")
+    chunks_per_shard = chunks_per_iteration(cfg) / cfg.rollout.num_shards
+    assert model.client_s == 0.0
+    assert model.rollout_chunk_s == pytest.approx(6 / chunks_per_shard)
+    assert model.train_s == 11
+    assert model.rollout_startup_s == derived_step_model(cfg, CPU_ASSUMPTIONS).rollout_startup_s  # not timed
+    assert "rollout-client" in model.source and "update-client" in model.source

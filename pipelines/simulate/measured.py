@@ -11,7 +11,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from pipelines.simulate.sizing import ENGINE_STARTUP, STEP_KINDS
+from pipelines.simulate.sizing import CLIENT_KINDS, ENGINE_STARTUP, ROLLOUT_CLIENT, STEP_KINDS, UPDATE_CLIENT
 from pipelines.workflow import graph
 from steps.errors import MoerlError
 from steps.workflow_status import StepNode, step_nodes
@@ -46,15 +46,22 @@ def pod_attempts(status: dict[str, Any]) -> list[dict[str, Any]]:
 
 def step_times_from_status(status_json: dict[str, Any] | str | Path) -> dict[str, float]:
     """Median seconds per step kind (plan, import-sft, rollout per shard, score, update, publish, report) of
-    the Succeeded pods in a `moerl local --status-out` status (or an Argo Workflow's status).
+    the Succeeded pods in a `moerl local --status-out` status (or an Argo Workflow's status); in a run with
+    rollout servers or a trainer server, the rollout and update pods are keyed as clients (rollout-client,
+    update-client).
 
     Argo and the local executor stamp pods with whole seconds, so a step shorter than a few seconds is
     measured to about a second; the median keeps one slow or retried outlier from steering the figure."""
     status = _read_json(status_json) if isinstance(status_json, str | Path) else status_json
+    templates = {node.template for node in _nodes(status)}
+    # With servers, a rollout or update pod is a client: its time is the server's work (sizing.CLIENT_KINDS).
+    client_of = {"rollout": ROLLOUT_CLIENT if graph.ROLLOUT_SERVER in templates else "rollout",
+                 "update": UPDATE_CLIENT if graph.TRAINER_SERVER in templates else "update"}  # fmt: skip
     durations: dict[str, list[float]] = {}
     for pod in pod_attempts(status):
         if pod["step"] in STEP_KINDS:
-            durations.setdefault(pod["step"], []).append(pod["end"] - pod["start"])
+            kind = client_of.get(pod["step"], pod["step"])
+            durations.setdefault(kind, []).append(pod["end"] - pod["start"])
     if not durations:
         raise MoerlError("the status holds no Succeeded pod of a moerl step; run the workflow to the end first")
     return {kind: statistics.median(values) for kind, values in durations.items()}
@@ -90,7 +97,7 @@ def load_step_times(path: str | Path) -> dict[str, float]:
     data = _read_json(path)
     if "nodes" in data or isinstance(data.get("status"), dict):
         return step_times_from_status(data)
-    known = (*STEP_KINDS, ENGINE_STARTUP)
+    known = (*STEP_KINDS, *CLIENT_KINDS, ENGINE_STARTUP)
     out = {}
     for key, value in data.items():
         if key not in known:

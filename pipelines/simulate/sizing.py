@@ -15,6 +15,10 @@ GPU = "nvidia.com/gpu"
 # generates (pod start, model load); a measured rollout figure includes it.
 STEP_KINDS = ("plan", "import-sft", "rollout", "score", "update", "publish", "report", "next-segment")
 ENGINE_STARTUP = "engine_startup"
+# A run with engines that stay up measures its rollout and update steps as clients: the server's work and the
+# client's own start (step_times_from_status keys them so, as they mean something else than a whole step).
+ROLLOUT_CLIENT, UPDATE_CLIENT = "rollout-client", "update-client"
+CLIENT_KINDS = (ROLLOUT_CLIENT, UPDATE_CLIENT)
 
 # The share of a version's bf16 checkpoint bytes that its compressed delta against its parent takes (what a
 # rollout server fetches per new version with checkpoint.deltas). Measured by bench/weight_update.py (bench/
@@ -313,16 +317,31 @@ def measured_step_model(cfg: RunConfig, a: Assumptions, measured: dict[str, floa
     assumed one, at most the whole figure) and then the shard's share of the iteration's chunks. Measured in
     today's shape (rollout.servers 0, no trainer server), they carry over to servers: a rollout server starts
     as a shard does and generates its chunks as fast; a trainer server's update is the measured one less the
-    assumed start-up."""
+    assumed start-up. Measured as clients (ROLLOUT_CLIENT, UPDATE_CLIENT: a run with servers), a client's
+    figure holds its own start and its server's work, which no step of the run times apart: the model then
+    puts it all on the server (client_s 0; a rollout client's chunks, the trainer server's update), and
+    the start-ups of the servers stay derived (no step of the run times them either)."""
     derived = derived_step_model(cfg, a)
     values = {kind: measured[kind] for kind in STEP_KINDS if kind in measured}
     startup, chunk = derived.rollout_startup_s, derived.rollout_chunk_s
+    chunks_per_shard = chunks_per_iteration(cfg) / cfg.rollout.num_shards
     if "rollout" in values:
         shard_s = values["rollout"]
         startup = min(measured.get(ENGINE_STARTUP, startup), shard_s)
-        chunk = (shard_s - startup) / (chunks_per_iteration(cfg) / cfg.rollout.num_shards)
+        chunk = (shard_s - startup) / chunks_per_shard
     elif ENGINE_STARTUP in measured:
         startup = measured[ENGINE_STARTUP]
+    train_s = derived.train_s
+    if "update" in values:  # a whole update: a start-up, then the training and the candidate's write
+        train_s = max(values["update"] - derived.trainer_startup_s, 0.0)
+    client_s = derived.client_s
+    if any(kind in measured for kind in CLIENT_KINDS):
+        client_s = 0.0
+        chunk = measured[ROLLOUT_CLIENT] / chunks_per_shard if ROLLOUT_CLIENT in measured else chunk
+        train_s = measured.get(UPDATE_CLIENT, train_s + derived.client_s)
+        if ROLLOUT_CLIENT not in measured:  # a derived client start, now on the server's side
+            chunk += derived.client_s / chunks_per_shard
+    fitted = [*values, *(kind for kind in CLIENT_KINDS if kind in measured)]
 
     def pick(kind: str, default: float) -> float:
         return values.get(kind, default)
@@ -337,12 +356,10 @@ def measured_step_model(cfg: RunConfig, a: Assumptions, measured: dict[str, floa
         publish_s=pick("publish", derived.publish_s),
         report_s=pick("report", derived.report_s),
         next_segment_s=pick("next-segment", derived.next_segment_s),
-        source=f"measured ({source}: {', '.join(sorted(values)) or 'none'}); the rest derived",
-        client_s=derived.client_s,
+        source=f"measured ({source}: {', '.join(sorted(fitted)) or 'none'}); the rest derived",
+        client_s=client_s,
         weight_sync_s=derived.weight_sync_s,
         full_sync_s=derived.full_sync_s,
         trainer_startup_s=derived.trainer_startup_s,
-        # A measured update is a start-up and then the training and the candidate's write: the trainer that
-        # stays up keeps the latter.
-        train_s=max(values["update"] - derived.trainer_startup_s, 0.0) if "update" in values else derived.train_s,
+        train_s=train_s,
     )
