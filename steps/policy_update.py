@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 from steps import candidate, checkpoint, progress, tracking
 from steps.errors import MoerlError
 from steps.experience import Sample, load_run_config, read_scored_experience
-from steps.expert_parallel.dispatch import make_dispatch
+from steps.expert_parallel.dispatch import HeldDispatch, make_dispatch
 from steps.expert_parallel.mesh import Mesh, all_reduce_sum, build_mesh, is_expert_param, resolve_ep_size
 from steps.expert_parallel.placement import ExpertPlacement, balanced_placement
 from steps.expert_parallel.timing import CommTimer
@@ -381,11 +381,13 @@ def train_iteration(
     held: HeldState | None = None,
     parent_dir: Path | None = None,
     timer: CommTimer | None = None,
+    dispatches: HeldDispatch | None = None,
 ) -> tuple[dict[str, Any] | None, HeldState]:
     """Train `work` on `mesh` from v(I-1) and write candidate I; returns the marker (rank 0; None on the
     others) and what this rank holds of the version trained (HeldState). v(I-1) comes from `held`, when
     the caller found it to be that version as published (HeldState.matches; every rank must agree), else
-    from the store (parent_dir: the version's local copy when the caller already fetched it)."""
+    from the store (parent_dir: the version's local copy when the caller already fetched it). `dispatches`:
+    the expert dispatcher a trainer that stays up keeps across updates (else one is made for this one)."""
     run, cfg, iteration = work.run, work.cfg, work.iteration
     parent, rank, world, device = iteration - 1, mesh.rank, mesh.world_size, mesh.device
     samples, settings = work.samples, work.settings
@@ -417,7 +419,7 @@ def train_iteration(
     if settings.shared_prompts:  # micro-batches of whole groups hold up to a group less one row more
         rows += max(len(group) for group in prompt_groups(samples)) - 1
     max_tokens = rows * max(s.num_tokens for s in samples)
-    dispatch = make_dispatch(
+    dispatch = (dispatches.get if dispatches is not None else make_dispatch)(
         cfg.trainer.ep_backend, mesh, model_config.num_experts, cfg_model.hidden_size, cfg_model.num_experts_per_tok,
         max_tokens, timer,
     )  # fmt: skip

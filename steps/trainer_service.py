@@ -11,7 +11,8 @@ Which state an update starts from is decided by rank 0 and broadcast with the re
 the same path: the state held in memory when it is v(I-1) exactly as published (HeldState.matches), else
 v(I-1) and optimizer/v(I-1) from the store, as a fresh update step would (a trainer just started,
 restarted after a crash, or holding another version). A request whose candidate is already complete (a
-retried client) is answered at once. A failed update drops the held state (the next one reloads).
+retried client) is answered at once. A failed update drops the held state (the next one reloads). The expert
+dispatcher (with DeepEP, its buffer) is made by the first update and kept (dispatch.HeldDispatch).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torch.distributed as dist
 
 from steps import checkpoint
 from steps.errors import MoerlError
+from steps.expert_parallel.dispatch import HeldDispatch
 from steps.expert_parallel.mesh import Mesh
 from steps.model import MoeConfig
 from steps.policy_update import agreed, pending_iteration, train_iteration
@@ -56,6 +58,7 @@ class TrainerService:
         self.command_group = command_group  # gloo, all ranks; None for one rank
         self.log = log
         self.held: HeldState | None = None
+        self.dispatches = HeldDispatch()  # its DeepEP buffer made once, not per update
         self.instance = ""  # set by the step once registered
         self.stopping = threading.Event()
         self._inbox: queue.Queue[tuple[dict[str, Any], queue.Queue]] = queue.Queue()
@@ -69,6 +72,7 @@ class TrainerService:
             "instance": self.instance,
             "ready": bool(self.instance) and not self.stopping.is_set(),
             "held": None if self.held is None else self.held.version,
+            "dispatches_made": self.dispatches.made,
             "requests": self._done,
         }
 
@@ -150,7 +154,12 @@ class TrainerService:
         if rank == 0:
             self.log(f"update {iteration}: v{iteration - 1:06d} from {source}")
         _, self.held = train_iteration(
-            work, self.mesh, self.local_rank, self.model_config, held=held if from_memory else None
+            work,
+            self.mesh,
+            self.local_rank,
+            self.model_config,
+            held=held if from_memory else None,
+            dispatches=self.dispatches,
         )
         return {"outcome": "trained", "source": source, "iteration": iteration}
 

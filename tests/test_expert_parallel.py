@@ -277,3 +277,33 @@ def test_deepep_backend(tmp_path):
         torch.testing.assert_close(got["out"], ref_out[token_split(2, rank, None)], atol=3e-2, rtol=3e-2)
         for name, grad in ((k.removeprefix("grad."), v) for k, v in got.items() if k.startswith("grad.")):
             torch.testing.assert_close(grad, ref_grads[name], atol=3e-2, rtol=3e-2, msg=name)
+
+
+def test_a_held_dispatch_is_made_once_and_remade_only_for_a_bigger_batch(monkeypatch):
+    """HeldDispatch (the trainer that stays up): one dispatcher across updates; a DeepEP-like one (with a
+    buffer size) is remade, as big as the larger batch, only when an update needs more tokens per rank."""
+    from steps.expert_parallel import dispatch as dispatch_module
+
+    made = []
+
+    class Buffered:
+        def __init__(self, size: int, timer) -> None:
+            self.max_tokens_per_rank, self.timer = size, timer
+
+    def make(backend, mesh, num_experts, hidden, top_k, size, timer=None):
+        made.append((backend, size))
+        return Buffered(size, timer) if backend == "deepep" else object()
+
+    monkeypatch.setattr(dispatch_module, "make_dispatch", make)
+    held = dispatch_module.HeldDispatch()
+    mesh = object()
+    first = held.get("deepep", mesh, 8, 16, 2, 100)
+    assert held.get("deepep", mesh, 8, 16, 2, 60) is first and held.get("deepep", mesh, 8, 16, 2, 100) is first
+    bigger = held.get("deepep", mesh, 8, 16, 2, 150)
+    assert bigger is not first and bigger.max_tokens_per_rank == 150
+    assert held.get("deepep", mesh, 8, 16, 2, 120) is bigger  # still big enough
+    other_shape = held.get("deepep", mesh, 8, 32, 2, 10)
+    assert other_shape.max_tokens_per_rank == 10  # another model: its own size
+    plain = held.get("alltoall", mesh, 8, 16, 2, 10)
+    assert held.get("alltoall", mesh, 8, 16, 2, 10_000) is plain  # no buffer: never remade for size
+    assert made == [("deepep", 100), ("deepep", 150), ("deepep", 10), ("alltoall", 10)] and held.made == 4

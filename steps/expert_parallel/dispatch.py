@@ -64,3 +64,42 @@ def make_dispatch(
     return DeepEPDispatch(
         mesh.ep_group, num_experts, num_experts // mesh.ep_size, hidden_size, top_k, max_tokens_per_rank, timer,
     )  # fmt: skip
+
+
+class HeldDispatch:
+    """The dispatcher that a trainer that stays up keeps from one update to the next (steps/trainer_service.py).
+
+    Made once: a DeepEP buffer registers its NCCL window and exchanges its handles across the EP group when
+    it is made, and a process that made one per update would pay that each time and hold the old window
+    until the collector freed it. Remade only when an update needs more tokens per rank than the buffer
+    holds (then as many as the larger of the two) or names another backend or model shape; the backends
+    without a buffer (alltoall, local) are the same object throughout. Its buffer's size changes no result."""
+
+    def __init__(self) -> None:
+        self._dispatch: ExpertDispatch | None = None
+        self._key: tuple[str, int, int, int] | None = None
+        self.made = 0
+
+    def get(
+        self,
+        backend: str,
+        mesh: Mesh,
+        num_experts: int,
+        hidden_size: int,
+        top_k: int,
+        max_tokens_per_rank: int,
+        timer: CommTimer | None = None,
+    ) -> ExpertDispatch:
+        key = (backend, num_experts, hidden_size, top_k)
+        held = self._dispatch
+        capacity = getattr(held, "max_tokens_per_rank", None)  # DeepEP's buffer is the one with a size
+        if held is not None and key == self._key and (capacity is None or capacity >= max_tokens_per_rank):
+            if hasattr(held, "timer"):
+                held.timer = timer or CommTimer()  # this update's own count
+            return held
+        size = max(max_tokens_per_rank, capacity or 0) if key == self._key else max_tokens_per_rank
+        self._dispatch = held = None  # the old buffer goes before the new one is registered
+        held = make_dispatch(backend, mesh, num_experts, hidden_size, top_k, size, timer)
+        self._dispatch, self._key = held, key
+        self.made += 1
+        return held
