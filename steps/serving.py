@@ -171,16 +171,24 @@ class JsonServer:
         thread.start()
         return thread
 
-    def run_operations(self, stop: threading.Event) -> None:
-        """Run the calls that arrive on this thread until `stop` is set (main_thread servers)."""
+    def run_operations(
+        self, stop: threading.Event, idle: Callable[[], None] | None = None, idle_every_s: float = 60.0
+    ) -> None:
+        """Run the calls that arrive on this thread until `stop` is set (main_thread servers); `idle` runs on
+        it too, after every `idle_every_s` without a call (a trainer's heartbeat to its other ranks)."""
         assert self._calls is not None, "JsonServer(main_thread=True) runs its operations here"
+        quiet_since = time.monotonic()
         while not stop.is_set():
             try:
                 call = self._calls.get(timeout=0.2)  # returns as soon as a call arrives; the timeout sees stop
             except queue.Empty:
+                if idle is not None and time.monotonic() - quiet_since >= idle_every_s:
+                    idle()
+                    quiet_since = time.monotonic()
                 continue
             call.status, call.answer = self._execute(call.operation, call.body)
             call.done.set()
+            quiet_since = time.monotonic()
 
     def close(self) -> None:
         self.httpd.shutdown()

@@ -80,13 +80,13 @@ def serve_trainer(run_uri: str, workflow: str, port: int = 0) -> int:
         raise SystemExit(EXIT_STOPPED)  # between two requests; one in flight is lost and retried
 
     signal.signal(signal.SIGTERM, on_sigterm)
-    server = serving.JsonServer({"update": service.update}, service.health, port=port)
+    server = serving.JsonServer({"update": service.update}, service.health, port=port, main_thread=True)
     server.serve_in_background()
     entry = serving.register(run, workflow, TRAINER_SERVER_NAME, server.port)
     service.instance = entry.instance
     log(f"trainer: {world} rank(s), ep {mesh.ep_size}; listening on {entry.address} for workflow {workflow}")
     try:
-        service.serve()
+        service.serve(server)
     finally:
         serving.unregister(run, entry)
         server.close()

@@ -1,10 +1,10 @@
 """A trainer that stays up: the ranks of one torchrun keep the EP group and, between two updates, the state
 of the version they trained (steps/trainer_state.py), and train iteration after iteration on request.
 
-Rank 0 serves steps/serving.py's JsonServer; its `update` operation {run, iteration[, force, ep_size]}
-is queued to rank 0's main thread, which broadcasts it to every rank as JSON (a gloo group of its own, so
-that an idle wait is never an NCCL collective; a heartbeat every HEARTBEAT_S keeps that wait under the
-group's timeout). Every rank then runs steps/policy_update.py's train_iteration, the update step's own code,
+Rank 0 serves steps/serving.py's JsonServer, whose operations run on rank 0's main thread; its `update`
+operation {run, iteration[, force, ep_size]} is broadcast from there to every rank as JSON (a gloo group of
+its own, so that an idle wait is never an NCCL collective; a heartbeat every HEARTBEAT_S keeps that wait
+under the group's timeout). Every rank then runs steps/policy_update.py's train_iteration, the update step's own code,
 and rank 0 answers once the candidate is complete.
 
 Which state an update starts from is decided by rank 0 and broadcast with the request, so every rank takes
@@ -18,7 +18,6 @@ dispatcher (with DeepEP, its buffer) is made by the first update and kept (dispa
 from __future__ import annotations
 
 import json
-import queue
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -32,7 +31,7 @@ from steps.expert_parallel.dispatch import HeldDispatch
 from steps.expert_parallel.mesh import Mesh
 from steps.model import MoeConfig
 from steps.policy_update import agreed, pending_iteration, train_iteration
-from steps.serving import Unavailable
+from steps.serving import JsonServer, Unavailable
 from steps.store import Store
 from steps.trainer_state import HeldState
 
@@ -61,7 +60,6 @@ class TrainerService:
         self.dispatches = HeldDispatch()  # its DeepEP buffer made once, not per update
         self.instance = ""  # set by the step once registered
         self.stopping = threading.Event()
-        self._inbox: queue.Queue[tuple[dict[str, Any], queue.Queue]] = queue.Queue()
         self._done = 0
 
     # ------------------------------------------------------------------------------- rank 0: the face
@@ -77,7 +75,8 @@ class TrainerService:
         }
 
     def update(self, body: dict[str, Any]) -> dict[str, Any]:
-        """The `update` operation (an HTTP handler thread): checked, then run by rank 0's main thread."""
+        """The `update` operation, on rank 0's main thread (a JsonServer(main_thread=True)): checked, then
+        broadcast to every rank and run on each."""
         if body.get("run") != self.run.uri:
             raise MoerlError(f"this trainer trains run {self.run.uri}, not {body.get('run')!r}")
         iteration = body.get("iteration")
@@ -91,28 +90,19 @@ class TrainerService:
             )
         if self.stopping.is_set():
             raise Unavailable("the trainer is stopping")
-        reply: queue.Queue = queue.Queue()
-        self._inbox.put(({"op": "update", "iteration": iteration, "force": bool(body.get("force"))}, reply))
-        answer = reply.get()
-        if isinstance(answer, BaseException):
-            raise answer
-        return answer
-
-    def serve(self) -> None:
-        """Rank 0's main thread: run the queued requests on every rank, until stopping."""
-        while not self.stopping.is_set():
-            try:
-                request, reply = self._inbox.get(timeout=HEARTBEAT_S)
-            except queue.Empty:
-                self._broadcast({"op": "noop"})
-                continue
-            command = request | {"from_memory": self._may_train_on(request["iteration"])}
-            self._broadcast(command)
-            try:
-                reply.put(self.execute(command))
-            except Exception as err:  # noqa: BLE001 - the client hears of it; the trainer serves on
-                reply.put(err)
+        command = {"op": "update", "iteration": iteration, "force": bool(body.get("force"))}
+        command["from_memory"] = self._may_train_on(iteration)
+        self._broadcast(command)
+        try:
+            return self.execute(command)
+        finally:
             self._done += 1
+
+    def serve(self, server: JsonServer) -> None:
+        """Rank 0's main thread: run the server's requests on every rank until stopping, with a no-op broadcast
+        while idle (HEARTBEAT_S); then tell the other ranks to stop. (A SIGTERM ends rank 0 at once, in a
+        request or not; the other ranks then end with their process group.)"""
+        server.run_operations(self.stopping, idle=lambda: self._broadcast({"op": "noop"}), idle_every_s=HEARTBEAT_S)
         self._broadcast({"op": "stop"})
 
     def _may_train_on(self, iteration: int) -> bool:
