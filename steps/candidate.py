@@ -5,7 +5,8 @@
     optimizer-rank0000r-of-0000n.safetensors   AdamW state of the same parameters (+ their fp32 masters)
     config.json, generation_config.json, tokenizer files
     candidate.index.json                       {"metadata", "weight_map", "optimizer_map"}: tensor name -> file
-    CANDIDATE.json                             written LAST: iteration, parent, every file with size + sha256
+    CANDIDATE.json                             written LAST: iteration, parent, every file with size + sha256,
+                                               and the weight delta blobs the ranks wrote (weight_deltas)
 
 A candidate without CANDIDATE.json is unfinished: update deletes it and trains again, publish refuses it.
 """
@@ -30,6 +31,21 @@ def model_shard_name(ep_rank: int, ep_size: int) -> str:
     return f"model-rank{ep_rank:05d}-of-{ep_size:05d}.safetensors"
 
 
+def published_weight_names(model_files: list[str]) -> dict[str, str]:
+    """The Hugging Face name each candidate weight file is published under (steps/publish.py): one file is
+    model.safetensors, several are model-0000k-of-0000n.safetensors in their names' order (EP rank order)."""
+    if len(model_files) == 1:
+        return {model_files[0]: "model.safetensors"}
+    ordered = sorted(model_files)
+    return {old: f"model-{k:05d}-of-{len(ordered):05d}.safetensors" for k, old in enumerate(ordered, 1)}
+
+
+def published_weight_name(ep_rank: int, ep_size: int) -> str:
+    """The published name of EP rank `ep_rank`'s weight file (what its delta blob is named after)."""
+    files = [model_shard_name(r, ep_size) for r in range(ep_size)]
+    return published_weight_names(files)[model_shard_name(ep_rank, ep_size)]
+
+
 def optimizer_shard_name(ep_rank: int, ep_size: int) -> str:
     return f"optimizer-rank{ep_rank:05d}-of-{ep_size:05d}.safetensors"
 
@@ -44,13 +60,21 @@ def index_text(iteration: int, info: dict[str, Any], weight_map: dict[str, str],
     return json.dumps(index, indent=2) + "\n"
 
 
-def write_marker(run: Store, iteration: int, info: dict[str, Any], files: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """CANDIDATE.json, the last object of a candidate: its presence says every file it lists is there."""
+def write_marker(
+    run: Store,
+    iteration: int,
+    info: dict[str, Any],
+    files: dict[str, dict[str, Any]],
+    weight_deltas: dict[str, dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """CANDIDATE.json, the last object of a candidate: its presence says every file it lists is there.
+    `weight_deltas`: the delta blobs the update wrote, by published file name (steps/weight_delta.py)."""
     marker = {
         "iteration": iteration,
         "parent": iteration - 1,
         **info,
         "files": dict(sorted(files.items())),
+        **({"weight_deltas": dict(sorted(weight_deltas.items()))} if weight_deltas else {}),
         "created_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     }
     run.put_json(f"{candidate_prefix(iteration)}/{MARKER}", marker)

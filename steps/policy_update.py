@@ -13,7 +13,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
-from steps import candidate, checkpoint, progress, tracking
+from steps import candidate, checkpoint, progress, tracking, weight_delta
 from steps.errors import MoerlError
 from steps.experience import Sample, load_run_config, read_scored_experience
 from steps.expert_parallel.dispatch import HeldDispatch, make_dispatch
@@ -207,6 +207,33 @@ def _save(tensors: dict[str, torch.Tensor], path: Path) -> None:
     save_file(tensors, str(path), metadata={"format": "pt"})
 
 
+SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+
+
+def _written(mesh: Mesh, name: str) -> bool:
+    """Whether this rank writes tensor `name`: ranks of the first dp row (the others hold copies), a replicated
+    tensor only with EP rank 0's experts."""
+    return mesh.dp_rank == 0 and (mesh.ep_rank == 0 or is_expert_param(name))
+
+
+def _stored(model: MoeForCausalLM, mesh: Mesh, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The weights this rank writes, as they are stored: rounded to the run's checkpoint dtype, on the CPU."""
+    return {n: t.detach().to("cpu", dtype).contiguous() for n, t in model.state_dict().items() if _written(mesh, n)}
+
+
+def stored_bits(model: MoeForCausalLM, mesh: Mesh, dtype: torch.dtype) -> weight_delta.StoredTensors:
+    """The bits this rank's weights are stored as now: taken before training, they are v(I-1)'s published
+    bits (the model then holds v(I-1)'s weights, or their fp32 masters, which v(I-1) was rounded from), the
+    parent of this rank's delta."""
+    return weight_delta.StoredTensors(
+        {
+            name: (SAFETENSORS_DTYPES[t.dtype], tuple(t.shape), t.reshape(-1).view(torch.uint8).numpy().tobytes())
+            for name, t in _stored(model, mesh, dtype).items()
+            if t.dtype in SAFETENSORS_DTYPES
+        }
+    )
+
+
 def write_shards(
     run: Store,
     iteration: int,
@@ -215,19 +242,21 @@ def write_shards(
     optimizer: AnyOptimizer,
     workdir: Path,
     dtype: torch.dtype = torch.float32,
+    delta_parent: weight_delta.StoredTensors | None = None,
 ) -> dict[str, Any]:
     """Upload this rank's weight and optimizer shards (ranks of the first dp row only; the other rows hold
     copies): the weights rounded to `dtype`, the run's checkpoint dtype (the fp32 masters then go with the
-    optimizer state). Returns {"files": {name: {size, sha256}}, "weights": {tensor: file}, "optimizer": {..}}."""
-    out: dict[str, Any] = {"files": {}, "weights": {}, "optimizer": {}}
+    optimizer state). With `delta_parent` (stored_bits before training), also the weight file's delta blob
+    against it (steps/weight_delta.py). Returns {"files": {name: {size, sha256}}, "weights": {tensor: file},
+    "optimizer": {..}, "deltas": {published file name: FileDelta as JSON}}."""
+    out: dict[str, Any] = {"files": {}, "weights": {}, "optimizer": {}, "deltas": {}}
     if mesh.dp_rank != 0:
         return out
-    keep_shared = mesh.ep_rank == 0  # replicated tensors are written once, with EP rank 0's experts
 
     def mine(name: str) -> bool:
-        return keep_shared or is_expert_param(name)
+        return _written(mesh, name)
 
-    weights = {n: t.detach().to("cpu", dtype).contiguous() for n, t in model.state_dict().items() if mine(n)}
+    weights = _stored(model, mesh, dtype)
     opt_state = optimizer_state_tensors(model, optimizer, dtype)
     opt_state = {n: t for n, t in opt_state.items() if mine(n.rsplit(".", 1)[0])}
     prefix = candidate_prefix(iteration)
@@ -240,6 +269,9 @@ def write_shards(
         sha = run.put_file(f"{prefix}/{file_name}", local)
         out["files"][file_name] = {"size": local.stat().st_size, "sha256": sha}
         out[kind] = dict.fromkeys(tensors, file_name)
+        if kind == "weights" and delta_parent is not None:
+            name = candidate.published_weight_name(mesh.ep_rank, mesh.ep_size)
+            out["deltas"][name] = asdict(weight_delta.write_file_delta(run, iteration, name, local, delta_parent))
         local.unlink()
     return out
 
@@ -260,10 +292,12 @@ def write_candidate_metadata(
     files: dict[str, dict[str, Any]] = {}
     weight_map: dict[str, str] = {}
     optimizer_map: dict[str, str] = {}
+    deltas: dict[str, dict[str, Any]] = {}
     for shard in shards:
         files.update(shard["files"])
         weight_map.update(shard["weights"])
         optimizer_map.update(shard["optimizer"])
+        deltas.update(shard.get("deltas") or {})
 
     def put(name: str, data: bytes) -> None:
         files[name] = {"size": len(data), "sha256": run.put_bytes(f"{prefix}/{name}", data)}
@@ -282,7 +316,7 @@ def write_candidate_metadata(
         put_text(GENERATION_CONFIG_NAME, json.dumps({"_from_model_config": True}, indent=2) + "\n")
     put_text(candidate.CANDIDATE_INDEX, candidate.index_text(iteration, info, weight_map, optimizer_map))
     run.put_json(update_metrics_key(iteration), {"update": metrics, "iteration": iteration})
-    return candidate.write_marker(run, iteration, info, files)
+    return candidate.write_marker(run, iteration, info, files, deltas)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -442,6 +476,8 @@ def train_iteration(
         # A crashed attempt may have left part of a candidate: remove it before anything new is written.
         agreed(mesh, lambda: run.delete_prefix(candidate_prefix(iteration)) if rank == 0 else None)
 
+        # v(I-1)'s bits, the parent of this rank's delta (its weights now are those v(I-1) was stored from)
+        delta_parent = stored_bits(model, mesh, dtype) if weight_delta.wanted(cfg) and mesh.dp_rank == 0 else None
         trainer = PolicyTrainer(model, mesh, settings, optimizer, ref_model, pad_id=cfg_model.pad_token_id or 0)
         # progress: the optimizer steps, then the candidate's write as one more unit
         metrics = trainer.train(samples, iteration, on_step=lambda done, steps: progress.report(done, steps + 1))
@@ -452,7 +488,7 @@ def train_iteration(
         if timer is not None and timer.enabled:
             metrics["dispatch_seconds"] = timer.seconds
 
-        shard = agreed(mesh, lambda: write_shards(run, iteration, mesh, model, optimizer, workdir, dtype))
+        shard = agreed(mesh, lambda: write_shards(run, iteration, mesh, model, optimizer, workdir, dtype, delta_parent))
         shards = [shard]
         if world > 1:
             shards = [None] * world  # type: ignore[list-item]

@@ -11,8 +11,9 @@
    tokenizer files and model.safetensors (one shard) or model-0000k-of-0000n.safetensors +
    model.safetensors.index.json (one shard per EP rank), loadable by transformers and SGLang.
 3. Store the optimizer state at <run>/optimizer/v(I)/ (the next update resumes AdamW from it); with
-   checkpoint.deltas and rollout.servers, write v(I)'s delta against v(I-1) at <run>/deltas/v(I)/
-   (steps/weight_delta.py: what rollout servers fetch instead of the whole checkpoint); then publish the dir with
+   checkpoint.deltas and rollout.servers, v(I)'s delta against v(I-1) at <run>/deltas/v(I)/ (steps/weight_delta.py:
+   what rollout servers fetch instead of the whole checkpoint): the blobs the update's ranks wrote, indexed
+   once they describe the files published, else written here; then publish the dir with
    steps.checkpoint.publish_dir: files, MANIFEST.json last, LATEST moved.
 4. Apply retention (checkpoint.keep_last; v000000 is kept as the KL reference), drop the optimizer state
    and the deltas of deleted versions, and delete the candidate.
@@ -148,7 +149,7 @@ def assemble_hf_dir(
     if len(model_files) == 1:
         (candidate_dir / model_files[0]).rename(out_dir / SAFE_WEIGHTS_NAME)
         return
-    renamed = {old: f"model-{k:05d}-of-{len(model_files):05d}.safetensors" for k, old in enumerate(model_files, 1)}
+    renamed = candidate.published_weight_names(model_files)
     total_size, total_parameters = 0, 0
     for old, new in renamed.items():
         for entry in _headers(candidate_dir / old).values():
@@ -226,8 +227,12 @@ def publish(run_uri: str, iteration: int) -> checkpoint.Manifest:
         progress.report(2, 3)
         assemble_hf_dir(candidate_dir, index, model_files, optimizer_files, hf_dir)
         validate_checkpoint_dir(hf_dir)
-        if cfg.checkpoint.deltas and cfg.rollout.servers:  # before MANIFEST.json: a delta is complete or absent
-            print(weight_delta.describe(weight_delta.write_delta(run, iteration, hf_dir)))
+        if weight_delta.wanted(cfg):  # before MANIFEST.json: a delta is complete or absent
+            summary = weight_delta.adopt(run, iteration, hf_dir, marker.get("weight_deltas"))
+            source = "written by the update's ranks"
+            if summary is None:  # the update wrote none that describe these files: read both versions here
+                summary, source = weight_delta.write_delta(run, iteration, hf_dir), "written by publish"
+            print(f"{weight_delta.describe(summary)} ({source})")
         manifest = checkpoint.publish_dir(run, hf_dir, iteration, parent=iteration - 1, iteration=iteration)
     doomed = clean_up(run, iteration, keep_last)
     progress.report(3, 3)

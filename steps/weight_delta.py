@@ -20,8 +20,13 @@ total size against the whole checkpoint's. The version's other files (config.jso
 index) are not in the delta: a reader copies them from its parent dir when MANIFEST.json says they did not
 change, else reads them from the checkpoint.
 
-The publish step writes v(i)'s delta before v(i)'s MANIFEST.json (steps/publish.py, checkpoint.deltas), so a
-published version's delta is complete or absent; retention deletes it with its version. Readers: no delta
+The update writes the blobs, each rank of the first dp row its own weight file's (write_file_delta, against
+the bits of v(i-1) it started from, held in memory: StoredTensors), so the bytes are read and written in
+parallel across the trainer's nodes, off publish's path; the publish step then only checks them against the
+files it publishes and writes DELTA.json (adopt), before v(i)'s MANIFEST.json, so a published version's delta
+is complete or absent. A candidate without them (or whose blobs do not describe its files) gets its delta
+from publish itself (write_delta: reads both versions). Retention deletes a delta with its version. Written
+only where read: runs with rollout servers and checkpoint.deltas (wanted). Readers: no delta
 (none written, or an unfinished one without DELTA.json) is not an error, the reader fetches the full
 checkpoint; a corrupt one (a blob the store finds corrupted, a segment that does not rebuild its sha256, a
 file that does not rebuild MANIFEST.json's) raises DeltaUnusable and the reader falls back the same way.
@@ -37,7 +42,7 @@ from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import TYPE_CHECKING, BinaryIO, Protocol
 
 import numpy as np
 import pyarrow as pa
@@ -46,6 +51,9 @@ from steps import checkpoint
 from steps.errors import MoerlError
 from steps.run_store import delta_blob_key, delta_index_key, delta_prefix, version_name
 from steps.store import Store
+
+if TYPE_CHECKING:
+    from steps.run_config import RunConfig
 
 FORMAT = 1
 CODEC = "zstd"
@@ -148,6 +156,27 @@ class TensorReader:
         return f.read(span.end - span.start)
 
 
+class StoredTensors:
+    """The stored bytes of tensors held in memory, by name: what TensorReader reads from a dir, for a rank
+    that holds the version it started from (name -> (safetensors dtype code, shape, bytes))."""
+
+    def __init__(self, tensors: dict[str, tuple[str, tuple[int, ...], bytes]]) -> None:
+        self.tensors = tensors
+
+    def read(self, name: str, dtype: str, shape: tuple[int, ...]) -> bytes | None:
+        held = self.tensors.get(name)
+        return held[2] if held is not None and (held[0], held[1]) == (dtype, shape) else None
+
+
+class ParentTensors(Protocol):
+    def read(self, name: str, dtype: str, shape: tuple[int, ...]) -> bytes | None: ...
+
+
+def wanted(cfg: RunConfig) -> bool:
+    """Whether a run writes deltas: only rollout servers read them (checkpoint.deltas and rollout.servers)."""
+    return cfg.checkpoint.deltas and cfg.rollout.servers > 0
+
+
 # ------------------------------------------------------------------------------------ one segment
 
 
@@ -204,6 +233,30 @@ class FileDelta:
     header: tuple[int, int, int]  # offset, compressed size, size of the header's segment
     tensors: tuple[TensorDelta, ...]
 
+    @classmethod
+    def from_dict(cls, f: dict) -> FileDelta:
+        """From its JSON form (DELTA.json's files, a candidate's weight_deltas); KeyError/ValueError/TypeError
+        when it is not one."""
+        return cls(
+            size=int(f["size"]),
+            sha256=str(f["sha256"]),
+            blob_bytes=int(f["blob_bytes"]),
+            header=tuple(int(v) for v in f["header"]),  # type: ignore[arg-type]
+            tensors=tuple(
+                TensorDelta(
+                    str(t["name"]),
+                    str(t["dtype"]),
+                    tuple(int(d) for d in t["shape"]),
+                    int(t["offset"]),
+                    int(t["compressed"]),
+                    int(t["size"]),
+                    bool(t["xor"]),
+                    str(t["sha256"]),
+                )
+                for t in f["tensors"]
+            ),
+        )
+
 
 @dataclass(frozen=True)
 class DeltaIndex:
@@ -225,28 +278,7 @@ class DeltaIndex:
             raw = json.loads(text)
             if (raw["format"], raw["codec"], raw["transform"]) != (FORMAT, CODEC, TRANSFORM):
                 raise ValueError(f"format {raw['format']} {raw['codec']} {raw['transform']}")
-            files = {
-                str(name): FileDelta(
-                    size=int(f["size"]),
-                    sha256=str(f["sha256"]),
-                    blob_bytes=int(f["blob_bytes"]),
-                    header=tuple(int(v) for v in f["header"]),  # type: ignore[arg-type]
-                    tensors=tuple(
-                        TensorDelta(
-                            str(t["name"]),
-                            str(t["dtype"]),
-                            tuple(int(d) for d in t["shape"]),
-                            int(t["offset"]),
-                            int(t["compressed"]),
-                            int(t["size"]),
-                            bool(t["xor"]),
-                            str(t["sha256"]),
-                        )
-                        for t in f["tensors"]
-                    ),
-                )
-                for name, f in raw["files"].items()
-            }
+            files = {str(name): FileDelta.from_dict(f) for name, f in raw["files"].items()}
             return cls(int(raw["version"]), int(raw["parent"]), files, int(raw["delta_bytes"]), int(raw["full_bytes"]))
         except (ValueError, KeyError, TypeError, AttributeError) as err:
             raise DeltaUnusable(f"{where}: unreadable delta index ({err!r})") from err
@@ -291,7 +323,9 @@ def read_index(run: Store, version: int) -> DeltaIndex | None:
 # ------------------------------------------------------------------------------------ writing
 
 
-def _write_blob(layout: Layout, parent: TensorReader, out: Path) -> tuple[tuple[int, int, int], list[TensorDelta], str]:
+def _write_blob(
+    layout: Layout, parent: ParentTensors, out: Path
+) -> tuple[tuple[int, int, int], list[TensorDelta], str]:
     """Write one safetensors file's blob; returns (header segment, tensor entries, sha256 of the file's bytes)."""
     digest, tensors, offset = hashlib.sha256(), [], 0
     with open(out, "wb") as blob, open(layout.path, "rb") as src:
@@ -349,15 +383,28 @@ def write_delta(
     run.delete(delta_index_key(version))  # first: a half-replaced delta reads as unfinished
     run.delete_prefix(delta_prefix(version))
     deltas: dict[str, FileDelta] = {}
-    with tempfile.TemporaryDirectory(prefix="moerl-delta-") as tmp, TensorReader(parent_dir) as parent:
+    with TensorReader(parent_dir) as parent:
         for name in sorted(n for n in files if n.endswith(WEIGHTS_SUFFIX)):
-            blob = Path(tmp) / "blob"
-            header, tensors, sha = _write_blob(read_layout(new_dir / name), parent, blob)
-            if sha != files[name]["sha256"]:
+            deltas[name] = write_file_delta(run, version, name, new_dir / name, parent)
+            if deltas[name].sha256 != files[name]["sha256"]:
                 raise MoerlError(f"{new_dir / name}: changed while its delta was written; publish again")
-            run.put_file(delta_blob_key(version, name), blob)
-            size = int(files[name]["size"])
-            deltas[name] = FileDelta(size, sha, blob.stat().st_size, header, tuple(tensors))
+    return write_index(run, version, deltas, files)
+
+
+def write_file_delta(run: Store, version: int, name: str, path: Path, parent: ParentTensors) -> FileDelta:
+    """Write the blob of v(version)'s weight file `name` (the local file `path`) against `parent`'s tensors."""
+    with tempfile.TemporaryDirectory(prefix="moerl-delta-") as tmp:
+        blob = Path(tmp) / "blob"
+        header, tensors, sha = _write_blob(read_layout(path), parent, blob)
+        run.put_file(delta_blob_key(version, name), blob)
+        return FileDelta(path.stat().st_size, sha, blob.stat().st_size, header, tuple(tensors))
+
+
+def write_index(
+    run: Store, version: int, deltas: dict[str, FileDelta], files: dict[str, dict[str, int | str]]
+) -> DeltaSummary:
+    """DELTA.json, last: the blobs of `deltas` rebuild the weight files of `files` (v(version)'s, as its
+    MANIFEST.json will list them)."""
     index = DeltaIndex(
         version=version,
         parent=version - 1,
@@ -367,6 +414,28 @@ def write_delta(
     )
     run.put_bytes(delta_index_key(version), index.to_json().encode())
     return DeltaSummary.of(index)
+
+
+def adopt(run: Store, version: int, new_dir: Path, written: dict[str, dict] | None) -> DeltaSummary | None:
+    """The publish side of the deltas an update wrote (a candidate's weight_deltas, by published file name):
+    DELTA.json for them if they describe exactly the weight files of `new_dir` and every blob is stored at
+    its size; else None (the caller writes the delta itself). Nothing is read but the blobs' sizes."""
+    if not written:
+        return None
+    files = checkpoint.describe_dir(new_dir)
+    try:
+        deltas = {str(name): FileDelta.from_dict(f) for name, f in written.items()}
+    except (KeyError, ValueError, TypeError):
+        return None
+    if {n for n in files if n.endswith(WEIGHTS_SUFFIX)} != set(deltas):
+        return None
+    for name, delta in deltas.items():
+        if (files[name]["size"], files[name]["sha256"]) != (delta.size, delta.sha256):
+            return None
+        key = delta_blob_key(version, name)
+        if not run.exists(key) or run.size(key) != delta.blob_bytes:
+            return None
+    return write_index(run, version, deltas, files)
 
 
 # ------------------------------------------------------------------------------------ reading

@@ -79,3 +79,16 @@ def same_files(a: Path, b: Path) -> bool:
     """Every file of a (but the store's bookkeeping) is in b with the same bytes, and nothing else is."""
     names = lambda d: sorted(p.relative_to(d).as_posix() for p in d.rglob("*") if p.is_file())  # noqa: E731
     return names(a) == names(b) and all((a / n).read_bytes() == (b / n).read_bytes() for n in names(a))
+
+
+def assert_the_ranks_delta_is_the_one_publish_would_write(run: Store, version: int) -> None:
+    """v(version)'s delta as published (the update's ranks wrote its blobs, publish indexed them) is, byte for
+    byte, what publish writes itself from both versions (weight_delta.write_delta)."""
+    from steps.run_store import delta_index_key, delta_prefix
+    from steps.weight_delta import write_delta
+
+    stored = {key: run.get_bytes(key) for key in run.list(delta_prefix(version))}
+    assert delta_index_key(version) in stored, f"v{version}: no delta published"
+    run.delete_prefix(delta_prefix(version))
+    write_delta(run, version)
+    assert {key: run.get_bytes(key) for key in run.list(delta_prefix(version))} == stored

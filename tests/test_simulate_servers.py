@@ -198,14 +198,23 @@ def test_delta_bytes_scale_the_servers_update_time():
     small, large = (derived_step_model(cfg, a.override({"delta_fraction": f})) for f in (0.1, DELTA_FRACTION))
     fetched_gb = (DELTA_FRACTION - 0.1) * a.checkpoint_gb
     assert large.weight_sync_s - small.weight_sync_s == pytest.approx(fetched_gb / a.s3_gb_per_s)
-    assert large.publish_s - small.publish_s == pytest.approx(fetched_gb / a.s3_gb_per_s)  # publish writes it
+    # The update's 16 nodes write it, each its share at once (its encoding does not depend on the delta's
+    # size); publish only indexes it.
+    assert large.update_s - small.update_s == pytest.approx(fetched_gb / (a.s3_gb_per_s * cfg.trainer.nodes))
+    ranks = cfg.trainer.nodes * cfg.trainer.nproc_per_node
+    encode_s = a.checkpoint_gb / (ranks * a.delta_encode_gb_per_s)
+    assert large.update_s - derived_step_model(eks(**TODAY), a).update_s == pytest.approx(
+        encode_s + DELTA_FRACTION * a.checkpoint_gb / (a.s3_gb_per_s * cfg.trainer.nodes)
+    )
+    assert large.publish_s == small.publish_s == derived_step_model(eks(**TODAY), a).publish_s
     whole = derived_step_model(eks(**{"rollout.servers": 32, "checkpoint.deltas": False}), a)
     assert whole.weight_sync_s == whole.full_sync_s
     assert whole.full_sync_s - large.weight_sync_s == pytest.approx((1 - DELTA_FRACTION) * a.checkpoint_gb)
     assert whole.publish_s == pytest.approx(derived_step_model(eks(**TODAY), a).publish_s)
-    # Synchronous, the update is on the critical path: an iteration is longer by both.
+    # Synchronous, the update and the servers' fetch are on the critical path: an iteration is longer by both.
     runs = [simulate(cfg, s, cluster_for(cfg, a), a, staleness=0) for s in (small, large)]
-    assert runs[1].iteration_times[2] - runs[0].iteration_times[2] == pytest.approx(2 * fetched_gb / a.s3_gb_per_s)
+    longer = fetched_gb / a.s3_gb_per_s + fetched_gb / (a.s3_gb_per_s * cfg.trainer.nodes)
+    assert runs[1].iteration_times[2] - runs[0].iteration_times[2] == pytest.approx(longer)
 
 
 def test_a_server_opens_the_version_its_segments_first_rollout_samples():

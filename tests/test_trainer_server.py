@@ -14,10 +14,11 @@ from pathlib import Path
 import faults_helpers
 import pytest
 import torch
+from delta_helpers import assert_the_ranks_delta_is_the_one_publish_would_write
 from faults_helpers import HOOKS
 from test_update_experience import REPO, experience_table, run_cmd, step_env, tiny_model, write_experience
 
-from steps import checkpoint, serving
+from steps import checkpoint, serving, weight_delta
 from steps.candidate import MARKER
 from steps.char_tokenizer import save_tokenizer
 from steps.errors import MoerlError
@@ -39,7 +40,8 @@ def new_run(base: Path, dtype: str, trainer: dict) -> str:
     save_pretrained(tiny_model().to(getattr(torch, {"fp32": "float32", "bf16": "bfloat16"}[dtype])), sft)
     save_tokenizer(sft)
     run_uri = (base / "run").as_uri()
-    cfg = RunConfig(sft_checkpoint=sft.as_uri(), run_store=run_uri,
+    # A rollout server in the config (none runs here): the update's ranks then write each version's delta.
+    cfg = RunConfig(sft_checkpoint=sft.as_uri(), run_store=run_uri, rollout={"servers": 1},
                     trainer={"ep_backend": "alltoall", "micro_batch_size": 4, "lr": 1e-2, **trainer})  # fmt: skip
     import_sft(sft.as_uri(), run_uri, cfg.model_dump_json())
     return run_uri
@@ -97,8 +99,10 @@ def placement(run_uri: str, iteration: int) -> list:
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_a_trainer_that_stays_up_trains_the_bytes_of_plain_updates(tmp_path, dtype):
+def test_a_trainer_that_stays_up_trains_the_bytes_of_plain_updates(tmp_path, dtype, monkeypatch):
     iterations = (1, 2, 3)
+    # Publish indexes the deltas the update's ranks wrote (two EP ranks: two weight files), never its own.
+    monkeypatch.setattr(weight_delta, "write_delta", lambda *a, **k: pytest.fail("publish wrote the delta"))
     # bf16: the SFT checkpoint and every version in bf16, fp32 masters in the optimizer state, the KL
     # penalty against v000000 on (the reference policy read each iteration).
     extra = {"kl_coef": 0.05} if dtype == "bf16" else {}
@@ -172,7 +176,10 @@ def test_a_trainer_that_stays_up_trains_the_bytes_of_plain_updates(tmp_path, dty
     candidates["served"][3] = candidate_files(served, 3)
     publish(served, 3)
 
+    monkeypatch.undo()
     for i in iterations:
         assert candidates["served"][i] == candidates["plain"][i], f"candidate {i}"
         assert placement(served, i) == placement(plain, i)
         assert published_bytes(served, i) == published_bytes(plain, i), f"v{i}"
+        for run_uri in (plain, served):  # from the store (1, 2 after the kill) and from memory (3)
+            assert_the_ranks_delta_is_the_one_publish_would_write(Store.open(run_uri), i)

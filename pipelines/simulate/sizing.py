@@ -54,6 +54,9 @@ class Assumptions:
     nvme_gb_per_s: float = 4.0  # one node's local-disk read (one NVMe drive; a RAID0 of p5en's 8 reads faster)
     engine_update_s: float = 10.0  # the engine's in-place weight update beyond reading the files
     delta_fraction: float = DELTA_FRACTION  # a version's delta as a share of checkpoint_gb
+    # One trainer rank encoding its stored weights into a delta (XOR, byte planes, zstd, sha256s): what
+    # bench/weight_update.py's "delta write" gives on one core (173 MB of bf16 in 0.85 s).
+    delta_encode_gb_per_s: float = 0.2
 
     def override(self, pairs: dict[str, float]) -> Assumptions:
         return dataclasses.replace(self, **pairs)
@@ -258,8 +261,8 @@ def derived_step_model(cfg: RunConfig, a: Assumptions) -> StepModel:
         rollout_startup_s=a.pod_start_s + a.engine_startup_s,
         rollout_chunk_s=chunk_tokens / (a.rollout_tokens_per_gpu_s * rollout_devices),
         score_s=python_step + samples / a.score_samples_per_s + heldout_s,
-        update_s=a.pod_start_s + a.trainer_startup_s + train_s,
-        publish_s=python_step + a.publish_s + publish_delta_s(cfg, a),
+        update_s=a.pod_start_s + a.trainer_startup_s + train_s + delta_write_s(cfg, a),
+        publish_s=python_step + a.publish_s,
         report_s=python_step + a.report_s,
         next_segment_s=a.pod_start_s,  # Argo creates the next Workflow itself: no pod
         source="derived from the config and the assumptions",
@@ -273,7 +276,8 @@ def rollout_served(cfg: RunConfig) -> bool:
 
 
 def deltas_written(cfg: RunConfig) -> bool:
-    """Publish writes the version's delta: only read by rollout servers, so only paid where there are some."""
+    """The update writes the version's delta: only read by rollout servers, so only paid where there are some
+    (steps/weight_delta.py wanted)."""
     return cfg.checkpoint.deltas and rollout_served(cfg)
 
 
@@ -281,11 +285,13 @@ def delta_gb(a: Assumptions) -> float:
     return a.delta_fraction * a.checkpoint_gb
 
 
-def publish_delta_s(cfg: RunConfig, a: Assumptions) -> float:
-    """Publish's extra work for the delta (steps/weight_delta.py's write_delta(run, version)): read v(i) and
-    v(i-1) from the store, write their compressed XOR, at the publish pod's node's S3 throughput. It is on the
-    critical path: the next update and rollout wait for publish."""
-    return (2 * a.checkpoint_gb + delta_gb(a)) / a.s3_gb_per_s if deltas_written(cfg) else 0.0
+def delta_write_s(cfg: RunConfig, a: Assumptions) -> float:
+    """The update's extra work for the delta: every rank encodes its share of the weights against the v(i-1)
+    bits it holds, and every node writes its ranks' blobs, all at once (publish then only indexes them)."""
+    if not deltas_written(cfg):
+        return 0.0
+    ranks = cfg.trainer.nodes * cfg.trainer.nproc_per_node
+    return a.checkpoint_gb / (ranks * a.delta_encode_gb_per_s) + delta_gb(a) / (a.s3_gb_per_s * cfg.trainer.nodes)
 
 
 def candidate_write_s(cfg: RunConfig, a: Assumptions) -> float:
@@ -306,7 +312,7 @@ def served_step_times(cfg: RunConfig, a: Assumptions, train_s: float) -> dict[st
         "weight_sync_s": fetched_gb / a.s3_gb_per_s + apply_s,
         "full_sync_s": a.checkpoint_gb / a.s3_gb_per_s + apply_s,
         "trainer_startup_s": a.pod_start_s + a.trainer_startup_s,
-        "train_s": train_s + candidate_write_s(cfg, a),
+        "train_s": train_s + candidate_write_s(cfg, a) + delta_write_s(cfg, a),
     }
 
 

@@ -10,8 +10,8 @@ from pipelines.simulate.sizing import (
     candidate_write_s,
     chunks_per_iteration,
     delta_gb,
+    delta_write_s,
     deltas_written,
-    publish_delta_s,
     rollout_served,
     tokens_per_iteration,
 )
@@ -127,8 +127,9 @@ def served_lines(cfg: RunConfig, steps: StepModel, a: Assumptions) -> list[str]:
         ]
         if deltas_written(cfg):
             lines.append(
-                f"  publish writes the delta: reads v(i) and v(i-1), writes {delta_gb(a):g} GB at "
-                f"{a.s3_gb_per_s:g} GB/s: +{publish_delta_s(cfg, a):.1f} s (in publish's figure)"
+                f"  the update's ranks write the delta against the v(i-1) they hold (each encodes its share at "
+                f"{a.delta_encode_gb_per_s:g} GB/s; {delta_gb(a):g} GB written over {cfg.trainer.nodes} node(s)): "
+                f"+{delta_write_s(cfg, a):.1f} s in the update's figure; publish indexes it"
             )
     if cfg.trainer.server:
         lines.append(
