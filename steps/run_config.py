@@ -167,7 +167,11 @@ class TrainerConfig(_Section):
         ge=1,
     )
     nproc_per_node: int = _field(2, "torchrun processes per node (GPUs per node on a cluster)", ge=1, le=64)
-    nodes: int = _field(1, "trainer nodes; more than 1 runs the update as a Kubeflow PyTorchJob", ge=1)
+    nodes: int = _field(
+        1,
+        "trainer nodes; more than 1 runs the update (with trainer.server, the trainer) as a Kubeflow PyTorchJob",
+        ge=1,
+    )
     micro_batch_size: int = _field(32, "sequences per forward/backward pass on one rank", ge=1)
     epochs: int = _field(1, "passes over the iteration's experience", ge=1)
     steps_per_epoch: int = _field(
@@ -203,8 +207,8 @@ class TrainerConfig(_Section):
     server: bool = _field(
         False,
         "a trainer that stays up for the segment (an Argo daemon task holding the EP group, the weights and "
-        "AdamW's state in memory), driven iteration by iteration by the update steps; false: each update "
-        "step starts its own torchrun",
+        "AdamW's state in memory; over trainer.nodes > 1, the daemon launches it as one PyTorchJob), driven "
+        "iteration by iteration by the update steps; false: each update step starts its own torchrun or job",
     )
     server_wait_s: float = _field(
         600.0,

@@ -30,6 +30,7 @@ from hypothesis import strategies as st
 import pipelines.cli
 from pipelines.workflow import argo_objects, workflow
 from pipelines.workflow.pytorchjob import manifest as pytorchjob_manifest
+from pipelines.workflow.pytorchjob import trainer_server_manifest
 from steps import candidate, checkpoint
 from steps.candidate import MARKER
 from steps.errors import MoerlError
@@ -329,10 +330,13 @@ def pod_specs(cfg) -> dict[str, tuple[dict, dict, dict]]:
         if "container" in template:
             context = {**workflow_context, **(template.get("securityContext") or {})}
             out[template["name"]] = (context, template["container"], template)
-    job = pytorchjob_manifest(cfg.model_copy(update={"trainer": cfg.trainer.model_copy(update={"nodes": 2})}), "1")
-    for replica, spec in job["spec"]["pytorchReplicaSpecs"].items():
-        pod = spec["template"]["spec"]
-        out[f"pytorchjob-{replica}"] = (pod.get("securityContext") or {}, pod["containers"][0], pod)
+    two_nodes = cfg.model_copy(update={"trainer": cfg.trainer.model_copy(update={"nodes": 2})})
+    jobs = {"pytorchjob": pytorchjob_manifest(two_nodes, "1"),
+            "trainer-server-job": trainer_server_manifest(two_nodes, "wf", "uid")}  # fmt: skip
+    for kind, job in jobs.items():
+        for replica, spec in job["spec"]["pytorchReplicaSpecs"].items():
+            pod = spec["template"]["spec"]
+            out[f"{kind}-{replica}"] = (pod.get("securityContext") or {}, pod["containers"][0], pod)
     return out
 
 
