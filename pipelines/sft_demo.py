@@ -76,3 +76,5 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="how SFT (and the RL run after it) formats prompts")  # fmt: skip
     parser.add_argument("--system-prompt", help="chat prompts: a system message before each prompt")
     parser.set_defaults(func=run)
+
+

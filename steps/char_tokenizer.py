@@ -79,7 +79,8 @@ def encode(tok: Tokenizer, text: str) -> list[int]:
     if bad:
         shown = ", ".join(repr(c) for c in bad[:10])
         raise MoerlError(
-            f"text {text[:40]!r} has characters outside the tokenizer vocabulary: {shown}; use only {describe_vocab()}"
+            f"text {text[:40]!r} has characters outside the tokenizer vocabulary: {shown}; "
+            f"use only {describe_vocab()}"
         )
     return tok.encode(text, add_special_tokens=False).ids
 

@@ -137,7 +137,8 @@ def _weight_files(directory: Path) -> tuple[list[Path], dict[str, str] | None]:
             "(unpickling can run code), then use OUT_DIR"
         )
     raise MoerlError(
-        f"{directory}: no {SAFE_WEIGHTS_NAME} or {SAFE_WEIGHTS_INDEX_NAME}; save the model with save_pretrained"
+        f"{directory}: no {SAFE_WEIGHTS_NAME} or {SAFE_WEIGHTS_INDEX_NAME}; save the model with "
+        "save_pretrained"
     )
 
 

@@ -83,7 +83,8 @@ def main() -> int:
     parser.add_argument("--run-config-json", help="resolved run config to store as <run>/run.json")
     args = parser.parse_args()
     manifest = import_sft(args.src, args.run, args.run_config_json)
-    print(f"imported {args.src} as {version_name(manifest.version)} of {args.run} ({len(manifest.files)} files)")
+    print(f"imported {args.src} as {version_name(manifest.version)} of {args.run} "
+          f"({len(manifest.files)} files)")
     return 0
 
 

@@ -186,7 +186,9 @@ class GroupedAttention(torch.autograd.Function):
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None, None]:
+    def backward(
+        ctx: Any, grad_out: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None, None]:
         q3, k3, v3, weights = ctx.saved_tensors
         batch_heads, rows, dim = q3.shape
         grad3 = grad_out.reshape(batch_heads, rows, dim)

@@ -32,14 +32,8 @@ if TYPE_CHECKING:
 SUPPORTED_ARCHITECTURES = "Qwen3-MoE (model_type 'qwen3_moe', Qwen3MoeForCausalLM with num_experts > 0)"
 # MoE families users bring that moerl recognises and refuses by name (steps/model.py implements Qwen3-MoE only).
 OTHER_MOE_ARCHITECTURES = {
-    "mixtral": "Mixtral",
-    "qwen2_moe": "Qwen2-MoE",
-    "deepseek_v3": "DeepSeek-V3",
-    "deepseek_v2": "DeepSeek-V2",
-    "olmoe": "OLMoE",
-    "qwen3_next": "Qwen3-Next",
-    "gpt_oss": "gpt-oss",
-    "glm4_moe": "GLM-4-MoE",
+    "mixtral": "Mixtral", "qwen2_moe": "Qwen2-MoE", "deepseek_v3": "DeepSeek-V3", "deepseek_v2": "DeepSeek-V2",
+    "olmoe": "OLMoE", "qwen3_next": "Qwen3-Next", "gpt_oss": "gpt-oss", "glm4_moe": "GLM-4-MoE",
 }
 
 
@@ -80,7 +74,9 @@ class MoeConfig:
     def is_moe_layer(self, layer: int) -> bool:
         """As Qwen3MoeDecoderLayer: sparse unless listed in mlp_only_layers or off the sparse step."""
         return (
-            layer not in self.mlp_only_layers and self.num_experts > 0 and (layer + 1) % self.decoder_sparse_step == 0
+            layer not in self.mlp_only_layers
+            and self.num_experts > 0
+            and (layer + 1) % self.decoder_sparse_step == 0
         )
 
     def to_hf_dict(self, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
@@ -176,7 +172,9 @@ class MoeConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise bad(f"{name} = {value!r} must be a positive integer")
         if self.num_experts_per_tok > self.num_experts:
-            raise bad(f"num_experts_per_tok = {self.num_experts_per_tok} exceeds num_experts = {self.num_experts}")
+            raise bad(
+                f"num_experts_per_tok = {self.num_experts_per_tok} exceeds num_experts = {self.num_experts}"
+            )
         if self.num_attention_heads % self.num_key_value_heads:
             raise bad(
                 f"num_attention_heads = {self.num_attention_heads} is not a multiple of "
@@ -438,7 +436,9 @@ class MoeForCausalLM(nn.Module):
         self.model = MoeModel(config, placement, ep_rank)
         # Tied: logits use the embedding matrix and no lm_head.weight exists (save_pretrained omits it too).
         self.lm_head = (
-            None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            None
+            if config.tie_word_embeddings
+            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         )
         self.init_weights()
 

@@ -184,9 +184,7 @@ class _CombineSlots(torch.autograd.Function):
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: torch.autograd.function.FunctionCtx,
-        grouped_out: torch.Tensor,
-        topk_weight: torch.Tensor,
+        ctx: torch.autograd.function.FunctionCtx, grouped_out: torch.Tensor, topk_weight: torch.Tensor,
         slots: SlotOrder,
     ) -> torch.Tensor:
         out, per_choice, weights = slots.combine_rows(grouped_out, topk_weight)
@@ -422,7 +420,9 @@ class MoeBlock(nn.Module):
         self.expert_slot = None if identity else inverse_permutation(torch.tensor(slots, device="cpu"))
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)  # the router, replicated on every rank
         # ModuleDict in global id order (state_dict order does not depend on the placement)
-        self.experts = nn.ModuleDict({str(e): Expert(hidden_size, moe_intermediate_size) for e in sorted(self.held)})
+        self.experts = nn.ModuleDict(
+            {str(e): Expert(hidden_size, moe_intermediate_size) for e in sorted(self.held)}
+        )
         self.dispatch: ExpertDispatch = LocalDispatch()
         # per-expert (global id) count of routed (token, expert) rows, accumulated by forward while a tensor
         # (MoeForCausalLM.count_routed_rows); None: not counted

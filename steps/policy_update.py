@@ -126,13 +126,9 @@ def previous_expert_rows(run: Store, iteration: int, num_layers: int, num_expert
     if not isinstance(data, dict) or data.get("iteration") != iteration or not isinstance(data.get("update"), dict):
         raise ValueError(f"{key} is not the update metrics of iteration {iteration}")
     rows = data["update"].get("expert_rows")
-    if (
-        not isinstance(rows, list)
-        or len(rows) != num_layers
-        or any(
-            not isinstance(r, list) or len(r) != num_experts or any(type(x) is not int or x < 0 for x in r)
-            for r in rows
-        )
+    if not isinstance(rows, list) or len(rows) != num_layers or any(
+        not isinstance(r, list) or len(r) != num_experts or any(type(x) is not int or x < 0 for x in r)
+        for r in rows
     ):
         raise ValueError(f"{key}: expert_rows is not a [{num_layers}][{num_experts}] table of row counts")
     return rows

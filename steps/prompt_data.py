@@ -168,12 +168,8 @@ def _record_prompt(
     text = prompt if isinstance(prompt, str) else str(messages[-1]["content"])  # type: ignore[index]
     return (
         Prompt(
-            prompt_id=str(prompt_id),
-            task=PROMPT_FILE_TASK,
-            text=text,
-            answer=str(answer),
-            messages=tuple(messages) if messages is not None else None,
-            metadata=metadata,
+            prompt_id=str(prompt_id), task=PROMPT_FILE_TASK, text=text, answer=str(answer),
+            messages=tuple(messages) if messages is not None else None, metadata=metadata,
         ),  # fmt: skip
         [],
     )

@@ -203,10 +203,8 @@ def markdown(report: Report, run_uri: str) -> str:
         lines.append(f"Result: {outcome}  ")
     lines += ["", report.table(markdown=True) if report.rows else "No iteration has written metrics yet.", ""]
     if report.rows:
-        lines.append(
-            "accuracy: held-out greedy accuracy (the run's verifier) of the policy that generated the "
-            "iteration's samples; sample_accuracy: share of those samples, on training prompts, it accepted"
-        )
+        lines.append("accuracy: held-out greedy accuracy (the run's verifier) of the policy that generated the "
+                     "iteration's samples; sample_accuracy: share of those samples, on training prompts, it accepted")
     lines += [f"- {note}" for note in report.notes]
     lines += ["", "![held-out accuracy and mean reward by iteration](report.png)", ""]
     return "\n".join(lines)

@@ -387,7 +387,9 @@ class RunConfig(_Section):
     )
     staleness: Literal[0, 1] = _field(0, "0: synchronous; 1: rollout of iteration i+1 overlaps update i")
     task: TaskConfig | None = _field(None, "the built-in task to train on (default: addition)")
-    prompt_file: str | None = _field(None, "prompts from a JSONL or Parquet file on a store instead of a built-in task")
+    prompt_file: str | None = _field(
+        None, "prompts from a JSONL or Parquet file on a store instead of a built-in task"
+    )
     prompt_fields: PromptFieldsConfig = _field(PromptFieldsConfig(), "field names of the prompt file's records")
     heldout_file: str | None = _field(None, "held-out prompts of a prompt-file run (same format and fields)")
     heldout_fraction: float = _field(

@@ -26,7 +26,9 @@ from steps.tasks import Prompt, get_task, sft_target
 from steps.tokenizer import RAW, CheckpointTokenizer, PromptFormat
 
 
-def encode_example(prompt: Prompt, tok: CheckpointTokenizer, fmt: PromptFormat = RAW) -> tuple[list[int], int]:
+def encode_example(
+    prompt: Prompt, tok: CheckpointTokenizer, fmt: PromptFormat = RAW
+) -> tuple[list[int], int]:
     """Token ids of the prompt (as rollout encodes it) + target answer + eos, and where the response starts."""
     prompt_ids = tok.prompt_ids(prompt.content, fmt)
     return prompt_ids + [*tok.encode_text(sft_target(prompt)), tok.eos_id], len(prompt_ids)
@@ -127,7 +129,9 @@ def train_sft(
     task = get_task(settings.task)
     examples = [encode_example(p, tok, settings.format)
                 for p in task.prompts("train", settings.train_prompts, settings.seed)]  # fmt: skip
-    optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr, weight_decay=settings.weight_decay, foreach=True)
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=settings.lr, weight_decay=settings.weight_decay, foreach=True
+    )
     schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=settings.lr, total_steps=settings.steps)
     order = random.Random(settings.seed)
     model.train()

@@ -130,7 +130,9 @@ class DigitTask:
             if index not in chosen and split_of(self.problem(index)[2]) == split:
                 chosen[index] = None
         if len(chosen) < n:
-            raise MoerlError(f"task {self.name}: could not find {n} distinct {split} problems; ask for fewer prompts")
+            raise MoerlError(
+                f"task {self.name}: could not find {n} distinct {split} problems; ask for fewer prompts"
+            )
         return list(chosen)
 
     def prompts(self, split: str, n: int, seed: int) -> list[Prompt]:
@@ -217,7 +219,8 @@ class SortDescending(Sort):
 def _check_param(family: str, param: str, value: object, allowed: range) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value not in allowed:
         raise MoerlError(
-            f"task {family}: {param}={value!r} is out of range; use an integer from {allowed[0]} to {allowed[-1]}"
+            f"task {family}: {param}={value!r} is out of range; "
+            f"use an integer from {allowed[0]} to {allowed[-1]}"
         )
 
 
@@ -245,7 +248,9 @@ def get_task(name: str, **params: int) -> Task:
     if params:
         family = FAMILIES.get(name)
         if family is None:
-            raise MoerlError(f"task parameters {params} need a task family name ({', '.join(FAMILIES)}), got {name!r}")
+            raise MoerlError(
+                f"task parameters {params} need a task family name ({', '.join(FAMILIES)}), got {name!r}"
+            )
         try:
             return family(**params)
         except TypeError as err:

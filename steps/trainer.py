@@ -490,7 +490,8 @@ class PolicyTrainer:
                 for ids in rank_group_micro_batches(step_indices, samples, self.mesh, size)
             ]
         return [
-            collate(samples, ids, device, self.pad_id, old) for ids in rank_micro_batches(step_indices, self.mesh, size)
+            collate(samples, ids, device, self.pad_id, old)
+            for ids in rank_micro_batches(step_indices, self.mesh, size)
         ]
 
     def train(

@@ -65,6 +65,7 @@ def finished(run: Store, iteration: int) -> bool:
     return checkpoint.read_manifest(run, iteration) is not None or candidate.read_marker(run, iteration) is not None
 
 
+
 def serve_update(run_uri: str, iteration: int, workflow: str, ep_size: int | None, force: bool) -> int:
     """The update as a client of the Workflow's trainer (see the module docstring); the step's exit code."""
     log = lambda line: print(line, flush=True)  # noqa: E731

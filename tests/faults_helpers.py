@@ -317,3 +317,4 @@ def leftovers(directory: Path) -> list[Path]:
 def copy_tree(src: Path, dst: Path) -> Path:
     shutil.copytree(src, dst)
     return dst
+

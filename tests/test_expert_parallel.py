@@ -55,7 +55,9 @@ def _child(fn, rank: int, world: int, port: int, out_dir: str, args: tuple, back
         if backend == "nccl":
             torch.cuda.set_device(rank)
             kwargs["device_id"] = torch.device("cuda", rank)
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, **kwargs)
+        dist.init_process_group(
+            backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, **kwargs
+        )
         fn(rank, world, Path(out_dir), *args)
         dist.destroy_process_group()
     except BaseException:
@@ -66,7 +68,9 @@ def _child(fn, rank: int, world: int, port: int, out_dir: str, args: tuple, back
 def run_gloo(fn, world: int, out_dir: Path, *args, timeout: float = 120.0, backend: str = "gloo") -> None:
     """Run fn(rank, world, out_dir, *args) in `world` processes on loopback; fail if any rank fails."""
     ctx, port = _context(), free_port()
-    procs = [ctx.Process(target=_child, args=(fn, r, world, port, str(out_dir), args, backend)) for r in range(world)]
+    procs = [
+        ctx.Process(target=_child, args=(fn, r, world, port, str(out_dir), args, backend)) for r in range(world)
+    ]
     for p in procs:
         p.start()
     for p in procs:

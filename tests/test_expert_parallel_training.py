@@ -36,7 +36,9 @@ def samples() -> list[Sample]:
 def old_logprobs(batch: list[Sample]) -> dict[int, torch.Tensor]:
     """Fixed 'policy before the update' log-probs, so that ratios differ from 1 and some get clipped."""
     rng = random.Random(11)
-    return {i: torch.tensor([lp + rng.uniform(-0.5, 2.5) for lp in s.behavior_logprobs]) for i, s in enumerate(batch)}
+    return {
+        i: torch.tensor([lp + rng.uniform(-0.5, 2.5) for lp in s.behavior_logprobs]) for i, s in enumerate(batch)
+    }
 
 
 def sharded(full: MoeForCausalLM, placement: ExpertPlacement | None, ep_rank: int = 0) -> MoeForCausalLM:

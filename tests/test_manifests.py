@@ -48,11 +48,8 @@ REMOTE_PROVIDES = {
                 "selector": {"matchLabels": {"app": "workflow-controller"}},
                 "template": {
                     "metadata": {"labels": {"app": "workflow-controller"}},
-                    "spec": {
-                        "containers": [
-                            {"name": "workflow-controller", "image": "quay.io/argoproj/workflow-controller:v4.1.2"}
-                        ]
-                    },
+                    "spec": {"containers": [{"name": "workflow-controller",
+                                             "image": "quay.io/argoproj/workflow-controller:v4.1.2"}]},
                 },
             },
         },
@@ -87,12 +84,9 @@ def kustomization_dirs() -> list[Path]:
 
 def selected(docs: list[dict], select: dict) -> list[dict]:
     return [
-        d
-        for d in docs
-        if all(
-            d["kind"] == v if k == "kind" else d["metadata"]["name"] == v if k == "name" else True
-            for k, v in select.items()
-        )
+        d for d in docs
+        if all(d["kind"] == v if k == "kind" else d["metadata"]["name"] == v if k == "name" else True
+               for k, v in select.items())
     ]
 
 
@@ -102,10 +96,8 @@ def merge_patch(target: object, patch: object) -> object:
         for key, value in patch.items():
             target[key] = merge_patch(target[key], value) if key in target else copy.deepcopy(value)
         return target
-    if (
-        isinstance(target, list)
-        and isinstance(patch, list)
-        and all(isinstance(item, dict) and "name" in item for item in target + patch)
+    if isinstance(target, list) and isinstance(patch, list) and all(
+        isinstance(item, dict) and "name" in item for item in target + patch
     ):
         by_name = {item["name"]: item for item in target}
         for item in patch:
@@ -285,10 +277,8 @@ def built_overlay(tmp_path_factory) -> list[dict]:
     """`kustomize build` of the example overlay with the remote resources replaced by stubs (offline)."""
     command = kustomize_command()
     if command is None:
-        pytest.skip(
-            "neither kustomize nor kubectl is installed; test_overlay_replacements_resolve_offline "
-            "checked the kustomizations with this file's own resolver"
-        )
+        pytest.skip("neither kustomize nor kubectl is installed; test_overlay_replacements_resolve_offline "
+                    "checked the kustomizations with this file's own resolver")
     tree = tmp_path_factory.mktemp("manifests") / "manifests"
     shutil.copytree(MANIFESTS, tree, ignore=shutil.ignore_patterns("rendered"))
     for number, (ref, objects) in enumerate(REMOTE_PROVIDES.items()):
@@ -298,7 +288,8 @@ def built_overlay(tmp_path_factory) -> list[dict]:
                 stub = f"remote-stub-{number}.yaml"
                 (kfile.parent / stub).write_text(yaml.safe_dump_all(objects))
                 kfile.write_text(text.replace(ref, stub))
-    result = subprocess.run([*command, str(tree / "overlays" / "example")], capture_output=True, text=True, timeout=120)
+    result = subprocess.run([*command, str(tree / "overlays" / "example")], capture_output=True, text=True,
+                            timeout=120)
     assert result.returncode == 0, result.stderr
     return [d for d in yaml.safe_load_all(result.stdout) if d]
 
@@ -332,9 +323,8 @@ def test_overlay_builds_with_every_cluster_value_in_place(built_overlay):
     controller = one(built_overlay, "Deployment", "workflow-controller")
     env = {e["name"] for e in controller["spec"]["template"]["spec"]["containers"][0]["env"]}
     assert {"ARGO_POD_STATUS_CAPTURE_FINALIZER", "TRANSIENT_ERROR_PATTERN"} <= env
-    namespaced = [
-        d for d in built_overlay if d["kind"] not in {"Namespace", "PriorityClass", "NodePool", "EC2NodeClass"}
-    ]
+    namespaced = [d for d in built_overlay if d["kind"] not in
+                  {"Namespace", "PriorityClass", "NodePool", "EC2NodeClass"}]
     assert all(d["metadata"].get("namespace") for d in namespaced)
 
 
@@ -368,11 +358,8 @@ def karpenter_problems(doc: dict, node_classes: set[str]) -> list[str]:
             if requirement.get("operator") in {"In", "NotIn", "Gt", "Lt"} and not requirement.get("values"):
                 problems.append(f"requirement without values: {requirement}")
         for taint in template_spec.get("taints", []):
-            if not {"key", "effect"} <= set(taint) or taint["effect"] not in {
-                "NoSchedule",
-                "PreferNoSchedule",
-                "NoExecute",
-            }:
+            if not {"key", "effect"} <= set(taint) or taint["effect"] not in {"NoSchedule", "PreferNoSchedule",
+                                                                               "NoExecute"}:
                 problems.append(f"bad taint {taint}")
         disruption = spec.get("disruption") or {}
         if disruption and "consolidateAfter" not in disruption:
@@ -416,9 +403,7 @@ def validate_object(doc: dict) -> None:
 
 
 @pytest.mark.parametrize(
-    "doc",
-    ALL_LOCAL,
-    ids=lambda d: f"{d['kind']}/{d['metadata']['name']}",
+    "doc", ALL_LOCAL, ids=lambda d: f"{d['kind']}/{d['metadata']['name']}",
 )
 def test_each_object_validates(doc):
     validate_object(doc)
@@ -480,12 +465,8 @@ def test_controller_restarts_failed_pods_and_captures_pod_status():
     assert env["ARGO_POD_STATUS_CAPTURE_FINALIZER"] == "true"
     pattern = re.compile(env["TRANSIENT_ERROR_PATTERN"])
     # The messages a reclaimed Spot node leaves on a node (DESIGN.md), and what they must not swallow.
-    for message in [
-        "pod deleted",
-        "Pod was terminated in response to imminent node shutdown.",
-        "The node was low on resource: memory.",
-        "Pod The node had condition: [DiskPressure]. Evicted",
-    ]:
+    for message in ["pod deleted", "Pod was terminated in response to imminent node shutdown.",
+                    "The node was low on resource: memory.", "Pod The node had condition: [DiskPressure]. Evicted"]:
         assert pattern.search(message), message
     for message in ["Error (exit code 1)", "Error (exit code 2)", "OOMKilled (exit code 137)"]:
         assert not pattern.search(message), message
@@ -503,10 +484,8 @@ def test_node_pools_place_each_role_where_it_belongs():
     assert requirement("moerl-rollout", "karpenter.sh/capacity-type") == ["spot"]
     assert requirement("moerl-memory", "karpenter.sh/capacity-type") == ["on-demand"]
     assert requirement("moerl-memory", "karpenter.k8s.aws/instance-family") == ["r7i"]
-    assert set(requirement("moerl-rollout", "node.kubernetes.io/instance-type")) >= {
-        "p5en.48xlarge",
-        "p6-b200.48xlarge",
-    }
+    assert set(requirement("moerl-rollout", "node.kubernetes.io/instance-type")) >= {"p5en.48xlarge",
+                                                                                      "p6-b200.48xlarge"}
     node_classes = {c["metadata"]["name"]: c for c in docs_of_kind(ALL_LOCAL, "EC2NodeClass")}
     trainer_class = node_classes[pools["moerl-trainer"]["spec"]["template"]["spec"]["nodeClassRef"]["name"]]
     assert "vm.nr_hugepages" in trainer_class["spec"]["userData"], "EFA's huge pages are reserved at boot"
@@ -533,12 +512,9 @@ def test_trainer_instance_type_choices_are_the_efa_gpu_instances():
     assert cluster_env()["TRAINER_INSTANCE_TYPE"] in {"p5en.48xlarge", "p6-b200.48xlarge"}
     assert "p6-b200.48xlarge" in text
     efa_plugin = one(ALL_LOCAL, "DaemonSet", "aws-efa-k8s-device-plugin")
-    types = resolve(
-        efa_plugin,
-        "spec.template.spec.affinity.nodeAffinity."
-        "requiredDuringSchedulingIgnoredDuringExecution.nodeSelectorTerms.0."
-        "matchExpressions.[key=node.kubernetes.io/instance-type].values",
-    )
+    types = resolve(efa_plugin, "spec.template.spec.affinity.nodeAffinity."
+                                "requiredDuringSchedulingIgnoredDuringExecution.nodeSelectorTerms.0."
+                                "matchExpressions.[key=node.kubernetes.io/instance-type].values")
     rollout = one(ALL_LOCAL, "NodePool", "moerl-rollout")
     rollout_types = resolve(rollout, "spec.template.spec.requirements.[key=node.kubernetes.io/instance-type].values")
     assert set(rollout_types) | {"p5en.48xlarge", "p6-b200.48xlarge"} <= set(types)
@@ -569,17 +545,12 @@ def test_rbac_gives_the_executor_exactly_what_argo_documents():
                 assert "*" not in rule[field_name], f"{role['metadata']['name']}: wildcard {field_name}"
     bindings = {b["metadata"]["name"]: b for b in docs_of_kind(ALL_LOCAL, "RoleBinding")}
     bound = {(b["roleRef"]["name"], s["name"]) for b in bindings.values() for s in b["subjects"]}
-    assert {
-        ("moerl-executor", "moerl-workflow"),
-        ("moerl-pytorchjobs", "moerl-workflow"),
-        ("moerl-submitter", "moerl-submitter"),
-    } <= bound
+    assert {("moerl-executor", "moerl-workflow"), ("moerl-pytorchjobs", "moerl-workflow"),
+            ("moerl-submitter", "moerl-submitter")} <= bound
     accounts = {a["metadata"]["name"] for a in docs_of_kind(ALL_LOCAL, "ServiceAccount")}
     assert all(s["name"] in accounts for b in bindings.values() for s in b["subjects"])
-    assert (
-        one(ALL_LOCAL, "ServiceAccount", "moerl-workflow")["metadata"]["annotations"]["eks.amazonaws.com/role-arn"]
-        == "WORKFLOW_ROLE_ARN"
-    )
+    assert one(ALL_LOCAL, "ServiceAccount", "moerl-workflow")["metadata"]["annotations"][
+        "eks.amazonaws.com/role-arn"] == "WORKFLOW_ROLE_ARN"
 
 
 def test_every_container_image_is_pinned():
@@ -596,9 +567,8 @@ def test_every_container_image_is_pinned():
 def test_rendered_manifests_stay_out_of_git():
     if shutil.which("git") is None or not (REPO / ".git").exists():
         pytest.skip("not a git checkout")
-    result = subprocess.run(
-        ["git", "check-ignore", "-q", "manifests/rendered/workflow-template.yaml"], cwd=REPO, timeout=30
-    )
+    result = subprocess.run(["git", "check-ignore", "-q", "manifests/rendered/workflow-template.yaml"],
+                            cwd=REPO, timeout=30)
     assert result.returncode == 0, "manifests/rendered/ (moerl render output) must be git-ignored"
 
 
@@ -637,10 +607,8 @@ def policy_problems(policy: dict, allowed_object_actions: set[str]) -> list[str]
         elif actions == ["s3:ListBucket"]:
             condition = statement.get("Condition", {}).get("StringLike", {}).get("s3:prefix")
             prefixes = condition if isinstance(condition, list) else [condition]
-            if (
-                resources != [bucket_arn]
-                or not condition
-                or not all(p in {settings["RUN_PREFIX"], settings["RUN_PREFIX"] + "/*"} for p in prefixes)
+            if resources != [bucket_arn] or not condition or not all(
+                p in {settings["RUN_PREFIX"], settings["RUN_PREFIX"] + "/*"} for p in prefixes
             ):
                 problems.append(f"ListBucket not limited to the run prefix: {statement}")
         else:
@@ -741,19 +709,9 @@ def test_rendered_eks_workflow_fits_these_manifests(tmp_path):
     if not EKS_CONFIG.exists():
         pytest.skip("configs/eks-p5en.yaml does not exist yet")
     result = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            "from pipelines.cli import main; main()",
-            "render",
-            str(EKS_CONFIG),
-            "--out",
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=REPO,
+        [sys.executable, "-c", "from pipelines.cli import main; main()", "render", str(EKS_CONFIG),
+         "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=300, cwd=REPO,
     )
     if result.returncode != 0 and "invalid choice: 'render'" in result.stderr:
         pytest.skip("`moerl render` is not available yet")
@@ -784,25 +742,15 @@ def test_docs_name_the_versions_the_manifests_pin():
     docs = (REPO / "docs" / "eks.md").read_text()
     assert "Argo Workflows v4.1.2" in docs and "/download/v4.1.2/" in ARGO_INSTALL
     assert "training operator v1.9.4" in docs and TRAINING_OPERATOR.endswith("ref=v1.9.4")
-    plugin_images = {
-        c["image"].rpartition(":")[2]
-        for d in docs_of_kind(ALL_LOCAL, "DaemonSet")
-        for c in d["spec"]["template"]["spec"]["containers"]
-    }
+    plugin_images = {c["image"].rpartition(":")[2] for d in docs_of_kind(ALL_LOCAL, "DaemonSet")
+                     for c in d["spec"]["template"]["spec"]["containers"]}
     assert plugin_images == {"v0.20.0", "v0.5.20"}
     assert "NVIDIA device plugin v0.20.0" in docs and "EFA device plugin v0.5.20" in docs
-    assert (
-        "KARPENTER_VERSION=1.14.1" in docs
-        and "Karpenter 1.14" in (MANIFESTS / "karpenter" / "kustomization.yaml").read_text()
-    )
-    for step in [
-        "kubectl apply --server-side -k manifests/overlays/",
-        "moerl render",
-        "--out manifests/rendered",
-        "port-forward svc/argo-server",
-        "create-capacity-reservation",
-        "--role-only",
-    ]:
+    assert "KARPENTER_VERSION=1.14.1" in docs and "Karpenter 1.14" in (MANIFESTS / "karpenter" /
+                                                                       "kustomization.yaml").read_text()
+    for step in ["kubectl apply --server-side -k manifests/overlays/", "moerl render",
+                 "--out manifests/rendered", "port-forward svc/argo-server", "create-capacity-reservation",
+                 "--role-only"]:
         assert step in docs, step
 
 

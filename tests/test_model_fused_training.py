@@ -80,7 +80,9 @@ def perturbed_model(cfg: MoeConfig) -> MoeForCausalLM:
 def gradients(model: MoeForCausalLM, loss: torch.Tensor) -> dict[str, torch.Tensor]:
     model.zero_grad(set_to_none=True)
     loss.backward()
-    return {name: torch.zeros_like(p) if p.grad is None else p.grad.clone() for name, p in model.named_parameters()}
+    return {
+        name: torch.zeros_like(p) if p.grad is None else p.grad.clone() for name, p in model.named_parameters()
+    }
 
 
 @pytest.mark.parametrize("attention_bias", [False, True])

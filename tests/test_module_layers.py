@@ -39,6 +39,7 @@ def test_no_step_module_imports_another_step_module():
     assert not offenders
 
 
+
 def test_nothing_under_steps_imports_pipelines():
     """The pods need steps/ only; the run config's schema (run.json's) lives there too."""
     offenders = {p.name for p in STEPS.glob("*.py") if any(m.split(".")[0] == "pipelines" for m in imported_modules(p))}

@@ -211,11 +211,8 @@ def test_an_update_whose_parent_has_no_masters_is_refused(bf16_run, tmp_path, mo
     store.put_json(index, {"weight_map": without_masters(store.get_json(index)["weight_map"])})
     write_experience(bf16_run, 2, experience(2))
     result = step(update, ["--run", bf16_run, "--iteration", "2"], monkeypatch, capsys)
-    assert_refused(
-        result,
-        "optimizer/v000001: no fp32 master weights for model.embed_tokens.weight "
-        "(model.embed_tokens.weight.master), whose published weights are narrower than fp32",
-    )
+    assert_refused(result, "optimizer/v000001: no fp32 master weights for model.embed_tokens.weight "
+                   "(model.embed_tokens.weight.master), whose published weights are narrower than fp32")
     assert not store.list(f"{candidate_prefix(2)}/")
 
 

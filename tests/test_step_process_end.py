@@ -16,7 +16,7 @@ from steps.errors import run_cli
 
 REPO = Path(__file__).resolve().parents[1]
 
-PROGRAM = """
+PROGRAM = '''
 import atexit, sys, threading, time
 from steps.errors import MoerlError, run_cli
 
@@ -35,7 +35,7 @@ def main():
 
 if __name__ == "__main__":
     run_cli(main)
-"""
+'''
 
 
 @pytest.mark.parametrize(

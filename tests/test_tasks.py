@@ -29,8 +29,6 @@ def checkpoint_tok(tmp_path_factory):
     directory = tmp_path_factory.mktemp("char-tok")
     save_tokenizer(directory)
     return CheckpointTokenizer.load(directory)
-
-
 SMALL_TASKS = ["addition1", "addition2", "addition3", "sort3", "sort5", "sort8"]
 
 

@@ -108,17 +108,8 @@ def test_tensorboard_event_files_hold_one_point_per_iteration_read_back_by_tenso
     found = scalars(tmp_path / "run" / "tensorboard")
     assert found["score/accuracy"] == [(1, pytest.approx(0.1)), (2, pytest.approx(0.2)), (3, pytest.approx(0.3))]
     assert [s for s, _ in found["update/is_weight/max"]] == [1, 2, 3]
-    for tag in (
-        "update/loss",
-        "update/clip_fraction",
-        "update/kl",
-        "update/entropy",
-        "update/grad_norm",
-        "update/tokens_per_s",
-        "update/is_weight/mean",
-        "update/is_weight/min",
-        "score/reward_mean",
-    ):
+    for tag in ("update/loss", "update/clip_fraction", "update/kl", "update/entropy", "update/grad_norm",
+                "update/tokens_per_s", "update/is_weight/mean", "update/is_weight/min", "score/reward_mean"):
         assert [s for s, _ in found[tag]] == [1, 2, 3], tag  # fmt: skip
     assert "update/grad_norms" not in found and "score/iteration" not in found
     # No digest sidecar in the log dir: tensorboard would read any name holding 'tfevents' as an event file.
@@ -374,19 +365,9 @@ def test_mlflow_server_gets_points_params_tags_and_artifacts_once(tmp_path, mlfl
 
     client = mlflow_client(mlflow_server.uri)
     run_id = run.get_json(run_store.MLFLOW_RUN_KEY)["run_id"]
-    for key in (
-        "score/reward_mean",
-        "score/accuracy",
-        "update/loss",
-        "update/clip_fraction",
-        "update/kl",
-        "update/entropy",
-        "update/is_weight/mean",
-        "update/grad_norm",
-        "update/tokens_per_s",
-        "workflow/update_retries",
-        "workflow/rollout_seconds",
-    ):
+    for key in ("score/reward_mean", "score/accuracy", "update/loss", "update/clip_fraction", "update/kl",
+                "update/entropy", "update/is_weight/mean", "update/grad_norm", "update/tokens_per_s",
+                "workflow/update_retries", "workflow/rollout_seconds"):
         assert history(client, run_id, key) == [1, 2], key  # fmt: skip
     assert [m.value for m in client.get_metric_history(run_id, "workflow/update_retries")] == [1.0, 0.0]
     got = client.get_run(run_id).data
@@ -593,18 +574,9 @@ def test_local_run_with_kills_logs_every_step_once_to_mlflow_and_tensorboard(tmp
             failed = [n for n in mine if n["phase"] != "Succeeded"]
             assert expected[i][f"workflow/{step}_retries"] == len(failed), (step, i)
     found = scalars(tmp_path / "run" / "tensorboard")
-    for tag in (
-        "score/reward_mean",
-        "score/accuracy",
-        "update/loss",
-        "update/clip_fraction",
-        "update/entropy",
-        "update/is_weight/mean",
-        "update/grad_norm",
-        "update/tokens_per_s",
-        "workflow/update_seconds",
-        "workflow/rollout_retries",
-    ):
+    for tag in ("score/reward_mean", "score/accuracy", "update/loss", "update/clip_fraction", "update/entropy",
+                "update/is_weight/mean", "update/grad_norm", "update/tokens_per_s", "workflow/update_seconds",
+                "workflow/rollout_retries"):
         assert [s for s, _ in found[tag]] == [1, 2], tag  # fmt: skip
     for i in (1, 2):
         for key, value in expected[i].items():

@@ -59,7 +59,9 @@ def test_wandb_init_and_settings_take_what_tracking_passes(tmp_path):
     import wandb
     from wandb.sdk import wandb_run
 
-    assert {"project", "entity", "id", "name", "resume", "mode", "dir", "config", "settings"} <= set(params(wandb.init))
+    assert {"project", "entity", "id", "name", "resume", "mode", "dir", "config", "settings"} <= set(
+        params(wandb.init)
+    )
     fields = tracking.WandbTracker.settings_fields(WandbTracking(base_url="https://wandb.example.com"), 7.0)
     settings = wandb.Settings(**fields)  # pydantic: an unknown field or a bad value raises here
     assert settings.init_timeout == 7.0 and settings.x_graphql_timeout_seconds == 7.0

@@ -137,11 +137,7 @@ def start_ranks(run_uri: str, iteration: int, world: int = 2, *extra: str) -> li
         procs.append(
             subprocess.Popen(
                 [sys.executable, "-m", "steps.update", "--run", run_uri, "--iteration", str(iteration), *extra],
-                cwd=REPO,
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
+                cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                 start_new_session=True,
             )  # fmt: skip
         )

@@ -13,15 +13,9 @@ from steps.workflow_status import status_nodes, step_nodes
 NODES = {
     "wf-1": {"name": "wf", "displayName": "wf", "type": "DAG", "phase": "Succeeded"},
     "wf-2": {"name": "wf.plan", "displayName": "plan", "type": "Retry", "templateName": "plan"},
-    "wf-3": {
-        "name": "wf.rollout-3(0:1)(2)",
-        "displayName": "rollout-3(0:1)(2)",
-        "type": "Pod",
-        "phase": "Succeeded",
-        "templateName": "rollout",
-        "startedAt": "2026-12-01T10:00:00Z",
-        "finishedAt": "2026-12-01T10:00:07Z",
-    },  # fmt: skip
+    "wf-3": {"name": "wf.rollout-3(0:1)(2)", "displayName": "rollout-3(0:1)(2)", "type": "Pod",
+             "phase": "Succeeded", "templateName": "rollout",
+             "startedAt": "2026-12-01T10:00:00Z", "finishedAt": "2026-12-01T10:00:07Z"},  # fmt: skip
     "wf-4": {"name": "wf.publish-3", "displayName": "publish-3", "type": "Retry", "phase": "Running"},
 }
 

@@ -377,7 +377,7 @@ def _check_synchronization(spec: dict, library: dict, configmaps: dict[str, dict
             if limit is None:
                 raise MoerlError(
                     f"{where}: {path}.synchronization.semaphores[{i}] reads its limit from ConfigMap {name!r} key "
-                    f'{key!r}, which is not given; pass --configmap FILE with that ConfigMap (data: {{{key}: "1"}}) '
+                    f"{key!r}, which is not given; pass --configmap FILE with that ConfigMap (data: {{{key}: \"1\"}}) "
                     f"or put it beside the manifest"
                 )
             if not str(limit).strip().isdigit():
@@ -562,7 +562,9 @@ def parse_entrypoint(item: str) -> tuple[str, list[str]]:
     except ValueError:
         argv = []
     if not sep or not image.strip() or not argv:
-        raise MoerlError(f"--entrypoint {item!r}: expected IMAGE=COMMAND, e.g. --entrypoint 'busybox=sh -c'")
+        raise MoerlError(
+            f"--entrypoint {item!r}: expected IMAGE=COMMAND, e.g. --entrypoint 'busybox=sh -c'"
+        )
     return image.strip(), argv
 
 

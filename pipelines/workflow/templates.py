@@ -331,29 +331,17 @@ def next_segment_templates(cfg: RunConfig, next_template: str, segment_index: in
             sub_steps=[
                 Step(name="cron", template=NEXT_SEGMENT_CRON),
                 [
-                    Step(
-                        name="owned", template=NEXT_SEGMENT_OWNED, when=f"'{found}' != ''", arguments={CRON_UID: found}
-                    ),  # fmt: skip
+                    Step(name="owned", template=NEXT_SEGMENT_OWNED, when=f"'{found}' != ''",
+                         arguments={CRON_UID: found}),  # fmt: skip
                     Step(name="alone", template=NEXT_SEGMENT_ALONE, when=f"'{found}' == ''"),
                 ],
             ],
         ),
         # --ignore-not-found: no cron, empty output, and Argo gives the output parameter its default
-        Resource(
-            name=NEXT_SEGMENT_CRON,
-            action="get",
-            flags=["--ignore-not-found"],
-            manifest=yaml.safe_dump(cron, sort_keys=False),
-            outputs=[uid],
-            retry_strategy=retry,
-        ),  # fmt: skip
-        Resource(
-            name=NEXT_SEGMENT_OWNED,
-            action="create",
-            manifest=workflow(True),
-            inputs=[Parameter(name=CRON_UID)],
-            retry_strategy=retry,
-        ),  # fmt: skip
+        Resource(name=NEXT_SEGMENT_CRON, action="get", flags=["--ignore-not-found"],
+                 manifest=yaml.safe_dump(cron, sort_keys=False), outputs=[uid], retry_strategy=retry),  # fmt: skip
+        Resource(name=NEXT_SEGMENT_OWNED, action="create", manifest=workflow(True),
+                 inputs=[Parameter(name=CRON_UID)], retry_strategy=retry),  # fmt: skip
         Resource(name=NEXT_SEGMENT_ALONE, action="create", manifest=workflow(False), retry_strategy=retry),
     ]
 

@@ -246,7 +246,9 @@ class _AllToAllMoe(torch.autograd.Function):
         grad_returned, grad_topk_weight = slots.combine_rows_backward(grad, per_choice, choice_weights)
         grad_expert_out = torch.empty_like(received)  # own block unused
         with d.timer.measure(grad.device):
-            sent = _exchange_others(grad_expert_out, own_received, grad_returned, own_rows, recv_splits, send_splits, d)
+            sent = _exchange_others(
+                grad_expert_out, own_received, grad_returned, own_rows, recv_splits, send_splits, d
+            )
         grad_routed = torch.empty_like(routed)
         own_grad_returned = grad_returned[own_rows]
         own = _backward_input(own_runs, own_grad_returned, grad_routed[own_rows], fused)

@@ -5,11 +5,8 @@ import time
 
 
 def length_bonus(prompt, response, answer, metadata):
-    return {
-        "reward": 1.0 if answer.split()[-1] in response else 0.0,
-        "length": float(len(response)),
-        "level": float(metadata.get("level", 0)),
-    }
+    return {"reward": 1.0 if answer.split()[-1] in response else 0.0, "length": float(len(response)),
+            "level": float(metadata.get("level", 0))}
 
 
 def plain(prompt, response, answer, metadata):
