@@ -7,11 +7,17 @@
              (TF32 off) the weights after the step agree to TRAINER_FP32_ATOL; under bf16 autocast the step's
              weight change agrees to TRAINER_BF16_RTOL (relative to the CPU step's change)
     deepep   DeepEP's ElasticBuffer on one rank (a 1-rank NCCL group) through moerl's DeepEPDispatch, against
-             the local dispatcher: MoE block output and every gradient, forward and backward. DeepEP comes from
-             an installed deep_ep, or is built here from a checkout at images/versions.env's DEEPEP_COMMIT in
-             the ignored folder .gpu/ (`pip install --no-build-isolation --no-deps --target`; no registry)
+             the local dispatcher: MoE block output and every gradient, forward and backward; then a second,
+             bigger buffer made in the same process after the first is dropped, as a trainer that stays up
+             does when a batch outgrows its buffer (steps/expert_parallel/dispatch.py HeldDispatch). DeepEP
+             comes from an installed deep_ep, or is built here from a checkout at images/versions.env's
+             DEEPEP_COMMIT in the ignored folder .gpu/ (`pip install --no-build-isolation --no-deps --target`;
+             no registry)
+    weights  a rollout server's in-place version change on CUDA: the torch engine opened on v0 and brought
+             to v1 with update_weights generates, fp32 and bf16, exactly what an engine opened on v1 does;
+             the seconds of the update against opening the new engine
 
-    python bench/gpu_smoke.py [--only engine,trainer,deepep] [--prompts 256] [--samples 8] [--new-tokens 32]
+    python bench/gpu_smoke.py [--only engine,trainer,deepep,weights] [--prompts 256] [--samples 8] [--new-tokens 32]
                               [--deepep-src .gpu/DeepEP] [--out FILE]
 
 Every section prints one JSON line (with "ok" when it has a pass/fail, "skipped" with the reason otherwise);
@@ -22,6 +28,7 @@ CUDA every section is skipped with the reason. Figures go to bench/README.md.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import subprocess
@@ -36,7 +43,7 @@ REPO = Path(__file__).resolve().parents[1]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(REPO))
 
-SECTIONS = ("engine", "trainer", "deepep")
+SECTIONS = ("engine", "trainer", "deepep", "weights")
 GPU_DIR = REPO / ".gpu"  # ignored by git: DeepEP's checkout and what is built from it
 DEFAULT_DEEPEP_SRC = GPU_DIR / "DeepEP"
 DEEPEP_SITE = GPU_DIR / "deepep-site"
@@ -80,12 +87,18 @@ def cuda_problem() -> str | None:
 
 
 def timed_cuda(fn: Callable):
+    return timed(fn, "cuda")
+
+
+def timed(fn: Callable, device: str):
+    """fn's result and seconds, the device's queued work included."""
     import torch
 
-    torch.cuda.synchronize()
+    sync = torch.cuda.synchronize if device == "cuda" else lambda: None
+    sync()
     start = time.perf_counter()
     out = fn()
-    torch.cuda.synchronize()
+    sync()
     return out, time.perf_counter() - start
 
 
@@ -297,14 +310,81 @@ def deepep_section(args: argparse.Namespace) -> dict:
     out_ok = bool(torch.allclose(got_out, ref_out, atol=DEEPEP_ATOL, rtol=DEEPEP_RTOL))
     grad_diffs = {n: float((got_grads[n] - g).abs().max()) for n, g in ref_grads.items()}
     grads_ok = all(torch.allclose(got_grads[n], g, atol=DEEPEP_ATOL, rtol=DEEPEP_RTOL) for n, g in ref_grads.items())
+    num_sms = deepep.num_sms
+    # HeldDispatch's growth: the old buffer dropped, a bigger one registered by the same process and group.
+    del deepep
+    block.dispatch = None
+    gc.collect()
+    torch.cuda.synchronize()
+    bigger = DeepEPDispatch(group, experts, experts, hidden, top_k, 2 * tokens)
+    again_out, _ = run(bigger)
+    again_ok = bool(torch.allclose(again_out, ref_out, atol=DEEPEP_ATOL, rtol=DEEPEP_RTOL))
     return {
-        "deep_ep": how, "version": getattr(deep_ep, "__version__", "?"), "num_sms": deepep.num_sms,
+        "deep_ep": how, "version": getattr(deep_ep, "__version__", "?"), "num_sms": num_sms,
         "out_max_abs_diff": out_diff, "grad_max_abs_diff": max(grad_diffs.values()), "atol": DEEPEP_ATOL,
-        "rtol": DEEPEP_RTOL, "ok": out_ok and grads_ok,
+        "rtol": DEEPEP_RTOL, "second_buffer_out_max_abs_diff": float((again_out - ref_out).abs().max()),
+        "ok": out_ok and grads_ok and again_ok,
     }  # fmt: skip
 
 
-RUNNERS = {"engine": engine_section, "trainer": trainer_section, "deepep": deepep_section}
+# --------------------------------------------------------------------------------------------- weights
+
+
+def weights_section(args: argparse.Namespace) -> dict:
+    return weights_check(args.prompts, args.samples, args.new_tokens, "cuda")
+
+
+def weights_check(prompt_count: int, samples: int, new_tokens: int, device: str) -> dict:
+    """The weights section on `device` (tests run it on the CPU)."""
+    import torch
+
+    from steps.char_tokenizer import build_tokenizer, encode_prompt
+    from steps.engine import TorchEngine
+    from steps.generation import SamplingParams, sample_requests, sample_seed
+    from steps.hf_checkpoint import load_pretrained
+    from steps.sft import write_checkpoint
+    from steps.tasks import get_task
+
+    tok = build_tokenizer()
+    prompts = get_task("addition").prompts("train", min(prompt_count, 64), 0)
+    params = SamplingParams(n=samples, max_new_tokens=new_tokens, stop_token_ids=())
+    requests = sample_requests(
+        [(p.prompt_id, encode_prompt(tok, p.text)) for p in prompts], params,
+        seed_of=lambda pid, k: sample_seed(0, 1, pid, k),
+    )  # fmt: skip
+    out: dict = {}
+    ok = True
+    with tempfile.TemporaryDirectory() as tmp:
+        v0 = demo_checkpoint(Path(tmp) / "v0")
+        moved = load_pretrained(v0)
+        gen = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for p in moved.parameters():
+                p.add_(torch.randn(p.shape, generator=gen) * 1e-3)
+        v1 = write_checkpoint(moved, Path(tmp) / "v1")
+        for dtype in (torch.float32, torch.bfloat16):
+            name = str(dtype).removeprefix("torch.")
+            live = TorchEngine.from_checkpoint(v0, device=device, dtype=dtype)
+            live.generate(requests[:8], params)  # warm: the engine has served v0
+            _, update_s = timed(lambda live=live: live.update_weights(v1), device)
+            updated = live.generate(requests, params)
+            fresh, open_s = timed(
+                lambda dtype=dtype: TorchEngine.from_checkpoint(v1, device=device, dtype=dtype), device
+            )
+            expected = fresh.generate(requests, params)
+            same = len(updated) == len(expected) and all(
+                (a.response_ids, a.logprobs) == (b.response_ids, b.logprobs)
+                for a, b in zip(updated, expected, strict=True)
+            )
+            out[name] = {"identical": same, "update_weights_s": update_s, "open_new_engine_s": open_s}
+            ok &= same
+            live.close()
+            fresh.close()
+    out["ok"] = ok
+    return out
+
+
+RUNNERS = {"engine": engine_section, "trainer": trainer_section, "deepep": deepep_section, "weights": weights_section}
 
 
 def main(argv: list[str] | None = None) -> int:

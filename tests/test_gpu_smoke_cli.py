@@ -33,7 +33,7 @@ def test_sections_are_chosen_by_name(capsys):
     with pytest.raises(SystemExit) as stop:
         gpu_smoke.parse_args(["--only", "engine,sglang"])
     assert stop.value.code == 2
-    assert "unknown section(s) sglang; choose from engine, trainer, deepep" in capsys.readouterr().err
+    assert "unknown section(s) sglang; choose from engine, trainer, deepep, weights" in capsys.readouterr().err
 
 
 def test_deepep_is_built_offline_into_the_ignored_folder(tmp_path):
@@ -53,3 +53,10 @@ def test_the_trainer_step_it_compares_runs_on_cpu(tmp_path):
     again, loss_again = gpu_smoke.one_trainer_step(directory, "cpu", autocast_bf16=False)
     assert math.isfinite(loss) and loss == loss_again
     assert all(torch.equal(after[n], again[n]) for n in after)  # the CPU reference is reproducible
+
+
+def test_the_in_place_update_it_checks_runs_on_cpu():
+    """The weights section's own code on the CPU: an engine brought from v0 to v1 in place generates what an
+    engine opened on v1 does (fp32 and bf16)."""
+    result = gpu_smoke.weights_check(prompt_count=4, samples=2, new_tokens=4, device="cpu")
+    assert result["ok"] and result["float32"]["identical"] and result["bfloat16"]["identical"]
