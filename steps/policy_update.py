@@ -203,6 +203,31 @@ def _save(tensors: dict[str, torch.Tensor], path: Path) -> None:
     save_file(tensors, str(path), metadata={"format": "pt"})
 
 
+class HeldReference:
+    """The KL reference (v000000) that a trainer that stays up keeps from one update to the next: this rank's
+    share of its weights, fp32 on the CPU, under the placement of the update that last used it. The next
+    update moves its experts to its own placement (trainer_state.move_experts, with no AdamW state) instead
+    of reading v000000 again: the same tensors a load under that placement gives. An update takes it out
+    and gives it back only once its candidate is written, so a failed one leaves none (the next reloads),
+    and the ranks use it only if every rank holds one."""
+
+    def __init__(self) -> None:
+        self.state: HeldState | None = None
+        self.loads = 0
+
+    def take(self, mesh: Mesh) -> HeldState | None:
+        state, self.state = self.state, None
+        missing = torch.tensor([0 if state is not None else 1], device=mesh.device)
+        return state if int(all_reduce_sum(missing, mesh).item()) == 0 else None
+
+    def give_back(self, state: HeldState | None, model: MoeForCausalLM, placement: ExpertPlacement) -> None:
+        if state is None:  # loaded by this update
+            weights = {name: t.detach().to("cpu") for name, t in model.state_dict().items()}
+            state = HeldState(0, torch.float32, placement, weights, optimizer={}, weight_digests=[])
+            self.loads += 1
+        self.state = state
+
+
 SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 
 
@@ -412,12 +437,14 @@ def train_iteration(
     parent_dir: Path | None = None,
     timer: CommTimer | None = None,
     dispatches: HeldDispatch | None = None,
+    reference: HeldReference | None = None,
 ) -> tuple[dict[str, Any] | None, HeldState]:
     """Train `work` on `mesh` from v(I-1) and write candidate I; returns the marker (rank 0; None on the
     others) and what this rank holds of the version trained (HeldState). v(I-1) comes from `held`, when
     the caller found it to be that version as published (HeldState.matches; every rank must agree), else
     from the store (parent_dir: the version's local copy when the caller already fetched it). `dispatches`:
-    the expert dispatcher a trainer that stays up keeps across updates (else one is made for this one)."""
+    the expert dispatcher a trainer that stays up keeps across updates (else one is made for this one);
+    `reference`: the KL reference it keeps (loaded by its first update with kl_coef > 0)."""
     run, cfg, iteration = work.run, work.cfg, work.iteration
     parent, rank, world, device = iteration - 1, mesh.rank, mesh.world_size, mesh.device
     samples, settings = work.samples, work.settings
@@ -439,10 +466,17 @@ def train_iteration(
         dtype = checkpoint_dtype(parent_dir)
         model = load_pretrained(parent_dir, torch.float32, device, placement, mesh.ep_rank)
     model.count_routed_rows()
-    ref_model = None
+    ref_model, ref_state = None, None
     if settings.loss.kl_coef > 0:
-        ref_dir = parent_dir if parent == 0 and parent_dir is not None else fetch_checkpoint(run, 0, mesh, local_rank)
-        ref_model = load_pretrained(ref_dir, torch.float32, device, placement, mesh.ep_rank)
+        ref_state = reference.take(mesh) if reference is not None else None
+        if ref_state is not None:  # held: its experts follow this update's placement
+            move_experts(ref_state, placement, mesh, model_config)
+            weights = ref_state.weights
+            ref_model = model_from_state(model_config, weights, torch.float32, device, placement, mesh.ep_rank)
+        else:
+            ref_dir = parent_dir if parent == 0 and parent_dir is not None else None
+            ref_dir = ref_dir or fetch_checkpoint(run, 0, mesh, local_rank)
+            ref_model = load_pretrained(ref_dir, torch.float32, device, placement, mesh.ep_rank)
         ref_model.requires_grad_(False)
     cfg_model = model.config
     rows = settings.micro_batch_size
@@ -510,6 +544,8 @@ def train_iteration(
     )
     if rank == 0:  # the metrics are in the store (the candidate's metadata): now the trackers' copy
         tracking.log_iteration(run, cfg, "update", iteration, metrics, lambda line: print(line, flush=True))
+    if reference is not None and ref_model is not None:
+        reference.give_back(ref_state, ref_model, placement)
     trained = HeldState(
         version=iteration,
         dtype=dtype,

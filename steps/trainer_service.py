@@ -12,7 +12,8 @@ the same path: the state held in memory when it is v(I-1) exactly as published (
 v(I-1) and optimizer/v(I-1) from the store, as a fresh update step would (a trainer just started,
 restarted after a crash, or holding another version). A request whose candidate is already complete (a
 retried client) is answered at once. A failed update drops the held state (the next one reloads). The expert
-dispatcher (with DeepEP, its buffer) is made by the first update and kept (dispatch.HeldDispatch).
+dispatcher (with DeepEP, its buffer) is made by the first update and kept (dispatch.HeldDispatch), and so is
+the KL reference (policy_update.HeldReference).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from steps.errors import MoerlError
 from steps.expert_parallel.dispatch import HeldDispatch
 from steps.expert_parallel.mesh import Mesh
 from steps.model import MoeConfig
-from steps.policy_update import agreed, pending_iteration, train_iteration
+from steps.policy_update import HeldReference, agreed, pending_iteration, train_iteration
 from steps.serving import JsonServer, Unavailable
 from steps.store import Store
 from steps.trainer_state import HeldState
@@ -58,6 +59,7 @@ class TrainerService:
         self.log = log
         self.held: HeldState | None = None
         self.dispatches = HeldDispatch()  # its DeepEP buffer made once, not per update
+        self.reference = HeldReference()  # the KL reference read once, not per update
         self.instance = ""  # set by the step once registered
         self.stopping = threading.Event()
         self._done = 0
@@ -71,6 +73,7 @@ class TrainerService:
             "ready": bool(self.instance) and not self.stopping.is_set(),
             "held": None if self.held is None else self.held.version,
             "dispatches_made": self.dispatches.made,
+            "reference_loads": self.reference.loads,
             "requests": self._done,
         }
 
@@ -150,6 +153,7 @@ class TrainerService:
             self.model_config,
             held=held if from_memory else None,
             dispatches=self.dispatches,
+            reference=self.reference,
         )
         return {"outcome": "trained", "source": source, "iteration": iteration}
 

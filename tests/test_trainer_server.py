@@ -166,7 +166,9 @@ def test_a_trainer_that_stays_up_trains_the_bytes_of_plain_updates(tmp_path, dty
         again = client(served, 3)  # a retried client finds the candidate complete
         assert again.returncode == 0 and "nothing to do" in again.stdout
         (trainer,) = serving.live_servers(store, WORKFLOW, TRAINER_SERVER_NAME, exact=True)
-        assert serving.health(trainer)["dispatches_made"] == 1  # updates 2 and 3 with one dispatcher
+        health = serving.health(trainer)
+        assert health["dispatches_made"] == 1  # updates 2 and 3 with one dispatcher
+        assert health["reference_loads"] == (1 if extra else 0)  # and, with the KL penalty, one read of v000000
         answer = serving.call(trainer, "update", {"run": store.uri, "iteration": 3})  # and so does the trainer
         assert answer["outcome"] == "nothing to do"
         with pytest.raises(MoerlError, match="not 'file:///elsewhere'"):
