@@ -222,9 +222,9 @@ class CheckpointConfig(_Section):
     keep_last: int = _field(3, "published versions kept besides v000000 (older ones are deleted)", ge=1)
     deltas: bool = _field(
         True,
-        "with rollout servers, publish also writes each version's compressed delta against its parent "
-        "(deltas/v(i)/), which the servers fetch instead of the whole checkpoint; the full checkpoint stays the "
-        "source of truth",
+        "with rollout servers, each version's compressed delta against its parent is also written (deltas/v(i)/: "
+        "the update's ranks write their weight files' blobs, publish indexes them), which the servers fetch "
+        "instead of the whole checkpoint; the full checkpoint stays the source of truth",
     )
 
 
