@@ -18,7 +18,9 @@ Output: the candidate <run>/candidates/iter-I/ (its format: steps/candidate.py),
 optimizer-state shard per EP rank, CANDIDATE.json last; and <run>/metrics/iter-I.update.json (loss, clip
 fraction, KL, importance weights, grad norm, entropy, tokens/s, the per-expert routed row counts and the
 expert placement used; a separate file so that score's metrics/iter-I.json is never rewritten). Rank 0 then
-hands the metrics to the run's experiment trackers (steps/tracking.py; none by default).
+hands the metrics to the run's experiment trackers (steps/tracking.py; none by default). With rollout servers
+and checkpoint.deltas, each rank that writes a weight shard also writes its delta blob against v(I-1)'s bits
+at <run>/deltas/v(I)/ (steps/weight_delta.py), listed in CANDIDATE.json for publish to index.
 
 Expert placement (trainer.expert_placement, default balanced): which E/ep experts each EP rank holds, per
 MoE layer. Update I balances the EP ranks' routed rows with the per-expert row counts that update I-1
