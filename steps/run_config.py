@@ -51,7 +51,7 @@ OPERATIONAL_FIELDS = frozenset(
 )
 OPERATIONAL_SECTION_FIELDS = {
     "rollout": frozenset({"num_shards", "servers", "server_wait_s"}),
-    "trainer": frozenset({"server", "server_wait_s"}),
+    "trainer": frozenset({"server", "server_wait_s", "server_idle_exit_s"}),
     "checkpoint": frozenset({"deltas"}),
 }
 
@@ -213,7 +213,14 @@ class TrainerConfig(_Section):
     server_wait_s: float = _field(
         600.0,
         "with trainer.server: how long an update step waits for its Workflow's trainer to be ready before it "
-        "trains the iteration itself (a torchrun of its own, the same bits)",
+        "exits 75 to be retried (it runs on a CPU node: it has no GPU to train on)",
+        ge=0,
+    )
+    server_idle_exit_s: float = _field(
+        3600.0,
+        "with trainer.server over trainer.nodes > 1: the trainer's PyTorchJob ends itself after this long "
+        "without an update request (0: never), so that a job whose launcher was killed before it could delete "
+        "it frees its nodes; the segment's daemon stops it long before",
         ge=0,
     )
 

@@ -4,7 +4,8 @@
                                                                                   [--port P]
 
 On several nodes it is each replica's command of the trainer's PyTorchJob (`--nnodes N`, the rendezvous from
-the training operator's PET_* variables), which the segment's trainer-server daemon launches.
+the training operator's PET_* variables), which the segment's trainer-server daemon launches; there it also
+gets `--idle-exit-s` (trainer.server_idle_exit_s), so that a job whose launcher died ends itself.
 
 Its ranks start the process group and the dp x ep mesh once (trainer.ep_size, the model's experts: from the
 newest published version's config.json); rank 0 listens, registers as `<run>/servers/<workflow>/trainer.json`
@@ -58,8 +59,9 @@ def newest_model_config(run: Store, log: Callable[[str], None]) -> MoeConfig:
     return MoeConfig.from_hf_dict(json.loads(data), source=run.url(f"v{version:06d}/{CONFIG_NAME}"))
 
 
-def serve_trainer(run_uri: str, workflow: str, port: int = 0) -> int:
-    """Run the trainer until SIGTERM (rank 0) or until rank 0 says stop (the others)."""
+def serve_trainer(run_uri: str, workflow: str, port: int = 0, idle_exit_s: float = 0.0) -> int:
+    """Run the trainer until SIGTERM (rank 0), or until `idle_exit_s` (> 0) without a request, or until rank 0
+    says stop (the others)."""
     log = lambda line: print(line, flush=True)  # noqa: E731
     rank, world, local_rank, device = init_distributed()
     run = Store.open(run_uri)
@@ -86,7 +88,7 @@ def serve_trainer(run_uri: str, workflow: str, port: int = 0) -> int:
     service.instance = entry.instance
     log(f"trainer: {world} rank(s), ep {mesh.ep_size}; listening on {entry.address} for workflow {workflow}")
     try:
-        service.serve(server)
+        service.serve(server, idle_exit_s)
     finally:
         serving.unregister(run, entry)
         server.close()
@@ -98,11 +100,17 @@ def main() -> int:
     parser.add_argument("--run", required=True, help="run store URI (file://, plain path or s3://bucket/prefix)")
     parser.add_argument("--workflow", required=True, help="the Workflow whose update steps it serves")
     parser.add_argument("--port", type=int, default=0, help="port rank 0 listens on (default 0: any free port)")
+    parser.add_argument(
+        "--idle-exit-s",
+        type=float,
+        default=0.0,
+        help="end (exit 0) after this long without an update request; default 0: never (trainer.server_idle_exit_s)",
+    )
     argv = sys.argv[1:]
     args = parser.parse_args(argv[1:] if argv[:1] == ["--"] else argv)
     # cuBLAS needs this before CUDA starts for deterministic GEMMs (torch.use_deterministic_algorithms).
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    return serve_trainer(args.run, args.workflow, args.port)
+    return serve_trainer(args.run, args.workflow, args.port, args.idle_exit_s)
 
 
 if __name__ == "__main__":

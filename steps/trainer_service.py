@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -63,6 +64,7 @@ class TrainerService:
         self.instance = ""  # set by the step once registered
         self.stopping = threading.Event()
         self._done = 0
+        self._last_request = time.monotonic()  # an idle exit counts from the start, then from each request
 
     # ------------------------------------------------------------------------------- rank 0: the face
 
@@ -93,6 +95,7 @@ class TrainerService:
             )
         if self.stopping.is_set():
             raise Unavailable("the trainer is stopping")
+        self._last_request = time.monotonic()
         command = {"op": "update", "iteration": iteration, "force": bool(body.get("force"))}
         command["from_memory"] = self._may_train_on(iteration)
         self._broadcast(command)
@@ -101,11 +104,21 @@ class TrainerService:
         finally:
             self._done += 1
 
-    def serve(self, server: JsonServer) -> None:
+    def serve(self, server: JsonServer, idle_exit_s: float = 0.0) -> None:
         """Rank 0's main thread: run the server's requests on every rank until stopping, with a no-op broadcast
-        while idle (HEARTBEAT_S); then tell the other ranks to stop. (A SIGTERM ends rank 0 at once, in a
-        request or not; the other ranks then end with their process group.)"""
-        server.run_operations(self.stopping, idle=lambda: self._broadcast({"op": "noop"}), idle_every_s=HEARTBEAT_S)
+        while idle (HEARTBEAT_S); then tell the other ranks to stop. With `idle_exit_s` > 0 it also stops
+        once that long has passed without a request (checked at each heartbeat). (A SIGTERM ends rank 0 at
+        once, in a request or not; the other ranks then end with their process group.)"""
+
+        def idle() -> None:
+            quiet_s = time.monotonic() - self._last_request
+            if idle_exit_s > 0 and quiet_s >= idle_exit_s:
+                self.log(f"trainer: no update request for {quiet_s:.0f} s (--idle-exit-s {idle_exit_s:g}); stopping")
+                self.stopping.set()
+                return
+            self._broadcast({"op": "noop"})
+
+        server.run_operations(self.stopping, idle=idle, idle_every_s=HEARTBEAT_S)
         self._broadcast({"op": "stop"})
 
     def _may_train_on(self, iteration: int) -> bool:

@@ -72,3 +72,25 @@ def test_health_answers_and_unknown_operations_are_refused(path):
                 serving.call(entry(server), path.lstrip("/"), {})
     finally:
         server.close()
+
+
+def test_an_idle_trainer_stops_itself_after_idle_exit_s(tmp_path, monkeypatch):
+    """trainer.server_idle_exit_s: a trainer whose job outlived its launcher gets no more requests and ends
+    (rank 0 stops serving and tells the other ranks to stop) instead of holding its nodes."""
+    from types import SimpleNamespace
+
+    from steps import trainer_service
+    from steps.store import Store
+
+    monkeypatch.setattr(trainer_service, "HEARTBEAT_S", 0.0)  # check at every idle poll
+    lines: list[str] = []
+    mesh = SimpleNamespace(rank=0, ep_size=1)
+    service = trainer_service.TrainerService(Store.open(tmp_path.as_uri()), mesh, 0, None, None, lines.append)
+    server = serving.JsonServer({"update": service.update}, service.health, main_thread=True)
+    server.serve_in_background()
+    try:
+        service.serve(server, idle_exit_s=0.01)  # returns once it stopped itself
+    finally:
+        server.close()
+    assert service.stopping.is_set()
+    assert lines and "no update request for" in lines[-1] and "--idle-exit-s 0.01" in lines[-1]

@@ -51,15 +51,21 @@ def test_the_step_parses_the_command_line_the_template_gives_it(monkeypatch):
 
     seen = {}
 
-    def serve_trainer(run: str, workflow: str, port: int) -> int:
-        seen.update(run=run, workflow=workflow, port=port)
+    def serve_trainer(run: str, workflow: str, port: int, idle_exit_s: float) -> int:
+        seen.update(run=run, workflow=workflow, port=port, idle_exit_s=idle_exit_s)
         return 0
 
     monkeypatch.setattr(trainer_server, "serve_trainer", serve_trainer)
     argv = step_command(config(), "trainer-server").argv
     monkeypatch.setattr("sys.argv", ["trainer_server", *argv[argv.index("--") :]])
     assert trainer_server.main() == 0
-    assert seen == {"run": "file:///tmp/run", "workflow": "{{workflow.name}}", "port": 0}
+    assert seen == {"run": "file:///tmp/run", "workflow": "{{workflow.name}}", "port": 0, "idle_exit_s": 0.0}
+    # The replicas of a multi-node trainer's job: the same step, which also ends itself once idle.
+    job = pytorchjob.trainer_server_manifest(config(nodes=2), "wf", "uid")
+    args = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]["args"]
+    monkeypatch.setattr("sys.argv", ["trainer_server", *args[args.index("--") :]])
+    assert trainer_server.main() == 0
+    assert seen == {"run": "file:///tmp/run", "workflow": "wf", "port": 0, "idle_exit_s": 3600.0}
 
 
 def test_the_update_is_a_client_of_the_trainer_only_when_trainer_server():
@@ -139,7 +145,7 @@ def test_over_several_nodes_the_daemon_launches_the_trainers_pytorchjob_and_the_
     container = replicas["Master"]["template"]["spec"]["containers"][0]
     assert container["args"] == [
         "--nproc-per-node", "4", "--nnodes", "3", "-m", "steps.trainer_server", "--",
-        "--run", "file:///tmp/run", "--workflow", "{{workflow.name}}",
+        "--run", "file:///tmp/run", "--workflow", "{{workflow.name}}", "--idle-exit-s", "3600.0",
     ]  # fmt: skip
     env = {e["name"]: e for e in container["env"]}
     assert env["POD_IP"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}  # rank 0 registers it

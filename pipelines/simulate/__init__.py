@@ -25,8 +25,9 @@ The model, in the order a run meets it:
   the engine (or trainer) start-up once and again per replacement; rollout and update steps become clients on
   the CPU pool. A rollout server brings its weights to each new version from bytes and bandwidth (the delta,
   checkpoint.deltas, or the whole checkpoint, from S3; the version from local disk; the in-place update), and
-  the update pays the delta's encode and write (every rank its share, every node at once). A reclaimed server loses its chunk in flight; its clients are retried and
-  find it (or another) again. rollout.servers 0 is modelled exactly as before.
+  the update pays the delta's encode and write (every rank its share, every node at once). A reclaimed
+  server loses its chunk in flight; its clients are retried and find it (or another) again. rollout.servers 0
+  is modelled exactly as before.
 
 Iteration time is the time between two successive publications (the first one counted from the end of
 import-sft), the same definition that `iteration_times_from_status` applies to a real run. Tokens are sampled

@@ -36,7 +36,7 @@ from typing import Any
 import yaml
 
 from pipelines.workflow import placement as pl
-from pipelines.workflow.commands import torchrun_args, trainer_server_args
+from pipelines.workflow.commands import flags, torchrun_args, trainer_server_args
 from steps.pytorchjob_launcher import (
     FAILED_CONDITION_INDEXES,
     GROUP,
@@ -77,12 +77,15 @@ def trainer_server_manifest(cfg: RunConfig, workflow: str, workflow_uid: str) ->
     restartPolicy Never and backoffLimit 0: the first replica that fails fails the job (the operator's rule
     for any replica type), its other pods are deleted, and the daemon exits 1, so the restart is the daemon's
     own retry, visible in the Workflow, never a replica restarted alone into a process group that is gone.
-    No activeDeadlineSeconds: the job lives as long as its segment. The owner reference to the Workflow
-    removes the job with it should the daemon be killed before it could delete it."""
+    No activeDeadlineSeconds: the job lives as long as its segment. Should the daemon be killed before it could
+    delete it, the job ends itself after trainer.server_idle_exit_s without a request, and the owner reference
+    to the Workflow removes it with the Workflow."""
     run_policy = {"backoffLimit": 0, "cleanPodPolicy": "Running"}
     labels = pl.labels(cfg, "trainer-server")
     env = [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]  # rank 0 registers it
-    job = _job(cfg, trainer_server_job_name(cfg), labels, trainer_server_args(cfg, workflow), run_policy, "Never", env)
+    # It also ends itself once idle for trainer.server_idle_exit_s: no job outlives its launcher for long.
+    args = trainer_server_args(cfg, workflow) + flags(idle_exit_s=cfg.trainer.server_idle_exit_s)
+    job = _job(cfg, trainer_server_job_name(cfg), labels, args, run_policy, "Never", env)
     job["metadata"]["ownerReferences"] = [
         {"apiVersion": "argoproj.io/v1alpha1", "kind": "Workflow", "name": workflow, "uid": workflow_uid}
     ]
