@@ -70,6 +70,7 @@ TRAINER_NOT_MAPPED = {
     "shared_prompts": "runs each sample's prompt itself, and shuffles samples, not whole groups, into steps",
     "server": "one process that trains in place (a trainer that stays up changes where moerl trains, not what)",
     "server_wait_s": "one process, no trainer server to wait for",
+    "server_idle_exit_s": "one process, no trainer job to end",
 }
 # Trainer fields mapped by grpo_settings.
 TRAINER_MAPPED = {
