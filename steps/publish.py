@@ -166,6 +166,16 @@ def assemble_hf_dir(
     (out_dir / SAFE_WEIGHTS_INDEX_NAME).write_text(json.dumps(hf_index, indent=2) + "\n")
 
 
+def published_files(hf_dir: Path, marker: dict[str, Any], model_files: list[str]) -> dict[str, dict[str, Any]]:
+    """The files of the dir about to be published: every file's size, and the weight files' sha256 as the
+    candidate's marker records them (checked when the candidate was downloaded; the weight files are the
+    candidate's, renamed), so that the deltas are checked without hashing the checkpoint once more."""
+    files: dict[str, dict[str, Any]] = {p.name: {"size": p.stat().st_size} for p in hf_dir.iterdir() if p.is_file()}
+    for old, new in candidate.published_weight_names(model_files).items():
+        files[new] = dict(marker["files"][old])
+    return files
+
+
 def clean_up(run: Store, iteration: int, keep_last: int) -> list[int]:
     """Retention, the optimizer state and deltas of versions no longer published, and the published candidate.
 
@@ -228,7 +238,8 @@ def publish(run_uri: str, iteration: int) -> checkpoint.Manifest:
         assemble_hf_dir(candidate_dir, index, model_files, optimizer_files, hf_dir)
         validate_checkpoint_dir(hf_dir)
         if weight_delta.wanted(cfg):  # before MANIFEST.json: a delta is complete or absent
-            summary = weight_delta.adopt(run, iteration, hf_dir, marker.get("weight_deltas"))
+            files = published_files(hf_dir, marker, model_files)
+            summary = weight_delta.adopt(run, iteration, files, marker.get("weight_deltas"))
             source = "written by the update's ranks"
             if summary is None:  # the update wrote none that describe these files: read both versions here
                 summary, source = weight_delta.write_delta(run, iteration, hf_dir), "written by publish"

@@ -405,37 +405,43 @@ def write_index(
 ) -> DeltaSummary:
     """DELTA.json, last: the blobs of `deltas` rebuild the weight files of `files` (v(version)'s, as its
     MANIFEST.json will list them)."""
-    index = DeltaIndex(
+    index = _index(version, deltas, files)
+    run.put_bytes(delta_index_key(version), index.to_json().encode())
+    return DeltaSummary.of(index)
+
+
+def _index(version: int, deltas: dict[str, FileDelta], files: dict[str, dict[str, int | str]]) -> DeltaIndex:
+    return DeltaIndex(
         version=version,
         parent=version - 1,
         files=deltas,
         delta_bytes=sum(f.blob_bytes for f in deltas.values()),
         full_bytes=sum(int(meta["size"]) for meta in files.values()),
     )
-    run.put_bytes(delta_index_key(version), index.to_json().encode())
-    return DeltaSummary.of(index)
 
 
-def adopt(run: Store, version: int, new_dir: Path, written: dict[str, dict] | None) -> DeltaSummary | None:
+def adopt(
+    run: Store, version: int, files: dict[str, dict[str, int | str]], written: dict[str, dict] | None
+) -> DeltaSummary | None:
     """The publish side of the deltas an update wrote (a candidate's weight_deltas, by published file name):
-    DELTA.json for them if they describe exactly the weight files of `new_dir` and every blob is stored at
+    DELTA.json for them if they describe exactly the weight files of `files` (v(version)'s files as its
+    MANIFEST.json will list them: every file's size, the weight files' sha256) and every blob is stored at
     its size; else None (the caller writes the delta itself). Nothing is read but the blobs' sizes."""
     if not written:
         return None
-    files = checkpoint.describe_dir(new_dir)
     try:
         deltas = {str(name): FileDelta.from_dict(f) for name, f in written.items()}
     except (KeyError, ValueError, TypeError):
         return None
-    if {n for n in files if n.endswith(WEIGHTS_SUFFIX)} != set(deltas):
+    index = _index(version, deltas, files)
+    if not index.describes(version, files):
         return None
     for name, delta in deltas.items():
-        if (files[name]["size"], files[name]["sha256"]) != (delta.size, delta.sha256):
-            return None
         key = delta_blob_key(version, name)
         if not run.exists(key) or run.size(key) != delta.blob_bytes:
             return None
-    return write_index(run, version, deltas, files)
+    run.put_bytes(delta_index_key(version), index.to_json().encode())
+    return DeltaSummary.of(index)
 
 
 # ------------------------------------------------------------------------------------ reading

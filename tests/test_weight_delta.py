@@ -211,4 +211,5 @@ def test_the_update_writes_the_blobs_and_publish_indexes_them_or_writes_its_own(
     publish(again_uri, 1)
     assert wrote == [1]  # adopted: publish did not write this one
     assert read_index(again, 1) == index
-    assert weight_delta.adopt(again, 1, checkpoint.fetch(again, 1), None) is None  # no blobs listed: not adopted
+    files = checkpoint.describe_dir(checkpoint.fetch(again, 1))
+    assert weight_delta.adopt(again, 1, files, None) is None  # no blobs listed: not adopted
