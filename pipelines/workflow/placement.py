@@ -138,6 +138,10 @@ def tracking_env(cfg: RunConfig) -> list[dict[str, Any]]:
     return out
 
 
+# A long-lived server's own address (steps/serving.py pod_ip), from the downward API: the server registers it.
+POD_IP_ENV = {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
+
+
 def env() -> list[dict[str, str]]:
     """The environment of every step pod with a read-only root filesystem (Argo templates, PyTorchJob pods)."""
     return [{"name": k, "value": v} for k, v in (STEP_ENV | READ_ONLY_ROOT_ENV).items()]

@@ -82,7 +82,7 @@ def trainer_server_manifest(cfg: RunConfig, workflow: str, workflow_uid: str) ->
     to the Workflow removes it with the Workflow."""
     run_policy = {"backoffLimit": 0, "cleanPodPolicy": "Running"}
     labels = pl.labels(cfg, "trainer-server")
-    env = [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]  # rank 0 registers it
+    env = [dict(pl.POD_IP_ENV)]  # rank 0 registers it
     # It also ends itself once idle for trainer.server_idle_exit_s: no job outlives its launcher for long.
     args = trainer_server_args(cfg, workflow) + flags(idle_exit_s=cfg.trainer.server_idle_exit_s)
     job = _job(cfg, trainer_server_job_name(cfg), labels, args, run_policy, "Never", env)

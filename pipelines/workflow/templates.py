@@ -14,12 +14,10 @@ from hera.workflows import DAG, Artifact, Container, NoneArchiveStrategy, Parame
 from hera.workflows.models import (
     Affinity,
     EnvVar,
-    EnvVarSource,
     ExecAction,
     Gauge,
     MetricLabel,
     Metrics,
-    ObjectFieldSelector,
     PodSecurityContext,
     Probe,
     Prometheus,
@@ -58,7 +56,6 @@ SCORE_METRIC_KEYS = {"reward_mean": "moerl_reward_mean", "accuracy": "moerl_accu
 MAIN = "main"
 CRON_LABEL = "workflows.argoproj.io/cron-workflow"  # what Argo's cron controller puts on its Workflows
 TRAINER_SERVER = graph.TRAINER_SERVER
-POD_IP = EnvVarSource(field_ref=ObjectFieldSelector(field_path="status.podIP"))  # where a server is reached
 
 
 def _step_container(
@@ -163,7 +160,7 @@ def _server_container(
         server=True,
         daemon=True,
         readiness_probe=probe,
-        env=[*env, EnvVar(name="POD_IP", value_from=POD_IP)],
+        env=[*env, EnvVar.model_validate(pl.POD_IP_ENV)],
         **extra,
     )
 
