@@ -56,7 +56,7 @@ from steps.run_store import (
 )
 from steps.store import Store
 from steps.trainer import PolicyTrainer, TrainSettings, new_adamw, prompt_groups
-from steps.trainer_state import HeldState, move_experts
+from steps.trainer_state import HeldReference, HeldState, move_experts
 
 T = TypeVar("T")
 COLLECTIVE_TIMEOUT_SECONDS = 60 * 60
@@ -203,31 +203,6 @@ def _save(tensors: dict[str, torch.Tensor], path: Path) -> None:
     save_file(tensors, str(path), metadata={"format": "pt"})
 
 
-class HeldReference:
-    """The KL reference (v000000) that a trainer that stays up keeps from one update to the next: this rank's
-    share of its weights, fp32 on the CPU, under the placement of the update that last used it. The next
-    update moves its experts to its own placement (trainer_state.move_experts, with no AdamW state) instead
-    of reading v000000 again: the same tensors a load under that placement gives. An update takes it out
-    and gives it back only once its candidate is written, so a failed one leaves none (the next reloads),
-    and the ranks use it only if every rank holds one."""
-
-    def __init__(self) -> None:
-        self.state: HeldState | None = None
-        self.loads = 0
-
-    def take(self, mesh: Mesh) -> HeldState | None:
-        state, self.state = self.state, None
-        missing = torch.tensor([0 if state is not None else 1], device=mesh.device)
-        return state if int(all_reduce_sum(missing, mesh).item()) == 0 else None
-
-    def give_back(self, state: HeldState | None, model: MoeForCausalLM, placement: ExpertPlacement) -> None:
-        if state is None:  # loaded by this update
-            weights = {name: t.detach().to("cpu") for name, t in model.state_dict().items()}
-            state = HeldState(0, torch.float32, placement, weights, optimizer={}, weight_digests=[])
-            self.loads += 1
-        self.state = state
-
-
 SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 
 
@@ -274,12 +249,9 @@ def write_shards(
     if mesh.dp_rank != 0:
         return out
 
-    def mine(name: str) -> bool:
-        return _written(mesh, name)
-
     weights = _stored(model, mesh, dtype)
     opt_state = optimizer_state_tensors(model, optimizer, dtype)
-    opt_state = {n: t for n, t in opt_state.items() if mine(n.rsplit(".", 1)[0])}
+    opt_state = {n: t for n, t in opt_state.items() if _written(mesh, n.rsplit(".", 1)[0])}
     prefix = candidate_prefix(iteration)
     for kind, file_name, tensors in (
         ("weights", candidate.model_shard_name(mesh.ep_rank, mesh.ep_size), weights),

@@ -13,7 +13,7 @@ v(I-1) and optimizer/v(I-1) from the store, as a fresh update step would (a trai
 restarted after a crash, or holding another version). A request whose candidate is already complete (a
 retried client) is answered at once. A failed update drops the held state (the next one reloads). The expert
 dispatcher (with DeepEP, its buffer) is made by the first update and kept (dispatch.HeldDispatch), and so is
-the KL reference (policy_update.HeldReference).
+the KL reference (trainer_state.HeldReference).
 """
 
 from __future__ import annotations
@@ -32,10 +32,10 @@ from steps.errors import MoerlError
 from steps.expert_parallel.dispatch import HeldDispatch
 from steps.expert_parallel.mesh import Mesh
 from steps.model import MoeConfig
-from steps.policy_update import HeldReference, agreed, pending_iteration, train_iteration
+from steps.policy_update import agreed, pending_iteration, train_iteration
 from steps.serving import JsonServer, Unavailable
 from steps.store import Store
-from steps.trainer_state import HeldState
+from steps.trainer_state import HeldReference, HeldState
 
 # Rank 0 broadcasts a no-op this often while idle: the other ranks wait in a broadcast, whose group timeout
 # (policy_update.COLLECTIVE_TIMEOUT_SECONDS) must never run out between two updates.

@@ -15,6 +15,7 @@ code that a reload uses (hf_checkpoint.model_from_state, optimizer_state.load_op
 A held state is used only for the version it was trained into, and only once that version is published
 with the very weights the trainer wrote (`matches`: the published weight files' digests are those of the
 candidate's weight shards, which publish renames): a version trained elsewhere, or republished, is reloaded.
+HeldReference keeps the KL reference (v000000) the same way, without AdamW state, across every update.
 """
 
 from __future__ import annotations
@@ -25,9 +26,9 @@ import torch
 import torch.distributed as dist
 
 from steps.checkpoint import Manifest
-from steps.expert_parallel.mesh import Mesh
+from steps.expert_parallel.mesh import Mesh, all_reduce_sum
 from steps.expert_parallel.placement import ExpertPlacement
-from steps.model import MoeConfig, moe_layer_indices
+from steps.model import MoeConfig, MoeForCausalLM, moe_layer_indices
 from steps.optimizer_state import ADAMW_FIELDS
 
 EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -50,6 +51,31 @@ class HeldState:
             if name.endswith(".safetensors")
         )
         return self.version == version and published == sorted(self.weight_digests)
+
+
+class HeldReference:
+    """The KL reference (v000000) that a trainer that stays up keeps from one update to the next: this rank's
+    share of its weights, fp32 on the CPU, under the placement of the update that last used it. The next
+    update moves its experts to its own placement (trainer_state.move_experts, with no AdamW state) instead
+    of reading v000000 again: the same tensors a load under that placement gives. An update takes it out
+    and gives it back only once its candidate is written, so a failed one leaves none (the next reloads),
+    and the ranks use it only if every rank holds one."""
+
+    def __init__(self) -> None:
+        self.state: HeldState | None = None
+        self.loads = 0
+
+    def take(self, mesh: Mesh) -> HeldState | None:
+        state, self.state = self.state, None
+        missing = torch.tensor([0 if state is not None else 1], device=mesh.device)
+        return state if int(all_reduce_sum(missing, mesh).item()) == 0 else None
+
+    def give_back(self, state: HeldState | None, model: MoeForCausalLM, placement: ExpertPlacement) -> None:
+        if state is None:  # loaded by this update
+            weights = {name: t.detach().to("cpu") for name, t in model.state_dict().items()}
+            state = HeldState(0, torch.float32, placement, weights, optimizer={}, weight_digests=[])
+            self.loads += 1
+        self.state = state
 
 
 def owner(placement: ExpertPlacement, layer: int, expert: int) -> int:
