@@ -1,4 +1,4 @@
-"""The checkpoint protocol of a run store (DESIGN.md, "Run store").
+"""The checkpoint protocol of a run store (docs/contracts.md, "Run store").
 
     <run>/checkpoints/v000003/            HF-format model dir (config.json, tokenizer, *.safetensors)
     <run>/checkpoints/v000003/MANIFEST.json   written LAST: every file with size + sha256

@@ -16,7 +16,7 @@ does any sample. A chunk file carries the digest of everything that determines i
 a resumed shard skips the chunks whose file is there with the right digest, and score refuses a chunk with
 another digest.
 
-Parquet columns (DESIGN.md): prompt_id string, sample_index int32, prompt_ids / response_ids list<int32>,
+Parquet columns (docs/contracts.md): prompt_id string, sample_index int32, prompt_ids / response_ids list<int32>,
 behavior_logprobs list<float32> (one per response token; see steps/generation.py for what they are),
 policy_version int64; plus task, answer, finish_reason (strings). Scored files add reward and advantage
 (float32), correct and well_formed (bool) and rm_score (float32, null without a reward model). Readers use
@@ -368,7 +368,7 @@ def read_rollout(run: Store, plan: RolloutPlan, num_shards: int) -> pa.Table:
 # Scored experience, as the update reads it
 # ----------------------------------------------------------------------------------------------------
 
-# The columns the trainer reads (DESIGN.md; SCORED_SCHEMA has more).
+# The columns the trainer reads (docs/contracts.md, "Run store"; SCORED_SCHEMA has more).
 SCORED_COLUMNS = (
     "prompt_id", "sample_index", "prompt_ids", "response_ids", "behavior_logprobs", "policy_version",
     "reward", "advantage",

@@ -140,7 +140,7 @@ class IterationRollout:
         if policy_version is not None and policy_version != self.version:
             raise MoerlError(
                 f"{flag} {policy_version}: iteration {self.iteration} with staleness {self.cfg.staleness} "
-                f"samples from v{self.version:06d} (DESIGN: rollout[i] uses v(i-1-staleness)); pass "
+                f"samples from v{self.version:06d} (rollout of iteration i uses v(i-1-staleness)); pass "
                 f"{self.version} or leave it out"
             )
 

@@ -26,7 +26,6 @@ error and nothing is written. A rerun writes the same bytes again.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 from typing import Any
@@ -55,7 +54,7 @@ from steps.rewards import (
     verify_samples,
 )
 from steps.run_store import behaviour_version, metrics_key, scored_key
-from steps.store import Store
+from steps.store import Store, json_text
 from steps.user_reward import RewardFunction
 
 DEFAULT_METRICS_OUT = "/tmp/metrics.json"
@@ -170,7 +169,7 @@ def score_iteration(
     if metrics_out:
         out = Path(metrics_out)
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(metrics, sort_keys=True) + "\n")
+        out.write_text(json_text(metrics, indent=None))
     progress.report(2, 2)
     summary = ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items())
     log(f"score iteration {iteration}: {summary}")

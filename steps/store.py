@@ -46,6 +46,7 @@ import errno
 import hashlib
 import io
 import json
+import math
 import os
 import random
 import re
@@ -100,6 +101,23 @@ class ObjectNotFound(MoerlError, FileNotFoundError):
 
 # ---------------------------------------------------------------------------------------------------------
 # Keys
+
+
+def _finite(obj: Any) -> Any:
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+def json_text(obj: Any, *, indent: int | None = 2) -> str:
+    """obj as strict JSON (RFC 8259), one line per file's end: a float that is not finite (a metric with no
+    value, such as the extreme of an empty set) is written null, since Python's `Infinity`/`NaN` tokens are
+    refused by jq, browsers and most trackers."""
+    return json.dumps(_finite(obj), indent=indent, sort_keys=True, allow_nan=False) + "\n"
 
 
 def _check_key(key: str, what: str = "key") -> str:
@@ -808,7 +826,7 @@ class Store:
         return sha
 
     def put_json(self, key: str, obj: Any) -> str:
-        return self.put_bytes(key, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
+        return self.put_bytes(key, json_text(obj).encode())
 
     def upload_dir(self, local_dir: str | os.PathLike, prefix: str) -> dict[str, tuple[int, str]]:
         """Upload each file below local_dir to prefix/<path>; returns {path: (size, sha256)}.

@@ -324,8 +324,8 @@ class StepResult:
     kl: float
     clip_fraction: float
     is_weight_mean: float
-    is_weight_max: float
-    is_weight_min: float
+    is_weight_max: float | None  # None where the step trained no token (there is no extreme)
+    is_weight_min: float | None
     is_capped_fraction: float
     entropy: float
     grad_norm: float
@@ -443,10 +443,12 @@ class PolicyTrainer:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         tokens = max(stats["response_tokens"], 1.0)
+        is_max, is_min = float(extremes[0]), float(-extremes[1])
         return StepResult(
             loss=stats["loss"], pg_loss=stats["pg_loss"], kl=stats["kl_sum"] / tokens,
             clip_fraction=stats["clip_count"] / tokens, is_weight_mean=stats["is_weight_sum"] / tokens,
-            is_weight_max=float(extremes[0]), is_weight_min=float(-extremes[1]),
+            is_weight_max=is_max if math.isfinite(is_max) else None,
+            is_weight_min=is_min if math.isfinite(is_min) else None,
             is_capped_fraction=stats["is_capped_count"] / tokens, entropy=stats["entropy_sum"] / tokens,
             grad_norm=grad_norm, response_tokens=int(stats["response_tokens"]),
             real_tokens=int(stats["real_tokens"]), sequences=int(stats["sequences"]),
@@ -537,8 +539,8 @@ def iteration_metrics(results: list[StepResult], seconds: float) -> dict[str, An
         "entropy": mean("entropy"),
         "is_weight": {
             "mean": mean("is_weight_mean"),
-            "min": min(r.is_weight_min for r in results),
-            "max": max(r.is_weight_max for r in results),
+            "min": min((r.is_weight_min for r in results if r.is_weight_min is not None), default=None),
+            "max": max((r.is_weight_max for r in results if r.is_weight_max is not None), default=None),
             "capped_fraction": mean("is_capped_fraction"),
         },
         "grad_norm": results[-1].grad_norm,

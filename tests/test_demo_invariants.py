@@ -84,6 +84,10 @@ def test_moerl_demo_runs_end_to_end_and_reports(sft_dir, tmp_path):
     assert "Succeeded" in result.stdout
     assert "LATEST = v000001" in result.stdout
     assert (workdir / "run" / "report" / "report.png").read_bytes()[:4] == b"\x89PNG"
+    metrics_files = sorted((workdir / "run" / "metrics").glob("*.json"))
+    assert metrics_files
+    for path in metrics_files:  # strict JSON: no Infinity or NaN
+        json.loads(path.read_text(), parse_constant=lambda token, name=path.name: pytest.fail(f"{name}: {token}"))
 
 
 def heldout_gain(args: list[str], tmp_path: Path) -> tuple[float, float]:

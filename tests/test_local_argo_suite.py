@@ -1,7 +1,7 @@
 """`moerl local` held to Argo's own test suite (argoproj/argo-workflows v4.1.2: examples/ and the workflows
 test/e2e/*_test.go submits). Each test names the upstream workflow that showed the rule and the Argo source
-that defines it. Upstream files are read from ../shared/argo/examples where that selection has them;
-otherwise the test writes the smallest workflow that reproduces the rule (no upstream file is copied here)."""
+that defines it. Each test writes the smallest workflow that reproduces the rule (no upstream file is copied
+here); tests/test_local_executor_conformance.py runs Argo's own examples where tests/argo_reference.py finds them."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Every example of ../shared/argo/examples ends under `moerl local` as it ends on Argo: the final
-phase, each node's type and phase, outputs and retry counts.
+"""Every example of Argo's reference selection (`examples/`, see tests/argo_reference.py) ends under
+`moerl local` as it ends on Argo: the final phase, each node's type and phase, outputs and retry counts.
 
 The expected outcome of each example is written below as data, derived from the example and Argo's
 documented semantics. Examples that are random (coinflip, retry-backoff, retry-conditional,
@@ -20,11 +20,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from argo_reference import reference_path
 
 from pipelines.local import run_workflow
 from pipelines.local.status import pod_name
-
-EXAMPLES = Path(__file__).resolve().parents[1].parent / "shared" / "argo" / "examples"
 
 
 @pytest.fixture
@@ -68,9 +67,8 @@ class Run:
 
 
 def run_example(name: str, tmp_path: Path, **kwargs: Any) -> Run:
-    result = run_workflow(
-        EXAMPLES / f"{name}.yaml", workdir=tmp_path / "work", view=None, status_out=tmp_path / "status.json", **kwargs
-    )
+    manifest = reference_path("examples") / f"{name}.yaml"
+    result = run_workflow(manifest, workdir=tmp_path / "work", view=None, status_out=tmp_path / "status.json", **kwargs)
     status = json.loads((tmp_path / "status.json").read_text())
     assert status == result.status
     by_name: dict[str, dict] = {}
@@ -285,7 +283,7 @@ EXAMPLE_OUTCOMES: dict[str, Expected] = {
 
 
 def test_every_example_has_an_expected_outcome():
-    assert sorted(p.stem for p in EXAMPLES.glob("*.yaml")) == sorted(EXAMPLE_OUTCOMES)
+    assert sorted(p.stem for p in reference_path("examples").glob("*.yaml")) == sorted(EXAMPLE_OUTCOMES)
 
 
 @pytest.mark.parametrize("example", sorted(EXAMPLE_OUTCOMES))

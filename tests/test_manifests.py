@@ -1,6 +1,7 @@
 """The EKS manifests under manifests/: every file parses, core kinds validate against the Kubernetes
 schemas (kubernetes-validate, offline), Karpenter kinds carry the fields their CRDs require, the Argo
-artifact repository validates against ../shared/argo/schema.json, every kustomization resolves, the IAM
+artifact repository validates against Argo's types made strict (tests/argo_strict_schema.py), every
+kustomization resolves, the IAM
 policies grant nothing beyond the run prefix, and the Spot-related controller settings are in place.
 
 Remote resources (Argo's release install.yaml, the Kubeflow training operator) cannot be fetched offline:
@@ -11,6 +12,7 @@ the objects our patches and replacements touch (REMOTE_PROVIDES below). Nothing 
 from __future__ import annotations
 
 import copy
+import importlib
 import json
 import re
 import shutil
@@ -23,11 +25,12 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
+from argo_reference import reference_path
+from argo_strict_schema import validator as argo_validator
 
 REPO = Path(__file__).resolve().parents[1]
 MANIFESTS = REPO / "manifests"
 OVERLAY = MANIFESTS / "overlays" / "example"
-ARGO_SCHEMA = REPO.parent / "shared" / "argo" / "schema.json"
 # The oldest Kubernetes the docs support (EKS 1.31 or newer).
 K8S_VERSION = "1.31"
 CRD_GROUPS = {"karpenter.sh", "karpenter.k8s.aws", "argoproj.io", "kubeflow.org"}
@@ -231,10 +234,20 @@ def test_kustomization_local_paths_exist_and_remote_refs_are_pinned(directory):
 
 
 def test_argo_install_is_the_release_the_rendered_manifests_are_validated_against():
-    readme = (ARGO_SCHEMA.parent / "README.md").read_text()
-    tag = re.search(r"at tag (v\d+\.\d+\.\d+)", readme).group(1)
-    assert f"/download/{tag}/install.yaml" in ARGO_INSTALL
+    """The controller installed is the release of Argo's reference schema (where the reference folder is
+    there), and no older than the types Hera's models were generated from (always)."""
+    hera_models = Path(importlib.import_module("hera.workflows.models").__file__).read_text()
+    hera_tag = re.search(r"argo-workflows/(v\d+\.\d+\.\d+)/api", hera_models).group(1)
+    install_tag = re.search(r"/download/(v\d+\.\d+\.\d+)/install.yaml", ARGO_INSTALL).group(1)
+    assert version_tuple(hera_tag)[0] == version_tuple(install_tag)[0], (hera_tag, install_tag)
+    assert version_tuple(hera_tag) <= version_tuple(install_tag), (hera_tag, install_tag)
     assert ARGO_INSTALL in kustomization(MANIFESTS / "argo")["resources"]
+    readme = reference_path("README.md").read_text()
+    assert re.search(r"at tag (v\d+\.\d+\.\d+)", readme).group(1) == install_tag
+
+
+def version_tuple(tag: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in tag.removeprefix("v").split("."))
 
 
 def test_overlay_replacements_resolve_offline():
@@ -420,25 +433,13 @@ def test_validation_is_not_vacuous():
         validate_object(broken_pool)
 
 
-def strict_argo_validator(definition: str) -> jsonschema.Draft202012Validator:
-    """Argo's schema with unknown properties forbidden (the schema itself never forbids them) and integers
-    accepted where it says IntOrString (it types those as string only): see ../shared/argo/README.md."""
-    schema = json.loads(ARGO_SCHEMA.read_text())
-    definitions = schema["definitions"]
-    for node in definitions.values():
-        if node.get("type") == "object" and "properties" in node and "additionalProperties" not in node:
-            node["additionalProperties"] = False
-    definitions["io.k8s.apimachinery.pkg.util.intstr.IntOrString"] = {"type": ["string", "integer"]}
-    return jsonschema.Draft202012Validator({"$ref": f"#/definitions/{definition}", "definitions": definitions})
-
-
 def test_artifact_repository_is_an_argo_s3_repository_on_the_run_prefix_with_irsa():
     repository = load_docs(OVERLAY / "artifact-repository.yaml")[0]
-    errors = list(strict_argo_validator("io.argoproj.workflow.v1alpha1.ArtifactRepository").iter_errors(repository))
+    errors = list(argo_validator("ArtifactRepository").iter_errors(repository))
     assert not errors, [e.message for e in errors]
     typo = copy.deepcopy(repository)
     typo["s3"]["bukcet"] = typo["s3"].pop("bucket")
-    assert list(strict_argo_validator("io.argoproj.workflow.v1alpha1.ArtifactRepository").iter_errors(typo))
+    assert list(argo_validator("ArtifactRepository").iter_errors(typo))
     settings = cluster_env()
     s3 = repository["s3"]
     assert s3["bucket"] == settings["RUN_BUCKET"] and s3["region"] == settings["AWS_REGION"]
@@ -464,7 +465,7 @@ def test_controller_restarts_failed_pods_and_captures_pod_status():
     env = {e["name"]: e["value"] for e in container["env"]}
     assert env["ARGO_POD_STATUS_CAPTURE_FINALIZER"] == "true"
     pattern = re.compile(env["TRANSIENT_ERROR_PATTERN"])
-    # The messages a reclaimed Spot node leaves on a node (DESIGN.md), and what they must not swallow.
+    # The messages a reclaimed Spot node leaves on a node (docs/contracts.md), and what they must not swallow.
     for message in ["pod deleted", "Pod was terminated in response to imminent node shutdown.",
                     "The node was low on resource: memory.", "Pod The node had condition: [DiskPressure]. Evicted"]:
         assert pattern.search(message), message
@@ -720,7 +721,7 @@ def test_rendered_eks_workflow_fits_these_manifests(tmp_path):
     argo = [d for d in rendered if api_group(d) == "argoproj.io"]
     assert {d["kind"] for d in argo} >= {"WorkflowTemplate", "CronWorkflow"}
     for doc in argo:
-        errors = list(strict_argo_validator(f"io.argoproj.workflow.v1alpha1.{doc['kind']}").iter_errors(doc))
+        errors = list(argo_validator(doc["kind"]).iter_errors(doc))
         assert not errors, [f"{list(e.absolute_path)}: {e.message}" for e in errors][:5]
     text = json.dumps(argo)
     accounts = {a["metadata"]["name"] for a in docs_of_kind(ALL_LOCAL, "ServiceAccount")}
