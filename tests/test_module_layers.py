@@ -57,3 +57,66 @@ def test_no_import_cycle_among_the_steps_libraries():
         return False
 
     assert not sorted(m for m in graph if reaches(m, m, {m}))
+
+
+def package_graph(root: str) -> dict[str, set[str]]:
+    """module -> the modules of the same tree it imports (recursively over root's folders; TYPE_CHECKING and
+    lazy imports count: a cycle through them is still two modules that cannot be read apart)."""
+    base = STEPS.parent
+    modules = {}
+    for path in (base / root).rglob("*.py"):
+        parts = path.relative_to(base).with_suffix("").parts
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph = {}
+    for name, path in modules.items():
+        targets = set()
+        for imported in imported_modules(path):
+            while imported and imported not in modules:  # `from a.b import c` names a.b.c or a.b
+                imported = imported.rpartition(".")[0]
+            if imported and imported != name and not name.startswith(imported + "."):
+                targets.add(imported)
+        graph[name] = targets
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[str]:
+    """Every module that reaches itself, with one path that shows it."""
+    found = []
+    for start in sorted(graph):
+        stack, seen = [(start, [start])], set()
+        while stack:
+            module, path = stack.pop()
+            for nxt in sorted(graph.get(module, ())):
+                if nxt == start:
+                    found.append(" -> ".join([*path, start]))
+                    stack = []
+                    break
+                if nxt not in seen:
+                    seen.add(nxt)
+                    stack.append((nxt, [*path, nxt]))
+    return found
+
+
+def test_no_import_cycle_anywhere_in_pipelines():
+    assert cycles(package_graph("pipelines")) == []
+
+
+def test_no_import_cycle_anywhere_in_steps():
+    assert cycles(package_graph("steps")) == []
+
+
+def test_the_controller_is_the_host_the_walkers_are_written_against():
+    """The walkers see the controller only through pipelines/local/host.py's WalkerHost: every member it
+    names is the controller's, with the same signature."""
+    import inspect
+
+    from pipelines.local.executor import Controller
+    from pipelines.local.host import WalkerHost
+
+    members = [name for name in vars(WalkerHost) if not name.startswith("_")]
+    assert {"execute_template", "resolve", "settled", "outbound_nodes"} <= set(members)
+    for name in members:
+        if callable(vars(WalkerHost)[name]):
+            assert inspect.signature(getattr(Controller, name)) == inspect.signature(getattr(WalkerHost, name)), name
+    for attribute in WalkerHost.__annotations__:
+        assert attribute in inspect.getsource(Controller.__init__), attribute

@@ -13,11 +13,12 @@ omitted task inherits the phase of the branch above it (assess_phase).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pipelines.local.calls import Call, Opts, TemplateError, continues_on, exit_hook_of
 from pipelines.local.depends import evaluate_depends, task_dependencies, task_results
 from pipelines.local.expressions import SubstitutionError, WhenError, evaluate_when
+from pipelines.local.host import WalkerHost
 from pipelines.local.loops import ExpandError, expand, loops
 from pipelines.local.scope import (
     add_aggregate,
@@ -39,11 +40,8 @@ from pipelines.local.status import (
 )
 from pipelines.local.steps_template import resolve_step, succeed_with_outputs
 
-if TYPE_CHECKING:
-    from pipelines.local.executor import Controller
 
-
-def execute_dag(ctl: Controller, node_name: str, template: dict, opts: Opts, scope_key: Any) -> Node:
+def execute_dag(ctl: WalkerHost, node_name: str, template: dict, opts: Opts, scope_key: Any) -> Node:
     node = ctl.nodes.by_name(node_name) or ctl.create_node(node_name, DAG, template, opts, RUNNING)
     ctl.node_templates[node.id] = template
     dag = DagWalk(ctl, node, template, opts, scope_key)
@@ -71,7 +69,7 @@ def execute_dag(ctl: Controller, node_name: str, template: dict, opts: Opts, sco
 class DagWalk:
     """One pass over one DAG node (Argo's dagContext)."""
 
-    def __init__(self, ctl: Controller, node: Node, template: dict, opts: Opts, scope_key: Any):
+    def __init__(self, ctl: WalkerHost, node: Node, template: dict, opts: Opts, scope_key: Any):
         self.ctl = ctl
         self.node = node
         self.opts = opts

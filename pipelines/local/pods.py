@@ -18,6 +18,7 @@ newline, falling back to valueFrom.default; a missing one with no default is an 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -448,12 +449,25 @@ class Pod:
         """`sig` to the pod's process group and to every process started in its container, wherever it went:
         torchrun starts each worker in a session of its own, and a process whose parent died is the init's."""
         assert self.process is not None
-        groups = {self.process.pid, *(_pgid(pid) for pid in container_processes(self.plan.env))}
-        for pgid in groups - {0, os.getpgrp()}:  # never the executor's own group
-            try:
-                os.killpg(pgid, sig)
-            except (ProcessLookupError, PermissionError):
-                pass
+        own_group = os.getpgrp()
+        pids: set[int] = set(container_processes(self.plan.env)) if sig == signal.SIGKILL else set()
+        signalled: set[int] = set()
+        # For SIGKILL, until no process of the container is left unsignalled: one found between its fork
+        # and its setsid (torchrun's start_new_session) has left the group it was found in by the time that
+        # group is killed; signalled by its pid too, and looked for again, it cannot escape. A killed process
+        # forks no more, so the rounds end (a zombie no longer shows its environment).
+        for _ in range(100 if sig == signal.SIGKILL else 1):
+            groups = {_pgid(pid) for pid in pids} | {self.process.pid}
+            for pgid in groups - {0, own_group}:  # never the executor's own group
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(pgid, sig)
+            for pid in pids - {os.getpid()}:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, sig)
+            signalled |= pids
+            pids = set(container_processes(self.plan.env)) - signalled
+            if not pids:
+                break
 
     def stopped_at_strike(self) -> int | None:
         """The pid that wrote the strike marker (steps/progress.py), once that process has stopped itself."""

@@ -16,10 +16,11 @@ with the group's message "child 'ID' failed".
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pipelines.local.calls import Call, Opts, TemplateError, continues_on, exit_hook_of
 from pipelines.local.expressions import SubstitutionError, WhenError, evaluate_when, substitute
+from pipelines.local.host import WalkerHost
 from pipelines.local.loops import ExpandError, expand, loops
 from pipelines.local.scope import (
     UnresolvedOutput,
@@ -30,14 +31,11 @@ from pipelines.local.scope import (
 )
 from pipelines.local.status import ERROR, FAILED, RUNNING, SKIPPED, SKIPPED_PHASE, STEP_GROUP, STEPS, SUCCEEDED, Node
 
-if TYPE_CHECKING:
-    from pipelines.local.executor import Controller
-
 STRICT = ("steps", "tasks")
 ABSENT_OPTIONAL = "__argo-internal.absent-optional-output__"  # Argo's AbsentOptionalArgumentValue
 
 
-def execute_steps(ctl: Controller, node_name: str, template: dict, opts: Opts, scope_key: Any) -> Node:
+def execute_steps(ctl: WalkerHost, node_name: str, template: dict, opts: Opts, scope_key: Any) -> Node:
     node = ctl.nodes.by_name(node_name) or ctl.create_node(node_name, STEPS, template, opts, RUNNING)
     ctl.node_templates[node.id] = template
     scope: dict[str, Any] = {}
@@ -58,7 +56,7 @@ def execute_steps(ctl: Controller, node_name: str, template: dict, opts: Opts, s
     return succeed_with_outputs(ctl, node, template, scope)
 
 
-def succeed_with_outputs(ctl: Controller, node: Node, template: dict, scope: dict[str, Any]) -> Node:
+def succeed_with_outputs(ctl: WalkerHost, node: Node, template: dict, scope: dict[str, Any]) -> Node:
     """A steps or DAG node whose children all succeeded: its outputs resolved from their scope, then
     Succeeded, or Error when an output cannot be resolved."""
     inputs = (template.get("inputs") or {}).get("parameters") or []  # Argo's createScope puts the inputs in
@@ -73,7 +71,7 @@ def succeed_with_outputs(ctl: Controller, node: Node, template: dict, scope: dic
     return ctl.nodes.mark(node, SUCCEEDED)
 
 
-def link_group(ctl: Controller, node_name: str, index: int) -> None:
+def link_group(ctl: WalkerHost, node_name: str, index: int) -> None:
     """The first group hangs from the template's node, each later one from the outbound nodes of
     the group before it (or from that group itself, when it had no steps)."""
     group_name = f"{node_name}[{index}]"
@@ -89,7 +87,7 @@ def link_group(ctl: Controller, node_name: str, index: int) -> None:
             ctl.nodes.add_child(ctl.nodes.by_id[out_id].name, group_name)
 
 
-def update_outbound(ctl: Controller, node: Node, groups: int) -> None:
+def update_outbound(ctl: WalkerHost, node: Node, groups: int) -> None:
     for i in reversed(range(groups)):
         group = ctl.nodes.by_name(f"{node.name}[{i}]")
         if group is not None:
@@ -141,7 +139,7 @@ def drop_absent_arguments(step: dict, scope: dict[str, Any]) -> None:
 
 
 def execute_group(
-    ctl: Controller, group: list[dict], group_node: Node, steps_node: Node, scope: dict, opts: Opts, scope_key: Any
+    ctl: WalkerHost, group: list[dict], group_node: Node, steps_node: Node, scope: dict, opts: Opts, scope_key: Any
 ) -> Node:
     nodes = ctl.nodes
     if group_node.fulfilled and all(nodes.by_id[c].fulfilled for c in group_node.children):
@@ -205,7 +203,7 @@ def execute_group(
     return nodes.mark(group_node, SUCCEEDED)
 
 
-def skip(ctl: Controller, step: dict, group_node: Node, steps_node: Node, phase: str, message: str) -> None:
+def skip(ctl: WalkerHost, step: dict, group_node: Node, steps_node: Node, phase: str, message: str) -> None:
     """A step that does not run: a node of type Skipped, once, in the group."""
     name = f"{group_node.name}.{step['name']}"
     if ctl.nodes.by_name(name) is None:
@@ -217,7 +215,7 @@ def skip(ctl: Controller, step: dict, group_node: Node, steps_node: Node, phase:
 
 
 def add_group_outputs(
-    ctl: Controller, group: list[dict], group_node: Node, steps_node: Node, scope: dict, scope_key: Any
+    ctl: WalkerHost, group: list[dict], group_node: Node, steps_node: Node, scope: dict, scope_key: Any
 ) -> None:
     """What a finished group leaves for the groups after it: `steps.NAME.*`, and for a loop the
     JSON lists of its items' outputs."""
