@@ -10,6 +10,9 @@
 #   PLATFORM   default: linux/amd64 (p5en, p6-b200 and the CPU pools are x86_64).
 #   PUSH       1 (default) pushes; 0 loads the image into the local engine instead.
 #   DRY_RUN    1 prints the build commands and checks nothing else (no Docker engine needed).
+#   CHECK_PINS 1 (default): before building the rollout image, check that SGLang's base image's own packages
+#              accept moerl's requirements (images/check_pins.py: its pip list, then the Dockerfile's install
+#              as a dry run inside it); with PUSH=0, `pip check` in the built image too. 0 skips both.
 set -euo pipefail
 
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -59,7 +62,18 @@ for role in ${roles}; do
         printf '%q ' "${command[@]}"
         printf '\n'
     else
+        check_pins=0
+        [[ "${role}" == "rollout" && "${CHECK_PINS:-1}" == "1" ]] && check_pins=1
+        if [[ "${check_pins}" == "1" ]]; then
+            echo "checking the packages of SGLang's image against moerl's requirements (CHECK_PINS=0 skips)" >&2
+            python3 "${repo_root}/images/check_pins.py" \
+                || fail "images/check_pins.py: the rollout base image's packages do not accept moerl's (above)"
+        fi
         echo "building ${REGISTRY}/moerl-${role}:${tag}" >&2
         "${command[@]}"
+        if [[ "${check_pins}" == "1" && "${output}" == "--load" ]]; then
+            python3 "${repo_root}/images/check_pins.py" --built "${REGISTRY}/moerl-${role}:${tag}" \
+                || fail "images/check_pins.py: pip check fails in ${REGISTRY}/moerl-${role}:${tag} (above)"
+        fi
     fi
 done

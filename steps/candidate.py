@@ -50,6 +50,48 @@ def optimizer_shard_name(ep_rank: int, ep_size: int) -> str:
     return f"optimizer-rank{ep_rank:05d}-of-{ep_size:05d}.safetensors"
 
 
+# What EP rank r writes: its weight file (with that file's delta blob, made from the local file) and its
+# optimizer file. Every dp replica of r holds the same bits, so any of them can write either.
+WEIGHTS, OPTIMIZER = "weights", "optimizer"
+SHARD_KINDS = (WEIGHTS, OPTIMIZER)
+
+
+def shard_writers(sizes: list[dict[str, float]], dp_size: int, ranks_per_node: int) -> dict[tuple[int, str], int]:
+    """Which trainer rank writes each file of the candidate's shards, {(EP rank, kind): rank}, so that no node
+    writes much more than the others: sizes[r][kind] is EP rank r's file of that kind (bytes, or any unit);
+    rank d * ep_size + r is EP rank r's replica d, on node rank // ranks_per_node (torchrun's numbering).
+    The largest file first, each to the replica whose node has the fewest bytes so far (then the replica
+    writing fewest files, then the lowest dp rank): deterministic, so every rank computes the same plan.
+    With one dp replica, the first dp row writes everything, as it did before. The files and their contents
+    do not depend on who writes them. `moerl simulate` models the write with the same plan
+    (pipelines/simulate/sizing.py, candidate_write_s)."""
+    ep_size = len(sizes)
+    node_load: dict[int, float] = {}
+    rank_files: dict[int, int] = {}
+    writers: dict[tuple[int, str], int] = {}
+    jobs = sorted(((-float(sizes[r][k]), r, i, k) for r in range(ep_size) for i, k in enumerate(SHARD_KINDS)))
+    for neg_size, r, _, kind in jobs:
+        rank = min(
+            (d * ep_size + r for d in range(dp_size)),
+            key=lambda q: (node_load.get(q // ranks_per_node, 0.0), rank_files.get(q, 0), q),
+        )
+        node_load[rank // ranks_per_node] = node_load.get(rank // ranks_per_node, 0.0) - neg_size
+        rank_files[rank] = rank_files.get(rank, 0) + 1
+        writers[(r, kind)] = rank
+    return writers
+
+
+def node_write_loads(
+    sizes: list[dict[str, float]], writers: dict[tuple[int, str], int], ranks_per_node: int
+) -> dict[int, float]:
+    """What each node writes under `writers` (shard_writers): node -> the sum of its ranks' files."""
+    loads: dict[int, float] = {}
+    for (r, kind), rank in writers.items():
+        node = rank // ranks_per_node
+        loads[node] = loads.get(node, 0.0) + float(sizes[r][kind])
+    return loads
+
+
 def index_text(iteration: int, info: dict[str, Any], weight_map: dict[str, str], optimizer_map: dict[str, str]) -> str:
     """candidate.index.json: which file holds each weight and each optimizer state tensor."""
     index = {

@@ -93,8 +93,9 @@ def agreed(mesh: Mesh, fn: Callable[[], T]) -> T:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         failed_rank = int(flag.item()) - 1
         if error is None and failed_rank >= 0:
-            raise MoerlError(f"trainer rank {failed_rank} failed (its error is above); rank {mesh.rank} stops too")
+            error = MoerlError(f"trainer rank {failed_rank} failed (its error is above); rank {mesh.rank} stops too")
     if error is not None:
+        error.moerl_agreed = True  # type: ignore[attr-defined]  # every rank raises here: trainer_service reads it
         raise error
     return result
 
@@ -207,14 +208,56 @@ SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float1
 
 
 def _written(mesh: Mesh, name: str) -> bool:
-    """Whether this rank writes tensor `name`: ranks of the first dp row (the others hold copies), a replicated
-    tensor only with EP rank 0's experts."""
-    return mesh.dp_rank == 0 and (mesh.ep_rank == 0 or is_expert_param(name))
+    """Whether this rank's EP rank's files hold tensor `name`: its experts, and a replicated tensor only with EP
+    rank 0's experts. Which of the EP rank's dp replicas writes each file: writer_plan."""
+    return mesh.ep_rank == 0 or is_expert_param(name)
 
 
 def _stored(model: MoeForCausalLM, mesh: Mesh, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """The weights this rank writes, as they are stored: rounded to the run's checkpoint dtype, on the CPU."""
+    """The weights of this rank's EP rank, as they are stored: rounded to the run's checkpoint dtype, on the CPU."""
     return {n: t.detach().to("cpu", dtype).contiguous() for n, t in model.state_dict().items() if _written(mesh, n)}
+
+
+def _shard_bytes(model: MoeForCausalLM, mesh: Mesh, dtype: torch.dtype) -> dict[str, int]:
+    """About how many bytes this rank's EP rank's weight and optimizer files hold, from the shapes alone (the
+    same before and after training): the weights in `dtype`; per parameter exp_avg, exp_avg_sq, step and,
+    when `dtype` is narrower than the parameter, its master (optimizer_state_tensors)."""
+    weights = sum(t.numel() * dtype.itemsize for n, t in model.state_dict().items() if _written(mesh, n))
+    optimizer = sum(
+        p.numel() * p.element_size() * (2 + (dtype != p.dtype)) + 4
+        for n, p in model.named_parameters()
+        if _written(mesh, n)
+    )
+    return {candidate.WEIGHTS: weights, candidate.OPTIMIZER: optimizer}
+
+
+def writer_plan(model: MoeForCausalLM, mesh: Mesh, dtype: torch.dtype) -> dict[tuple[int, str], int]:
+    """Which rank writes each file of the candidate's shards (candidate.shard_writers): spread over each EP
+    rank's dp replicas, which hold the same bits after the all-reduce, and over the nodes, so that no node
+    writes the whole candidate. Every rank's sizes and node size (torchrun's LOCAL_WORLD_SIZE) are gathered
+    (a few integers), so that every rank computes the same plan from the same figures: rank 0's node size,
+    the first dp row's sizes."""
+    sizes = _shard_bytes(model, mesh, dtype)
+    row = [sizes[candidate.WEIGHTS], sizes[candidate.OPTIMIZER], int(os.environ.get("LOCAL_WORLD_SIZE", "0"))]
+    rows = [row]
+    if mesh.world_group is not None:
+        mine = torch.tensor(row, dtype=torch.int64, device=mesh.device)
+        gathered = [torch.zeros_like(mine) for _ in range(mesh.world_size)]
+        dist.all_gather(gathered, mine)
+        rows = [t.cpu().tolist() for t in gathered]
+    per_node = rows[0][2] if rows[0][2] > 0 else mesh.world_size
+    ep_sizes = [{candidate.WEIGHTS: w, candidate.OPTIMIZER: o} for w, o, _ in rows[: mesh.ep_size]]
+    return candidate.shard_writers(ep_sizes, mesh.dp_size, per_node)
+
+
+def _first_row(mesh: Mesh) -> dict[tuple[int, str], int]:
+    """The plan before writer_plan: the first dp row writes every file."""
+    return {(mesh.ep_rank, kind): mesh.ep_rank for kind in candidate.SHARD_KINDS}
+
+
+def writes(mesh: Mesh, writers: dict[tuple[int, str], int], kind: str) -> bool:
+    """Whether this rank writes its EP rank's file of `kind` under `writers`."""
+    return writers[(mesh.ep_rank, kind)] == mesh.rank
 
 
 def stored_bits(model: MoeForCausalLM, mesh: Mesh, dtype: torch.dtype) -> weight_delta.StoredTensors:
@@ -239,30 +282,36 @@ def write_shards(
     workdir: Path,
     dtype: torch.dtype = torch.float32,
     delta_parent: weight_delta.StoredTensors | None = None,
+    writers: dict[tuple[int, str], int] | None = None,
 ) -> dict[str, Any]:
-    """Upload this rank's weight and optimizer shards (ranks of the first dp row only; the other rows hold
-    copies): the weights rounded to `dtype`, the run's checkpoint dtype (the fp32 masters then go with the
-    optimizer state). With `delta_parent` (stored_bits before training), also the weight file's delta blob
-    against it (steps/weight_delta.py). Returns {"files": {name: {size, sha256}}, "weights": {tensor: file},
-    "optimizer": {..}, "deltas": {published file name: FileDelta as JSON}}."""
+    """Upload the files of this rank's EP rank that `writers` (writer_plan; default: the first dp row writes
+    them all) gives this rank: the weights rounded to `dtype`, the run's checkpoint dtype (the fp32 masters
+    then go with the optimizer state), and the optimizer state. With `delta_parent` (stored_bits before
+    training), the writer of the weight file also writes its delta blob against it (steps/weight_delta.py).
+    The files are the same whichever replica writes them. Returns {"files": {name: {size, sha256}},
+    "weights": {tensor: file}, "optimizer": {..}, "deltas": {published file name: FileDelta as JSON}} of what
+    this rank wrote (nothing when it wrote nothing)."""
     out: dict[str, Any] = {"files": {}, "weights": {}, "optimizer": {}, "deltas": {}}
-    if mesh.dp_rank != 0:
-        return out
-
-    weights = _stored(model, mesh, dtype)
-    opt_state = optimizer_state_tensors(model, optimizer, dtype)
-    opt_state = {n: t for n, t in opt_state.items() if _written(mesh, n.rsplit(".", 1)[0])}
+    writers = writers or _first_row(mesh)
     prefix = candidate_prefix(iteration)
-    for kind, file_name, tensors in (
-        ("weights", candidate.model_shard_name(mesh.ep_rank, mesh.ep_size), weights),
-        ("optimizer", candidate.optimizer_shard_name(mesh.ep_rank, mesh.ep_size), opt_state),
+    for kind, file_name in (
+        (candidate.WEIGHTS, candidate.model_shard_name(mesh.ep_rank, mesh.ep_size)),
+        (candidate.OPTIMIZER, candidate.optimizer_shard_name(mesh.ep_rank, mesh.ep_size)),
     ):
+        if not writes(mesh, writers, kind):
+            continue
+        if kind == candidate.WEIGHTS:
+            tensors = _stored(model, mesh, dtype)
+        else:
+            opt_state = optimizer_state_tensors(model, optimizer, dtype)
+            tensors = {n: t for n, t in opt_state.items() if _written(mesh, n.rsplit(".", 1)[0])}
         local = workdir / file_name
         _save(tensors, local)
         sha = run.put_file(f"{prefix}/{file_name}", local)
         out["files"][file_name] = {"size": local.stat().st_size, "sha256": sha}
         out[kind] = dict.fromkeys(tensors, file_name)
-        if kind == "weights" and delta_parent is not None:
+        del tensors
+        if kind == candidate.WEIGHTS and delta_parent is not None:
             name = candidate.published_weight_name(mesh.ep_rank, mesh.ep_size)
             out["deltas"][name] = asdict(weight_delta.write_file_delta(run, iteration, name, local, delta_parent))
         local.unlink()
@@ -478,8 +527,12 @@ def train_iteration(
         # A crashed attempt may have left part of a candidate: remove it before anything new is written.
         agreed(mesh, lambda: run.delete_prefix(candidate_prefix(iteration)) if rank == 0 else None)
 
-        # v(I-1)'s bits, the parent of this rank's delta (its weights now are those v(I-1) was stored from)
-        delta_parent = stored_bits(model, mesh, dtype) if weight_delta.wanted(cfg) and mesh.dp_rank == 0 else None
+        # Who writes which file of the candidate: every EP rank's files spread over its dp replicas and nodes.
+        writers = writer_plan(model, mesh, dtype)
+        # v(I-1)'s bits, the parent of the delta of this rank's weight file if it writes that file (its weights
+        # now are those v(I-1) was stored from)
+        wants_delta = weight_delta.wanted(cfg) and writes(mesh, writers, candidate.WEIGHTS)
+        delta_parent = stored_bits(model, mesh, dtype) if wants_delta else None
         trainer = PolicyTrainer(model, mesh, settings, optimizer, ref_model, pad_id=cfg_model.pad_token_id or 0)
         # progress: the optimizer steps, then the candidate's write as one more unit
         metrics = trainer.train(samples, iteration, on_step=lambda done, steps: progress.report(done, steps + 1))
@@ -490,7 +543,9 @@ def train_iteration(
         if timer is not None and timer.enabled:
             metrics["dispatch_seconds"] = timer.seconds
 
-        shard = agreed(mesh, lambda: write_shards(run, iteration, mesh, model, optimizer, workdir, dtype, delta_parent))
+        shard = agreed(
+            mesh, lambda: write_shards(run, iteration, mesh, model, optimizer, workdir, dtype, delta_parent, writers)
+        )  # every rank's part is written before rank 0 writes CANDIDATE.json (agreed: all ranks wait for all)
         shards = [shard]
         if world > 1:
             shards = [None] * world  # type: ignore[list-item]

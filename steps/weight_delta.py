@@ -20,8 +20,9 @@ total size against the whole checkpoint's. The version's other files (config.jso
 index) are not in the delta: a reader copies them from its parent dir when MANIFEST.json says they did not
 change, else reads them from the checkpoint.
 
-The update writes the blobs, each rank of the first dp row its own weight file's (write_file_delta, against
-the bits of v(i-1) it started from, held in memory: StoredTensors), so the bytes are read and written in
+The update writes the blobs, the writer of each weight file (one of its EP rank's dp replicas:
+steps/policy_update.py writer_plan) that file's (write_file_delta, against the bits of v(i-1) it started
+from, held in memory: StoredTensors), so the bytes are read and written in
 parallel across the trainer's nodes, off publish's path; the publish step then only checks them against the
 files it publishes and writes DELTA.json (adopt), before v(i)'s MANIFEST.json, so a published version's delta
 is complete or absent. A candidate without them (or whose blobs do not describe its files) gets its delta

@@ -19,6 +19,7 @@ from pipelines.simulate.sizing import (
     Cluster,
     Pool,
     StepModel,
+    candidate_write_s,
     chunks_per_iteration,
     cluster_for,
     derived_step_model,
@@ -202,11 +203,12 @@ def test_derived_step_times_scale_with_the_config():
     assert tokens_per_iteration(cfg, a) == tokens
     assert base.rollout_chunk_s == pytest.approx(32 * 16 * 4096 / (a.rollout_tokens_per_gpu_s * 8))
     assert base.update_s == pytest.approx(
-        a.pod_start_s + a.trainer_startup_s + tokens / (a.trainer_tokens_per_gpu_s * 128)
+        a.pod_start_s + a.trainer_startup_s + tokens / (a.trainer_tokens_per_gpu_s * 128) + candidate_write_s(cfg, a)
     )
-    half = derived_step_model(load_config(EKS, {"trainer.nodes": 8, **TODAY}), a)
-    assert half.update_s - a.pod_start_s - a.trainer_startup_s == pytest.approx(
-        2 * (base.update_s - a.pod_start_s - a.trainer_startup_s)
+    half_cfg = load_config(EKS, {"trainer.nodes": 8, **TODAY})
+    half = derived_step_model(half_cfg, a)
+    assert half.update_s - a.pod_start_s - a.trainer_startup_s - candidate_write_s(half_cfg, a) == pytest.approx(
+        2 * (base.update_s - a.pod_start_s - a.trainer_startup_s - candidate_write_s(cfg, a))
     )
 
 

@@ -21,6 +21,7 @@ from pipelines.simulate.sizing import (
     cluster_for,
     derived_step_model,
     measured_step_model,
+    shard_gb,
 )
 from pipelines.simulate.state import TRAINER_SERVER
 from pipelines.workflow.graph import ROLLOUT_SERVER
@@ -64,7 +65,8 @@ def rollout_end(result: SimResult) -> float:
 
 def test_todays_shape_is_modelled_as_before():
     """rollout.servers 0 and no trainer server: the figures of issue 21's text (682 s and 385 s an iteration,
-    23% and 41% of the rollout pool starting engines), whatever checkpoint.deltas says."""
+    23% and 41% of the rollout pool starting engines) with the candidate's write that the update step does
+    (issue 32: 61.8 s, the busiest node's share), whatever checkpoint.deltas says."""
     results = {}
     for deltas in (True, False):
         cfg = load_config(EKS, {**TODAY, "checkpoint.deltas": deltas})
@@ -73,8 +75,8 @@ def test_todays_shape_is_modelled_as_before():
         results[deltas] = simulate_both(cfg, steps, cluster_for(cfg, GPU_ASSUMPTIONS), GPU_ASSUMPTIONS)
     assert results[True][0].iteration_times == results[False][0].iteration_times
     both = results[True]
-    assert [round(both[s].mean_iteration_s, 1) for s in (0, 1)] == [682.0, 385.0]
-    assert [round(both[s].usage["rollout"].startup_share, 2) for s in (0, 1)] == [0.23, 0.41]
+    assert [round(both[s].mean_iteration_s, 1) for s in (0, 1)] == [743.8, 446.8]
+    assert [round(both[s].usage["rollout"].startup_share, 2) for s in (0, 1)] == [0.21, 0.36]
     assert both[1].server_starts == {ROLLOUT_SERVER: 0, TRAINER_SERVER: 0}
 
 
@@ -198,13 +200,14 @@ def test_delta_bytes_scale_the_servers_update_time():
     small, large = (derived_step_model(cfg, a.override({"delta_fraction": f})) for f in (0.1, DELTA_FRACTION))
     fetched_gb = (DELTA_FRACTION - 0.1) * a.checkpoint_gb
     assert large.weight_sync_s - small.weight_sync_s == pytest.approx(fetched_gb / a.s3_gb_per_s)
-    # The update's 16 nodes write it, each its share at once (its encoding does not depend on the delta's
-    # size); publish only indexes it.
-    assert large.update_s - small.update_s == pytest.approx(fetched_gb / (a.s3_gb_per_s * cfg.trainer.nodes))
-    ranks = cfg.trainer.nodes * cfg.trainer.nproc_per_node
-    encode_s = a.checkpoint_gb / (ranks * a.delta_encode_gb_per_s)
+    # The writer of EP rank 0's weight file (the largest: the replicated weights go with it) writes it, encodes
+    # its delta on one core and writes that: the busiest node; publish only indexes it.
+    w0 = shard_gb(cfg, a)[0]["weights"]
+    assert large.update_s - small.update_s == pytest.approx((DELTA_FRACTION - 0.1) * w0 / a.s3_gb_per_s)
+    encode_s = w0 / a.delta_encode_gb_per_s
+    busiest_without = shard_gb(cfg, a)[0]["optimizer"] / a.s3_gb_per_s  # EP rank 0's optimizer file, alone
     assert large.update_s - derived_step_model(eks(**TODAY), a).update_s == pytest.approx(
-        encode_s + DELTA_FRACTION * a.checkpoint_gb / (a.s3_gb_per_s * cfg.trainer.nodes)
+        w0 * (1 + DELTA_FRACTION) / a.s3_gb_per_s + encode_s - busiest_without
     )
     assert large.publish_s == small.publish_s == derived_step_model(eks(**TODAY), a).publish_s
     whole = derived_step_model(eks(**{"rollout.servers": 32, "checkpoint.deltas": False}), a)
@@ -213,7 +216,7 @@ def test_delta_bytes_scale_the_servers_update_time():
     assert whole.publish_s == pytest.approx(derived_step_model(eks(**TODAY), a).publish_s)
     # Synchronous, the update and the servers' fetch are on the critical path: an iteration is longer by both.
     runs = [simulate(cfg, s, cluster_for(cfg, a), a, staleness=0) for s in (small, large)]
-    longer = fetched_gb / a.s3_gb_per_s + fetched_gb / (a.s3_gb_per_s * cfg.trainer.nodes)
+    longer = fetched_gb / a.s3_gb_per_s + (DELTA_FRACTION - 0.1) * w0 / a.s3_gb_per_s
     assert runs[1].iteration_times[2] - runs[0].iteration_times[2] == pytest.approx(longer)
 
 

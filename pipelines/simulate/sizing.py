@@ -4,9 +4,11 @@ seconds (derived from the config and the assumptions, or measured)."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 from pipelines.workflow import commands
+from steps.candidate import OPTIMIZER, WEIGHTS, node_write_loads, shard_writers
 from steps.errors import MoerlError
 from steps.run_config import RunConfig
 
@@ -57,6 +59,11 @@ class Assumptions:
     # One trainer rank encoding its stored weights into a delta (XOR, byte planes, zstd, sha256s): what
     # bench/weight_update.py's "delta write" gives on one core (173 MB of bf16 in 0.85 s).
     delta_encode_gb_per_s: float = 0.2
+    # The share of the weights outside the experts (embeddings, attention, routers, norms): every EP rank holds
+    # them and EP rank 0's files carry them (steps/candidate.py). Qwen3-30B-A3B: ~1.5B of ~30.5B parameters.
+    replicated_fraction: float = 0.05
+    # The model's routed experts: with trainer.ep_size unset the trainer's EP size is gcd(ranks, num_experts).
+    num_experts: int = 128
 
     def override(self, pairs: dict[str, float]) -> Assumptions:
         return dataclasses.replace(self, **pairs)
@@ -113,6 +120,8 @@ CPU_ASSUMPTIONS = Assumptions(
     s3_gb_per_s=0.5,  # the run store is a local directory
     nvme_gb_per_s=0.5,
     engine_update_s=0.5,  # the torch engine copies the tensors into its modules
+    replicated_fraction=0.5,  # the demo model's embeddings and attention weigh as much as its experts
+    num_experts=8,  # steps/sft.py's demo model
 )
 
 
@@ -244,7 +253,7 @@ def tokens_per_iteration(cfg: RunConfig, assumptions: Assumptions) -> float:
 def derived_step_model(cfg: RunConfig, a: Assumptions) -> StepModel:
     """Step seconds from the config's sizes and the assumed throughputs."""
     rollout_devices = max(_gpus(cfg, "rollout"), 1)
-    trainer_devices = cfg.trainer.nodes * (_gpus(cfg, "trainer") or cfg.trainer.nproc_per_node)
+    trainer_devices = trainer_ranks(cfg)
     chunk_tokens = cfg.rollout.chunk_size * cfg.group_size * cfg.sampling.max_new_tokens * a.response_fill
     samples = cfg.prompts_per_iteration * cfg.group_size
     train_s = cfg.trainer.epochs * tokens_per_iteration(cfg, a) / (a.trainer_tokens_per_gpu_s * trainer_devices)
@@ -261,7 +270,7 @@ def derived_step_model(cfg: RunConfig, a: Assumptions) -> StepModel:
         rollout_startup_s=a.pod_start_s + a.engine_startup_s,
         rollout_chunk_s=chunk_tokens / (a.rollout_tokens_per_gpu_s * rollout_devices),
         score_s=python_step + samples / a.score_samples_per_s + heldout_s,
-        update_s=a.pod_start_s + a.trainer_startup_s + train_s + delta_write_s(cfg, a),
+        update_s=a.pod_start_s + a.trainer_startup_s + train_s + candidate_write_s(cfg, a),
         publish_s=python_step + a.publish_s,
         report_s=python_step + a.report_s,
         next_segment_s=a.pod_start_s,  # Argo creates the next Workflow itself: no pod
@@ -285,18 +294,66 @@ def delta_gb(a: Assumptions) -> float:
     return a.delta_fraction * a.checkpoint_gb
 
 
-def delta_write_s(cfg: RunConfig, a: Assumptions) -> float:
-    """The update's extra work for the delta: every rank encodes its share of the weights against the v(i-1)
-    bits it holds, and every node writes its ranks' blobs, all at once (publish then only indexes them)."""
-    if not deltas_written(cfg):
-        return 0.0
-    ranks = cfg.trainer.nodes * cfg.trainer.nproc_per_node
-    return a.checkpoint_gb / (ranks * a.delta_encode_gb_per_s) + delta_gb(a) / (a.s3_gb_per_s * cfg.trainer.nodes)
+def trainer_ranks(cfg: RunConfig) -> int:
+    return cfg.trainer.nodes * (_gpus(cfg, "trainer") or cfg.trainer.nproc_per_node)
+
+
+def trainer_ep_size(cfg: RunConfig, a: Assumptions) -> int:
+    """trainer.ep_size, or the trainer's default (steps/expert_parallel/mesh.py resolve_ep_size)."""
+    return cfg.trainer.ep_size or math.gcd(trainer_ranks(cfg), int(a.num_experts))
+
+
+def shard_gb(cfg: RunConfig, a: Assumptions) -> list[dict[str, float]]:
+    """GB of each EP rank's weight and optimizer files: its share of the experts, EP rank 0 also the replicated
+    weights (replicated_fraction)."""
+    ep = trainer_ep_size(cfg, a)
+
+    def share(r: int) -> float:
+        return (1 - a.replicated_fraction) / ep + (a.replicated_fraction if r == 0 else 0.0)
+
+    return [{WEIGHTS: a.checkpoint_gb * share(r), OPTIMIZER: a.optimizer_gb * share(r)} for r in range(ep)]
+
+
+def node_write_s(cfg: RunConfig, a: Assumptions, deltas: bool | None = None) -> dict[int, float]:
+    """Seconds each trainer node spends writing the candidate, as the update writes it (steps/policy_update.py
+    writer_plan, steps/candidate.py shard_writers): each EP rank's weight and optimizer files, each written by
+    one of its dp replicas, spread over the nodes; a node uploads its files at s3_gb_per_s. With the delta
+    (deltas_written), the writer of a weight file also encodes that file's delta (one core,
+    delta_encode_gb_per_s; a node's writers encode at once) and uploads it."""
+    deltas = deltas_written(cfg) if deltas is None else deltas
+    ranks, ep = trainer_ranks(cfg), trainer_ep_size(cfg, a)
+    per_node = max(ranks // cfg.trainer.nodes, 1)
+    sizes = shard_gb(cfg, a)
+    writers = shard_writers(sizes, ranks // ep, per_node)
+    written = [{**s, WEIGHTS: s[WEIGHTS] * (1 + (a.delta_fraction if deltas else 0.0))} for s in sizes]
+    seconds = {node: gb / a.s3_gb_per_s for node, gb in node_write_loads(written, writers, per_node).items()}
+    if deltas:  # the encoding counted after the node's uploads (as if serial), its slowest writer's
+        encode_s: dict[int, float] = {}
+        for (r, kind), rank in writers.items():
+            if kind == WEIGHTS:
+                node = rank // per_node
+                encode_s[node] = max(encode_s.get(node, 0.0), sizes[r][WEIGHTS] / a.delta_encode_gb_per_s)
+        seconds = {node: s + encode_s.get(node, 0.0) for node, s in seconds.items()}
+    return seconds
 
 
 def candidate_write_s(cfg: RunConfig, a: Assumptions) -> float:
-    """A trainer that stays up writes each candidate (weights + AdamW state), every node its shard at once."""
-    return (a.checkpoint_gb + a.optimizer_gb) / (a.s3_gb_per_s * cfg.trainer.nodes)
+    """The update writing its candidate (weights, AdamW state and, where wanted, the delta): every node its
+    files at once; the node that writes the most decides (node_write_s)."""
+    return max(node_write_s(cfg, a).values())
+
+
+def busiest_write_gb(cfg: RunConfig, a: Assumptions) -> float:
+    """GB the busiest trainer node writes of the candidate (weights + AdamW state, without the delta)."""
+    return max(node_write_s(cfg, a, deltas=False).values()) * a.s3_gb_per_s
+
+
+def delta_write_s(cfg: RunConfig, a: Assumptions) -> float:
+    """What the delta adds to the candidate's write: the writers of the weight files encode it against the
+    v(i-1) bits they hold and upload it (publish then only indexes it)."""
+    if not deltas_written(cfg):
+        return 0.0
+    return candidate_write_s(cfg, a) - max(node_write_s(cfg, a, deltas=False).values())
 
 
 def served_step_times(cfg: RunConfig, a: Assumptions, train_s: float) -> dict[str, float]:
@@ -312,7 +369,7 @@ def served_step_times(cfg: RunConfig, a: Assumptions, train_s: float) -> dict[st
         "weight_sync_s": fetched_gb / a.s3_gb_per_s + apply_s,
         "full_sync_s": a.checkpoint_gb / a.s3_gb_per_s + apply_s,
         "trainer_startup_s": a.pod_start_s + a.trainer_startup_s,
-        "train_s": train_s + candidate_write_s(cfg, a) + delta_write_s(cfg, a),
+        "train_s": train_s + candidate_write_s(cfg, a),
     }
 
 

@@ -7,13 +7,16 @@ from pipelines.simulate.sizing import (
     Assumptions,
     Cluster,
     StepModel,
+    busiest_write_gb,
     candidate_write_s,
     chunks_per_iteration,
     delta_gb,
     delta_write_s,
     deltas_written,
     rollout_served,
+    shard_gb,
     tokens_per_iteration,
+    trainer_ep_size,
 )
 from pipelines.simulate.state import TRAINER_SERVER
 from pipelines.workflow.graph import ROLLOUT_SERVER
@@ -102,6 +105,10 @@ def describe(cfg: RunConfig, cluster: Cluster, steps: StepModel, a: Assumptions)
         f"step times ({steps.source}):",
         f"  {rollout}; score {steps.score_s:.1f} s; {update}; publish {steps.publish_s:.1f} s",
         f"  plan {steps.plan_s:.1f} s; import-sft {steps.import_sft_s:.1f} s; report {steps.report_s:.1f} s",
+        f"  the update writes its candidate ({a.checkpoint_gb:g} GB of weights + {a.optimizer_gb:g} GB of AdamW "
+        f"state, ep {trainer_ep_size(cfg, a)}: each EP rank's files written by its dp replicas, spread over the "
+        f"nodes); the busiest of {cfg.trainer.nodes} node(s) writes {busiest_write_gb(cfg, a):.1f} GB at "
+        f"{a.s3_gb_per_s:g} GB/s: {candidate_write_s(cfg, a):.1f} s in the update's figure",
     ]
     lines += served_lines(cfg, steps, a)
     if cluster.local:
@@ -126,10 +133,11 @@ def served_lines(cfg: RunConfig, steps: StepModel, a: Assumptions) -> list[str]:
             f"{steps.weight_sync_s:.1f} s; any other version {steps.full_sync_s:.1f} s",
         ]
         if deltas_written(cfg):
+            largest = max(s["weights"] for s in shard_gb(cfg, a))
             lines.append(
-                f"  the update's ranks write the delta against the v(i-1) they hold (each encodes its share at "
-                f"{a.delta_encode_gb_per_s:g} GB/s; {delta_gb(a):g} GB written over {cfg.trainer.nodes} node(s)): "
-                f"+{delta_write_s(cfg, a):.1f} s in the update's figure; publish indexes it"
+                f"  the writer of each weight file writes its delta against the v(i-1) bits it holds (one core at "
+                f"{a.delta_encode_gb_per_s:g} GB/s, the largest file {largest:.1f} GB; {delta_gb(a):g} GB in all): "
+                f"+{delta_write_s(cfg, a):.1f} s on the candidate's write; publish indexes it"
             )
     if cfg.trainer.server:
         lines.append(
