@@ -110,7 +110,8 @@ class RolloutConfig(_Section):
     )
     server_wait_s: float = _field(
         600.0,
-        "how long a rollout step waits for a ready server before it generates with an engine of its own",
+        "how long a rollout step waits for a ready rollout server (rollout.servers > 0) before it exits to be "
+        "retried (exit 75, as for a lost server); it never generates with an engine of its own then",
         ge=0,
     )
 
@@ -218,9 +219,10 @@ class TrainerConfig(_Section):
     )
     server_idle_exit_s: float = _field(
         3600.0,
-        "with trainer.server over trainer.nodes > 1: the trainer's PyTorchJob ends itself after this long "
-        "without an update request (0: never), so that a job whose launcher was killed before it could delete "
-        "it frees its nodes; the segment's daemon stops it long before",
+        "with trainer.server over trainer.nodes > 1: the trainer's PyTorchJob ends itself once its launcher "
+        "(the segment's trainer-server daemon) has not refreshed its heartbeat in the run store for this long "
+        "(0: never), so that a job whose launcher was killed before it could delete it frees its nodes; while "
+        "the launcher lives, the trainer waits for updates however long they pause",
         ge=0,
     )
 

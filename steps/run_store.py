@@ -13,6 +13,7 @@
     <run>/deltas/v000001/                               v000001's compressed delta against its parent (publish)
     <run>/deltas/v000001/DELTA.json                     written LAST: the delta's index (steps/weight_delta.py)
     <run>/servers/<workflow>/<server>.json              a live server's address (its registration)
+    <run>/launchers/<workflow>/trainer-server.json      the trainer job launcher's heartbeat, rewritten at each poll
     <run>/report/                                       the report's table and plot
     <run>/tensorboard/, <run>/wandb/, <run>/tracking/   experiment trackers' files and ledger (steps/tracking.py)
 
@@ -153,6 +154,13 @@ def rollout_server_name(index: object) -> str:
 
 # The trainer that stays up: its Workflow task's and its registration's name (servers/<workflow>/trainer.json).
 TRAINER_SERVER_NAME = "trainer"
+LAUNCHERS_PREFIX = "launchers"
+
+
+def launcher_heartbeat_key(workflow: str) -> str:
+    """The heartbeat of `workflow`'s trainer job launcher (steps/pytorchjob_launcher.py rewrites it at every
+    poll of the job; the multi-node trainer ends itself once it stops changing, steps/trainer_service.py)."""
+    return f"{LAUNCHERS_PREFIX}/{workflow}/trainer-server.json"
 
 
 REPORT_PREFIX = "report"

@@ -5,7 +5,10 @@
 
 On several nodes it is each replica's command of the trainer's PyTorchJob (`--nnodes N`, the rendezvous from
 the training operator's PET_* variables), which the segment's trainer-server daemon launches; there it also
-gets `--idle-exit-s` (trainer.server_idle_exit_s), so that a job whose launcher died ends itself.
+gets `--idle-exit-s` (trainer.server_idle_exit_s): rank 0 watches its launcher's heartbeat in the run store
+(steps/run_store.py launcher_heartbeat_key, rewritten by steps/pytorchjob_launcher.py at every poll of the
+job) and ends the trainer once it has been still that long, so that a job whose launcher died ends itself,
+while a trainer whose launcher lives waits for updates however long they pause (a stalled segment's rollouts).
 
 Its ranks start the process group and the dp x ep mesh once (trainer.ep_size, the model's experts: from the
 newest published version's config.json); rank 0 listens, registers as `<run>/servers/<workflow>/trainer.json`
@@ -38,9 +41,9 @@ from steps.expert_parallel.mesh import build_mesh, resolve_ep_size
 from steps.hf_checkpoint import CONFIG_NAME
 from steps.model import MoeConfig
 from steps.policy_update import COLLECTIVE_TIMEOUT_SECONDS, init_distributed
-from steps.run_store import TRAINER_SERVER_NAME
+from steps.run_store import TRAINER_SERVER_NAME, launcher_heartbeat_key
 from steps.store import Store
-from steps.trainer_service import TrainerService
+from steps.trainer_service import LauncherWatch, TrainerService
 
 EXIT_STOPPED = 143  # SIGTERM: the end of the Workflow's scope, or a reclaim
 VERSION_POLL_S = 0.5  # how often a trainer that starts before v000000 exists looks for it
@@ -60,8 +63,8 @@ def newest_model_config(run: Store, log: Callable[[str], None]) -> MoeConfig:
 
 
 def serve_trainer(run_uri: str, workflow: str, port: int = 0, idle_exit_s: float = 0.0) -> int:
-    """Run the trainer until SIGTERM (rank 0), or until `idle_exit_s` (> 0) without a request, or until rank 0
-    says stop (the others)."""
+    """Run the trainer until SIGTERM (rank 0), or until its launcher's heartbeat has been still for `idle_exit_s`
+    (> 0; a heartbeat never written: no launcher, never), or until rank 0 says stop (the others)."""
     log = lambda line: print(line, flush=True)  # noqa: E731
     rank, world, local_rank, device = init_distributed()
     run = Store.open(run_uri)
@@ -87,8 +90,9 @@ def serve_trainer(run_uri: str, workflow: str, port: int = 0, idle_exit_s: float
     entry = serving.register(run, workflow, TRAINER_SERVER_NAME, server.port)
     service.instance = entry.instance
     log(f"trainer: {world} rank(s), ep {mesh.ep_size}; listening on {entry.address} for workflow {workflow}")
+    launcher = LauncherWatch(run, launcher_heartbeat_key(workflow), idle_exit_s) if idle_exit_s > 0 else None
     try:
-        service.serve(server, idle_exit_s)
+        service.serve(server, launcher)
     finally:
         serving.unregister(run, entry)
         server.close()
@@ -104,7 +108,8 @@ def main() -> int:
         "--idle-exit-s",
         type=float,
         default=0.0,
-        help="end (exit 0) after this long without an update request; default 0: never (trainer.server_idle_exit_s)",
+        help="end (exit 0) once the launcher's heartbeat in the run store has been still this long (the launcher "
+        "is gone); default 0: never (trainer.server_idle_exit_s)",
     )
     argv = sys.argv[1:]
     args = parser.parse_args(argv[1:] if argv[:1] == ["--"] else argv)

@@ -7,39 +7,111 @@ its own, so that an idle wait is never an NCCL collective; a heartbeat every HEA
 under the group's timeout). Every rank then runs steps/policy_update.py's train_iteration, the update step's own code,
 and rank 0 answers once the candidate is complete.
 
-Which state an update starts from is decided by rank 0 and broadcast with the request, so every rank takes
-the same path: the state held in memory when it is v(I-1) exactly as published (HeldState.matches), else
-v(I-1) and optimizer/v(I-1) from the store, as a fresh update step would (a trainer just started,
-restarted after a crash, or holding another version). A request whose candidate is already complete (a
-retried client) is answered at once. A failed update drops the held state (the next one reloads). The expert
-dispatcher (with DeepEP, its buffer) is made by the first update and kept (dispatch.HeldDispatch), and so is
-the KL reference (trainer_state.HeldReference).
+Rank 0 alone decides whether there is anything to train (policy_update.pending_iteration: v(I) published or
+its candidate complete, a retried client, is answered at once without the other ranks) and checks the
+iteration's inputs; only then does it broadcast the update, and every rank trains: no rank decides on its own
+view of the store. Which state an update starts from is decided by rank 0 and broadcast with the request, so
+every rank takes the same path: the state held in memory when it is v(I-1) exactly as published
+(HeldState.matches), else v(I-1) and optimizer/v(I-1) from the store, as a fresh update step would (a trainer
+just started, restarted after a crash, or holding another version). The expert dispatcher (with DeepEP, its
+buffer) is made by the first update and kept (dispatch.HeldDispatch), and so is the KL reference
+(trainer_state.HeldReference).
+
+A failed update: when it failed in a step the ranks agreed on (policy_update.agreed: every rank raises there,
+no collective left half-entered), each rank drops its held state (the next update reloads) and listens on.
+Any other failure (an OOM in training, a moved expert, the DeepEP buffer: collectives that run without an
+agreement) ends the failing rank's process at once (`abort`): its peers may be waiting in an NCCL collective
+it will never join, and would otherwise wait out its timeout (an hour). torchrun then stops the node's other
+ranks, the job's first failed replica fails the PyTorchJob (steps/pytorchjob_launcher.py), and the daemon's
+retry starts a trainer that reloads from the store; the client of the update exits 75 and is retried.
+
+With `serve`'s LauncherWatch (a multi-node trainer's job), rank 0 also ends the trainer once its launcher's
+heartbeat has been still for trainer.server_idle_exit_s: the launcher is gone, whatever the pace of updates.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
 
 from steps import checkpoint
 from steps.errors import MoerlError
+from steps.experience import load_run_config, read_scored_experience
 from steps.expert_parallel.dispatch import HeldDispatch
 from steps.expert_parallel.mesh import Mesh
 from steps.model import MoeConfig
-from steps.policy_update import agreed, pending_iteration, train_iteration
+from steps.policy_update import IterationWork, agreed, check_token_ids, pending_iteration, train_iteration
+from steps.run_store import behaviour_version, scored_key
 from steps.serving import JsonServer, Unavailable
 from steps.store import Store
+from steps.trainer import TrainSettings
 from steps.trainer_state import HeldReference, HeldState
 
 # Rank 0 broadcasts a no-op this often while idle: the other ranks wait in a broadcast, whose group timeout
 # (policy_update.COLLECTIVE_TIMEOUT_SECONDS) must never run out between two updates.
 HEARTBEAT_S = 60.0
+EXIT_RANK_FAILED = 1  # a rank that failed outside an agreed step: torchrun's exit code for a failed worker
+
+
+def agreed_everywhere(err: BaseException) -> bool:
+    """Whether every rank raised `err`'s failure at the same policy_update.agreed step (which marks what it
+    raises), so that no rank waits in a collective this one will not join."""
+    return bool(getattr(err, "moerl_agreed", False))
+
+
+def end_now(code: int) -> NoReturn:
+    """End this process at once (after flushing its output): no atexit callbacks, no interpreter teardown,
+    whose process-group destructors could wait on the very collective the other ranks are stuck in."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
+def iteration_inputs(run: Store, iteration: int) -> IterationWork:
+    """Update `iteration`'s inputs (what policy_update.pending_iteration reads once it found work to do), for
+    the ranks that follow rank 0's decision."""
+    cfg = load_run_config(run)
+    version = behaviour_version(iteration, cfg.staleness)
+    samples = read_scored_experience(run, iteration, version)
+    return IterationWork(run, cfg, iteration, version, samples, TrainSettings.from_run_config(cfg))
+
+
+class LauncherWatch:
+    """Rank 0's view of its launcher's heartbeat (steps/pytorchjob_launcher.py heartbeat_writer rewrites the
+    object `key` at every poll): gone once the object has not changed for `timeout_s` of this process's own
+    clock (no clock is compared across machines). An object never seen means no launcher watches this
+    trainer (the local executor runs the job itself): never gone. A store error reads as no change."""
+
+    def __init__(self, run: Store, key: str, timeout_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.run, self.key, self.timeout_s, self.clock = run, key, timeout_s, clock
+        self.last: bytes | None = None
+        self.changed_at = clock()
+
+    def still_s(self) -> float | None:
+        """Seconds since the heartbeat last changed; None while none was ever seen."""
+        try:
+            data: bytes | None = self.run.get_bytes(self.key)
+        except (MoerlError, OSError, ValueError):
+            data = None  # absent (ObjectNotFound is a MoerlError) or unreadable now
+        now = self.clock()
+        if data is not None and data != self.last:
+            self.last, self.changed_at = data, now
+        return None if self.last is None else now - self.changed_at
+
+    def gone(self) -> bool:
+        still = self.still_s()
+        return self.timeout_s > 0 and still is not None and still >= self.timeout_s
 
 
 class TrainerService:
@@ -63,8 +135,8 @@ class TrainerService:
         self.reference = HeldReference()  # the KL reference read once, not per update
         self.instance = ""  # set by the step once registered
         self.stopping = threading.Event()
+        self.abort: Callable[[int], NoReturn] = end_now  # a failure outside an agreed step (the module docstring)
         self._done = 0
-        self._last_request = time.monotonic()  # an idle exit counts from the start, then from each request
 
     # ------------------------------------------------------------------------------- rank 0: the face
 
@@ -95,25 +167,31 @@ class TrainerService:
             )
         if self.stopping.is_set():
             raise Unavailable("the trainer is stopping")
-        self._last_request = time.monotonic()
-        command = {"op": "update", "iteration": iteration, "force": bool(body.get("force"))}
-        command["from_memory"] = self._may_train_on(iteration)
-        self._broadcast(command)
         try:
-            return self.execute(command)
+            # Rank 0 decides for every rank, and refuses inputs that cannot train before any rank starts.
+            work = pending_iteration(self.run, iteration, bool(body.get("force")), 0)
+            if work is None:
+                return {"outcome": "nothing to do", "source": "store", "iteration": iteration}
+            check_token_ids(work.samples, self.model_config.vocab_size, self.run.url(scored_key(iteration)))
+            command = {"op": "update", "iteration": iteration, "from_memory": self._may_train_on(iteration)}
+            self._broadcast(command)
+            return self.execute(command, work)
         finally:
             self._done += 1
 
-    def serve(self, server: JsonServer, idle_exit_s: float = 0.0) -> None:
+    def serve(self, server: JsonServer, launcher: LauncherWatch | None = None) -> None:
         """Rank 0's main thread: run the server's requests on every rank until stopping, with a no-op broadcast
-        while idle (HEARTBEAT_S); then tell the other ranks to stop. With `idle_exit_s` > 0 it also stops
-        once that long has passed without a request (checked at each heartbeat). (A SIGTERM ends rank 0 at
-        once, in a request or not; the other ranks then end with their process group.)"""
+        while idle (HEARTBEAT_S); then tell the other ranks to stop. With `launcher`, it also stops once the
+        launcher's heartbeat has been still for its timeout (checked at each idle heartbeat). (A SIGTERM ends
+        rank 0 at once, in a request or not; the other ranks then end with their process group.)"""
 
         def idle() -> None:
-            quiet_s = time.monotonic() - self._last_request
-            if idle_exit_s > 0 and quiet_s >= idle_exit_s:
-                self.log(f"trainer: no update request for {quiet_s:.0f} s (--idle-exit-s {idle_exit_s:g}); stopping")
+            if launcher is not None and launcher.gone():
+                self.log(
+                    f"trainer: its launcher's heartbeat {self.run.url(launcher.key)} has not changed for "
+                    f"{launcher.still_s() or 0:.0f} s (--idle-exit-s {launcher.timeout_s:g}): the launcher is "
+                    "gone; stopping"
+                )
                 self.stopping.set()
                 return
             self._broadcast({"op": "noop"})
@@ -137,16 +215,30 @@ class TrainerService:
             if command["op"] == "update":
                 try:
                     self.execute(command)
-                except Exception as err:  # noqa: BLE001 - rank 0 answers the client; this rank follows on
+                except Exception as err:  # noqa: BLE001 - agreed by every rank (execute ends it otherwise)
                     self.log(f"rank {self.mesh.rank}: update {command['iteration']} failed: {err}")
 
-    def execute(self, command: dict[str, Any]) -> dict[str, Any]:
-        """One update on this rank (every rank runs it with the same command)."""
+    def execute(self, command: dict[str, Any], work: IterationWork | None = None) -> dict[str, Any]:
+        """One update on this rank (every rank runs it with the same command, which rank 0 broadcast once it
+        found work to do: `work`, its inputs, on rank 0; the others read them). A failure that every rank
+        agreed on is raised; any other ends this process (`abort`, see the module docstring)."""
+        try:
+            return self._train(command, work)
+        except Exception as err:
+            self.held = None  # a failed update's state is not v(I-1) any more: the next one reloads
+            if self.command_group is not None and not agreed_everywhere(err):
+                self.log(
+                    f"rank {self.mesh.rank}: update {command['iteration']} failed outside a step the ranks agree "
+                    f"on ({type(err).__name__}: {err}); ending this rank so that torchrun ends them all"
+                )
+                self.abort(EXIT_RANK_FAILED)
+            raise
+
+    def _train(self, command: dict[str, Any], work: IterationWork | None) -> dict[str, Any]:
         iteration = command["iteration"]
         rank = self.mesh.rank
-        work = pending_iteration(self.run, iteration, command["force"], rank)
-        if work is None:
-            return {"outcome": "nothing to do", "source": "store", "iteration": iteration}
+        inputs = work
+        work = agreed(self.mesh, lambda: inputs if inputs is not None else iteration_inputs(self.run, iteration))
         held = self.held
         from_memory = bool(command["from_memory"])
 

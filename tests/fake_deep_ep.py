@@ -23,6 +23,15 @@ deep_ep/buffers/elastic.py and deep_ep/utils/envs.py at that commit:
   determinism  every call asserts that torch's deterministic mode and fill_uninitialized_memory are not
                both on (check_torch_deterministic).
 
+  memory      the buffer is not torch's: ElasticBuffer's C++ runtime allocates it from the driver
+               (csrc/kernels/backend/symmetric.hpp: ncclMemAlloc, or cuMemCreate) and registers it as an NCCL
+               window (csrc/kernels/backend/nccl.cu), and with explicitly_destroy=False frees it when the
+               Python object goes ("released by the destructor", ElasticBuffer.__init__'s docstring). Blocks
+               that torch's caching allocator holds are free to torch only: the driver can give them to a new
+               buffer once torch.cuda.empty_cache() returned them. `DEVICE` models that memory; a buffer that
+               does not fit what the driver has free fails as the runtime's CUDA check does. Its synchronize
+               and empty_cache stand in for torch.cuda's where a test puts them in place.
+
 The exchange itself: rank r owns experts [r*E/R, (r+1)*E/R). Dispatch sends each token once to every rank
 owning one of its experts; there its top-k ids are local ids, -1 for experts held elsewhere, and its weights
 are all k of them; rows arrive ordered by (source rank, token), as DeepEP's deterministic mode sorts them,
@@ -34,7 +43,8 @@ from __future__ import annotations
 
 import sys
 import types
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -49,6 +59,38 @@ RANKS_PER_NODE = 8
 # What deep_ep.utils.envs would detect: ibstat finds no mlx5_0 on EFA (0), nvidia-smi's NVLink total.
 DETECTED_RDMA_GBS = 0.0
 DETECTED_NVLINK_GBS = 430.0
+
+
+@dataclass
+class DeviceMemory:
+    """One GPU's memory as the driver sees it: torch's cached blocks, DeepEP's buffers, and what is free."""
+
+    total: int = 141 << 30  # an H200
+    torch_cached: int = 0  # held by torch's caching allocator (in use or not): not the driver's to give
+    buffers: int = 0  # ElasticBuffers alive
+    calls: list[str] = field(default_factory=list)  # synchronize / empty_cache, in order
+
+    def driver_free(self) -> int:
+        return self.total - self.torch_cached - self.buffers
+
+    def synchronize(self, device: object = None) -> None:
+        self.calls.append("synchronize")
+
+    def empty_cache(self) -> None:
+        self.calls.append("empty_cache")
+        self.torch_cached = 0  # what training freed into the cache (nothing is in use between two updates)
+
+    def release(self, num_bytes: int) -> None:
+        self.buffers -= num_bytes
+
+
+DEVICE = DeviceMemory()
+
+
+def buffer_bytes(num_ranks: int, num_max_tokens_per_rank: int, hidden: int) -> int:
+    """The fake's buffer size (not DeepEP's formula): a bf16 row per token from every rank, 2 MB aligned."""
+    raw = num_ranks * num_max_tokens_per_rank * hidden * 2
+    return -(-raw // (2 << 20)) * (2 << 20)
 
 
 def get_rdma_gbs() -> float:
@@ -108,6 +150,20 @@ class ElasticBuffer:
         self.num_scaleup_ranks = min(RANKS_PER_NODE, self.num_ranks)
         self.num_scaleout_ranks = self.num_ranks // self.num_scaleup_ranks
         self.num_rdma_ranks, self.num_nvlink_ranks = self.num_scaleout_ranks, self.num_scaleup_ranks
+        self.num_bytes = num_bytes or buffer_bytes(self.num_ranks, num_max_tokens_per_rank, hidden)
+        device = DEVICE
+        if self.num_bytes > device.driver_free():
+            raise RuntimeError(
+                f"Failed: CUDA error 2 'out of memory' (fake deep_ep: {self.num_bytes} bytes from the driver, "
+                f"{device.driver_free()} free; torch's cache holds {device.torch_cached})"
+            )
+        device.buffers += self.num_bytes
+        self.explicitly_destroy = explicitly_destroy
+        self._free = weakref.finalize(self, device.release, self.num_bytes)  # the destructor's release
+
+    def destroy(self) -> None:
+        assert self.explicitly_destroy
+        self._free()
 
     def get_theoretical_num_sms(
         self,

@@ -74,9 +74,9 @@ def test_health_answers_and_unknown_operations_are_refused(path):
         server.close()
 
 
-def test_an_idle_trainer_stops_itself_after_idle_exit_s(tmp_path, monkeypatch):
-    """trainer.server_idle_exit_s: a trainer whose job outlived its launcher gets no more requests and ends
-    (rank 0 stops serving and tells the other ranks to stop) instead of holding its nodes."""
+def test_a_trainer_whose_launcher_is_gone_stops_itself(tmp_path, monkeypatch):
+    """trainer.server_idle_exit_s: a trainer whose job outlived its launcher (its heartbeat still for that
+    long) ends (rank 0 stops serving and tells the other ranks to stop) instead of holding its nodes."""
     from types import SimpleNamespace
 
     from steps import trainer_service
@@ -85,12 +85,14 @@ def test_an_idle_trainer_stops_itself_after_idle_exit_s(tmp_path, monkeypatch):
     monkeypatch.setattr(trainer_service, "HEARTBEAT_S", 0.0)  # check at every idle poll
     lines: list[str] = []
     mesh = SimpleNamespace(rank=0, ep_size=1)
-    service = trainer_service.TrainerService(Store.open(tmp_path.as_uri()), mesh, 0, None, None, lines.append)
+    run = Store.open(tmp_path.as_uri())
+    run.put_json("launchers/wf/trainer-server.json", {"beat": 1})  # written once, then never again
+    service = trainer_service.TrainerService(run, mesh, 0, None, None, lines.append)
     server = serving.JsonServer({"update": service.update}, service.health, main_thread=True)
     server.serve_in_background()
     try:
-        service.serve(server, idle_exit_s=0.01)  # returns once it stopped itself
+        service.serve(server, trainer_service.LauncherWatch(run, "launchers/wf/trainer-server.json", 0.01))
     finally:
         server.close()
     assert service.stopping.is_set()
-    assert lines and "no update request for" in lines[-1] and "--idle-exit-s 0.01" in lines[-1]
+    assert lines and "the launcher is gone" in lines[-1] and "--idle-exit-s 0.01" in lines[-1]

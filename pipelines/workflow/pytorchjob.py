@@ -26,6 +26,20 @@ that means for the wait:
   - The job's name is fixed per run and iteration (JOB_NAME), so there is never more than one per
     iteration: the workflow's update step deletes it (and waits until its pods are gone) before it creates
     it, on every attempt, and a resubmitted run replaces the job of a run before it instead of racing it.
+  - A cold start: the operator gives every Worker pod an init container `init-pytorch`, appended after the
+    pod template's own (pytorch/initcontainer.go setInitContainer), that runs `nslookup <job>-master-0` at
+    most PyTorchInitContainerMaxTries = 100 times, 2 s apart (pkg/config/config.go, initContainerTemplate),
+    and the master's headless Service (common/service.go CreateNewService, no publishNotReadyAddresses) has
+    an address only once the master pod is Ready, i.e. its image pulled and its container started. A master
+    whose node or image comes more than ~200 s after a worker's would fail that init container; under
+    restartPolicy Never that fails the pod and the job (pytorchjob_controller.go UpdateJobStatus: a failed
+    replica with restartPolicy Never sets Failed). OnFailure would let the kubelet rerun it, but
+    core/job.go PastBackoffLimit counts init-container restarts against backoffLimit as soon as the pod
+    runs, and ExitCode fails the job on any new failed pod once backoffLimit is spent (common/job.go
+    ReconcileJobs: exceedsBackoffLimit). So every Worker waits first in an init container of its own
+    (`wait-for-master`: `python -m steps.pytorchjob_launcher --wait-for-host <job>-master-0`, up to
+    MASTER_WAIT_SECONDS), after which the operator's resolves at its first try; the restart policies keep
+    their meaning.
 """
 
 from __future__ import annotations
@@ -40,10 +54,14 @@ from pipelines.workflow.commands import flags, torchrun_args, trainer_server_arg
 from steps.pytorchjob_launcher import (
     FAILED_CONDITION_INDEXES,
     GROUP,
+    HEARTBEAT_KEY_ANNOTATION,
+    HEARTBEAT_STORE_ANNOTATION,
     JOB_DEADLINE_SECONDS,
+    MASTER_WAIT_SECONDS,
     VERSION,
 )
 from steps.run_config import RunConfig
+from steps.run_store import launcher_heartbeat_key
 
 SUCCESS_CONDITION = "status.replicaStatuses.Master.succeeded > 0"
 FAILURE_CONDITION = ", ".join(f"status.conditions.{i}.type == Failed" for i in FAILED_CONDITION_INDEXES)
@@ -77,15 +95,20 @@ def trainer_server_manifest(cfg: RunConfig, workflow: str, workflow_uid: str) ->
     restartPolicy Never and backoffLimit 0: the first replica that fails fails the job (the operator's rule
     for any replica type), its other pods are deleted, and the daemon exits 1, so the restart is the daemon's
     own retry, visible in the Workflow, never a replica restarted alone into a process group that is gone.
-    No activeDeadlineSeconds: the job lives as long as its segment. Should the daemon be killed before it could
-    delete it, the job ends itself after trainer.server_idle_exit_s without a request, and the owner reference
-    to the Workflow removes it with the Workflow."""
+    No activeDeadlineSeconds: the job lives as long as its segment. The launcher rewrites a heartbeat in the run
+    store at every poll (named by the job's annotations, steps/pytorchjob_launcher.py heartbeat_writer); should
+    the daemon be killed before it could delete the job, the trainer ends itself once that heartbeat has been
+    still for trainer.server_idle_exit_s (however long updates pause, a live launcher keeps it), and the owner
+    reference to the Workflow removes it with the Workflow."""
     run_policy = {"backoffLimit": 0, "cleanPodPolicy": "Running"}
     labels = pl.labels(cfg, "trainer-server")
     env = [dict(pl.POD_IP_ENV)]  # rank 0 registers it
-    # It also ends itself once idle for trainer.server_idle_exit_s: no job outlives its launcher for long.
     args = trainer_server_args(cfg, workflow) + flags(idle_exit_s=cfg.trainer.server_idle_exit_s)
     job = _job(cfg, trainer_server_job_name(cfg), labels, args, run_policy, "Never", env)
+    job["metadata"]["annotations"] = {
+        HEARTBEAT_STORE_ANNOTATION: cfg.run_store,
+        HEARTBEAT_KEY_ANNOTATION: launcher_heartbeat_key(workflow),
+    }
     job["metadata"]["ownerReferences"] = [
         {"apiVersion": "argoproj.io/v1alpha1", "kind": "Workflow", "name": workflow, "uid": workflow_uid}
     ]
@@ -129,17 +152,18 @@ def _job(
         }
     )
 
-    def replica(count: int) -> dict[str, Any]:
+    def replica(count: int, init_containers: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         metadata = {"labels": dict(pod_labels), "annotations": pl.annotations("trainer")}
+        spec = {**pod_spec, "initContainers": init_containers} if init_containers else pod_spec
         return {
             "replicas": count,
             "restartPolicy": restart_policy,
-            "template": copy.deepcopy({"metadata": metadata, "spec": pod_spec}),
+            "template": copy.deepcopy({"metadata": metadata, "spec": spec}),
         }
 
     specs = {"Master": replica(1)}
     if cfg.trainer.nodes > 1:
-        specs["Worker"] = replica(cfg.trainer.nodes - 1)
+        specs["Worker"] = replica(cfg.trainer.nodes - 1, [wait_for_master(cfg, name)])
     return {
         "apiVersion": f"{GROUP}/{VERSION}",
         "kind": "PyTorchJob",
@@ -150,6 +174,27 @@ def _job(
             "pytorchReplicaSpecs": specs,
         },
     }
+
+
+def master_service(name: str) -> str:
+    """The master's Service name, which the operator gives its Workers (kubeflow/trainer v1.9.4
+    pkg/controller.v1/pytorch/envvar.go replicaName(job, Master, 0))."""
+    return f"{name}-master-0"
+
+
+def wait_for_master(cfg: RunConfig, name: str) -> dict[str, Any]:
+    """A Worker's first init container: wait until the master's Service resolves (see the module docstring),
+    with the trainer image the pod pulls anyway and the pod's own security context."""
+    return _without_empty(
+        {
+            "name": "wait-for-master",
+            "image": cfg.images.trainer,
+            "command": ["python", "-m", "steps.pytorchjob_launcher"],
+            "args": ["--wait-for-host", master_service(name), "--wait-seconds", str(MASTER_WAIT_SECONDS)],
+            "resources": {"requests": {"cpu": "50m", "memory": "64Mi"}, "limits": {"cpu": "500m", "memory": "256Mi"}},
+            "securityContext": pl.container_security_context(),
+        }
+    )
 
 
 def reference(cfg: RunConfig, iteration: str) -> dict[str, Any]:

@@ -10,6 +10,7 @@ reads the handle (tests/test_deepep_contract.py holds both rules).
 
 from __future__ import annotations
 
+import gc
 import os
 from collections.abc import Sequence
 
@@ -61,6 +62,15 @@ def deepep_bandwidths() -> tuple[float, float]:
             raise MoerlError(f"{name}={text!r}: not a positive bandwidth in GB/s; set e.g. {name}={default:g}")
         values.append(value)
     return values[0], values[1]
+
+
+def free_cached_device_memory() -> None:
+    """Synchronize this rank's device and give the blocks torch's caching allocator holds back to the driver
+    (torch.cuda.empty_cache frees only unused cached blocks; the synchronize lets the kernels that still use
+    freed tensors finish first). Nothing to do before CUDA starts or without it."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
 
 
 class _DeepEPDispatchFn(torch.autograd.Function):
@@ -136,7 +146,7 @@ class DeepEPDispatch:
     needs. The owner computes sum_j w_j * expert_j(x) over its own experts, and combine sums those partial
     outputs at the token's rank.
     The buffer is created on first use, sized for `max_tokens_per_rank` tokens (the same on every rank), with
-    DeepEP's deterministic receive order.
+    DeepEP's deterministic receive order. `release` gives its memory back before a bigger one is made.
     """
 
     def __init__(
@@ -183,6 +193,21 @@ class DeepEPDispatch:
             )
             self._buffer = buffer
         return self._buffer
+
+    def release(self) -> None:
+        """Free the buffer's device memory, on every rank of the group at the same point (a trainer that stays up
+        remakes a bigger one: dispatch.HeldDispatch). DeepEP's buffer is not torch's: ElasticBuffer's runtime
+        allocates it from the driver (DeepEP dd758ca csrc/kernels/backend/symmetric.hpp, ncclMemAlloc /
+        cuMemCreate) and registers it as an NCCL window (csrc/kernels/backend/nccl.cu, collective), and frees it
+        when the Python object goes (deep_ep/buffers/elastic.py ElasticBuffer.__init__, explicitly_destroy=False:
+        "released by the destructor"). Memory that torch's caching allocator keeps from training is free to torch
+        only, so the next buffer would fail for want of it: this drops the buffer, waits for the device and
+        empties torch's cache, before the caller makes the next one."""
+        self._buffer = None
+        self.last_handle = None
+        self.num_sms = 0
+        gc.collect()  # the runtime's destructor runs when the last reference goes
+        free_cached_device_memory()
 
     def __call__(
         self,

@@ -73,7 +73,10 @@ class HeldDispatch:
     it is made, and a process that made one per update would pay that each time and hold the old window
     until the collector freed it. Remade only when an update needs more tokens per rank than the buffer
     holds (then as many as the larger of the two) or names another backend or model shape; the backends
-    without a buffer (alltoall, local) are the same object throughout. Its buffer's size changes no result."""
+    without a buffer (alltoall, local) are the same object throughout. Its buffer's size changes no result.
+    Before it is remade, the old dispatcher's `release` frees its buffer and empties torch's cache (DeepEP's
+    buffer comes from the driver, not from that cache: deepep.DeepEPDispatch.release); every rank calls `get`
+    with the same arguments at the same point of an update, so every rank does it."""
 
     def __init__(self) -> None:
         self._dispatch: ExpertDispatch | None = None
@@ -98,7 +101,10 @@ class HeldDispatch:
                 held.timer = timer or CommTimer()  # this update's own count
             return held
         size = max(max_tokens_per_rank, capacity or 0) if key == self._key else max_tokens_per_rank
+        release = getattr(held, "release", None)
         self._dispatch = held = None  # the old buffer goes before the new one is registered
+        if release is not None:
+            release()
         held = make_dispatch(backend, mesh, num_experts, hidden_size, top_k, size, timer)
         self._dispatch, self._key = held, key
         self.made += 1
