@@ -13,7 +13,7 @@ import contextlib
 import json
 import os
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -58,6 +58,24 @@ def load_config(directory: str | os.PathLike) -> MoeConfig:
     """Read and validate <directory>/config.json."""
     d = read_config_json(directory)
     return MoeConfig.from_hf_dict(d, source=str(Path(directory) / CONFIG_NAME))
+
+
+# MoeConfig fields that neither the tensors' shapes nor a forward pass nor serving depend on: training-only
+# knobs and token ids that no engine reads (generation stops on the tokenizer's stop ids, steps/generation.py;
+# eos_token_id stays in: SGLang also stops at the eos it read at start-up unless ignore_eos).
+NOT_ARCHITECTURE = frozenset({"initializer_range", "router_aux_loss_coef", "bos_token_id", "pad_token_id"})
+
+
+def model_architecture(config: dict[str, Any], source: str = CONFIG_NAME) -> dict[str, Any]:
+    """What a model's shape and computation depend on, from a config.json dict, normalised across the layouts
+    transformers writes (v4: top-level `rope_theta`, `torch_dtype`, no `rope_parameters`; v5: `dtype`,
+    `rope_parameters`; `num_experts` or `num_local_experts`; `head_dim` implied or explicit; absent fields at
+    their defaults), so that two configs of one model compare equal whoever wrote them. The dtype is left
+    out (declared_dtype compares it). `source` names the file in errors."""
+    fields = asdict(MoeConfig.from_hf_dict(config, source=source))
+    architecture = {k: v for k, v in fields.items() if k not in NOT_ARCHITECTURE}
+    architecture["architectures"] = list(config.get("architectures") or [])  # SGLang's model class
+    return architecture
 
 
 def expected_tensor_shapes(

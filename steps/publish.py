@@ -7,6 +7,8 @@
    of the model exactly once with the shape config.json implies, the optimizer state matching the weights.
    The weights must be stored in the run's dtype (the parent's, so v000000's) and, when that is narrower
    than fp32, the optimizer state must hold every parameter's fp32 master (what the next update resumes from).
+   config.json is the parent's (so v000000's: the user's own, plus its dtype), never the one the update
+   regenerated, which must describe the same model (keep_parent_config).
 2. Assemble a Hugging Face checkpoint dir as transformers writes it: config.json, generation_config.json,
    tokenizer files and model.safetensors (one shard) or model-0000k-of-0000n.safetensors +
    model.safetensors.index.json (one shard per EP rank), loadable by transformers and SGLang.
@@ -45,6 +47,7 @@ from steps.hf_checkpoint import (
     declared_dtype,
     expected_tensor_shapes,
     load_config,
+    model_architecture,
     read_config_json,
     weights_dtype,
 )
@@ -136,6 +139,31 @@ def run_dtype(run: Store, version: int) -> torch.dtype:
     """The dtype published version `version` declares in its config.json: the run's (v000000's)."""
     config = json.loads(checkpoint.read_file(run, version, CONFIG_NAME))  # validated when it was published
     return declared_dtype(config, run.url(f"{version_prefix(version)}/{CONFIG_NAME}")) or torch.float32
+
+
+def keep_parent_config(run: Store, iteration: int, candidate_dir: Path, where: str) -> None:
+    """Put the parent version's config.json in place of the candidate's, which must describe the same model.
+
+    The update regenerates config.json from the model (MoeConfig.to_hf_dict: pad_token_id, rope_parameters
+    and its own field set added, the user's other fields dropped); published, that would make every version
+    after v000000 carry another config.json than the one the user gave. So each version publishes its
+    parent's bytes, and by induction v000000's: the user's config as import-sft stored it (plus the dtype it
+    declares). Readers that start from one version and follow the run in place (SGLang never re-reads
+    config.json on update_weights_from_disk) then see one config throughout. The weights are checked against
+    this config afterwards (verify_candidate), so what is published is consistent with what it says."""
+    parent = checkpoint.read_file(run, iteration - 1, CONFIG_NAME)
+    parent_source = run.url(f"{version_prefix(iteration - 1)}/{CONFIG_NAME}")
+    try:
+        parent_config = json.loads(parent)
+    except ValueError as err:
+        raise MoerlError(f"{parent_source}: not valid JSON ({err}); the published parent is damaged") from err
+    made = model_architecture(read_config_json(candidate_dir), f"{where}/{CONFIG_NAME}")
+    if made != model_architecture(parent_config, parent_source):
+        raise MoerlError(
+            f"{where}/{CONFIG_NAME}: describes another model than {version_name(iteration - 1)} (every version of "
+            "a run is the same model); rerun update with --force"
+        )
+    (candidate_dir / CONFIG_NAME).write_bytes(parent)
 
 
 def assemble_hf_dir(
@@ -231,6 +259,7 @@ def publish(run_uri: str, iteration: int) -> checkpoint.Manifest:
         candidate.download(run, iteration, marker, candidate_dir)
         if not (candidate_dir / CONFIG_NAME).is_file():
             raise MoerlError(f"{where}: the candidate has no {CONFIG_NAME}; rerun update with --force")
+        keep_parent_config(run, iteration, candidate_dir, where)
         index, model_files, optimizer_files = verify_candidate(candidate_dir, where, run_dtype(run, iteration - 1))
         progress.report(1, 3)
         store_optimizer_state(run, iteration, candidate_dir, index["optimizer_map"])

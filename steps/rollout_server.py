@@ -8,8 +8,12 @@ the version the run's next iteration samples from (in the node cache, steps/weig
 v000000 when it starts beside import-sft) and then says it is ready (`GET /health`; the readinessProbe is
 `python -m steps.server_probe`). The rollout steps of its Workflow send it their chunks (`POST /chunk`,
 steps/rollout_service.py); it brings its engine to each request's policy version in place and writes the
-chunk to the store. On SIGTERM (the end of its Workflow's scope, or a Spot reclaim) it stops the request in
-flight between two decode steps, unregisters and exits with 143; that request's client fails and is retried.
+chunk to the store. An in-place update that breaks the engine (SGLang's failed load) is answered 503 and a
+new engine is opened from the store, the server not ready and answering 503 until it is
+(steps/rollout_service.py). On SIGTERM (the end of its Workflow's scope, or a Spot reclaim) it stops the
+request in flight (the torch engine between two decode steps; SGLang's by aborting its requests,
+steps/sglang_engine.py "SIGTERM"), answers it 503, unregisters and exits with 143; that request's client
+fails and is retried.
 
 --threads as for steps.rollout: the same torch CPU thread count everywhere gives the same samples.
 """
@@ -48,14 +52,18 @@ def main() -> int:
     signal.signal(signal.SIGTERM, on_sigterm)
     if args.device == "cpu":
         torch.set_num_threads(args.threads)
-    server = serving.JsonServer({"chunk": service.chunk}, service.health, port=args.port, main_thread=True)
+    server = serving.JsonServer(
+        {"chunk": service.chunk}, service.health, port=args.port, main_thread=True, unavailable=service.unavailable
+    )
     server.serve_in_background()
     entry = serving.register(run, args.workflow, args.name, server.port)
     service.instance = entry.instance
     log(f"{args.name}: listening on {entry.address} for workflow {args.workflow}")
     try:
         if service.start():
-            server.run_operations(service.stopping)  # the engine runs on this thread, where SIGTERM interrupts it
+            # The engine runs on this thread, where SIGTERM interrupts it; between calls, a broken engine is
+            # replaced (service.recover: at once, and again after a failed open).
+            server.run_operations(service.stopping, idle=service.recover, idle_every_s=0.0)
     finally:
         serving.unregister(run, entry)
         server.close()

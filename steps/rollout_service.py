@@ -7,6 +7,11 @@ and writes it, exactly as a rollout step would, and answers with what it did. It
 of another version than the one asked for: the version check happens before the engine is touched, and the
 chunk's rows carry the version that generated them.
 
+An in-place update that leaves the engine broken (SGLang's failed load: its weights are then no version's,
+steps/sglang_engine.py) is answered 503, which the client retries, and the engine is closed; between
+requests the server opens a new one from the run store on that version (recover), answering every request
+with 503 and saying it is not ready until then, and trying again every REOPEN_RETRY_S if the open fails.
+
 Progress (for Argo's UI and `moerl local --chaos`, steps/progress.py) counts each request as two units,
 generated and written, over the requests received so far: a struck server stops between the two, with the
 chunk generated and not written, which is the worst moment to lose it.
@@ -15,6 +20,7 @@ chunk generated and not written, which is the worst moment to lose it.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
@@ -30,6 +36,7 @@ from steps.store import Store
 from steps.weight_sync import WeightSync
 
 VERSION_POLL_S = 0.5  # how often a server that starts before v000000 exists looks for it
+REOPEN_RETRY_S = 30.0  # how long a server whose engine could not be reopened waits before it tries again
 
 
 class RolloutService:
@@ -44,6 +51,8 @@ class RolloutService:
         self.version: int | None = None  # the policy version the engine holds
         self.instance = ""  # set by the step once registered
         self.stopping = threading.Event()  # SIGTERM: the request in flight stops between decode steps
+        self.reopen: int | None = None  # the version to open a new engine on (the last one broke), if any
+        self._reopen_at = 0.0  # time.monotonic() of the next try
         self._iterations: dict[int, IterationRollout] = {}
         self._received = 0
         self._done = 0
@@ -62,11 +71,38 @@ class RolloutService:
             if self.stopping.wait(VERSION_POLL_S):
                 return False
         version = behaviour_version(latest + 1, self.cfg.staleness)  # what the next iteration samples from
+        self._open(version)
+        return True
+
+    def _open(self, version: int) -> None:
+        """A new engine on `version`, from its dir in the node cache (fetched from the run store if need be)."""
         settings = engine_settings(self.cfg)
         self.engine = self.sync.open(version, lambda d: open_engine(self.cfg.rollout.engine, d, self.device, settings))
         self.version = version
         self.log(f"{self.name}: {self.cfg.rollout.engine} engine ready with v{version:06d}")
-        return True
+
+    def unavailable(self) -> str | None:
+        """Why a request would be answered 503 now, without being run (the engine is being reopened)."""
+        if self.reopen is None:
+            return None
+        return f"{self.name} is opening a new engine on v{self.reopen:06d} after a failed in-place update"
+
+    def recover(self) -> None:
+        """Between requests: open a new engine on self.reopen when the last one broke (module docstring)."""
+        if self.reopen is None or self.stopping.is_set() or time.monotonic() < self._reopen_at:
+            return
+        version = self.reopen
+        try:
+            self._open(version)
+        except Exception as err:  # noqa: BLE001 - the server stays up and not ready, and tries again
+            self.engine = None
+            self._reopen_at = time.monotonic() + REOPEN_RETRY_S
+            self.log(
+                f"{self.name}: could not open a new engine on v{version:06d} ({type(err).__name__}: {err}); "
+                f"trying again in {REOPEN_RETRY_S:.0f}s"
+            )
+            return
+        self.reopen = None
 
     def health(self) -> dict[str, Any]:
         return {
@@ -88,12 +124,29 @@ class RolloutService:
         if self.version == version:
             return
         assert self.engine is not None
-        result = self.sync.bring(self.engine, self.version, version)
+        try:
+            result = self.sync.bring(self.engine, self.version, version)
+        except MoerlError as err:
+            broken = getattr(self.engine, "broken", None)
+            if broken is None:  # refused before the engine was touched: the request fails the same anywhere
+                raise
+            self._discard_engine(version)
+            raise Unavailable(f"{err}; {self.name} opens a new engine on v{version:06d} from the run store") from err
         self.log(
             f"{self.name}: v{self.version:06d} -> v{version:06d} in place ({result.path}, "
             f"{result.bytes_fetched / 1e6:.1f} MB fetched, {result.seconds:.2f}s)"
         )
         self.version = version
+
+    def _discard_engine(self, reopen: int) -> None:
+        """Close a broken engine (freeing its GPU memory for the next) and have recover open one on `reopen`."""
+        engine, self.engine, self.version = self.engine, None, None
+        self.reopen, self._reopen_at = reopen, 0.0
+        try:
+            if engine is not None:
+                engine.close()
+        except Exception as err:  # noqa: BLE001 - the new engine is what matters; say why this one lingers
+            self.log(f"{self.name}: closing the broken engine failed ({type(err).__name__}: {err})")
 
     # ------------------------------------------------------------------------------- requests
 
@@ -124,6 +177,8 @@ class RolloutService:
             self._done += 1
             progress.report(2 * self._done, 2 * self._received)
             return answer | {"generated": False}
+        if (reason := self.unavailable()) is not None:  # queued before recover ran
+            raise Unavailable(reason)
         self.bring_to(version)
         assert self.engine is not None
         try:

@@ -47,8 +47,8 @@ class ServerLost(Exception):
 
 
 class Unavailable(Exception):
-    """Raised by an operation that the server cannot finish now (it is stopping): answered 503, which the
-    client takes for a lost server."""
+    """Raised by an operation that the server cannot finish now (it is stopping, or opening a new engine):
+    answered 503, which the client takes for a lost server (its step exits EXIT_SERVER_LOST and is retried)."""
 
 
 @dataclass(frozen=True)
@@ -91,7 +91,9 @@ class JsonServer:
 
     With `main_thread`, the operations run on the thread that calls `run_operations` (the main one), not on
     the connections' threads: an engine may need it (SGLang's asyncio loop), and a SIGTERM handler, which
-    Python runs on the main thread, then interrupts the operation itself."""
+    Python runs on the main thread, then interrupts the operation itself. `unavailable()`, when given, says
+    why the server cannot take an operation now (None: it can): such a call is answered 503 at once, not
+    queued behind the work that makes it unavailable (a rollout server opening a new engine)."""
 
     def __init__(
         self,
@@ -99,9 +101,11 @@ class JsonServer:
         health: Callable[[], dict[str, Any]],
         port: int = 0,
         main_thread: bool = False,
+        unavailable: Callable[[], str | None] | None = None,
     ):
         self.operations = operations
         self.health = health
+        self.unavailable = unavailable
         self._lock = threading.Lock()  # one engine: one operation at a time
         self._calls: queue.Queue[_Call] | None = queue.Queue() if main_thread else None
         self.httpd = ThreadingHTTPServer(("0.0.0.0", port), self._handler())
@@ -155,6 +159,10 @@ class JsonServer:
                     body = json.loads(self.rfile.read(length) or b"{}")
                 except ValueError as err:
                     self._answer(400, {"error": f"request body is not JSON: {err}"})
+                    return
+                reason = server.unavailable() if server.unavailable is not None else None
+                if reason is not None:
+                    self._answer(503, {"error": reason})
                     return
                 if server._calls is None:
                     self._answer(*server._execute(operation, body))

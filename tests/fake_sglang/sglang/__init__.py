@@ -1,20 +1,37 @@
 """A stand-in for the `sglang` package (0.5.17) with what steps/sglang_engine.py relies on, on CPU:
 
 - Engine(**kwargs) accepts only ServerArgs' field names that moerl passes (and records them to the JSON file
-  named by $FAKE_SGLANG_RECORD), with `dtype` one of ServerArgs' choices;
-- the engine's tokenizer_manager creates its asyncio loop on the first generate
-  (TokenizerManager.auto_create_handle_loop) and registers SIGTERM on it; SGLang's handler drains the
-  requests and then SIGKILLs its own process tree, the engine's process included (sigterm_watchdog ->
-  kill_process_tree(os.getpid(), include_parent=True) -> psutil kill): exit 137;
-- generate(input_ids, sampling_params, return_logprob) runs the loop until its outputs are ready; with
-  $FAKE_SGLANG_SIGTERM_DURING_GENERATE set, the process receives SIGTERM while it runs;
+  named by $FAKE_SGLANG_RECORD), with `dtype` one of ServerArgs' choices, and takes $FAKE_SGLANG_START_S
+  seconds to start (default 0: SGLang's takes minutes on a large model); its last act is to make a new
+  asyncio loop the thread's current one, `Engine.loop` (entrypoints/engine.py Engine.__init__), on which
+  generate and update_weights_from_disk then run (`self.loop.run_until_complete(...)`);
+- the engine's tokenizer_manager creates its request loop once (TokenizerManager.auto_create_handle_loop,
+  called by generate_request): on `get_or_create_event_loop()` (srt/utils/common.py: the running loop, else
+  a NEW loop made current), where it starts handle_loop, the only reader of the scheduler's outputs, and
+  registers SIGTERM. Called outside a running loop it therefore lands on another loop than Engine.loop, and
+  every later generate or update waits for outputs that no one reads: SGLang hangs there, the fake raises.
+  SGLang's SIGTERM handler drains the requests and then SIGKILLs its own process tree, the engine's process
+  included (sigterm_watchdog -> kill_process_tree(os.getpid(), include_parent=True) -> psutil kill): exit 137;
+- generate(prompt=None, sampling_params=None, input_ids=None, ..., return_logprob=False) runs the loop until
+  its outputs are ready, $FAKE_SGLANG_GENERATE_S seconds (default 0.05; $FAKE_SGLANG_GENERATING names a
+  file written when a batch starts); with $FAKE_SGLANG_SIGTERM_DURING_GENERATE set, the process receives
+  SIGTERM while it runs;
+- TokenizerManager.abort_request(rid="", abort_all=False) (managers/tokenizer_manager.py): an empty rid
+  without abort_all is ignored; abort_all (or a rid prefix, the scheduler's `startswith`) aborts the requests
+  in flight, which then finish, and generate returns them, with meta_info.finish_reason {"type": "abort",
+  "message": ..., "status_code": None} (Scheduler.abort_request: FINISH_ABORT() for a running request, an
+  AbortReq echo for a waiting one, which _handle_abort_req turns into the same; with no status_code,
+  _handle_abort_finish_reason raises nothing);
 - update_weights_from_disk(model_path, load_format=None) (Engine, entrypoints/engine.py) returns
   TokenizerManager.update_weights_from_disk's (success, message, num_paused_requests), with the failures of
-  ModelRunner's weight updater (model_runner_components/weight_updater.py): no safetensors at model_path ->
-  "Failed to get weights iterator: ..."; a tensor the running model does not have, or of another shape ->
-  "Failed to update weights: ...\nRolling back to original weights." (its model_path already points at the new
-  dir); a tensor the dir lacks is no error (the old one stays). The running model is the safetensors headers
-  of the model_path it started with.
+  ModelRunner's weight updater (model_runner_components/weight_updater.py update_weights_from_disk): no
+  safetensors at model_path -> "Failed to get weights iterator: ..."; a tensor the running model does not
+  have, or of another shape, or a load that raises (the first $FAKE_SGLANG_UPDATE_FAILS loads of the process
+  fail so, as a CUDA OOM in load_weights_and_postprocess would) -> "Failed to update weights: ...\nRolling
+  back to original weights." (its model_path already points at the new dir); a tensor the dir lacks is no
+  error (the old one stays). The running model is the safetensors headers of the model_path it started
+  with. config.json is never read again;
+- shutdown() ends the engine; nothing runs on it afterwards.
 """
 
 from __future__ import annotations
@@ -24,6 +41,9 @@ import json
 import os
 import signal
 import threading
+import time
+import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 __version__ = "0.5.17"
@@ -41,25 +61,115 @@ SERVER_ARGS = {
     "deepep_mode",
 }
 DTYPE_CHOICES = {"auto", "half", "float16", "bfloat16", "float", "float32"}
+STEP_S = 0.05  # one "decode step" of the fake
+
+
+def _failing_loads() -> list[int]:
+    """How many more loads of this process fail (a process-wide count: a reopened engine is a new Engine)."""
+    global _FAILING_LOADS
+    if _FAILING_LOADS is None:
+        _FAILING_LOADS = [int(os.environ.get("FAKE_SGLANG_UPDATE_FAILS") or 0)]
+    return _FAILING_LOADS
+
+
+_FAILING_LOADS: list[int] | None = None
+
+
+def get_or_create_event_loop() -> asyncio.AbstractEventLoop:
+    """srt/utils/common.py get_or_create_event_loop: the running loop, else a new one made current."""
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(loop)
+        return loop
+
+
+@dataclass
+class ReqState:
+    abort_requested: bool = False
 
 
 class TokenizerManager:
     def __init__(self) -> None:
         self.event_loop: asyncio.AbstractEventLoop | None = None
         self.gracefully_exit = False
+        self.rid_to_state: dict[str, ReqState] = {}
+        self.aborts: list[tuple[str, bool]] = []  # every abort_request(rid, abort_all) that reached it
 
     def auto_create_handle_loop(self) -> None:
         if self.event_loop is not None:
             return
-        loop = asyncio.new_event_loop()
-        asyncio.set_event_loop(loop)
-        self.event_loop = loop
+        loop = get_or_create_event_loop()
+        self.event_loop = loop  # handle_loop and sigterm_watchdog are tasks of this loop
         if threading.current_thread() is threading.main_thread():
             loop.add_signal_handler(signal.SIGTERM, self.sigterm_handler)
 
     def sigterm_handler(self) -> None:
         self.gracefully_exit = True
         self.event_loop.call_soon(os.kill, os.getpid(), signal.SIGKILL)  # after draining: kill_process_tree
+
+    def _outputs_arrive(self) -> None:
+        """handle_loop, the reader of the scheduler's outputs, runs on self.event_loop only."""
+        if asyncio.get_running_loop() is not self.event_loop:
+            raise AssertionError(
+                "awaiting SGLang outputs on another event loop than the one handle_loop runs on "
+                "(TokenizerManager.auto_create_handle_loop was called outside Engine.loop): SGLang hangs here"
+            )
+
+    def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
+        if not abort_all and not rid:
+            return  # upstream: "Ignore abort_request with empty rid and abort_all=False"
+        self.aborts.append((rid, abort_all))
+        for state_rid, state in self.rid_to_state.items():
+            if abort_all or state_rid.startswith(rid):
+                state.abort_requested = True
+
+    async def generate_request(self, input_ids: list, return_logprob: bool) -> list[dict]:
+        self.auto_create_handle_loop()
+        self._outputs_arrive()
+        rids = [uuid.uuid4().hex for _ in input_ids]
+        self.rid_to_state.update({rid: ReqState() for rid in rids})  # _init_req_state, before any await
+        try:
+            sigterm = bool(os.environ.get("FAKE_SGLANG_SIGTERM_DURING_GENERATE"))
+            if os.environ.get("FAKE_SGLANG_GENERATING"):
+                Path(os.environ["FAKE_SGLANG_GENERATING"]).write_text(str(os.getpid()))
+            if sigterm:
+                os.kill(os.getpid(), signal.SIGTERM)
+            seconds = 10.0 if sigterm else float(os.environ.get("FAKE_SGLANG_GENERATE_S") or STEP_S)
+            for _ in range(max(1, round(seconds / STEP_S))):  # generating; a SIGTERM is handled in here
+                if all(self.rid_to_state[rid].abort_requested for rid in rids):
+                    break
+                await asyncio.sleep(STEP_S)
+            return [_output(rid, self.rid_to_state[rid].abort_requested) for rid in rids]
+        finally:
+            for rid in rids:
+                self.rid_to_state.pop(rid, None)
+
+    async def update_weights_from_disk(self, engine: Engine, model_path: str) -> tuple[bool, str, int]:
+        self.auto_create_handle_loop()
+        self._outputs_arrive()
+        shapes = _tensor_shapes(model_path)
+        if not shapes:
+            return False, f"Failed to get weights iterator: no safetensors files at {model_path}.", 0
+        engine.model_path = model_path  # model_config.model_path is set before loading
+        failing = _failing_loads()
+        if failing[0] > 0:
+            failing[0] -= 1
+            return False, "Failed to update weights: CUDA out of memory.\nRolling back to original weights.", 0
+        for name, shape in shapes.items():
+            if engine.shapes.get(name) != shape:
+                return False, f"Failed to update weights: {name} {shape}.\nRolling back to original weights.", 0
+        engine.updates.append(model_path)
+        return True, "Succeeded to update model weights.", 0
+
+
+def _output(rid: str, aborted: bool) -> dict:
+    if aborted:
+        finish = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
+        return {"output_ids": [], "meta_info": {"id": rid, "finish_reason": finish, "output_token_logprobs": []}}
+    return {"output_ids": [2], "meta_info": {"id": rid, "finish_reason": {"type": "stop"},
+                                             "output_token_logprobs": [(-0.1, 2, None)]}}  # fmt: skip
 
 
 class Engine:
@@ -70,44 +180,36 @@ class Engine:
         if os.environ.get("FAKE_SGLANG_RECORD"):
             with open(os.environ["FAKE_SGLANG_RECORD"], "w") as f:
                 json.dump(kwargs, f)
+        time.sleep(float(os.environ.get("FAKE_SGLANG_START_S") or 0))  # _launch_subprocesses: loading the model
         self.tokenizer_manager = TokenizerManager()
         self.model_path = str(kwargs["model_path"])
         self.shapes = _tensor_shapes(self.model_path)
         self.updates: list[str] = []  # the model_path of every successful update_weights_from_disk
+        self.closed = False
+        try:
+            self.loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self.loop = asyncio.new_event_loop()
+            asyncio.set_event_loop(self.loop)
 
-    def generate(self, input_ids: list, sampling_params: list, return_logprob: bool = False) -> list[dict]:
-        self.tokenizer_manager.auto_create_handle_loop()
-
-        async def run() -> list[dict]:
-            sigterm = bool(os.environ.get("FAKE_SGLANG_SIGTERM_DURING_GENERATE"))
-            if sigterm:
-                os.kill(os.getpid(), signal.SIGTERM)
-            for _ in range(200 if sigterm else 1):  # generating; a SIGTERM is handled in here
-                await asyncio.sleep(0.05)
-            return [{"output_ids": [2], "meta_info": {"finish_reason": {"type": "stop"},
-                                                      "output_token_logprobs": [(-0.1, 2, None)]}}
-                    for _ in input_ids]  # fmt: skip
-
-        return self.tokenizer_manager.event_loop.run_until_complete(run())
+    def generate(
+        self,
+        prompt: list[str] | str | None = None,
+        sampling_params: list[dict] | dict | None = None,
+        input_ids: list[list[int]] | list[int] | None = None,
+        *,  # upstream's next parameters (image_data, ...) are not modelled: return_logprob only by name here
+        return_logprob: bool = False,
+    ) -> list[dict]:
+        assert not self.closed, "generate on an engine that was shut down"
+        assert prompt is None and input_ids is not None, "moerl sends token ids (skip_tokenizer_init)"
+        return self.loop.run_until_complete(self.tokenizer_manager.generate_request(input_ids, return_logprob))
 
     def update_weights_from_disk(self, model_path: str, load_format: str | None = None) -> tuple[bool, str, int]:
-        self.tokenizer_manager.auto_create_handle_loop()
-
-        async def run() -> tuple[bool, str, int]:
-            shapes = _tensor_shapes(model_path)
-            if not shapes:
-                return False, f"Failed to get weights iterator: no safetensors files at {model_path}.", 0
-            self.model_path = model_path  # model_config.model_path is set before loading
-            for name, shape in shapes.items():
-                if self.shapes.get(name) != shape:
-                    return False, f"Failed to update weights: {name} {shape}.\nRolling back to original weights.", 0
-            self.updates.append(model_path)
-            return True, "Succeeded to update model weights.", 0
-
-        return self.tokenizer_manager.event_loop.run_until_complete(run())
+        assert not self.closed, "update_weights_from_disk on an engine that was shut down"
+        return self.loop.run_until_complete(self.tokenizer_manager.update_weights_from_disk(self, model_path))
 
     def shutdown(self) -> None:
-        pass
+        self.closed = True
 
 
 def _tensor_shapes(model_path: str) -> dict[str, list[int]]:
