@@ -109,7 +109,8 @@ def test_unknown_tags_stay_until_their_values_exist():
 def test_strict_prefixes_must_resolve():
     with pytest.raises(SubstitutionError, match=r"failed to resolve \{\{steps.a.outputs.result\}\}"):
         substitute_text("{{steps.a.outputs.result}}", {}, strict=("steps", "tasks"))
-    with pytest.raises(SubstitutionError, match="steps.a.outputs.result is missing"):
+    # Argo names the first missing identifier in expr-lang's ast.Walk order, children first: the base name
+    with pytest.raises(SubstitutionError, match="failed to evaluate expression: steps is missing"):
         substitute_text("{{=steps.a.outputs.result}}", {}, strict=("steps", "tasks"))
 
 

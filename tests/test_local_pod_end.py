@@ -99,6 +99,7 @@ def test_a_process_that_left_its_group_after_it_was_found_is_killed_too(tmp_path
     launcher = subprocess.Popen(["sleep", "300"], env=env, start_new_session=True)
     worker = subprocess.Popen(["sleep", "300"], env=env, start_new_session=True)  # a session of its own
     try:
+        pods.forget_container_processes()
         monkeypatch.setattr(pods, "_pgid", lambda pid: launcher.pid)  # found before its setsid
         pod = object.__new__(pods.Pod)
         pod.process, pod.plan = launcher, SimpleNamespace(env=env)

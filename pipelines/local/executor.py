@@ -47,6 +47,7 @@ from pipelines.local.pods import (
     Pod,
     PodOutcome,
     Termination,
+    forget_container_processes,
     plan_pod,
     read_progress,
     warm_start_candidates,
@@ -88,6 +89,7 @@ NODE_TYPES = {"container": POD, "script": POD, "resource": POD, "steps": STEPS, 
 IDLE_WAIT_SECONDS = 0.1  # the longest sleep between passes while nothing happens (see Executor.wait_for_pods)
 POLL_SECONDS = 0.02  # the sleep between passes while a pod can only be polled
 MAX_PASSES_WITHOUT_WAIT = 10  # passes in a row that changed something before a sleep anyway
+STATUS_INTERVAL_SECONDS = 1.0  # the shortest time between two writes of the status file
 TRANSIENT_MESSAGES = (
     "etcdserver: leader changed", "etcdserver: request timed out", "etcdserver: too many requests",
     "unexpected error when reading response body", "stream error when reading response body",
@@ -165,6 +167,9 @@ class Controller:
         self.memo = Memoizer(Path(workdir) / ".memoize")
         self.now = time.time()
         self._last_status_write = 0.0
+        self._status_interval = STATUS_INTERVAL_SECONDS
+        self._last_status_state: tuple | None = None  # what the last status write showed (write_status)
+        self.status_writes = 0  # how many times the status file was written (write_status)
         self._globals: dict[str, Any] | None = None
         if warm_start is None:
             warm_start = warm_starts_enabled()
@@ -268,7 +273,7 @@ class Controller:
                 self.locks.release(holder)
         for id_ in list(self.memo.pending):
             node = self.nodes.get(id_)
-            if node is not None and node.fulfilled:
+            if node is not None and fulfilled(node.phase):  # done (a daemoned node runs on: not yet)
                 self.memo.settle(node)
 
     def wait_for_locks(self, node: Node | None, node_name: str, template: dict, call: Call, opts: Opts) -> Node | None:
@@ -390,6 +395,7 @@ class Controller:
         self.status.finished_at = time.time()
 
     def stop_all_pods(self) -> None:
+        forget_container_processes()
         for pod in self.pods.values():
             pod.kill(Termination(FAILED, "stopped", keep_exit_code=True))
         for pod in self.pods.values():
@@ -397,11 +403,33 @@ class Controller:
         self.pods.clear()
 
     def write_status(self, force: bool = False) -> None:
-        if self.status_out is None or (not force and time.time() - self._last_status_write < 1.0):
+        """The status file, at most once a second and only when something changed since the last write (or
+        forced, at the end). A write of thousands of nodes takes a while: the next one waits ten times as long
+        as that took, so that writing the status never takes more than a tenth of the controller's time."""
+        if self.status_out is None:
             return
-        self._last_status_write = time.time()
+        now = time.time()
+        if not force and (now - self._last_status_write < self._status_interval):
+            return
         self.read_reported_progress()
+        # progress() covers the pods and the nodes' phases and messages; reported progress is read just above
+        changed = (
+            self.status.phase,
+            self.status.message,
+            self.progress(),
+            tuple(n.reported_progress for n in self.pods_nodes()),
+        )
+        if not force and changed == self._last_status_state:
+            return
+        self._last_status_state = changed
         write_json_atomic(self.status_out, self.status.to_argo(self.nodes))
+        self.status_writes += 1
+        took = time.time() - now
+        self._last_status_write = time.time()
+        self._status_interval = max(STATUS_INTERVAL_SECONDS, 10 * took)
+
+    def pods_nodes(self) -> list[Node]:
+        return [node for id_ in self.pods if (node := self.nodes.get(id_)) is not None]
 
     # ------------------------------------------------------------------------- pods
 
@@ -436,6 +464,7 @@ class Controller:
     def reconcile_pods(self) -> None:
         """What the kubelet and Argo's pod reconciliation would see: exits, deadlines, chaos."""
         now = self.now
+        forget_container_processes()  # the pods that end in this pass share one read of /proc
         for id_, pod in list(self.pods.items()):
             node = self.nodes.get(id_)
             assert node is not None
@@ -516,14 +545,10 @@ class Controller:
                 self._globals = None
 
     def active_pods(self) -> int:
-        return sum(1 for n in self.nodes if n.type == POD and n.phase in (PENDING, RUNNING))
+        return self.nodes.active_pods()
 
     def active_children(self, boundary_id: str) -> int:
-        return sum(
-            1
-            for n in self.nodes
-            if n.boundary_id == boundary_id and n.type in (POD, STEPS, DAG) and n.phase in (PENDING, RUNNING)
-        )
+        return self.nodes.active_children(boundary_id)
 
     # ------------------------------------------------------------------------- scopes
 
@@ -642,6 +667,11 @@ class Controller:
         node = self.nodes.by_name(node_name)
         if node is not None and self.settled(node):
             return node
+        if node is not None and node.id not in self.lock_granted and self.pod_running(node):
+            # Its pod runs: what follows would resolve and substitute its template again only to find the same
+            # node (execute_pod returns it as it is); skipping that keeps a pass over thousands of running pods
+            # cheap. Its end is read by reconcile_pods, and the next pass goes on from there.
+            return node
         try:
             template, scope = self.resolve(call)
             local: dict[str, Any] = {"node.name": node_name}
@@ -674,15 +704,30 @@ class Controller:
             started = self.dispatch(node_name, processed, call, opts, scope)
         else:
             started = self.execute_retries(node, node_name, processed, call, opts, scope, retry)
-        if started is not None and processed.get("memoize") and started.memoization is None:
-            started.memoization = self.memo.miss(started, processed["memoize"])
+        if started is not None and fulfilled(started.phase) and started.id in self.memo.pending:
+            # saved where it is marked Succeeded (executeSteps, executeDAG): a step later in this pass with
+            # the same key is a hit (TestStepLevelMemoize)
+            self.memo.settle(started)
         return started
 
+    def pod_running(self, node: Node) -> bool:
+        """A Pod node whose pod is running, or a Retry node whose last attempt is one (not yet daemoned)."""
+        if node.type == RETRY:
+            last = last_attempt(node, self.nodes)
+            if last is None or last.fulfilled:
+                return False
+            node = last
+        return node.type == POD and node.id in self.pods and not node.fulfilled
+
     def cache_hit_node(self, node: Node | None, node_name: str, template: dict, opts: Opts, hit: dict) -> Node:
-        """Argo's initializeCacheHitNode: the node, Succeeded at once with the cached outputs."""
+        """Argo's initializeCacheHitNode (updateAsCacheHitNode for a node that waited for a lock): the node, of
+        the template's node type (Template.GetNodeType: Retry for a template with its own retryStrategy),
+        Succeeded at once with the cached outputs and memoizationStatus.hit."""
         if node is None:
-            node = self.create_node(node_name, NODE_TYPES[template_type(template)], template, opts, RUNNING)
+            kind = RETRY if template.get("retryStrategy") is not None else NODE_TYPES[template_type(template)]
+            node = self.create_node(node_name, kind, template, opts, RUNNING)
         self.lock_granted.discard(node.id)
+        self.memo.pending.pop(node.id, None)  # served from the cache: not saved again
         node.outputs = hit["outputs"]
         node.memoization = {"hit": True, "key": hit["key"], "cacheName": hit["cacheName"]}
         self.add_global_outputs(node.outputs)
@@ -712,6 +757,8 @@ class Controller:
             hooked=opts.hooked,
         )
         node.retried = opts.retried
+        if template.get("memoize"):  # initializeExecutableNode: every node of a memoized template (attempts too)
+            node.memoization = self.memo.track(node, template["memoize"])
         inputs = (template.get("inputs") or {}).get("parameters")
         if inputs:
             kept = ("name", "value", "default", "enum", "description")
@@ -889,8 +936,12 @@ class Controller:
                 spot=spot,
                 capture_result=result_referenced(boundary_template, node.name),
                 time_scale=self.time_scale,
+                pod_spec_patches=self.pod_spec_patches(template, name),
             )
         except (PlanError, KeyError, ValueError, TypeError, yaml.YAMLError) as err:
+            # the pod cannot be created: executeTemplate marks the node Error and returns the error, which
+            # operate() wraps for the entrypoint and the exit handler (createWorkflowPod's errors)
+            self.template_errors.add(node.id)
             self.nodes.mark(node, ERROR, str(err))
             return
         deadlines = []
@@ -920,6 +971,13 @@ class Controller:
             return
         self.pods[node.id] = pod
         self.nodes.mark(node, RUNNING)
+
+    def pod_spec_patches(self, template: dict, pod: str) -> list[str]:
+        """Argo's processPodSpecPatch: the workflow's podSpecPatch, then the template's, each substituted with
+        the workflow's variables and `pod.name` (a workflow-level patch is not substituted anywhere else)."""
+        scope = {**self.globals(), "pod.name": pod}
+        patches = (self.wf.spec.get("podSpecPatch"), template.get("podSpecPatch"))
+        return [substitute(p, scope) if isinstance(p, str) else p for p in patches if p]
 
     def previous_attempt_hit(self, node: Node) -> bool:
         """Whether chaos hit the attempt before this one (then this one is spared)."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 from typing import Any
 
 from pipelines.local import exprlang
@@ -67,11 +68,45 @@ def _has_path(env: dict[str, Any], path: str) -> bool:
 
 
 def referenced_names(source: str) -> list[str]:
-    """Identifiers and member paths an expression reads (`a.b.c` gives a, a.b, a.b.c), skipping those
-    guarded by `??` or `?.`, as Argo's identifierVisitor does."""
-    found: list[str] = []
+    """Identifiers and member paths an expression reads, as Argo's getIdentifiers collects them
+    (util/template/expression_template.go, v4.1.2), in ast.Walk's order (children first): every
+    identifier, and each member path of string keys (`a.b.c` gives a, a.b, a.b.c). Its guardVisitor
+    leaves out the member nodes on the left of `??` and the object of a `?.`, but not a bare
+    identifier there ("so a genuinely-unavailable variable still triggers a requeue"): in
+    `get(item, 'type') ?? 'x'`, `item` is read, so the tag waits for the loop's item. A function's own
+    name is not a variable (expr-lang's builtins are BuiltinNodes; Argo's functions are in the env)."""
+    tree = exprlang.parse(source)
+    guarded: set[int] = set()  # id() of the guarded member nodes (the tree lives for this call)
 
-    def path_of(node: tuple) -> str | None:
+    def children(node: tuple) -> list[tuple]:
+        if node[0] in ("lit", "name", "pointer"):
+            return []
+        parts: list[Any] = [node[2]] if node[0] == "call" and node[1][0] == "name" else list(node[1:])
+        out: list[tuple] = []
+        while parts:
+            part = parts.pop(0)
+            if isinstance(part, tuple) and part and isinstance(part[0], str):
+                out.append(part)
+            elif isinstance(part, tuple | list):
+                parts[:0] = list(part)  # an argument list, a map's (key, value) pairs
+        return out
+
+    def walk(node: tuple, visit: Callable[[tuple], None]) -> None:
+        for child in children(node):
+            walk(child, visit)
+        visit(node)
+
+    def mark_members(node: tuple) -> None:  # memberMarker
+        if node[0] == "member":
+            guarded.add(id(node))
+
+    def guard(node: tuple) -> None:  # guardVisitor
+        if node[0] == "binary" and node[1] == "??":
+            walk(node[2], mark_members)
+        elif node[0] == "member" and node[3] and node[1][0] == "member":
+            guarded.add(id(node[1]))
+
+    def path_of(node: tuple) -> str | None:  # getMemberPath: no path through a `?.` or a computed key
         if node[0] == "name":
             return node[1]
         if node[0] == "member" and node[2][0] == "lit" and isinstance(node[2][1], str) and not node[3]:
@@ -79,32 +114,17 @@ def referenced_names(source: str) -> list[str]:
             return None if base is None else f"{base}.{node[2][1]}"
         return None
 
-    def walk(node: Any, guarded: bool) -> None:
-        if isinstance(node, list):
-            for item in node:
-                walk(item, guarded)
-            return
-        if not isinstance(node, tuple) or not node:
-            return
-        kind = node[0]
-        if kind == "name" and not guarded:
-            found.append(node[1])
-        elif kind == "member" and not guarded:
-            path = path_of(node)
-            if path is not None:
-                found.append(path)
-        if kind == "binary" and node[1] == "??":
-            walk(node[2], True)
-            walk(node[3], guarded)
-            return
-        if kind == "call" and node[1][0] == "name":
-            for arg in node[2]:
-                walk(arg, guarded)
-            return
-        for part in node[1:]:
-            walk(part, guarded)
+    found: list[str] = []
 
-    walk(exprlang.parse(source), False)
+    def identify(node: tuple) -> None:  # identifierVisitor
+        if id(node) in guarded:
+            return
+        path = node[1] if node[0] == "name" else path_of(node) if node[0] == "member" else None
+        if path is not None:
+            found.append(path)
+
+    walk(tree, guard)
+    walk(tree, identify)
     return list(dict.fromkeys(found))
 
 

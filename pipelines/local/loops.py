@@ -83,7 +83,28 @@ def items_of(step: dict) -> list[Any]:
 
 
 def expand(step: dict) -> list[dict]:
-    """The copies of a looping step (already substituted with everything but the item)."""
+    """The copies of a looping step (already substituted with everything but the item). A pure function of
+    the step, which every pass expands again (as Argo's expandStepGroup does on each reconciliation): the
+    copies of the last steps expanded are kept, so that a pass over a loop of thousands of items does not
+    substitute each of them again. The copies are read, never changed, by the walkers."""
+    try:
+        key = json.dumps(step, sort_keys=True, default=str)
+    except (TypeError, ValueError):  # a key that is not text: expanded, not kept
+        return _expand(step)
+    cached = _EXPANDED.pop(key, None)
+    if cached is None:
+        cached = _expand(step)
+    _EXPANDED[key] = cached  # the newest last
+    while len(_EXPANDED) > EXPANDED_KEPT:
+        del _EXPANDED[next(iter(_EXPANDED))]
+    return list(cached)
+
+
+EXPANDED_KEPT = 64  # distinct looping steps whose copies are kept (least recently expanded dropped first)
+_EXPANDED: dict[str, list[dict]] = {}
+
+
+def _expand(step: dict) -> list[dict]:
     try:
         items = items_of(step)
     except ExpandError:

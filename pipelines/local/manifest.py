@@ -270,10 +270,9 @@ def load_workflow(
     if main.get("apiVersion") != API_VERSION:
         raise MoerlError(f"{where}: apiVersion is {main.get('apiVersion')!r}; Argo manifests use {API_VERSION}")
 
-    metadata = dict(main.get("metadata") or {})
+    metadata = submitted_metadata(main)
     spec = copy.deepcopy(main.get("spec") or {})
     if main["kind"] == "CronWorkflow":
-        metadata = {**metadata, **(spec.get("workflowMetadata") or {})}
         spec = spec.get("workflowSpec") or {}
     spec = _merge_workflow_template_ref(spec, library_docs, where, strict)
     library = _template_library(spec, library_docs)
@@ -282,8 +281,7 @@ def load_workflow(
     _check_synchronization(spec, library, configmaps, where)
 
     if name is None:  # a Workflow keeps its name; a template or cron workflow gets a generated one
-        name = metadata.get("name") if main["kind"] == "Workflow" else None
-        name = name or generate_name(metadata.get("generateName") or f"{metadata.get('name') or 'workflow'}-")
+        name = metadata.get("name") or generate_name(metadata.get("generateName") or "workflow-")
     return Workflow(
         name=str(name),
         namespace=str(metadata.get("namespace") or "default"),
@@ -297,6 +295,30 @@ def load_workflow(
         entrypoints=dict(entrypoints or {}),
         configmaps=configmaps,
     )
+
+
+def submitted_metadata(doc: dict) -> dict:
+    """The metadata of the Workflow that runs: a Workflow's own; for a WorkflowTemplate or
+    ClusterWorkflowTemplate, what `argo submit --from` creates (workflow/common/convert.go
+    NewWorkflowFromWorkflowTemplate: generateName `<template>-`, the label naming the template, none of the
+    template object's own labels); for a CronWorkflow, what ConvertCronWorkflowToWorkflow creates
+    (generateName `<cron>-`, the cron-workflow label and scheduled-time annotation, then
+    spec.workflowMetadata's labels and annotations). The spec's own workflowMetadata is the controller's to
+    apply (executor.py apply_workflow_metadata)."""
+    metadata = dict(doc.get("metadata") or {})
+    kind, name = doc["kind"], str(metadata.get("name") or "workflow")
+    if kind == "Workflow":
+        return metadata
+    out: dict[str, Any] = {"generateName": f"{name}-", "namespace": metadata.get("namespace"), "annotations": {}}
+    if kind == "CronWorkflow":
+        extra = (doc.get("spec") or {}).get("workflowMetadata") or {}
+        now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        out["labels"] = {"workflows.argoproj.io/cron-workflow": name, **(extra.get("labels") or {})}
+        out["annotations"] = {"workflows.argoproj.io/scheduled-time": now, **(extra.get("annotations") or {})}
+    else:
+        scope = "cluster-workflow-template" if kind == "ClusterWorkflowTemplate" else "workflow-template"
+        out["labels"] = {f"workflows.argoproj.io/{scope}": name}
+    return out
 
 
 def generate_name(prefix: str) -> str:
@@ -411,9 +433,35 @@ def _merge_workflow_template_ref(spec: dict, library_docs: dict, where: str, str
             params = {p["name"]: p for p in (merged.get("arguments") or {}).get("parameters") or []}
             params.update({p["name"]: p for p in (value or {}).get("parameters") or []})
             merged["arguments"] = {"parameters": list(params.values())}
+        elif name == "hooks" and isinstance(value, dict):  # MergeTo: the template's hooks the workflow lacks
+            merged["hooks"] = {**(merged.get("hooks") or {}), **copy.deepcopy(value)}
         else:
-            merged[name] = copy.deepcopy(value)
+            merged[name] = _strategic_merge(merged.get(name), copy.deepcopy(value), name)
     return merged
+
+
+# WorkflowSpec's lists that a strategic merge merges item by item (patchMergeKey in workflow_types.go);
+# any other list is replaced whole.
+SPEC_MERGE_KEYS = {"volumes": "name", "tolerations": "key", "imagePullSecrets": "name", "hostAliases": "ip"}
+
+
+def _strategic_merge(base: Any, override: Any, field: str = "") -> Any:
+    """JoinWorkflowSpec's strategic merge of the Workflow's spec over its template's (workflow/util/merge.go
+    MergeTo): maps merge key by key, the Workflow's value winning (so workflowMetadata's labels and
+    annotations are both sets; a labelsFrom entry is the Workflow's whole, else the template's), lists with
+    a merge key merge by it, anything else is the Workflow's."""
+    if isinstance(base, dict) and isinstance(override, dict):
+        if field == "labelsFrom":
+            return {**base, **override}
+        return {k: _strategic_merge(base.get(k), v, k) if k in base else v for k, v in override.items()} | {
+            k: v for k, v in base.items() if k not in override
+        }
+    key = SPEC_MERGE_KEYS.get(field)
+    if key and isinstance(base, list) and isinstance(override, list):
+        items = {item.get(key): item for item in base if isinstance(item, dict)}
+        items.update({item.get(key): item for item in override if isinstance(item, dict)})
+        return list(items.values())
+    return override
 
 
 def _template_library(spec: dict, library_docs: dict) -> dict[tuple[bool, str], dict[str, dict]]:

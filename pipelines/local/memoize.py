@@ -4,8 +4,9 @@ The cache named by `memoize.cache.configMap.name` is the file `<workdir>/.memoiz
 across runs that share a workdir, as the ConfigMap lasts across Workflows. An entry holds what Argo's
 ConfigMap entry holds (nodeID, outputs, creationTimestamp, lastHitTimestamp). A node whose key is in the
 cache, not older than `maxAge`, is a cache hit: Succeeded at once with the cached outputs and no pod
-(initializeCacheHitNode); any other runs, and its outputs are saved when it has Succeeded (only then, as in
-Argo). Each node records Argo's memoizationStatus {hit, key, cacheName}.
+(initializeCacheHitNode); any other runs, and its outputs are saved as soon as it has Succeeded (only then, as
+in Argo), so a later step of the same run with the same key is a hit. Each node made from a memoized template
+records Argo's memoizationStatus {hit, key, cacheName}: hit false, or true for a node served from the cache.
 """
 
 from __future__ import annotations
@@ -50,15 +51,18 @@ class Memoizer:
                 entries[key]["lastHitTimestamp"] = timestamp(time.time())
         return {"outputs": entry.get("outputs"), "key": key, "cacheName": name}
 
-    def miss(self, node: Node, memoize: dict) -> dict:
-        """A node that runs: its status, and its outputs to save once it has Succeeded."""
-        name, key = self._name_and_key(memoize)
+    def track(self, node: Node, memoize: dict) -> dict:
+        """A node made from a memoized template (Argo's initializeExecutableNode): its memoizationStatus,
+        a miss, and its outputs to save once it has Succeeded (as Argo saves them where it marks the
+        node Succeeded: pod reconciliation, executeSteps, executeDAG)."""
+        name = str(((memoize.get("cache") or {}).get("configMap") or {}).get("name") or "")
+        key = str(memoize.get("key") or "")
         self.pending[node.id] = (name, key)
         return {"hit": False, "key": key, "cacheName": name}
 
     def settle(self, node: Node) -> None:
         name, key = self.pending.pop(node.id)
-        if node.phase != SUCCEEDED:
+        if node.phase != SUCCEEDED or not (KEY_RE.fullmatch(name) and KEY_RE.fullmatch(key)):
             return
         now = time.time()
         with self._locked(name) as entries:

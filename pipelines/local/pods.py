@@ -122,8 +122,14 @@ def plan_pod(
     spot: bool,
     capture_result: bool,
     time_scale: float,
+    pod_spec_patches: list[str] | None = None,
 ) -> PodPlan:
+    """pod_spec_patches: the workflow's and the template's podSpecPatch, substituted as Argo's
+    processPodSpecPatch substitutes them (workflow.*, pod.name); None takes them as the manifest has them."""
     kind = "script" if "script" in template else "resource" if "resource" in template else "container"
+    if pod_spec_patches is None:
+        pod_spec_patches = [p for p in (workflow.spec.get("podSpecPatch"), template.get("podSpecPatch")) if p]
+    patches = [] if kind == "resource" else [_parse_patch(p) for p in pod_spec_patches]
     pod_dir = run_dir / "pods" / pod_name
     job = None
     if kind == "resource":
@@ -133,8 +139,7 @@ def plan_pod(
         )
         container = job.container
     else:
-        container = template[kind]
-        container = _patched_main(container, (workflow.spec.get("podSpecPatch"), template.get("podSpecPatch")))
+        container = _patched_main(template[kind], patches)
     probe = container.get("readinessProbe") if template.get("daemon") else None
     if kind == "container" and (
         launched := pytorchjob.launched_job([*container.get("command", []), *container.get("args", [])])
@@ -204,6 +209,8 @@ def plan_pod(
         },
         "local": {"argv": argv, "cwd": str(cwd), "sandbox": str(sandbox.root), "env": env, "spotPlaced": spot},
     }
+    for patch in patches:  # the rest of the pod spec, as Argo's ApplyPodSpecPatch merges it over the pod's
+        recorded["spec"] = _strategic_merge(recorded["spec"], {k: v for k, v in patch.items() if k != "containers"})
     if job is not None:
         recorded["local"]["pytorchJob"] = job.manifest
     return PodPlan(
@@ -230,29 +237,48 @@ def plan_pod(
     )
 
 
-def _patched_main(container: dict, patches: tuple) -> dict:
-    """The main container with the podSpecPatches' `containers: [{name: main, ...}]` merged over it (the
-    workflow's, then the template's), as Kubernetes' strategic merge does: maps deep, `env` by name, other
-    lists replaced (workflowpod.go processPodSpecPatch). The scheduling fields are chaos.placement's."""
-    for text in patches:
-        if not text:
-            continue
+def _parse_patch(text: str | dict) -> dict:
+    """A podSpecPatch: YAML or JSON of (part of) a PodSpec (workflow/util ApplyPodSpecPatch)."""
+    try:
         patch = yaml.safe_load(text) if isinstance(text, str) else text
-        if not isinstance(patch, dict):
-            raise PlanError(f"podSpecPatch must be a JSON or YAML mapping, got {text!r}")
+    except yaml.YAMLError as err:
+        raise PlanError(f"Failed to convert the PodSpecPatch yaml to json: {err}") from err
+    if not isinstance(patch, dict):
+        raise PlanError(f"invalid podSpecPatch {text!r}: not a PodSpec (a JSON or YAML mapping)")
+    return patch
+
+
+def _patched_main(container: dict, patches: list[dict]) -> dict:
+    """The main container with the podSpecPatches' `containers: [{name: main, ...}]` merged over it (the
+    workflow's, then the template's), as Kubernetes' strategic merge does (workflowpod.go
+    processPodSpecPatch, ApplyPodSpecPatch). Entries for Argo's own containers (wait, init) are left out:
+    there are none here."""
+    for patch in patches:
         for entry in patch.get("containers") or []:
             if isinstance(entry, dict) and entry.get("name") == "main":
                 container = _strategic_merge(container, {k: v for k, v in entry.items() if k != "name"})
     return container
 
 
+# The merge keys of the PodSpec and Container lists that Kubernetes' strategic merge merges item by item
+# (patchMergeKey in k8s.io/api/core/v1 types.go); any other list is replaced whole.
+MERGE_KEYS = {
+    "env": "name", "volumes": "name", "volumeMounts": "mountPath", "imagePullSecrets": "name",
+    "ports": "containerPort", "hostAliases": "ip", "initContainers": "name", "ephemeralContainers": "name",
+}  # fmt: skip
+
+
 def _strategic_merge(base: dict, patch: dict) -> dict:
     out = dict(base)
     for key, value in patch.items():
-        if key == "env" and isinstance(value, list):
-            by_name = {e.get("name"): e for e in out.get("env") or []}
-            by_name.update({e.get("name"): e for e in value if isinstance(e, dict)})
-            out["env"] = list(by_name.values())
+        merge_key = MERGE_KEYS.get(key)
+        if merge_key is not None and isinstance(value, list) and isinstance(out.get(key), list):
+            by_key = {e.get(merge_key): e for e in out[key] if isinstance(e, dict)}
+            for entry in value:
+                if isinstance(entry, dict):
+                    old = by_key.get(entry.get(merge_key))
+                    by_key[entry.get(merge_key)] = _strategic_merge(old, entry) if old is not None else entry
+            out[key] = list(by_key.values())
         elif isinstance(value, dict) and isinstance(out.get(key), dict):
             out[key] = _strategic_merge(out[key], value)
         else:
@@ -295,7 +321,7 @@ def _mounts(container: dict, pod_volumes: list[dict], workflow: Any, run_dir: Pa
         if volume is None and name in claims:
             host = run_dir / "volumes" / name
         elif volume is None:
-            raise PlanError(f"volumeMounts: volume {name!r} is not declared in volumes or volumeClaimTemplates")
+            raise PlanError(f"volume '{name}' not found in workflow spec")  # workflowpod.go addVolumeReferences
         elif "hostPath" in volume:
             host = Path(volume["hostPath"]["path"])
         elif "persistentVolumeClaim" in volume:
@@ -452,11 +478,11 @@ class Pod:
         own_group = os.getpgrp()
         pids: set[int] = set(container_processes(self.plan.env)) if sig == signal.SIGKILL else set()
         signalled: set[int] = set()
-        # For SIGKILL, until no process of the container is left unsignalled: one found between its fork
-        # and its setsid (torchrun's start_new_session) has left the group it was found in by the time that
-        # group is killed; signalled by its pid too, and looked for again, it cannot escape. A killed process
-        # forks no more, so the rounds end (a zombie no longer shows its environment).
-        for _ in range(100 if sig == signal.SIGKILL else 1):
+        # A process found between its fork and its setsid (torchrun's start_new_session) has left the group
+        # it was found in by the time that group is killed: signalled by its pid too, it cannot escape. Where
+        # the container has processes outside its main group (torchrun's workers), /proc is read again until
+        # none is left unsignalled, for one started meanwhile; a killed process forks no more, so this ends.
+        for _ in range(100):
             groups = {_pgid(pid) for pid in pids} | {self.process.pid}
             for pgid in groups - {0, own_group}:  # never the executor's own group
                 with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -465,7 +491,9 @@ class Pod:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.kill(pid, sig)
             signalled |= pids
-            pids = set(container_processes(self.plan.env)) - signalled
+            if sig != signal.SIGKILL or groups <= {self.process.pid, 0}:
+                break
+            pids = set(container_processes(self.plan.env, fresh=True)) - signalled
             if not pids:
                 break
 
@@ -663,21 +691,46 @@ def read_progress(pod_dir: Path) -> tuple[int, int] | None:
     return int(done), int(total)
 
 
-def container_processes(pod_env: dict[str, str]) -> list[int]:
-    """The processes started in a pod's container: those whose environment carries its sandbox (each pod's
-    own MOERL_LOCAL_SANDBOX), as a cgroup holds a container's processes. A pod started as a fork of the warm
-    server does not show it (a fork's /proc environ is its parent's); its process group does."""
-    tag = f"MOERL_LOCAL_SANDBOX={pod_env.get('MOERL_LOCAL_SANDBOX', '')}".encode()
-    if tag.endswith(b"="):
-        return []
-    found = []
+SANDBOX_TAG = b"MOERL_LOCAL_SANDBOX="
+_process_index: dict[bytes, list[int]] | None = None  # sandbox tag -> pids, read once per controller pass
+
+
+def forget_container_processes() -> None:
+    """Drop the index of which process belongs to which pod: the controller calls this at the start of each
+    pass, so that all the pods that end in one pass share one read of /proc (a read per ending pod would make
+    a run of N pods read N x processes environments: quadratic at a thousand concurrent pods)."""
+    global _process_index
+    _process_index = None
+
+
+def _read_process_index() -> dict[bytes, list[int]]:
+    index: dict[bytes, list[int]] = {}
     for environ in Path("/proc").glob("[0-9]*/environ"):
         try:
-            if tag in environ.read_bytes().split(b"\0"):
-                found.append(int(environ.parent.name))
-        except (OSError, ValueError):
+            entries = environ.read_bytes().split(b"\0")
+        except OSError:
             continue  # ended meanwhile, or another user's
-    return found
+        for entry in entries:
+            if entry.startswith(SANDBOX_TAG):
+                index.setdefault(entry, []).append(int(environ.parent.name))
+                break
+    return index
+
+
+def container_processes(pod_env: dict[str, str], fresh: bool = False) -> list[int]:
+    """The processes started in a pod's container: those whose environment carries its sandbox (each pod's
+    own MOERL_LOCAL_SANDBOX), as a cgroup holds a container's processes. A pod started as a fork of the warm
+    server does not show it (a fork's /proc environ is its parent's); its process group does. From the pass's
+    index, or read anew (`fresh`)."""
+    global _process_index
+    tag = SANDBOX_TAG + pod_env.get("MOERL_LOCAL_SANDBOX", "").encode()
+    if tag == SANDBOX_TAG:
+        return []
+    if fresh:
+        return _read_process_index().get(tag, [])
+    if _process_index is None:
+        _process_index = _read_process_index()
+    return list(_process_index.get(tag, []))
 
 
 def _pgid(pid: int) -> int:

@@ -38,6 +38,9 @@ class RunResult:
     status: dict[str, Any]  # Argo's Workflow.status
     run_dir: Path  # <workdir>/<workflow name>: pods/<pod>/{stdout.log,stderr.log,pod.json,root/}
     faults: list[Injection] = field(default_factory=list)  # the --chaos faults that landed, in order
+    # Argo's Workflow.metadata (name, namespace, labels, annotations) as the run ended: spec.workflowMetadata
+    # applied, as the e2e tests read it (ExpectWorkflow's metadata)
+    metadata: dict[str, Any] = field(default_factory=dict)
 
     @property
     def succeeded(self) -> bool:
@@ -118,7 +121,11 @@ def run_workflow(
     if shortfall and status["phase"] == SUCCEEDED:  # a clean run is not passed off as a chaos run
         raise MoerlError(shortfall)
     faults = [i for i in controller.chaos.log if i.fired] if controller.chaos is not None else []
-    return RunResult(workflow.name, status["phase"], status.get("message", ""), status, controller.run_dir, faults)
+    metadata = {"name": workflow.name, "namespace": workflow.namespace, "labels": dict(workflow.labels),
+                "annotations": dict(workflow.annotations)}  # fmt: skip
+    return RunResult(
+        workflow.name, status["phase"], status.get("message", ""), status, controller.run_dir, faults, metadata
+    )
 
 
 @contextmanager

@@ -9,6 +9,7 @@ stores them, and durations that Argo exposes (lastRetry.duration) are taken from
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import time
@@ -36,8 +37,11 @@ PENDING, RUNNING, SUCCEEDED, FAILED, ERROR, OMITTED = (
     "Omitted",
 )
 SKIPPED_PHASE = "Skipped"
+ACTIVE_TYPES = (POD, STEPS, DAG)  # the nodes Argo's getActiveChildren counts (node_counters.go)
+ACTIVE_PHASES = (PENDING, RUNNING)
 
 
+@functools.lru_cache(maxsize=1 << 16)  # every pass looks its nodes up by name again: hash each name once
 def fnv32a(text: str) -> int:
     value = 0x811C9DC5
     for byte in text.encode():
@@ -151,6 +155,11 @@ class Nodes:
     def __init__(self, workflow_name: str):
         self.workflow_name = workflow_name
         self.by_id: dict[str, Node] = {}
+        # Indexes kept by create/mark/add_child, so that a pass over N nodes costs O(N), not O(N^2) (a loop of
+        # thousands of items asks for its boundary's active children, and adds each child, on every pass):
+        self._active: dict[str, set[str]] = {}  # boundary ID -> its Pod/Steps/DAG nodes that are Pending/Running
+        self._active_pods: set[str] = set()  # Pod nodes that are Pending or Running
+        self._child_ids: dict[str, set[str]] = {}  # node ID -> its children, as a set
 
     def __iter__(self):  # noqa: ANN204
         return iter(self.by_id.values())
@@ -207,17 +216,44 @@ class Nodes:
         if fulfilled(phase):
             node.finished_at = now
         self.by_id[id_] = node
+        self._index_activity(node)
         return node
 
     def add_child(self, parent_name: str, child_name: str) -> None:
         parent = self.by_name(parent_name)
+        if parent is None:
+            return
         child = node_id(self.workflow_name, child_name)
-        if parent is not None and child not in parent.children:
+        known = self._child_ids.get(parent.id)
+        if known is None or len(known) != len(parent.children):  # (rebuilt if children were added elsewhere)
+            known = self._child_ids[parent.id] = set(parent.children)
+        if child not in known:
             parent.children.append(child)
+            known.add(child)
+
+    def active_children(self, boundary_id: str) -> int:
+        """Argo's getActiveChildren: the Pod, Steps and DAG nodes of a boundary that are Pending or Running."""
+        return len(self._active.get(boundary_id, ()))
+
+    def active_pods(self) -> int:
+        """The Pod nodes that are Pending or Running."""
+        return len(self._active_pods)
+
+    def _index_activity(self, node: Node) -> None:
+        if node.type not in ACTIVE_TYPES:
+            return
+        if node.phase in ACTIVE_PHASES:
+            self._active.setdefault(node.boundary_id, set()).add(node.id)
+            if node.type == POD:
+                self._active_pods.add(node.id)
+        else:
+            self._active.get(node.boundary_id, set()).discard(node.id)
+            self._active_pods.discard(node.id)
 
     def mark(self, node: Node, phase: str, message: str | None = None) -> Node:
         """Argo's markNodePhase: set phase (and message), stamp finishedAt the first time it is done."""
         node.phase = phase
+        self._index_activity(node)
         if message is not None:
             node.message = message
         if fulfilled(node.phase) and node.finished_at is None:
