@@ -11,7 +11,7 @@ own:
                it to each request's version; the rollout steps are their clients
     trainer    servers, plus trainer.server: the update steps drive a trainer that stays up
 
-From each run's status (steps/workflow_status.py) it prints the first iteration (import-sft's end to
+From each run's status (steps/tracking/workflow_status.py) it prints the first iteration (import-sft's end to
 publish-1's end: it holds the servers' start), the steady iteration (publish-1's end to publish-N's, over N-1),
 the rollout step's median wall time and the whole workflow, and the ratio of each to per-step's.
 It also checks that every shape published the same final weights (the invariant: servers change where the
@@ -35,7 +35,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from steps.workflow_status import step_nodes  # noqa: E402
+from steps.tracking.workflow_status import step_nodes  # noqa: E402
 
 SHAPES = {
     "per-step": lambda cfg: {"rollout": {"servers": 0}},

@@ -105,8 +105,8 @@ def timed(fn: Callable, device: str):
 def demo_checkpoint(directory: Path) -> Path:
     import torch
 
-    from steps.model import MoeForCausalLM
-    from steps.sft import demo_model_config, write_checkpoint
+    from steps.demo.sft import demo_model_config, write_checkpoint
+    from steps.models.transformer import MoeForCausalLM
 
     torch.manual_seed(0)
     return write_checkpoint(MoeForCausalLM(demo_model_config()), directory)
@@ -122,11 +122,11 @@ def engine_section(args: argparse.Namespace) -> dict:
         from transformers import AutoModelForCausalLM
     except ImportError as err:
         return {"skipped": f"transformers is not installed ({err}); the engine's reference needs it"}
-    from steps.char_tokenizer import EOS_ID, PAD_ID, build_tokenizer, encode_prompt
-    from steps.engine import TorchEngine
-    from steps.generation import SamplingParams, sample_requests, sample_seed
-    from steps.kernels import token_logprobs
-    from steps.tasks import get_task
+    from steps.data.tasks import get_task
+    from steps.demo.char_tokenizer import EOS_ID, PAD_ID, build_tokenizer, encode_prompt
+    from steps.engines.interface import SamplingParams, sample_requests, sample_seed
+    from steps.engines.torch_engine import TorchEngine
+    from steps.models.kernels import token_logprobs
 
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 parity, not TF32
     torch.backends.cudnn.allow_tf32 = False
@@ -194,8 +194,8 @@ def one_trainer_step(directory: Path, device: str, autocast_bf16: bool) -> tuple
 
     from bench.update import synthetic_samples
     from steps.expert_parallel.mesh import Mesh
-    from steps.hf_checkpoint import load_pretrained
-    from steps.trainer import PolicyTrainer, TrainSettings, collate
+    from steps.models.hf_checkpoint import load_pretrained
+    from steps.training.trainer import PolicyTrainer, TrainSettings, collate
 
     torch.manual_seed(0)
     model = load_pretrained(directory, dtype=torch.float32, device=device)
@@ -217,7 +217,7 @@ def trainer_section(args: argparse.Namespace) -> dict:
     torch.backends.cudnn.allow_tf32 = False
     with tempfile.TemporaryDirectory() as tmp:
         directory = demo_checkpoint(Path(tmp))
-        from steps.hf_checkpoint import load_pretrained
+        from steps.models.hf_checkpoint import load_pretrained
 
         before = {n: p.detach().float() for n, p in load_pretrained(directory, dtype=torch.float32).named_parameters()}
         cpu, cpu_loss = one_trainer_step(directory, "cpu", autocast_bf16=False)
@@ -278,7 +278,7 @@ def deepep_section(args: argparse.Namespace) -> dict:
     if deep_ep is None:
         return {"skipped": how}
     from steps.expert_parallel.deepep import DeepEPDispatch
-    from steps.moe import MoeBlock
+    from steps.models.moe import MoeBlock
 
     hidden, inter, experts, top_k, tokens = 256, 512, 8, 2, 512
     if not dist.is_initialized():
@@ -338,12 +338,12 @@ def weights_check(prompt_count: int, samples: int, new_tokens: int, device: str)
     """The weights section on `device` (tests run it on the CPU)."""
     import torch
 
-    from steps.char_tokenizer import build_tokenizer, encode_prompt
-    from steps.engine import TorchEngine
-    from steps.generation import SamplingParams, sample_requests, sample_seed
-    from steps.hf_checkpoint import load_pretrained
-    from steps.sft import write_checkpoint
-    from steps.tasks import get_task
+    from steps.data.tasks import get_task
+    from steps.demo.char_tokenizer import build_tokenizer, encode_prompt
+    from steps.demo.sft import write_checkpoint
+    from steps.engines.interface import SamplingParams, sample_requests, sample_seed
+    from steps.engines.torch_engine import TorchEngine
+    from steps.models.hf_checkpoint import load_pretrained
 
     tok = build_tokenizer()
     prompts = get_task("addition").prompts("train", min(prompt_count, 64), 0)

@@ -4,7 +4,7 @@
 
 Both sides start from the same SFT checkpoint (built with `moerl sft-demo` when --sft is missing), train on
 the same task, prompts, reward and settings, all read from configs/demo.yaml at run time, and are judged by
-the same held-out greedy accuracy (steps.engine.evaluate_accuracy on the config's held-out prompts):
+the same held-out greedy accuracy (steps.engines.torch_engine.evaluate_accuracy on the config's held-out prompts):
 
     moerl  the real pipeline, `moerl demo --workdir DIR --iterations N`, as a user runs it (rollout shards,
            score, torchrun update, publish under the local executor). The accuracy of version v(i) is the
@@ -47,8 +47,8 @@ sys.path.insert(0, str(REPO))
 
 from pipelines.config import load_config  # noqa: E402
 from steps.errors import MoerlError, run_cli  # noqa: E402
-from steps.run_config import RunConfig  # noqa: E402
-from steps.workflow_status import step_nodes  # noqa: E402
+from steps.run.config import RunConfig  # noqa: E402
+from steps.tracking.workflow_status import step_nodes  # noqa: E402
 
 DEMO_CONFIG = REPO / "configs" / "demo.yaml"
 CPU_CORES = 2
@@ -183,7 +183,7 @@ def settings_rows(cfg: RunConfig, grpo: dict[str, Any], iterations: int) -> list
          f"{grpo['temperature']} / {grpo['top_p']} / {grpo['top_k']}"),
         ("max new tokens", str(s.max_new_tokens), str(grpo["max_completion_length"])),
         ("reward", f"{cfg.rewards.exact_match_weight} exact + {cfg.rewards.format_weight} format",
-         "same verifier (steps.tasks), same weights"),
+         "same verifier (steps.data.tasks), same weights"),
         ("advantage", "group mean" + (", / group std (ddof 0)" if cfg.rewards.normalize_std else ""),
          f"scale_rewards={grpo['scale_rewards']} (std ddof 1)"),
         ("optimizer steps per iteration", f"{t.epochs} epochs x {t.steps_per_epoch} steps",
@@ -387,20 +387,20 @@ def stop_workflow(proc: subprocess.Popen) -> None:
 
 class VerifierReward:
     """moerl's reward as a TRL reward function: the task verifier's (correct, well_formed), weighted as
-    steps/rewards.py combines them. completion_ids end at the first <eos> (TRL keeps it), as moerl's do."""
+    steps/scoring/rewards.py combines them. completion_ids end at the first <eos> (TRL keeps it), as moerl's do."""
 
     __name__ = "verifier"
 
     def __init__(self, cfg: RunConfig) -> None:
-        from steps.rewards import RewardWeights
-        from steps.sft import char_checkpoint_tokenizer
+        from steps.demo.sft import char_checkpoint_tokenizer
+        from steps.scoring.rewards import RewardWeights
 
         self.weights = RewardWeights.from_config(cfg.rewards)  # no reward model or function: their weights stay unused
         self.tok = char_checkpoint_tokenizer()  # the demo checkpoint's own
 
     def __call__(self, prompts: list, completions: list, completion_ids: list, task: list, answer: list,
                  **_: Any) -> list[float]:  # fmt: skip
-        from steps.rewards import combine, verify_samples
+        from steps.scoring.rewards import combine, verify_samples
 
         correct, well_formed = verify_samples(self.tok, task, answer, completion_ids)
         return [float(r) for r in combine(correct, well_formed, None, self.weights)]
@@ -408,7 +408,7 @@ class VerifierReward:
 
 def prompt_dataset(cfg: RunConfig, iterations: int) -> dict[str, list[str]]:
     """moerl's training prompts, iteration after iteration, as dataset columns."""
-    from steps.experience import iteration_prompts
+    from steps.experience.rollout_plan import iteration_prompts
 
     prompts = [p for i in range(1, iterations + 1) for p in iteration_prompts(cfg, i)]
     return {
@@ -429,10 +429,10 @@ def trl_worker(spec_path: str) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from steps.engine import TorchEngine, evaluate_accuracy
-    from steps.experience import heldout_prompts
-    from steps.run_config import RunConfig
-    from steps.tokenizer import CheckpointTokenizer
+    from steps.data.tokenizer import CheckpointTokenizer
+    from steps.engines.torch_engine import TorchEngine, evaluate_accuracy
+    from steps.experience.rollout_plan import heldout_prompts
+    from steps.run.config import RunConfig
 
     cfg = RunConfig.model_validate(spec["config"])
     heldout = heldout_prompts(cfg)
@@ -460,7 +460,7 @@ def trl_worker(spec_path: str) -> int:
             began = time.time()
             clock = began - start - result["eval_seconds"]
             with tempfile.TemporaryDirectory(prefix="moerl-bench-trl-") as tmp:
-                model.save_pretrained(tmp)  # per-expert tensor names, which steps.model loads
+                model.save_pretrained(tmp)  # per-expert tensor names, which steps.models.transformer loads
                 accuracy = evaluate_accuracy(TorchEngine.from_checkpoint(tmp), eval_tokenizer, heldout,
                                              max_new_tokens=cfg.sampling.max_new_tokens)  # fmt: skip
             model.train()
@@ -563,9 +563,9 @@ def plot(curves: list[Curve], target: float, path: Path) -> None:
 
 
 def sft_accuracy(cfg: RunConfig, sft_dir: Path) -> float:
-    from steps.engine import TorchEngine, evaluate_accuracy
-    from steps.experience import heldout_prompts
-    from steps.tokenizer import CheckpointTokenizer
+    from steps.data.tokenizer import CheckpointTokenizer
+    from steps.engines.torch_engine import TorchEngine, evaluate_accuracy
+    from steps.experience.rollout_plan import heldout_prompts
 
     engine = TorchEngine.from_checkpoint(sft_dir)
     tok = CheckpointTokenizer.load(sft_dir)
@@ -607,7 +607,7 @@ def main() -> int:
     args.iterations = args.iterations or cfg.segment_size
     if not (sft_dir / "config.json").is_file():
         from pipelines.sft_demo import sft_demo
-        from steps.sft import SftSettings
+        from steps.demo.sft import SftSettings
 
         print(f"building the SFT checkpoint in {sft_dir} (not timed)")
         sft_demo(str(sft_dir), SftSettings(seed=cfg.seed))

@@ -11,7 +11,7 @@ sampling thread reads the main thread's stack every --interval seconds and files
 sample under one category, by the frames on the stack (first match wins):
 
     imports      an `import` is running (importlib's _find_and_load); the module being loaded is noted
-    store I/O    steps/store.py or steps/checkpoint.py: reading, writing, hashing run-store objects
+    store I/O    steps/store/object_store.py or steps/run/checkpoint.py: reading, writing, hashing run-store objects
     dist init    torch.distributed process-group set-up and tear-down
     model load   building the model, reading and checking safetensors, the tokenizer, optimizer state
     held-out eval  score's greedy held-out accuracy (generation on the held-out prompts)
@@ -71,7 +71,8 @@ WORK = {
     "plan": "plan",
     "report": "report",
 }
-STORE_FILES = ("/steps/store.py", "/steps/checkpoint.py")
+STORE_FILES = ("/steps/store/object_store.py", "/steps/run/checkpoint.py")
+MODEL_FILES = ("/steps/models/transformer.py", "/steps/models/moe.py")
 MODEL_LOAD_FUNCTIONS = {
     "load_pretrained",
     "load_state_dict_from_dir",
@@ -110,7 +111,7 @@ def classify(frame) -> tuple[str, str | None]:  # noqa: ANN001 - a frame object
     if DIST_FUNCTIONS.intersection(functions):
         return "dist init", None
     if MODEL_LOAD_FUNCTIONS.intersection(functions) or any(
-        f.f_code.co_name == "__init__" and f.f_code.co_filename.endswith(("/steps/model.py", "/steps/moe.py"))
+        f.f_code.co_name == "__init__" and f.f_code.co_filename.endswith(MODEL_FILES)
         for f in frames
     ):
         return "model load", None

@@ -39,10 +39,10 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from steps.char_tokenizer import EOS_ID, PAD_ID, build_tokenizer, encode_prompt  # noqa: E402
-from steps.engine import TorchEngine  # noqa: E402
-from steps.generation import SamplingParams, sample_requests, sample_seed  # noqa: E402
-from steps.tasks import Task, get_task  # noqa: E402
+from steps.data.tasks import Task, get_task  # noqa: E402
+from steps.demo.char_tokenizer import EOS_ID, PAD_ID, build_tokenizer, encode_prompt  # noqa: E402
+from steps.engines.interface import SamplingParams, sample_requests, sample_seed  # noqa: E402
+from steps.engines.torch_engine import TorchEngine  # noqa: E402
 
 
 def rss_mib(field: str) -> float | None:
@@ -84,8 +84,8 @@ def peak_mib(fn) -> float:
 
 
 def demo_checkpoint(directory: Path) -> Path:
-    from steps.model import MoeForCausalLM
-    from steps.sft import demo_model_config, write_checkpoint
+    from steps.demo.sft import demo_model_config, write_checkpoint
+    from steps.models.transformer import MoeForCausalLM
 
     torch.manual_seed(0)
     return write_checkpoint(MoeForCausalLM(demo_model_config()), directory)
@@ -103,7 +103,7 @@ def main() -> None:
     task, group_size, max_new_tokens = demo_workload()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--checkpoint", type=Path, help="HF-format checkpoint dir (default: demo model, random init)")
-    parser.add_argument("--task", help=f"a task of steps.tasks (default: the demo's, {task.name})")
+    parser.add_argument("--task", help=f"a task of steps.data.tasks (default: the demo's, {task.name})")
     parser.add_argument("--prompts", type=int, default=256)
     parser.add_argument("--samples", type=int, default=group_size, help="samples per prompt (default: the demo's)")
     parser.add_argument("--new-tokens", type=int, default=max_new_tokens, help="max new tokens (default: the demo's)")

@@ -3,7 +3,7 @@
     .venv/bin/python bench/update.py [--steps 6] [--samples 256] [--micro-batch 64] [--model demo|moe-heavy]
                                      [--no-dp-reference] [--sft DIR [--scored FILE]]
 
-Both configurations train the same Qwen3-MoE (default: the demo model, steps.sft.demo_model_config: 8 experts,
+Both configurations train the same Qwen3-MoE (default: the demo model, steps.demo.sft.demo_model_config: 8 experts,
 top-2) with the real update path (PolicyTrainer: PPO loss, truncated IS, gradient sync, clipping, AdamW) on
 the same synthetic global batch (256 sequences, as one optimizer step of configs/demo.yaml), with the same
 micro-batch per rank (64; configs/demo.yaml now uses 128), for the same number of optimizer steps after one warm-up
@@ -17,7 +17,7 @@ in the MoE dispatch/combine exchanges (forward and backward: the time blocked st
 all_to_all_single, waiting for the peer included; exchange time hidden behind expert work is not counted),
 and the share of the (token, expert) rows that the busier EP rank's experts ran. The 2 EP ranks run twice:
 with the contiguous expert placement (rank r holds experts [r*E/2, (r+1)*E/2) of every layer) and with the
-balanced one (steps.expert_parallel.placement.balanced_placement of the per-expert row counts of the bench's
+balanced one (steps.models.placement.balanced_placement of the per-expert row counts of the bench's
 own batch, counted in a first forward pass, as the update does with the previous iteration's counts). A further
 configuration, 2 data-parallel ranks (EP=1: every rank holds every expert, no dispatch/combine), shows what
 this machine gives two processes at all: the ceiling of any 2-rank speed-up here.
@@ -51,8 +51,8 @@ sys.path.insert(0, str(REPO))
 
 def synthetic_samples(count: int, seed: int = 0) -> list:
     """Demo-task-shaped sequences: a 10-16 token prompt and an 8-16 token response ending in EOS."""
-    from steps.char_tokenizer import BOS_ID, EOS_ID, VOCAB_SIZE
-    from steps.experience import Sample
+    from steps.demo.char_tokenizer import BOS_ID, EOS_ID, VOCAB_SIZE
+    from steps.experience.tables import Sample
 
     rng = random.Random(seed)
     samples = []
@@ -70,7 +70,7 @@ def scored_samples(path: str, count: int) -> list:
     """The first `count` rows of a scored.parquet, as the trainer reads them (cycled if there are fewer)."""
     import pyarrow.parquet as pq
 
-    from steps.experience import Sample
+    from steps.experience.tables import Sample
 
     rows = pq.read_table(path).to_pylist()
     rows.sort(key=lambda r: (r["prompt_id"], r["sample_index"]))
@@ -85,12 +85,12 @@ def bench_samples(args: argparse.Namespace) -> list:
     return scored_samples(args.scored, args.samples) if args.scored else synthetic_samples(args.samples)
 
 
-def bench_model(args: argparse.Namespace, placement=None, ep_rank: int = 0):  # -> steps.model.MoeForCausalLM
+def bench_model(args: argparse.Namespace, placement=None, ep_rank: int = 0):  # -> MoeForCausalLM
     """The bench's model (the same weights in every process), holding the experts `placement` gives ep_rank."""
     import torch
 
-    from steps.hf_checkpoint import load_pretrained
-    from steps.model import MoeForCausalLM
+    from steps.models.hf_checkpoint import load_pretrained
+    from steps.models.transformer import MoeForCausalLM
 
     if args.sft:
         return load_pretrained(args.sft, torch.float32, "cpu", placement, ep_rank)
@@ -107,7 +107,7 @@ def expert_loads(args: argparse.Namespace) -> list[list[int]]:
     forward pass, as the update counts them)."""
     import torch
 
-    from steps.trainer import collate
+    from steps.training.trainer import collate
 
     torch.set_num_threads(1)
     model = bench_model(args)
@@ -120,11 +120,11 @@ def expert_loads(args: argparse.Namespace) -> list[list[int]]:
     return model.routed_rows().tolist()
 
 
-def bench_model_config(name: str):  # -> steps.model.MoeConfig
+def bench_model_config(name: str):  # -> steps.models.transformer.MoeConfig
     """The demo model, or the same model with Qwen3-MoE's expert width (see bench/README.md, update)."""
     import dataclasses
 
-    from steps.sft import demo_model_config
+    from steps.demo.sft import demo_model_config
 
     cfg = demo_model_config()
     if name == "moe-heavy":
@@ -143,9 +143,9 @@ def worker(
     torch.set_num_threads(1)
     from steps.expert_parallel.dispatch import make_dispatch
     from steps.expert_parallel.mesh import build_mesh
-    from steps.expert_parallel.placement import ExpertPlacement
     from steps.expert_parallel.timing import CommTimer
-    from steps.trainer import PolicyTrainer, TrainSettings, collate, rank_micro_batches
+    from steps.models.placement import ExpertPlacement
+    from steps.training.trainer import PolicyTrainer, TrainSettings, collate, rank_micro_batches
 
     if world > 1:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -232,7 +232,7 @@ def main() -> None:
     parser.add_argument("--scored", default=None, help="train on this scored.parquet instead of synthetic samples")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    from steps.expert_parallel.placement import ExpertPlacement, balanced_placement
+    from steps.models.placement import ExpertPlacement, balanced_placement
 
     # First pass: the per-expert rows of the bench's batch, and the placements they give.
     loads = expert_loads(args)

@@ -5,7 +5,7 @@ torch engine to the next version in place vs opening a new engine on it, in one 
 
 The model: `synthetic` (default) is a Qwen3-MoE-shaped checkpoint of 86M parameters (hidden 512, 4 layers of
 32 experts, top-4, vocab 32000: 344 MB in fp32, 172 MB in bf16), big enough that transfers dominate fixed
-costs; `demo` is the demo's model (steps.sft.demo_model_config, 0.5M parameters).
+costs; `demo` is the demo's model (steps.demo.sft.demo_model_config, 0.5M parameters).
 
 The versions: each is the previous one after the optimizer steps of one iteration, real torch AdamW on fp32
 master weights with synthetic gradients (Gaussian, independent per step), published in fp32 (the masters) and
@@ -18,7 +18,7 @@ pessimistic for the delta. Weights start at realistic magnitudes (matrices N(0, 
     eks   lr 1e-6, 4 AdamW steps a version, weight decay 0.01 (configs/eks-p5en.yaml)
     demo  lr 1.5e-4, 16 AdamW steps a version, weight decay 0.0 (configs/demo.yaml)
 
-Printed per version: the checkpoint's bytes, the delta's (steps/weight_delta.py: XOR, byte planes, zstd) and
+Printed per version: the checkpoint's bytes, the delta's (steps/run/weight_delta.py: XOR, byte planes, zstd) and
 for reference the XOR compressed without byte planes, the share of elements whose stored bits changed, and the
 time publish spends writing the delta. Then, per dtype, on a local run store and a node cache on local disk:
 `WeightSync.bring` of a live TorchEngine from v(i-1) to v(i) (delta fetch and apply, update_weights in place)
@@ -43,14 +43,14 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from steps import checkpoint  # noqa: E402
-from steps.engine import TorchEngine  # noqa: E402
-from steps.generation import SamplingParams, sample_requests, sample_seed  # noqa: E402
-from steps.hf_checkpoint import save_pretrained  # noqa: E402
-from steps.model import MoeConfig, MoeForCausalLM  # noqa: E402
-from steps.store import Store  # noqa: E402
-from steps.weight_delta import LANES, read_layout, write_delta  # noqa: E402
-from steps.weight_sync import WeightSync  # noqa: E402
+from steps.engines.interface import SamplingParams, sample_requests, sample_seed  # noqa: E402
+from steps.engines.torch_engine import TorchEngine  # noqa: E402
+from steps.engines.weight_sync import WeightSync  # noqa: E402
+from steps.models.hf_checkpoint import save_pretrained  # noqa: E402
+from steps.models.transformer import MoeConfig, MoeForCausalLM  # noqa: E402
+from steps.run import checkpoint  # noqa: E402
+from steps.run.weight_delta import LANES, read_layout, write_delta  # noqa: E402
+from steps.store.object_store import Store  # noqa: E402
 
 REGIMES = {"eks": (1e-6, 4, 0.01), "demo": (1.5e-4, 16, 0.0)}  # lr, AdamW steps a version, weight decay
 SYNTHETIC = dict(
@@ -62,7 +62,7 @@ SYNTHETIC = dict(
 
 def build_model(name: str) -> MoeForCausalLM:
     if name == "demo":
-        from steps.sft import demo_model_config
+        from steps.demo.sft import demo_model_config
 
         cfg = demo_model_config()
     else:

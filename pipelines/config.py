@@ -1,7 +1,7 @@
-"""Loading a run config: the YAML file, `--set` overrides and relative paths; the schema is steps/run_config.py.
+"""Loading a run config: the YAML file, `--set` overrides and relative paths; the schema is steps/run/config.py.
 
 `load_config(path)` reads the YAML, applies overrides, resolves relative store paths against the current
-directory and validates the result (steps.run_config.validate_config), returning a `RunConfig`.
+directory and validates the result (steps.run.config.validate_config), returning a `RunConfig`.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any
 import yaml
 
 from steps.errors import MoerlError
-from steps.run_config import RunConfig, validate_config
+from steps.run.config import RunConfig, validate_config
 
 
 def resolve_paths(data: dict[str, Any], base: Path) -> dict[str, Any]:

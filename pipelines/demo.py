@@ -22,16 +22,16 @@ from pipelines.local import RunResult, parse_chaos, run_workflow
 from pipelines.preflight import preflight_or_exit
 from pipelines.workflow import commands, graph, placement
 from steps.errors import MoerlError
-from steps.run_config import RunConfig
-from steps.run_store import CHECKPOINTS, LATEST, REPORT_MD_KEY, REPORT_PNG_KEY, RUN_CONFIG, TENSORBOARD_PREFIX
-from steps.store import Store
-from steps.tracking import STATUS_FILE_ENV
-from steps.workflow_status import step_nodes
+from steps.run.config import RunConfig
+from steps.run.keys import CHECKPOINTS, LATEST, REPORT_MD_KEY, REPORT_PNG_KEY, RUN_CONFIG, TENSORBOARD_PREFIX
+from steps.store.object_store import Store
+from steps.tracking.trackers import STATUS_FILE_ENV
+from steps.tracking.workflow_status import step_nodes
 
 DEMO_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
 DEMO_CHAT_SFT_STEPS = 50  # SFT steps of the chat demo's checkpoint (configs/demo-chat.yaml)
 if TYPE_CHECKING:
-    from steps.sft import SftSettings
+    from steps.demo.sft import SftSettings
 
 STEP_KINDS = graph.STEPS  # the steps of an iteration, the columns of the wall-time table
 
@@ -111,8 +111,8 @@ def print_summary(cfg: RunConfig, result: RunResult, seconds: float) -> None:
 def demo_sft_settings(cfg: RunConfig, seed: int) -> SftSettings:
     """The demo SFT checkpoint a demo config starts from: its task, and for chat prompts a BPE tokenizer with a
     chat template (the checkpoint's own; nothing else in the run knows which tokenizer it is)."""
-    from steps.experience import run_task
-    from steps.sft import SftSettings
+    from steps.demo.sft import SftSettings
+    from steps.experience.rollout_plan import run_task
 
     task = run_task(cfg)
     chat = cfg.prompt_format == "chat"

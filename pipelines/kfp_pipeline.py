@@ -28,7 +28,7 @@ from pipelines.durations import parse_duration
 from pipelines.workflow import graph, pytorchjob
 from pipelines.workflow import placement as pl
 from pipelines.workflow.commands import KFP, StepCommand, flags, pytorchjob_launcher_command, step_command
-from steps.run_config import Placement, Retry, RunConfig
+from steps.run.config import Placement, Retry, RunConfig
 
 SLOT_LABEL = "moerl.io/slot"
 

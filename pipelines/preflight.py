@@ -18,19 +18,19 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from steps.errors import MoerlError
-from steps.run_config import RunConfig
+from steps.run.config import RunConfig
 
 if TYPE_CHECKING:
-    from steps.model import MoeConfig
-    from steps.tokenizer import CheckpointTokenizer, PromptFormat, PromptInput
+    from steps.data.tokenizer import CheckpointTokenizer, PromptFormat, PromptInput
+    from steps.models.transformer import MoeConfig
 
 MAX_TOKEN_PROBLEMS = 5
 
 
 def _fetch_small_files(uri: str, local: Path) -> list[str]:
     """config.json and the tokenizer files of a checkpoint, not its weights; returns every name there."""
-    from steps.store import Store
-    from steps.tokenizer import TOKENIZER_FILES
+    from steps.data.tokenizer import TOKENIZER_FILES
+    from steps.store.object_store import Store
 
     store = Store.open(uri)
     names = store.list()
@@ -42,7 +42,7 @@ def _fetch_small_files(uri: str, local: Path) -> list[str]:
 
 def _probe(uri: str) -> None:
     """Open the store that holds `uri` and look for it (raises when the store cannot be reached)."""
-    from steps.store import Store
+    from steps.store.object_store import Store
 
     parent, _, name = uri.rstrip("/").rpartition("/")
     if parent and name:
@@ -57,8 +57,8 @@ def _unreachable(uri: str, err: Exception) -> bool:
 
 def preflight(cfg: RunConfig, for_cluster: bool = False) -> tuple[list[str], list[str]]:
     """(problems, notes) of the run's inputs; see the module docstring."""
-    from steps.hf_checkpoint import load_config
-    from steps.tokenizer import CheckpointTokenizer
+    from steps.data.tokenizer import CheckpointTokenizer
+    from steps.models.hf_checkpoint import load_config
 
     problems: list[str] = []
     notes: list[str] = []
@@ -87,7 +87,7 @@ def preflight(cfg: RunConfig, for_cluster: bool = False) -> tuple[list[str], lis
                 problems.append(f"sft_checkpoint {cfg.sft_checkpoint}: cannot be read ({err}); check the URI")
     fmt = None
     if tok is not None:
-        from steps.experience import prompt_format
+        from steps.experience.rollout_plan import prompt_format
 
         fmt = prompt_format(cfg)
         if cfg.prompt_format == "chat" and tok.chat_template is None:
@@ -111,13 +111,13 @@ def _prompt_problems(
     model_cfg: MoeConfig | None,
     notes: list[str],
 ) -> list[str]:
-    from steps.experience import prompt_fields, run_task
-    from steps.prompt_data import read_prompt_uri
-    from steps.rewards import sample_verifier
-    from steps.tasks import sft_target
+    from steps.data.prompt_data import read_prompt_uri
+    from steps.data.tasks import sft_target
+    from steps.experience.rollout_plan import prompt_fields, run_task
+    from steps.scoring.rewards import sample_verifier
 
     if TYPE_CHECKING:
-        from steps.verifiers import Verifier
+        from steps.data.verifiers import Verifier
 
     problems: list[str] = []
     room = model_cfg.max_position_embeddings if model_cfg is not None else None
@@ -183,7 +183,7 @@ def _reward_problems(cfg: RunConfig, for_cluster: bool, notes: list[str]) -> lis
     problems: list[str] = []
     spec = cfg.rewards.reward_fn
     if spec is not None:
-        from steps.user_reward import RewardFunction
+        from steps.scoring.user_reward import RewardFunction
 
         try:
             RewardFunction(spec, cfg.rewards.reward_fn_timeout_s).close()
@@ -193,7 +193,7 @@ def _reward_problems(cfg: RunConfig, for_cluster: bool, notes: list[str]) -> lis
             else:
                 problems.append(str(err))
     if cfg.rewards.reward_model is not None:
-        from steps.rewards import RewardModel
+        from steps.scoring.rewards import RewardModel
 
         try:
             RewardModel.load(cfg.rewards.reward_model)

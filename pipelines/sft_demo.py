@@ -8,12 +8,12 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from steps.engine import evaluate_accuracy
-from steps.hf_format import validate_checkpoint_dir
-from steps.model import count_parameters
-from steps.sft import SftSettings, train_sft, write_checkpoint, write_tokenizer
-from steps.store import Store
-from steps.tasks import get_task
+from steps.data.tasks import get_task
+from steps.demo.sft import SftSettings, train_sft, write_checkpoint, write_tokenizer
+from steps.engines.torch_engine import evaluate_accuracy
+from steps.models.checkpoint_validation import validate_checkpoint_dir
+from steps.models.transformer import count_parameters
+from steps.store.object_store import Store
 
 
 def progress_printer(total: int, start: float) -> Callable[[int, float], None]:

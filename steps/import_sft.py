@@ -4,7 +4,7 @@
 
 The weights' dtype (float32, bfloat16 or float16, one for every tensor) is the run's: every version is
 published in it. config.json must agree with the weights; when it declares no dtype, v000000's config.json
-gets it (steps.hf_format.declare_dtype).
+gets it (steps.models.checkpoint_validation.declare_dtype).
 
 Idempotent: a second call with the same checkpoint changes nothing.
 """
@@ -16,12 +16,13 @@ import json
 import tempfile
 from pathlib import Path
 
-from steps import checkpoint, progress
+from steps import progress
 from steps.errors import MoerlError, run_cli
-from steps.hf_checkpoint import PICKLE_WEIGHT_SUFFIXES
-from steps.hf_format import declare_dtype, refuse_pickled, validate_checkpoint_dir
-from steps.run_store import RUN_CONFIG, version_name
-from steps.store import Store
+from steps.models.checkpoint_validation import declare_dtype, refuse_pickled, validate_checkpoint_dir
+from steps.models.hf_checkpoint import PICKLE_WEIGHT_SUFFIXES
+from steps.run import checkpoint
+from steps.run.keys import RUN_CONFIG, version_name
+from steps.store.object_store import Store
 
 
 def fetch_checkpoint(src: Store, local_dir: Path) -> None:

@@ -26,7 +26,7 @@ from typing import Any
 
 from steps import progress
 from steps.errors import MoerlError, run_cli
-from steps.run_store import RUN_CONFIG, behaviour_version
+from steps.run.keys import RUN_CONFIG, behaviour_version
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,7 @@ def plan_segment(latest: int | None, first: int, last: int) -> Plan:
 
 
 def training_fields(config: dict[str, Any]) -> dict[str, Any]:
-    from steps.run_config import training_view  # the config model decides what a run may not change
+    from steps.run.config import training_view  # the config model decides what a run may not change
 
     return training_view(config)
 
@@ -80,14 +80,14 @@ def check_config(stored: dict[str, Any], wanted: dict[str, Any], where: str) -> 
 
 
 def read_latest(run_uri: str) -> int | None:
-    from steps import checkpoint
-    from steps.store import Store
+    from steps.run import checkpoint
+    from steps.store.object_store import Store
 
     return checkpoint.latest_version(Store.open(run_uri))
 
 
 def write_plan(run_uri: str, first: int, last: int, out: Path, config_json: str | None) -> Plan:
-    from steps.store import Store
+    from steps.store.object_store import Store
 
     run = Store.open(run_uri)
     run.check_access()

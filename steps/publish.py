@@ -13,10 +13,10 @@
    tokenizer files and model.safetensors (one shard) or model-0000k-of-0000n.safetensors +
    model.safetensors.index.json (one shard per EP rank), loadable by transformers and SGLang.
 3. Store the optimizer state at <run>/optimizer/v(I)/ (the next update resumes AdamW from it); with
-   checkpoint.deltas and rollout.servers, v(I)'s delta against v(I-1) at <run>/deltas/v(I)/ (steps/weight_delta.py:
+   checkpoint.deltas and rollout.servers, v(I)'s delta against v(I-1) at <run>/deltas/v(I)/ (steps/run/weight_delta.py:
    what rollout servers fetch instead of the whole checkpoint): the blobs the update's ranks wrote, indexed
    once they describe the files published, else written here; then publish the dir with
-   steps.checkpoint.publish_dir: files, MANIFEST.json last, LATEST moved.
+   steps.run.checkpoint.publish_dir: files, MANIFEST.json last, LATEST moved.
 4. Apply retention (checkpoint.keep_last; v000000 is kept as the KL reference), drop the optimizer state
    and the deltas of deleted versions, and delete the candidate.
 
@@ -34,11 +34,10 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from steps import candidate, checkpoint, progress, weight_delta
-from steps.candidate import CANDIDATE_INDEX, MARKER
+from steps import progress
 from steps.errors import MoerlError, run_cli
-from steps.experience import load_run_config
-from steps.hf_checkpoint import (
+from steps.models.checkpoint_validation import validate_checkpoint_dir
+from steps.models.hf_checkpoint import (
     CONFIG_NAME,
     SAFE_WEIGHTS_INDEX_NAME,
     SAFE_WEIGHTS_NAME,
@@ -51,10 +50,11 @@ from steps.hf_checkpoint import (
     read_config_json,
     weights_dtype,
 )
-from steps.hf_format import validate_checkpoint_dir
-from steps.model import dtype_name
-from steps.optimizer_state import MASTER_FIELD, OPTIMIZER_FIELDS, store_optimizer_state
-from steps.run_store import (
+from steps.models.transformer import dtype_name
+from steps.run import candidate, checkpoint, weight_delta
+from steps.run.candidate import CANDIDATE_INDEX, MARKER
+from steps.run.config import load_run_config
+from steps.run.keys import (
     DELTAS_PREFIX,
     OPTIMIZER_PREFIX,
     candidate_prefix,
@@ -64,7 +64,8 @@ from steps.run_store import (
     version_name,
     version_prefix,
 )
-from steps.store import Store
+from steps.store.object_store import Store
+from steps.training.optimizer_state import MASTER_FIELD, OPTIMIZER_FIELDS, store_optimizer_state
 
 
 def _headers(path: Path) -> dict[str, TensorEntry]:

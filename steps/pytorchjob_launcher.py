@@ -108,7 +108,7 @@ def heartbeat_writer(job: dict[str, Any]) -> Callable[[], None] | None:
     uri, key = notes.get(HEARTBEAT_STORE_ANNOTATION), notes.get(HEARTBEAT_KEY_ANNOTATION)
     if not uri or not key:
         return None
-    from steps.store import Store  # noqa: PLC0415 - the KFP launcher needs no store
+    from steps.store.object_store import Store  # noqa: PLC0415 - the KFP launcher needs no store
 
     store = Store.open(uri)
     launcher = {"launcher": uuid.uuid4().hex, "host": socket.gethostname(), "pid": os.getpid()}

@@ -9,7 +9,7 @@ checkpoint) -> vN". It is the workflow's exit handler, so it runs however the ru
 metrics, and metrics that lack a field, show as '-'. Metrics files may nest their fields ({"update": {"kl":
 ...}}); a field is found by its name at any depth.
 
-Then the run's experiment trackers (steps/tracking.py) get the Workflow's step wall times and retries, the
+Then the run's experiment trackers (steps/tracking/trackers.py) get the Workflow's step wall times and retries, the
 config, the report files and the Workflow's name and UI link, and any step points they missed.
 """
 
@@ -23,10 +23,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from steps import tracking
-from steps.checkpoint import read_latest
 from steps.errors import MoerlError, run_cli
-from steps.run_store import (
+from steps.run.checkpoint import read_latest
+from steps.run.keys import (
     METRICS_KEY_PATTERN,
     METRICS_PREFIX,
     REPORT_MD,
@@ -37,7 +36,8 @@ from steps.run_store import (
     RUN_CONFIG,
     parse_version,
 )
-from steps.store import Store
+from steps.store.object_store import Store
+from steps.tracking import trackers as tracking
 
 # Column -> field names that hold it, most specific first.
 COLUMNS: dict[str, tuple[str, ...]] = {
@@ -221,8 +221,8 @@ def measure_final_accuracy(run: Store, report: Report) -> None:
         report.final_accuracy = measured
         return
     # Imported here: torch and the engine are needed only now, not to print a table of metrics.
-    from steps.evaluation import heldout_accuracy
-    from steps.experience import load_run_config
+    from steps.run.config import load_run_config
+    from steps.scoring.evaluation import heldout_accuracy
 
     try:
         report.final_accuracy = heldout_accuracy(run, load_run_config(run), version, log=report.notes.append)
@@ -256,7 +256,7 @@ def write_report(
 
 def track_run_end(run: Store, out: Path, workflow_name: str | None, namespace: str | None, note: Any) -> None:
     """The trackers' part of the report; a run whose run.json cannot be read tracks nothing (a note says so)."""
-    from steps.run_config import validate_config
+    from steps.run.config import validate_config
 
     try:
         cfg = validate_config(run.get_json(RUN_CONFIG), run.url(RUN_CONFIG))

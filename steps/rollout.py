@@ -3,7 +3,7 @@
     python -m steps.rollout --run URI --iteration I --shard K --num-shards S [--policy-version V]
                             [--device cpu|cuda] [--threads N] [--workflow NAME]
 
-Shard K generates chunks K, K+S, K+2S, ... of the iteration's plan (steps/experience.py) with policy
+Shard K generates chunks K, K+S, K+2S, ... of the iteration's plan (steps/experience/rollout_plan.py) with policy
 v(I-1-staleness) and writes each finished chunk atomically as
 <run>/experience/iter-I/rollout/chunk-C.parquet. A rerun skips the chunks already there, so a preempted or
 killed shard resumes where it stopped and the union of all shards is exactly prompts x group size samples.
@@ -30,9 +30,9 @@ from dataclasses import dataclass
 
 import torch
 
-from steps import checkpoint, progress, serving
+from steps import progress
 from steps.errors import MoerlError, run_cli
-from steps.rollout_chunks import (
+from steps.experience.rollout_chunks import (
     EXIT_PREEMPTED,
     IterationRollout,
     Preempted,
@@ -40,8 +40,9 @@ from steps.rollout_chunks import (
     engine_settings,
     open_engine,
 )
-from steps.run_store import rollout_server_name
-from steps.store import Store
+from steps.run import checkpoint, serving
+from steps.run.keys import rollout_server_name
+from steps.store.object_store import Store
 
 __all__ = ["EXIT_PREEMPTED", "Preempted", "Preemption", "ShardResult", "rollout_shard"]
 SERVER_KIND = rollout_server_name("")  # the prefix of the rollout servers' names

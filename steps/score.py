@@ -4,7 +4,7 @@
 
 Reads every rollout chunk of the iteration's plan (each must be there exactly once and match the plan; a
 missing or mismatched one is named with the shard that writes it), in canonical order (prompt_id,
-sample_index); scores each sample (steps/rewards.py); writes
+sample_index); scores each sample (steps/scoring/rewards.py); writes
 
     <run>/experience/iter-I/scored.parquet   the rollout columns + correct, well_formed, rm_score, reward,
                                              advantage
@@ -13,7 +13,7 @@ sample_index); scores each sample (steps/rewards.py); writes
                                              all tie, and held-out greedy accuracy of the behaviour policy
     PATH (default /tmp/metrics.json)         the same metrics, for the workflow's output parameter
 
-and then hands the metrics to the run's experiment trackers (steps/tracking.py; none by default).
+and then hands the metrics to the run's experiment trackers (steps/tracking/trackers.py; none by default).
 
 Held-out accuracy (heldout_accuracy) is greedy exact match of the behaviour policy v(I-1-staleness) on
 `heldout_size` prompts of the task's held-out split, run with the torch engine when its weights are small
@@ -33,18 +33,14 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from steps import progress, tracking
+from steps import progress
 from steps.errors import MoerlError, run_cli
-from steps.evaluation import heldout_accuracy
-from steps.experience import (
-    SCORED_SCHEMA,
-    RolloutPlan,
-    load_run_config,
-    read_rollout,
-    table_bytes,
-    version_tokenizer,
-)
-from steps.rewards import (
+from steps.experience.rollout_plan import RolloutPlan, read_rollout, version_tokenizer
+from steps.experience.tables import SCORED_SCHEMA, table_bytes
+from steps.run.config import load_run_config
+from steps.run.keys import behaviour_version, metrics_key, scored_key
+from steps.scoring.evaluation import heldout_accuracy
+from steps.scoring.rewards import (
     RewardModel,
     RewardWeights,
     check_finite,
@@ -53,9 +49,9 @@ from steps.rewards import (
     reward_model_texts,
     verify_samples,
 )
-from steps.run_store import behaviour_version, metrics_key, scored_key
-from steps.store import Store, json_text
-from steps.user_reward import RewardFunction
+from steps.scoring.user_reward import RewardFunction
+from steps.store.object_store import Store, json_text
+from steps.tracking import trackers as tracking
 
 DEFAULT_METRICS_OUT = "/tmp/metrics.json"
 
@@ -63,7 +59,7 @@ DEFAULT_METRICS_OUT = "/tmp/metrics.json"
 def user_rewards(
     spec: str, timeout_s: float, prompts: list[Any], response_texts: list[str], where: list[str]
 ) -> tuple[list[float], dict[str, float]]:
-    """The user's reward function on every sample (steps/user_reward.py): its rewards, and the means of the
+    """The user's reward function on every sample (steps/scoring/user_reward.py): its rewards, and the means of the
     reward and of every named value it returned, as reward_fn/<name> metrics."""
     function = RewardFunction(spec, timeout_s)
     values: list[dict[str, float]] = []

@@ -3,7 +3,7 @@
     python -m steps.server_probe --run URI --workflow NAME --server NAME
 
 Exit 0 when the server `NAME` of that Workflow is registered in the run store and its `/health` answers, as
-that registration's instance, that it is ready (steps/serving.py); 1 otherwise. An exec probe, not an
+that registration's instance, that it is ready (steps/run/serving.py); 1 otherwise. An exec probe, not an
 httpGet: a server listens on a port it is given by the system (several share one address on the local
 executor), which only its registration knows.
 """
@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import argparse
 
-from steps import serving
 from steps.errors import run_cli
-from steps.store import Store
+from steps.run import serving
+from steps.store.object_store import Store
 
 
 def main() -> int:

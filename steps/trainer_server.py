@@ -6,7 +6,7 @@
 On several nodes it is each replica's command of the trainer's PyTorchJob (`--nnodes N`, the rendezvous from
 the training operator's PET_* variables), which the segment's trainer-server daemon launches; there it also
 gets `--idle-exit-s` (trainer.server_idle_exit_s): rank 0 watches its launcher's heartbeat in the run store
-(steps/run_store.py launcher_heartbeat_key, rewritten by steps/pytorchjob_launcher.py at every poll of the
+(steps/run/keys.py launcher_heartbeat_key, rewritten by steps/pytorchjob_launcher.py at every poll of the
 job) and ends the trainer once it has been still that long, so that a job whose launcher died ends itself,
 while a trainer whose launcher lives waits for updates however long they pause (a stalled segment's rollouts).
 
@@ -14,9 +14,10 @@ Its ranks start the process group and the dp x ep mesh once (trainer.ep_size, th
 newest published version's config.json); rank 0 listens, registers as `<run>/servers/<workflow>/trainer.json`
 and says it is ready (`GET /health`; the readinessProbe is `python -m steps.server_probe --server trainer`).
 The update steps of its Workflow send it `update` {run, iteration} (steps/update.py --workflow); every rank
-trains that iteration with the update step's own code (steps/policy_update.py), from the state it holds in
+trains that iteration with the update step's own code (steps/training/policy_update.py), from the state it holds in
 memory when that is v(I-1) as published, else from the store, and writes the same candidate bit for bit
-(steps/trainer_service.py, steps/trainer_state.py). A trainer killed mid-update loses nothing: its client
+(steps/training/trainer_service.py, steps/training/trainer_state.py). A trainer killed mid-update loses nothing: its
+client
 exits 75 and is retried, and the restarted trainer reloads v(I-1) from the store.
 """
 
@@ -34,16 +35,16 @@ from types import FrameType
 
 import torch.distributed as dist
 
-from steps import checkpoint, serving
 from steps.errors import run_cli
-from steps.experience import load_run_config
 from steps.expert_parallel.mesh import build_mesh, resolve_ep_size
-from steps.hf_checkpoint import CONFIG_NAME
-from steps.model import MoeConfig
-from steps.policy_update import COLLECTIVE_TIMEOUT_SECONDS, init_distributed
-from steps.run_store import TRAINER_SERVER_NAME, launcher_heartbeat_key
-from steps.store import Store
-from steps.trainer_service import LauncherWatch, TrainerService
+from steps.models.hf_checkpoint import CONFIG_NAME
+from steps.models.transformer import MoeConfig
+from steps.run import checkpoint, serving
+from steps.run.config import load_run_config
+from steps.run.keys import TRAINER_SERVER_NAME, launcher_heartbeat_key
+from steps.store.object_store import Store
+from steps.training.policy_update import COLLECTIVE_TIMEOUT_SECONDS, init_distributed
+from steps.training.trainer_service import LauncherWatch, TrainerService
 
 EXIT_STOPPED = 143  # SIGTERM: the end of the Workflow's scope, or a reclaim
 VERSION_POLL_S = 0.5  # how often a trainer that starts before v000000 exists looks for it

@@ -14,17 +14,17 @@ Precision: the policy trains in fp32 and is published in the run's checkpoint dt
 bf16). When that dtype is narrower than fp32, the optimizer state also holds each parameter's fp32 master
 (`<name>.master`), and the next update starts from the masters, not from the rounded published weights.
 
-Output: the candidate <run>/candidates/iter-I/ (its format: steps/candidate.py), one weight shard and one
+Output: the candidate <run>/candidates/iter-I/ (its format: steps/run/candidate.py), one weight shard and one
 optimizer-state shard per EP rank, CANDIDATE.json last; and <run>/metrics/iter-I.update.json (loss, clip
 fraction, KL, importance weights, grad norm, entropy, tokens/s, the per-expert routed row counts and the
 expert placement used; a separate file so that score's metrics/iter-I.json is never rewritten). Rank 0 then
-hands the metrics to the run's experiment trackers (steps/tracking.py; none by default). With rollout servers
+hands the metrics to the run's experiment trackers (steps/tracking/trackers.py; none by default). With rollout servers
 and checkpoint.deltas, each rank that writes a weight shard also writes its delta blob against v(I-1)'s bits
-at <run>/deltas/v(I)/ (steps/weight_delta.py), listed in CANDIDATE.json for publish to index.
+at <run>/deltas/v(I)/ (steps/run/weight_delta.py), listed in CANDIDATE.json for publish to index.
 
 Expert placement (trainer.expert_placement, default balanced): which E/ep experts each EP rank holds, per
 MoE layer. Update I balances the EP ranks' routed rows with the per-expert row counts that update I-1
-recorded in metrics/iter-(I-1).update.json (steps.expert_parallel.placement.balanced_placement);
+recorded in metrics/iter-(I-1).update.json (steps.models.placement.balanced_placement);
 iteration 1, one EP rank, 'contiguous', or absent or malformed counts give the contiguous placement (said in
 the log and the metrics). The placement is a pure function of published inputs, so a restart chooses the
 same one. Tensors keep their global names, so weights and optimizer state of v(I-1) are read by name
@@ -40,10 +40,10 @@ Workflow's trainer that stays up (steps/trainer_server.py): it waits up to train
 server registered as "trainer" to be ready, sends it `update` {run, iteration} and checks that the
 candidate is complete. The client runs on a CPU node (it holds no GPU: the trainer's nodes are the trainer
 server's), so with no trainer ready within that time, or a trainer lost mid-request, it ends with
-steps/serving.py EXIT_SERVER_LOST (75), which its retryStrategy retries: the retry reaches the restarted
+steps/run/serving.py EXIT_SERVER_LOST (75), which its retryStrategy retries: the retry reaches the restarted
 trainer, which reloads v(I-1) from the store and trains the same bits.
 
-The update itself is steps/policy_update.py (shared with the trainer server).
+The update itself is steps/training/policy_update.py (shared with the trainer server).
 """
 
 from __future__ import annotations
@@ -52,12 +52,13 @@ import argparse
 import os
 import sys
 
-from steps import candidate, checkpoint, progress, serving
+from steps import progress
 from steps.errors import run_cli
-from steps.experience import load_run_config
-from steps.policy_update import choose_placement, fetch_checkpoint, run_update
-from steps.run_store import TRAINER_SERVER_NAME
-from steps.store import Store
+from steps.run import candidate, checkpoint, serving
+from steps.run.config import load_run_config
+from steps.run.keys import TRAINER_SERVER_NAME
+from steps.store.object_store import Store
+from steps.training.policy_update import choose_placement, fetch_checkpoint, run_update
 
 __all__ = ["choose_placement", "fetch_checkpoint", "main", "run_update", "serve_update"]
 

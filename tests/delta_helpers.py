@@ -9,9 +9,9 @@ from pathlib import Path
 import torch
 from experience_helpers import make_run, tiny_model, write_checkpoint
 
-from steps import checkpoint
-from steps.model import MoeForCausalLM
-from steps.store import Store
+from steps.models.transformer import MoeForCausalLM
+from steps.run import checkpoint
+from steps.store.object_store import Store
 
 
 def moved(model: MoeForCausalLM, seed: int, lr: float = 1e-5) -> MoeForCausalLM:
@@ -50,8 +50,8 @@ class VersionedRun:
         directory = self.tmp / f"local-v{version}"
         if self.max_shard_bytes is None:
             return write_checkpoint(model, directory)
-        from steps.char_tokenizer import save_tokenizer
-        from steps.hf_checkpoint import save_pretrained
+        from steps.demo.char_tokenizer import save_tokenizer
+        from steps.models.hf_checkpoint import save_pretrained
 
         save_pretrained(model, directory, max_shard_bytes=self.max_shard_bytes)
         save_tokenizer(directory)
@@ -65,7 +65,7 @@ class VersionedRun:
         return self.dirs[-1]
 
     def publish_next(self, delta: bool = True) -> int:
-        from steps.weight_delta import write_delta
+        from steps.run.weight_delta import write_delta
 
         directory = self.next_dir()
         version = len(self.models) - 1
@@ -84,8 +84,8 @@ def same_files(a: Path, b: Path) -> bool:
 def assert_the_ranks_delta_is_the_one_publish_would_write(run: Store, version: int) -> None:
     """v(version)'s delta as published (the update's ranks wrote its blobs, publish indexed them) is, byte for
     byte, what publish writes itself from both versions (weight_delta.write_delta)."""
-    from steps.run_store import delta_index_key, delta_prefix
-    from steps.weight_delta import write_delta
+    from steps.run.keys import delta_index_key, delta_prefix
+    from steps.run.weight_delta import write_delta
 
     stored = {key: run.get_bytes(key) for key in run.list(delta_prefix(version))}
     assert delta_index_key(version) in stored, f"v{version}: no delta published"

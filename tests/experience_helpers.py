@@ -13,12 +13,12 @@ import pyarrow.parquet as pq
 import torch
 from model_helpers import randomize_
 
-from steps.char_tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, save_tokenizer
-from steps.hf_checkpoint import save_pretrained
+from steps.demo.char_tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, save_tokenizer
 from steps.import_sft import import_sft
-from steps.model import MoeConfig, MoeForCausalLM
-from steps.run_config import validate_config
-from steps.store import Store
+from steps.models.hf_checkpoint import save_pretrained
+from steps.models.transformer import MoeConfig, MoeForCausalLM
+from steps.run.config import validate_config
+from steps.store.object_store import Store
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -24,10 +24,11 @@ import pyarrow.parquet as pq
 from pipelines.local import RunResult, run_workflow
 from pipelines.workflow import workflow
 from pipelines.workflow.commands import Slots, step_command
-from steps import checkpoint, run_store
-from steps.run_config import RunConfig, validate_config
-from steps.run_store import chunk_key, metrics_key, rollout_prefix, scored_key
-from steps.store import RESERVED_PREFIX, SIDECAR_PREFIX, Store
+from steps.run import checkpoint
+from steps.run import keys as run_store
+from steps.run.config import RunConfig, validate_config
+from steps.run.keys import chunk_key, metrics_key, rollout_prefix, scored_key
+from steps.store.object_store import RESERVED_PREFIX, SIDECAR_PREFIX, Store
 
 REPO = Path(__file__).resolve().parents[1]
 HOOKS = REPO / "tests" / "fault_hooks"  # sitecustomize.py: crash points inside a step's own process
@@ -63,7 +64,7 @@ def tiny_config(sft_uri: str, run_uri: str, **overrides: Any) -> dict[str, Any]:
 
 def make_sft_checkpoint(directory: Path) -> Path:
     """The demo model after 30 SFT steps (a few seconds), deterministic."""
-    from steps.sft import SftSettings, train_sft, write_checkpoint
+    from steps.demo.sft import SftSettings, train_sft, write_checkpoint
 
     return write_checkpoint(train_sft(SftSettings(steps=30, batch_size=32, train_prompts=512)), directory)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from steps.kernels import token_logprobs
+from steps.models.kernels import token_logprobs
 
 
 def randomize_(module: torch.nn.Module, seed: int, scale: float = 0.3) -> None:

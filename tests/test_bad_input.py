@@ -29,11 +29,12 @@ from test_score import write_hand_made_rollout
 from test_update_experience import experience_table, write_experience
 
 import pipelines.cli
-from steps import checkpoint, import_sft, publish, rollout, score, update
+from steps import import_sft, publish, rollout, score, update
 from steps.errors import run_cli
-from steps.experience import read_table, table_bytes
-from steps.run_store import chunk_key, scored_key
-from steps.store import Store
+from steps.experience.tables import read_table, table_bytes
+from steps.run import checkpoint
+from steps.run.keys import chunk_key, scored_key
+from steps.store.object_store import Store
 
 # --- running a command -----------------------------------------------------------------------------------
 

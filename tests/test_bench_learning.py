@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from steps.char_tokenizer import EOS_ID, build_tokenizer, encode
+from steps.demo.char_tokenizer import EOS_ID, build_tokenizer, encode
 from steps.errors import MoerlError
-from steps.experience import iteration_prompts
-from steps.rewards import RewardWeights, combine
+from steps.experience.rollout_plan import iteration_prompts
+from steps.scoring.rewards import RewardWeights, combine
 
 REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "bench" / "learning.py"

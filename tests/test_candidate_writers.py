@@ -1,5 +1,5 @@
 """Issue 32, item 7: the candidate's files are written by every EP rank's dp replicas, spread over the nodes
-(steps/candidate.py shard_writers, steps/policy_update.py writer_plan), not by the first dp row alone; the
+(steps/run/candidate.py shard_writers, steps/training/policy_update.py writer_plan), not by the first dp row alone; the
 files, CANDIDATE.json and the delta blobs are those of the single-writer layout; and `moerl simulate` times
 the write by the node that writes the most."""
 
@@ -23,11 +23,11 @@ from pipelines.simulate.sizing import (
     node_write_s,
     shard_gb,
 )
-from steps.candidate import MARKER, OPTIMIZER, SHARD_KINDS, WEIGHTS, node_write_loads, shard_writers
 from steps.expert_parallel.mesh import Mesh, build_mesh
-from steps.hf_checkpoint import load_config as load_model_config
-from steps.run_store import candidate_prefix
-from steps.store import Store
+from steps.models.hf_checkpoint import load_config as load_model_config
+from steps.run.candidate import MARKER, OPTIMIZER, SHARD_KINDS, WEIGHTS, node_write_loads, shard_writers
+from steps.run.keys import candidate_prefix
+from steps.store.object_store import Store
 
 REPO = Path(__file__).resolve().parents[1]
 EKS = REPO / "configs" / "eks-p5en.yaml"
@@ -74,7 +74,8 @@ def test_one_replica_writes_as_before():
 def update_worker(rank: int, world: int, out_dir: Path, run_uri: str, ep_size: int, per_node: int, spread: bool):
     """Update iteration 1 on this gloo rank, as run_update does, recording the store keys this rank uploads;
     `spread` False: the plan of before (the first dp row writes every file)."""
-    from steps import candidate, policy_update
+    from steps.run import candidate
+    from steps.training import policy_update
 
     os.environ["LOCAL_WORLD_SIZE"] = str(per_node)  # `world // per_node` nodes, as torchrun numbers them
     if not spread:

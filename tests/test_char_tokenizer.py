@@ -5,7 +5,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from steps.char_tokenizer import (
+from steps.data.tokenizer import CheckpointTokenizer
+from steps.demo.char_tokenizer import (
     BOS_ID,
     EOS_ID,
     PAD_ID,
@@ -21,7 +22,6 @@ from steps.char_tokenizer import (
     save_tokenizer,
 )
 from steps.errors import MoerlError
-from steps.tokenizer import CheckpointTokenizer
 
 TOK = build_tokenizer()
 vocab_text = st.text(alphabet=VOCAB_CHARS, max_size=40)

@@ -11,13 +11,14 @@ import yaml
 from experience_helpers import make_run, tiny_model, write_checkpoint
 
 from pipelines.cli import main
-from steps.bpe_tokenizer import train_chat_tokenizer
-from steps.experience import RolloutPlan, chunk_table, load_run_config, version_tokenizer, write_chunk
-from steps.generation import FINISH_STOP, Generation
-from steps.model import MoeConfig
-from steps.run_store import metrics_key
+from steps.demo.bpe_tokenizer import train_chat_tokenizer
+from steps.engines.interface import FINISH_STOP, Generation
+from steps.experience.rollout_plan import RolloutPlan, chunk_table, version_tokenizer, write_chunk
+from steps.models.transformer import MoeConfig
+from steps.run.config import load_run_config
+from steps.run.keys import metrics_key
 from steps.score import score_iteration
-from steps.store import Store
+from steps.store.object_store import Store
 
 PLUGINS = Path(__file__).resolve().parent / "reward_plugins"
 
@@ -102,11 +103,11 @@ def test_prompt_file_chat_run_scores_with_the_verifier_and_the_reward_function(t
     ckpt = tmp_path / "bpe"
     records = [{"question": f"What is {i}+{i}?", "answer": f"... #### {2 * i}", "level": i} for i in range(40)]
     train_chat_tokenizer([r["question"] + " The answer is 12." for r in records], ckpt)
-    from steps.tokenizer import CheckpointTokenizer
+    from steps.data.tokenizer import CheckpointTokenizer
 
     vocab = CheckpointTokenizer.load(ckpt).vocab_size
     write_checkpoint_bpe = tiny_model(vocab_size=vocab, bos_token_id=None, eos_token_id=2, pad_token_id=0)
-    from steps.hf_checkpoint import save_pretrained
+    from steps.models.hf_checkpoint import save_pretrained
 
     save_pretrained(write_checkpoint_bpe, ckpt)
     prompts = tmp_path / "gsm.jsonl"

@@ -4,9 +4,10 @@ from pathlib import Path
 
 import pytest
 
-from steps import checkpoint, run_store
 from steps.errors import MoerlError
-from steps.store import Store
+from steps.run import checkpoint
+from steps.run import keys as run_store
+from steps.store.object_store import Store
 
 
 def make_dir(root: Path, files: dict[str, bytes]) -> Path:

@@ -1,4 +1,4 @@
-"""steps/tokenizer.py: the checkpoint's own tokenizer as every step uses it, held to what transformers does with
+"""steps/data/tokenizer.py: the checkpoint's own tokenizer as every step uses it, held to what transformers does with
 the same files (AutoTokenizer, apply_chat_template)."""
 
 import json
@@ -6,10 +6,10 @@ import os
 
 import pytest
 
-from steps.bpe_tokenizer import CHATML_TEMPLATE, ENDOFTEXT, IM_END, chatml, train_chat_tokenizer
-from steps.char_tokenizer import BOS_ID, EOS_ID, save_tokenizer
+from steps.data.tokenizer import RAW, CheckpointTokenizer, PromptFormat
+from steps.demo.bpe_tokenizer import CHATML_TEMPLATE, ENDOFTEXT, IM_END, chatml, train_chat_tokenizer
+from steps.demo.char_tokenizer import BOS_ID, EOS_ID, save_tokenizer
 from steps.errors import MoerlError
-from steps.tokenizer import RAW, CheckpointTokenizer, PromptFormat
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

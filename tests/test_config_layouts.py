@@ -16,16 +16,16 @@ from experience_helpers import tiny_model, write_checkpoint
 from test_engine_sglang import update_with_fake_sglang
 from test_update_experience import experience_table, write_experience
 
-from steps import checkpoint
-from steps.candidate import MARKER
-from steps.char_tokenizer import save_tokenizer
+from steps.demo.char_tokenizer import save_tokenizer
 from steps.errors import MoerlError
-from steps.hf_checkpoint import model_architecture, save_pretrained
 from steps.import_sft import import_sft
+from steps.models.hf_checkpoint import model_architecture, save_pretrained
 from steps.publish import publish
-from steps.run_config import RunConfig
-from steps.run_store import candidate_prefix
-from steps.store import Store
+from steps.run import checkpoint
+from steps.run.candidate import MARKER
+from steps.run.config import RunConfig
+from steps.run.keys import candidate_prefix
+from steps.store.object_store import Store
 from steps.update import run_update
 
 ROPE_THETA = 1_000_000.0  # Qwen3-30B-A3B's; not the default, so where it is read from matters

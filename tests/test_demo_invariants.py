@@ -14,7 +14,7 @@ import pytest
 from pipelines.config import load_config
 from pipelines.demo import DEMO_CONFIG, run_config
 from pipelines.sft_demo import sft_demo
-from steps.sft import SftSettings
+from steps.demo.sft import SftSettings
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = {"iterations": 2, "prompts_per_iteration": 16, "group_size": 4, "heldout_size": 16, "rollout.chunk_size": 4}

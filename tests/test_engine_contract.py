@@ -12,20 +12,20 @@ import torch
 from experience_helpers import tiny_model, write_checkpoint
 from model_helpers import response_logits, response_logprobs
 
-from steps.char_tokenizer import EOS_ID, build_tokenizer, encode_prompt
-from steps.engine import TorchEngine
-from steps.generation import FINISH_LENGTH, FINISH_STOP, SamplingParams, sample_requests, sample_seed
-from steps.hf_checkpoint import load_pretrained
-from steps.sglang_engine import SGLangSettings, sglang_unavailable_reason
-from steps.tasks import get_task
+from steps.data.tasks import get_task
+from steps.demo.char_tokenizer import EOS_ID, build_tokenizer, encode_prompt
+from steps.engines.interface import FINISH_LENGTH, FINISH_STOP, SamplingParams, sample_requests, sample_seed
+from steps.engines.sglang_engine import SGLangSettings, sglang_unavailable_reason
+from steps.engines.torch_engine import TorchEngine
+from steps.models.hf_checkpoint import load_pretrained
 
 TOK = build_tokenizer()
 PROMPTS = get_task("addition").prompts("train", 6, 1) + get_task("sort").prompts("train", 2, 1)
 PROMPT_IDS = [(p.prompt_id, encode_prompt(TOK, p.text)) for p in PROMPTS]
-# How close each engine's log-probs come to the policy recomputed in fp32 by steps.model.
+# How close each engine's log-probs come to the policy recomputed in fp32 by steps.models.transformer.
 LOGPROB_ATOL = {"torch": 1e-4, "sglang": 2e-2}
 
-DEMO_STOP = (2,)  # the demo tokenizer's <eos>: these checkpoints stop there (steps.char_tokenizer.EOS_ID)
+DEMO_STOP = (2,)  # the demo tokenizer's <eos>: these checkpoints stop there (steps.demo.char_tokenizer.EOS_ID)
 
 
 def seeds(prompt_id, k):
@@ -50,7 +50,7 @@ def engine(request, checkpoint_dir):
         reason = sglang_unavailable_reason()
         if reason:
             pytest.skip(reason)
-        from steps.sglang_engine import SGLangEngine
+        from steps.engines.sglang_engine import SGLangEngine
 
         engine = SGLangEngine(checkpoint_dir, SGLangSettings(mem_fraction=0.3))
     yield engine

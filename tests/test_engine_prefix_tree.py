@@ -1,4 +1,5 @@
-"""The torch engine's decoder (steps.engine.Decoder) computes what MoeForCausalLM.forward computes: its own
+"""The torch engine's decoder (steps.engines.torch_engine.Decoder) computes what MoeForCausalLM.forward computes: its
+own
 prefill (fused q/k/v and experts, last-position logits only) and its decode steps over the prefix tree of
 keys and values (DecodeBatch), where rows that split share their ancestors' keys instead of copying them."""
 
@@ -6,8 +7,8 @@ import pytest
 import torch
 from experience_helpers import tiny_model
 
-from steps.char_tokenizer import PAD_ID
-from steps.engine import Decoder
+from steps.demo.char_tokenizer import PAD_ID
+from steps.engines.torch_engine import Decoder
 
 # Three prompts of different lengths (left padding); token ids below the tiny vocabulary.
 PROMPTS = [(1, 7, 9, 4, 12), (1, 5), (1, 8, 8, 3)]

@@ -9,9 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from steps.errors import MoerlError
-from steps.generation import FINISH_LENGTH, FINISH_STOP, GenerationRequest, SamplingParams
-from steps.sglang_engine import (
+from steps.engines.interface import FINISH_LENGTH, FINISH_STOP, GenerationRequest, SamplingParams
+from steps.engines.sglang_engine import (
     SGLANG_SEED_MODULUS,
     SGLangEngine,
     SGLangSettings,
@@ -20,6 +19,7 @@ from steps.sglang_engine import (
     sampling_params_for,
     sglang_unavailable_reason,
 )
+from steps.errors import MoerlError
 
 REQUEST = GenerationRequest("addition3/012345", (1, 5, 6), 3, seed=2**63 + 5)
 
@@ -84,10 +84,10 @@ FAKE_SGLANG = Path(__file__).parent / "fake_sglang"
 ROLLOUT_WITH_SGLANG = """
 import sys
 sys.path.insert(0, sys.argv[1])
-import steps.sglang_engine as se
-from steps.generation import GenerationRequest, SamplingParams
-from steps.sglang_engine import SGLangSettings
-from steps.rollout_chunks import EXIT_PREEMPTED, Preempted, Preemption
+import steps.engines.sglang_engine as se
+from steps.engines.interface import GenerationRequest, SamplingParams
+from steps.engines.sglang_engine import SGLangSettings
+from steps.experience.rollout_chunks import EXIT_PREEMPTED, Preempted, Preemption
 se.sglang_unavailable_reason = lambda: None  # the fake needs no GPU
 preemption = Preemption()
 preemption.install()  # as steps.rollout's main does, before the engine starts
@@ -152,9 +152,9 @@ def test_a_dtype_sglang_cannot_serve_is_a_clear_error(tmp_path):
 UPDATE_WITH_SGLANG = """
 import json, sys
 sys.path.insert(0, sys.argv[1])
-import steps.sglang_engine as se
+import steps.engines.sglang_engine as se
 from steps.errors import MoerlError
-from steps.generation import GenerationRequest, SamplingParams
+from steps.engines.interface import GenerationRequest, SamplingParams
 se.sglang_unavailable_reason = lambda: None  # the fake needs no GPU
 engine = se.SGLangEngine(sys.argv[2], se.SGLangSettings())
 said = {}

@@ -11,9 +11,10 @@ from experience_helpers import tiny_model, write_checkpoint
 from model_helpers import response_logits, response_logprobs
 from transformers import AutoModelForCausalLM
 
-from steps.char_tokenizer import EOS_ID, build_tokenizer, encode, encode_prompt
-from steps.engine import TorchEngine, compute_dtype, evaluate_accuracy, sample_next, sample_uniforms
-from steps.generation import (
+from steps.data.tasks import get_task
+from steps.demo.char_tokenizer import EOS_ID, build_tokenizer, encode, encode_prompt
+from steps.demo.sft import char_checkpoint_tokenizer
+from steps.engines.interface import (
     FINISH_LENGTH,
     FINISH_STOP,
     Generation,
@@ -23,16 +24,15 @@ from steps.generation import (
     sample_requests,
     sample_seed,
 )
-from steps.hf_checkpoint import load_state_dict_from_dir
-from steps.sft import char_checkpoint_tokenizer
-from steps.tasks import get_task
+from steps.engines.torch_engine import TorchEngine, compute_dtype, evaluate_accuracy, sample_next, sample_uniforms
+from steps.models.hf_checkpoint import load_state_dict_from_dir
 
 TOK = build_tokenizer()
 # Prompts of different lengths (left padding), including two samples' worth of the same prompt text.
 PROMPTS = get_task("addition").prompts("train", 5, 0) + get_task("sort").prompts("train", 3, 0)
 PROMPT_IDS = [(p.prompt_id, encode_prompt(TOK, p.text)) for p in PROMPTS]
 
-DEMO_STOP = (2,)  # the demo tokenizer's <eos>: these checkpoints stop there (steps.char_tokenizer.EOS_ID)
+DEMO_STOP = (2,)  # the demo tokenizer's <eos>: these checkpoints stop there (steps.demo.char_tokenizer.EOS_ID)
 
 
 def seeds(iteration=1):
@@ -297,7 +297,7 @@ def test_an_engine_updated_in_place_generates_what_a_fresh_engine_does(checkpoin
     bit-identical samples and log-probs to an engine opened on the new version."""
     from delta_helpers import moved
 
-    from steps.hf_checkpoint import load_pretrained
+    from steps.models.hf_checkpoint import load_pretrained
 
     newer = write_checkpoint(moved(load_pretrained(checkpoints[name], dtype=None), seed=1, lr=0.05), tmp_path / "v1")
     params = SamplingParams(stop_token_ids=DEMO_STOP, n=3, max_new_tokens=10, temperature=1.3, top_k=8)

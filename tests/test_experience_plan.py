@@ -6,11 +6,12 @@ import dataclasses
 import pyarrow as pa
 import pytest
 
-from steps.char_tokenizer import EOS_ID
+from steps.data.prompt_data import format_prompt_jsonl
+from steps.data.tasks import get_task
+from steps.demo.char_tokenizer import EOS_ID
+from steps.engines.interface import Generation
 from steps.errors import MoerlError
-from steps.experience import (
-    CANONICAL_ORDER,
-    ROLLOUT_SCHEMA,
+from steps.experience.rollout_plan import (
     RolloutPlan,
     chunk_problem,
     chunk_table,
@@ -19,12 +20,10 @@ from steps.experience import (
     read_rollout,
     write_chunk,
 )
-from steps.generation import Generation
-from steps.prompt_data import format_prompt_jsonl
-from steps.run_config import validate_config
-from steps.run_store import behaviour_version, chunk_key, metrics_key, scored_key
-from steps.store import Store
-from steps.tasks import get_task
+from steps.experience.tables import CANONICAL_ORDER, ROLLOUT_SCHEMA
+from steps.run.config import validate_config
+from steps.run.keys import behaviour_version, chunk_key, metrics_key, scored_key
+from steps.store.object_store import Store
 
 
 def config(**overrides):

@@ -27,7 +27,7 @@ from steps.expert_parallel.mesh import (
     resolve_ep_size,
     sync_gradients,
 )
-from steps.moe import LocalDispatch, MoeBlock, group_by_expert, run_experts
+from steps.models.moe import LocalDispatch, MoeBlock, group_by_expert, run_experts
 
 HIDDEN, INTER, EXPERTS, TOP_K, TOKENS = 8, 6, 4, 2, 12
 
@@ -44,7 +44,8 @@ def free_port() -> int:
 def _context() -> mp.context.BaseContext:
     """Forkserver: torch is imported once by the server, and children never inherit OpenMP threads."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "steps.expert_parallel.dispatch", "steps.model"])
+    preload = ["torch", "torch.distributed", "steps.expert_parallel.dispatch", "steps.models.transformer"]
+    ctx.set_forkserver_preload(preload)
     return ctx
 
 

@@ -13,13 +13,13 @@ from safetensors.torch import load_file, save_file
 from test_expert_parallel import run_gloo
 from test_update_experience import experience_table, tiny_model
 
-from steps.experience import Sample
+from steps.experience.tables import Sample
 from steps.expert_parallel.dispatch import make_dispatch
 from steps.expert_parallel.mesh import all_reduce_sum, build_mesh, is_expert_param, sync_gradients
-from steps.expert_parallel.placement import ExpertPlacement
-from steps.model import MoeForCausalLM
-from steps.rl_loss import LossSettings
-from steps.trainer import PolicyTrainer, TrainSettings, collate, rank_micro_batches
+from steps.models.placement import ExpertPlacement
+from steps.models.transformer import MoeForCausalLM
+from steps.training.rl_loss import LossSettings
+from steps.training.trainer import PolicyTrainer, TrainSettings, collate, rank_micro_batches
 
 MICRO_BATCH = 3
 

@@ -28,22 +28,22 @@ from test_update_experience import (
     write_experience,
 )
 
-from steps import checkpoint
-from steps.candidate import CANDIDATE_INDEX, MARKER, model_shard_name, optimizer_shard_name
-from steps.engine import TorchEngine
+from steps.engines.interface import GenerationRequest, SamplingParams
+from steps.engines.torch_engine import TorchEngine
 from steps.expert_parallel.mesh import is_expert_param
-from steps.expert_parallel.placement import ExpertPlacement, balanced_placement
-from steps.generation import GenerationRequest, SamplingParams
-from steps.hf_checkpoint import expected_tensor_shapes, load_pretrained
-from steps.model import MoeConfig, MoeForCausalLM
+from steps.models.hf_checkpoint import expected_tensor_shapes, load_pretrained
+from steps.models.placement import ExpertPlacement, balanced_placement
+from steps.models.transformer import MoeConfig, MoeForCausalLM
 from steps.publish import publish
-from steps.run_store import candidate_prefix, update_metrics_key
-from steps.store import Store
+from steps.run import checkpoint
+from steps.run.candidate import CANDIDATE_INDEX, MARKER, model_shard_name, optimizer_shard_name
+from steps.run.keys import candidate_prefix, update_metrics_key
+from steps.store.object_store import Store
 from steps.update import choose_placement
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-DEMO_STOP = (2,)  # the demo tokenizer's <eos>: these checkpoints stop there (steps.char_tokenizer.EOS_ID)
+DEMO_STOP = (2,)  # the demo tokenizer's <eos>: these checkpoints stop there (steps.demo.char_tokenizer.EOS_ID)
 
 
 def max_group(loads: list[int], placement: ExpertPlacement, layer: int = 0) -> int:

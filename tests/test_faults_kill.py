@@ -22,9 +22,9 @@ from faults_helpers import (
     step_env,
 )
 
-from steps import checkpoint, weight_delta
-from steps.candidate import MARKER
-from steps.run_store import RUN_CONFIG, candidate_prefix, optimizer_prefix
+from steps.run import checkpoint, weight_delta
+from steps.run.candidate import MARKER
+from steps.run.keys import RUN_CONFIG, candidate_prefix, optimizer_prefix
 
 pytestmark = pytest.mark.faults
 
@@ -89,7 +89,7 @@ def test_killed_update_and_publish_rerun_to_the_fault_free_checkpoint(fault_free
     assert not run_store.list(candidate_prefix(ITERATION))
     assert checkpoint.latest_version(run_store) == 1
     assert_nothing_half_published(run_store)
-    # The delta the retries left rebuilds v000001 exactly (steps/weight_delta.py checks every file's sha256).
+    # The delta the retries left rebuilds v000001 exactly (steps/run/weight_delta.py checks every file's sha256).
     rebuilt = tmp_path / "rebuilt"
     rebuilt.mkdir()
     weight_delta.apply_delta(run_store, 1, checkpoint.fetch(run_store, 0), rebuilt)

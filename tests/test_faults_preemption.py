@@ -28,8 +28,8 @@ from faults_helpers import (
 
 from pipelines.local.chaos import NODE_SHUTDOWN, POD_DELETED
 from steps.rollout import EXIT_PREEMPTED
-from steps.run_store import metrics_key, scored_key
-from steps.store import Store
+from steps.run.keys import metrics_key, scored_key
+from steps.store.object_store import Store
 
 pytestmark = pytest.mark.faults
 

@@ -9,7 +9,7 @@ import pytest
 from faults_helpers import assert_same_result, run_local
 from s3_fault_proxy import Fault
 
-from steps.store import Store
+from steps.store.object_store import Store
 
 pytestmark = pytest.mark.faults
 

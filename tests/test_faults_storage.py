@@ -28,10 +28,10 @@ from faults_helpers import (
     step_env,
 )
 
-from steps import checkpoint
 from steps.errors import MoerlError
-from steps.run_store import experience_prefix
-from steps.store import Store
+from steps.run import checkpoint
+from steps.run.keys import experience_prefix
+from steps.store.object_store import Store
 
 pytestmark = pytest.mark.faults
 

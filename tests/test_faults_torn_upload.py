@@ -14,10 +14,11 @@ import pytest
 from faults_helpers import assert_nothing_half_published, published
 from s3_fault_proxy import Fault
 
-from steps import checkpoint, import_sft
+from steps import import_sft
 from steps.errors import MoerlError, run_cli
-from steps.run_config import validate_config
-from steps.store import Store
+from steps.run import checkpoint
+from steps.run.config import validate_config
+from steps.store.object_store import Store
 
 pytestmark = pytest.mark.faults
 

@@ -20,7 +20,7 @@ from pydantic import BaseModel
 
 from pipelines.config import apply_overrides, load_config
 from steps.errors import MoerlError
-from steps.run_config import RunConfig
+from steps.run.config import RunConfig
 
 BASE = {"sft_checkpoint": "runs/sft", "run_store": "runs/r"}
 SETTINGS = settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

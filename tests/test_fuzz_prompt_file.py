@@ -1,7 +1,7 @@
 """The prompt-file reader under fuzzing: whatever the bytes on the store, reading them ends in a list of prompts
 or one MoerlError that names the file, never another exception.
 
-tests/test_prompt_data.py checks each rule of the reader (steps/prompt_data.py); this fuzzes the
+tests/test_prompt_data.py checks each rule of the reader (steps/data/prompt_data.py); this fuzzes the
 byte level (read_prompt_uri through a store: encodings, byte-order marks, NUL bytes), corruptions of valid
 files (characters dropped, inserted, flipped, lines cut), JSON's non-standard literals and exotic line
 separators, and the URI form a run config names."""
@@ -13,10 +13,10 @@ import json
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from steps.data.prompt_data import format_prompt_jsonl, parse_prompt_jsonl, read_prompt_uri
+from steps.data.tasks import Prompt, get_task
 from steps.errors import MoerlError
-from steps.prompt_data import format_prompt_jsonl, parse_prompt_jsonl, read_prompt_uri
-from steps.store import Store
-from steps.tasks import Prompt, get_task
+from steps.store.object_store import Store
 
 SOURCE = "file:///runs/r1/prompts.jsonl"
 VALID = format_prompt_jsonl(get_task("addition").prompts("train", 6, 0) + get_task("sort").prompts("train", 6, 0))

@@ -10,13 +10,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from steps import checkpoint
-from steps.char_tokenizer import VOCAB_SIZE, save_tokenizer
+from steps.demo.char_tokenizer import VOCAB_SIZE, save_tokenizer
 from steps.errors import MoerlError
-from steps.hf_checkpoint import save_pretrained
 from steps.import_sft import import_sft
-from steps.model import MoeConfig, MoeForCausalLM
-from steps.store import Store
+from steps.models.hf_checkpoint import save_pretrained
+from steps.models.transformer import MoeConfig, MoeForCausalLM
+from steps.run import checkpoint
+from steps.store.object_store import Store
 
 REPO = Path(__file__).resolve().parents[1]
 

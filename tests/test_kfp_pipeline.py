@@ -12,7 +12,7 @@ from pipelines.config import load_config
 from pipelines.kfp_pipeline import compile_pipeline, seconds
 from pipelines.workflow import graph
 from steps.pytorchjob_launcher import job_outcome
-from steps.run_config import validate_config
+from steps.run.config import validate_config
 
 REPO = Path(__file__).resolve().parents[1]
 BASE = {"sft_checkpoint": "file:///tmp/sft", "run_store": "file:///tmp/run"}

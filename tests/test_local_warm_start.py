@@ -17,7 +17,7 @@ from pipelines.local import run_workflow
 from pipelines.local.pods import warm_start_candidates
 from pipelines.local.warm import LIBRARIES, PER_POD_ENV, WarmStarter, python_program
 from pipelines.workflow.commands import warm_preload
-from steps.store import Store
+from steps.store.object_store import Store
 
 REPO = Path(__file__).resolve().parents[1]
 PY = sys.executable
@@ -338,7 +338,7 @@ def test_moerl_run_starts_the_step_pods_server_before_it_renders_and_closes_it_w
     import pipelines.render
     from pipelines.config import load_config
     from steps.errors import MoerlError
-    from steps.tracking import STATUS_FILE_ENV
+    from steps.tracking.trackers import STATUS_FILE_ENV
 
     seen: dict = {}
 

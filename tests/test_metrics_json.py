@@ -12,10 +12,10 @@ import torch
 from experience_helpers import tiny_model
 from model_helpers import response_logprobs
 
-from steps.experience import Sample
+from steps.experience.tables import Sample
 from steps.expert_parallel.mesh import Mesh
-from steps.store import Store, json_text
-from steps.trainer import PolicyTrainer, TrainSettings
+from steps.store.object_store import Store, json_text
+from steps.training.trainer import PolicyTrainer, TrainSettings
 
 
 def strict_loads(text: str):

@@ -7,9 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from steps.hf_checkpoint import expected_tensor_shapes
-from steps.kernels import QKVHeads, TokenLogprobs, grouped_attention, rms_norm, token_logprobs
-from steps.model import MoeConfig, MoeForCausalLM, attention_mask_for, rotary_cos_sin
+from steps.models.hf_checkpoint import expected_tensor_shapes
+from steps.models.kernels import QKVHeads, TokenLogprobs, grouped_attention, rms_norm, token_logprobs
+from steps.models.transformer import MoeConfig, MoeForCausalLM, attention_mask_for, rotary_cos_sin
 
 
 def tiny_config(attention_bias: bool) -> MoeConfig:

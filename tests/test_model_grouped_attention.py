@@ -1,4 +1,4 @@
-"""steps.kernels.grouped_attention (Attention.attend on CPU) equals SDPA over the kv heads repeated to the query
+"""steps.models.kernels.grouped_attention (Attention.attend on CPU) equals SDPA over the kv heads repeated to the query
 heads, forward and backward, with padding and causal masks and with more keys than queries (shared prompts)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from steps.kernels import grouped_attention
+from steps.models.kernels import grouped_attention
 
 
 @pytest.mark.parametrize(("seq", "keys"), [(7, 7), (5, 12)])

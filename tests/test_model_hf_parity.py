@@ -14,8 +14,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from steps.errors import MoerlError
-from steps.expert_parallel.placement import ExpertPlacement
-from steps.hf_checkpoint import (
+from steps.models.hf_checkpoint import (
     check_checkpoint,
     checkpoint_dtype,
     expected_tensor_shapes,
@@ -23,9 +22,10 @@ from steps.hf_checkpoint import (
     load_state_dict_from_dir,
     save_pretrained,
 )
-from steps.kernels import token_logprobs
-from steps.model import MoeConfig, MoeForCausalLM, count_parameters
-from steps.moe import LocalDispatch, MoeBlock
+from steps.models.kernels import token_logprobs
+from steps.models.moe import LocalDispatch, MoeBlock
+from steps.models.placement import ExpertPlacement
+from steps.models.transformer import MoeConfig, MoeForCausalLM, count_parameters
 
 # A: one dense layer via mlp_only_layers, renormalised top-2, untied head.
 # B: every other layer sparse via decoder_sparse_step, top-3 without renormalisation, tied head, q/k/v/o bias.

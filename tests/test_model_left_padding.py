@@ -4,7 +4,7 @@ import pytest
 import torch
 from model_helpers import randomize_
 
-from steps.model import MoeConfig, MoeForCausalLM
+from steps.models.transformer import MoeConfig, MoeForCausalLM
 
 CONFIG = MoeConfig(
     vocab_size=64, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,

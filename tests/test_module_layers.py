@@ -1,10 +1,16 @@
-"""The import layers: a step module never imports another step module (what two steps share is a library).
-A step module is one that the workflow runs as `python -m steps.<name>`: its `__main__` block calls run_cli."""
+"""The import layers, read from every file under steps/ and pipelines/ (lazy and TYPE_CHECKING imports count).
+
+steps/ holds the step commands (`python -m steps.<name>`: a module whose `__main__` block calls run_cli) and the
+step process's contract (errors, progress) at its top, and the libraries in packages, each of which may import
+only the packages its row of PACKAGE_RULES names (and the top's errors and progress). A command never imports
+another command; nothing under steps/ imports pipelines/; no import cycle anywhere."""
 
 from __future__ import annotations
 
 import ast
 from pathlib import Path
+
+import pytest
 
 STEPS = Path(__file__).resolve().parents[1] / "steps"
 
@@ -44,19 +50,6 @@ def test_nothing_under_steps_imports_pipelines():
     """The pods need steps/ only; the run config's schema (run.json's) lives there too."""
     offenders = {p.name for p in STEPS.glob("*.py") if any(m.split(".")[0] == "pipelines" for m in imported_modules(p))}
     assert not offenders
-
-
-def test_no_import_cycle_among_the_steps_libraries():
-    """Counting lazy imports: the engines import the generation interface, never each other or back."""
-    graph = {f"steps.{p.stem}": {m for m in imported_modules(p) if m.startswith("steps.")} for p in STEPS.glob("*.py")}
-
-    def reaches(start: str, target: str, seen: set[str]) -> bool:
-        for module in graph.get(start, ()):
-            if module == target or (module not in seen and reaches(module, target, seen | {module})):
-                return True
-        return False
-
-    assert not sorted(m for m in graph if reaches(m, m, {m}))
 
 
 def package_graph(root: str) -> dict[str, set[str]]:
@@ -120,3 +113,51 @@ def test_the_controller_is_the_host_the_walkers_are_written_against():
             assert inspect.signature(getattr(Controller, name)) == inspect.signature(getattr(WalkerHost, name)), name
     for attribute in WalkerHost.__annotations__:
         assert attribute in inspect.getsource(Controller.__init__), attribute
+
+
+# package -> the packages of steps/ it may import (docs/architecture.md, "The libraries")
+PACKAGE_RULES = {
+    "store": set(),
+    "data": {"store"},
+    "run": {"store", "data"},
+    "models": {"data"},
+    "expert_parallel": {"models"},
+    "engines": {"models", "data", "run", "store"},
+    "experience": {"engines", "data", "run", "store"},
+    "scoring": {"engines", "experience", "data", "models", "run", "store"},
+    "training": {"models", "expert_parallel", "experience", "run", "store", "tracking"},
+    "tracking": {"run", "store"},
+    "demo": {"models", "data"},
+}
+STEP_CONTRACT = {"steps.errors", "steps.progress"}
+# The one module of experience/ the trainer reads: the rollout <-> training tables.
+TRAINING_SEES_OF_EXPERIENCE = {"steps.experience.tables"}
+
+
+def package_of(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] in PACKAGE_RULES else None
+
+
+def test_every_library_is_in_a_package_with_a_rule():
+    top = {p.stem for p in STEPS.glob("*.py")} - {"__init__"}
+    assert top == {m.rpartition(".")[2] for m in step_modules()} | {"errors", "progress"}, "a library at the top"
+    assert {p.name for p in STEPS.iterdir() if p.is_dir() and p.name != "__pycache__"} == set(PACKAGE_RULES)
+
+
+@pytest.mark.parametrize("package", sorted(PACKAGE_RULES))
+def test_a_package_imports_only_what_its_rule_allows(package):
+    graph = package_graph("steps")
+    found = set()
+    for module, targets in graph.items():
+        if package_of(module) != package:
+            continue
+        for target in targets - STEP_CONTRACT - {"steps"}:
+            other = package_of(target)
+            if other is None:
+                found.add(f"{module} imports {target} (a command or the top of steps/)")
+            elif other != package and other not in PACKAGE_RULES[package]:
+                found.add(f"{module} imports {target}")
+            elif package == "training" and other == "experience" and target not in TRAINING_SEES_OF_EXPERIENCE:
+                found.add(f"{module} imports {target} (training reads only {sorted(TRAINING_SEES_OF_EXPERIENCE)})")
+    assert not sorted(found)

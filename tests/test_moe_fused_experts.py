@@ -1,4 +1,4 @@
-"""The fused SwiGLU experts (steps.moe: one [gate; up] matmul, hand-written backward) give the output and every
+"""The fused SwiGLU experts (steps.models.moe: one [gate; up] matmul, hand-written backward) give the output and every
 gradient (input, router, each expert parameter) of plain per-expert autograd, down(silu(gate(x)) * up(x)),
 through run_experts, LocalDispatch, a dense Expert and the all-to-all backend over 2 gloo processes;
 including experts without rows, batches without tokens and ranks whose experts receive nothing."""
@@ -15,7 +15,7 @@ from test_expert_parallel import run_gloo
 
 from steps.expert_parallel.dispatch import make_dispatch
 from steps.expert_parallel.mesh import build_mesh, sync_gradients
-from steps.moe import Expert, MoeBlock, run_experts
+from steps.models.moe import Expert, MoeBlock, run_experts
 
 HIDDEN, INTER, EXPERTS, TOP_K, TOKENS = 16, 12, 4, 2, 24
 OUT_REL, GRAD_REL = 1e-6, 1e-5

@@ -1,4 +1,4 @@
-"""The MoE slot plumbing (steps.moe.SlotOrder): gathering tokens into expert-grouped slots and combining the
+"""The MoE slot plumbing (steps.models.moe.SlotOrder): gathering tokens into expert-grouped slots and combining the
 experts' outputs with the router weights give the values and gradients of plain indexing, for any top-k."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from steps.moe import SlotOrder
+from steps.models.moe import SlotOrder
 
 
 @pytest.mark.parametrize("top_k", [1, 2, 3])

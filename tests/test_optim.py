@@ -1,4 +1,4 @@
-"""steps.optim.AdamW: the same bits as torch.optim.AdamW(foreach=False) (weights and state, across rate
+"""steps.training.optim.AdamW: the same bits as torch.optim.AdamW(foreach=False) (weights and state, across rate
 changes and a save/load of the state between iterations), without importing torch._dynamo."""
 
 from __future__ import annotations
@@ -11,16 +11,16 @@ import pytest
 import torch
 from test_update_experience import tiny_model
 
-from steps.optim import AdamW
-from steps.optimizer_state import load_optimizer_state, optimizer_state_tensors
-from steps.trainer import TrainSettings, completed_steps, new_adamw, set_learning_rate
+from steps.training.optim import AdamW
+from steps.training.optimizer_state import load_optimizer_state, optimizer_state_tensors
+from steps.training.trainer import TrainSettings, completed_steps, new_adamw, set_learning_rate
 
 REPO = Path(__file__).resolve().parents[1]
 SETTINGS = TrainSettings(lr=3e-2, warmup_steps=3, weight_decay=0.1, betas=(0.8, 0.95))
 
 
 def torch_adamw(model: torch.nn.Module) -> torch.optim.AdamW:
-    """What new_adamw returned before steps.optim existed."""
+    """What new_adamw returned before steps.training.optim existed."""
     return torch.optim.AdamW(
         model.parameters(), lr=SETTINGS.lr, betas=SETTINGS.betas, weight_decay=SETTINGS.weight_decay, foreach=False
     )
@@ -110,8 +110,8 @@ def test_update_optimizer_does_not_import_torch_dynamo():
     program = """
 import sys
 import torch
-from steps.model import MoeConfig, MoeForCausalLM
-from steps.trainer import TrainSettings, new_adamw
+from steps.models.transformer import MoeConfig, MoeForCausalLM
+from steps.training.trainer import TrainSettings, new_adamw
 model = MoeForCausalLM(MoeConfig(
     vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
     head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8, max_position_embeddings=16,

@@ -20,13 +20,15 @@ from test_bad_input import assert_refused, step
 from test_update_experience import experience_table, start_ranks, wait_ranks, write_experience
 from transformers import AutoModelForCausalLM
 
-from steps import candidate, checkpoint, run_store, update
-from steps.candidate import CANDIDATE_INDEX, MARKER
+from steps import update
 from steps.errors import MoerlError
-from steps.hf_checkpoint import checkpoint_dtype, load_state_dict_from_dir, tensor_index
+from steps.models.hf_checkpoint import checkpoint_dtype, load_state_dict_from_dir, tensor_index
 from steps.publish import publish
-from steps.run_store import candidate_prefix, optimizer_prefix
-from steps.store import Store
+from steps.run import candidate, checkpoint
+from steps.run import keys as run_store
+from steps.run.candidate import CANDIDATE_INDEX, MARKER
+from steps.run.keys import candidate_prefix, optimizer_prefix
+from steps.store.object_store import Store
 from steps.update import run_update
 
 # Two optimizer steps a update, the KL penalty against v000000 on: the reference policy is read from bf16 too.

@@ -65,6 +65,6 @@ def test_frames_in_the_store_are_store_io_and_the_rest_is_work():
     def from_store():
         return profile_demo.classify(sys._getframe())
 
-    from_store.__code__ = from_store.__code__.replace(co_filename="/x/steps/store.py")
+    from_store.__code__ = from_store.__code__.replace(co_filename="/x/steps/store/object_store.py")
     assert from_store() == ("store I/O", None)
     assert profile_demo.classify(sys._getframe()) == ("work", None)

@@ -1,5 +1,5 @@
-"""steps/prompt_data.py: the user's prompt files, JSONL or Parquet on a store, fields mapped by the config; and
-the held-out prompts a prompt-file run gets (steps/experience.py)."""
+"""steps/data/prompt_data.py: the user's prompt files, JSONL or Parquet on a store, fields mapped by the config; and
+the held-out prompts a prompt-file run gets (steps/experience/rollout_plan.py)."""
 
 import json
 import re
@@ -8,9 +8,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from steps.errors import MoerlError
-from steps.experience import heldout_prompts, iteration_prompts, training_pool
-from steps.prompt_data import (
+from steps.data.prompt_data import (
     PromptFields,
     format_prompt_jsonl,
     hashed_id,
@@ -18,8 +16,10 @@ from steps.prompt_data import (
     parse_prompt_jsonl,
     read_prompt_uri,
 )
-from steps.run_config import validate_config
-from steps.verifiers import NumericVerifier
+from steps.data.verifiers import NumericVerifier
+from steps.errors import MoerlError
+from steps.experience.rollout_plan import heldout_prompts, iteration_prompts, training_pool
+from steps.run.config import validate_config
 
 GSM8K = [
     {"question": "Natalia sold clips to 48 of her friends in April, and then half as many in May. How many?",

@@ -12,14 +12,14 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from test_update_experience import experience_table, make_run, write_experience
 
-from steps import checkpoint
-from steps.candidate import MARKER, model_shard_name, optimizer_shard_name
 from steps.errors import MoerlError
-from steps.hf_checkpoint import load_pretrained
+from steps.models.hf_checkpoint import load_pretrained
 from steps.publish import main as publish_main
 from steps.publish import publish
-from steps.run_store import candidate_prefix
-from steps.store import Store
+from steps.run import checkpoint
+from steps.run.candidate import MARKER, model_shard_name, optimizer_shard_name
+from steps.run.keys import candidate_prefix
+from steps.store.object_store import Store
 from steps.update import run_update
 
 

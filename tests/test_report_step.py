@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 from steps.report import flatten, write_report
-from steps.store import Store
+from steps.store.object_store import Store
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from steps.rl_loss import (
+from steps.training.rl_loss import (
     LossSettings,
     aggregate,
     k3_kl,

@@ -8,13 +8,14 @@ import pytest
 import torch
 from experience_helpers import make_run, run_files, tiny_model, write_checkpoint
 
-from steps.char_tokenizer import EOS_ID
-from steps.engine import Decoder
+from steps.demo.char_tokenizer import EOS_ID
+from steps.engines.torch_engine import Decoder
 from steps.errors import MoerlError
-from steps.experience import RolloutPlan, load_run_config, read_rollout
+from steps.experience.rollout_plan import RolloutPlan, read_rollout
 from steps.rollout import Preempted, Preemption, rollout_shard
-from steps.run_store import chunk_key, rollout_prefix
-from steps.store import Store
+from steps.run.config import load_run_config
+from steps.run.keys import chunk_key, rollout_prefix
+from steps.store.object_store import Store
 
 CONFIG = dict(prompts_per_iteration=14, group_size=3, rollout={"num_shards": 3, "chunk_size": 3},
               sampling={"max_new_tokens": 10}, heldout_size=0)  # fmt: skip

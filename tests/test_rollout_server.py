@@ -11,12 +11,12 @@ import pytest
 from experience_helpers import REPO, make_run, run_files, step_env, tiny_model, write_checkpoint
 from test_update_experience import free_port
 
-from steps import serving
 from steps.errors import MoerlError
 from steps.progress import STRIKE_ENV
 from steps.rollout import rollout_shard
-from steps.run_store import chunk_key, rollout_prefix, server_key
-from steps.store import Store
+from steps.run import serving
+from steps.run.keys import chunk_key, rollout_prefix, server_key
+from steps.store.object_store import Store
 
 CONFIG = dict(prompts_per_iteration=14, group_size=3, rollout={"num_shards": 3, "chunk_size": 3},
               sampling={"max_new_tokens": 10}, heldout_size=0)  # fmt: skip

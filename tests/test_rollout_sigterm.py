@@ -11,8 +11,8 @@ import torch
 from experience_helpers import REPO, make_run, run_files, run_step, step_env, tiny_model, write_checkpoint
 
 from steps.rollout import EXIT_PREEMPTED, rollout_shard
-from steps.run_store import chunk_key, rollout_prefix
-from steps.store import Store
+from steps.run.keys import chunk_key, rollout_prefix
+from steps.store.object_store import Store
 
 # Many small chunks, so that the signal lands while most are still to do.
 CONFIG = dict(prompts_per_iteration=80, group_size=4, rollout={"num_shards": 1, "chunk_size": 2},

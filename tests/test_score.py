@@ -14,23 +14,18 @@ import pytest
 import torch
 from experience_helpers import make_run, read_parquet, run_step, tiny_model, write_checkpoint
 
-from steps.char_tokenizer import EOS_ID, build_tokenizer, encode, encode_prompt
-from steps.engine import TorchEngine, evaluate_accuracy
+from steps.data.tokenizer import CheckpointTokenizer
+from steps.demo.char_tokenizer import EOS_ID, build_tokenizer, encode, encode_prompt
+from steps.engines.interface import FINISH_LENGTH, FINISH_STOP, Generation
+from steps.engines.torch_engine import TorchEngine, evaluate_accuracy
 from steps.errors import MoerlError
-from steps.experience import (
-    SCORED_SCHEMA,
-    RolloutPlan,
-    chunk_table,
-    heldout_prompts,
-    load_run_config,
-    write_chunk,
-)
-from steps.generation import FINISH_LENGTH, FINISH_STOP, Generation
-from steps.rewards import group_advantages
-from steps.run_store import metrics_key, scored_key
+from steps.experience.rollout_plan import RolloutPlan, chunk_table, heldout_prompts, write_chunk
+from steps.experience.tables import SCORED_SCHEMA
+from steps.run.config import load_run_config
+from steps.run.keys import metrics_key, scored_key
 from steps.score import score_iteration
-from steps.store import Store
-from steps.tokenizer import CheckpointTokenizer
+from steps.scoring.rewards import group_advantages
+from steps.store.object_store import Store
 
 TOK = build_tokenizer()
 CONFIG = dict(prompts_per_iteration=4, group_size=4, rollout={"num_shards": 2, "chunk_size": 2}, heldout_size=0,

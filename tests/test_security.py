@@ -31,12 +31,12 @@ import pipelines.cli
 from pipelines.workflow import argo_objects, workflow
 from pipelines.workflow.pytorchjob import manifest as pytorchjob_manifest
 from pipelines.workflow.pytorchjob import trainer_server_manifest
-from steps import candidate, checkpoint
-from steps.candidate import MARKER
 from steps.errors import MoerlError
-from steps.run_config import validate_config
-from steps.run_store import candidate_prefix
-from steps.store import Store
+from steps.run import candidate, checkpoint
+from steps.run.candidate import MARKER
+from steps.run.config import validate_config
+from steps.run.keys import candidate_prefix
+from steps.store.object_store import Store
 
 REPO = Path(__file__).resolve().parents[1]
 SOURCE_DIRS = ("steps", "pipelines", "tests", "bench", "images")

@@ -1,4 +1,4 @@
-"""steps/serving.py's JsonServer with main_thread: operations run on the thread that calls run_operations (the
+"""steps/run/serving.py's JsonServer with main_thread: operations run on the thread that calls run_operations (the
 trainer's rank 0 broadcasts from there), its idle callback runs there between calls, and a refused or
 unavailable call reaches the client as MoerlError or ServerLost."""
 
@@ -8,8 +8,8 @@ import threading
 
 import pytest
 
-from steps import serving
 from steps.errors import MoerlError
+from steps.run import serving
 
 
 def entry(server: serving.JsonServer) -> serving.Registration:
@@ -79,8 +79,8 @@ def test_a_trainer_whose_launcher_is_gone_stops_itself(tmp_path, monkeypatch):
     long) ends (rank 0 stops serving and tells the other ranks to stop) instead of holding its nodes."""
     from types import SimpleNamespace
 
-    from steps import trainer_service
-    from steps.store import Store
+    from steps.store.object_store import Store
+    from steps.training import trainer_service
 
     monkeypatch.setattr(trainer_service, "HEARTBEAT_S", 0.0)  # check at every idle poll
     lines: list[str] = []

@@ -8,12 +8,12 @@ from typing import Any
 
 import pytest
 
-from steps.generation import SamplingParams
-from steps.rewards import RewardWeights
-from steps.rl_loss import LossSettings
-from steps.run_config import validate_config
-from steps.sglang_engine import SGLangSettings
-from steps.trainer import TrainSettings
+from steps.engines.interface import SamplingParams
+from steps.engines.sglang_engine import SGLangSettings
+from steps.run.config import validate_config
+from steps.scoring.rewards import RewardWeights
+from steps.training.rl_loss import LossSettings
+from steps.training.trainer import TrainSettings
 
 URIS = {"sft_checkpoint": "file:///sft", "run_store": "file:///run"}
 

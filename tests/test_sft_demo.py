@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from pipelines.sft_demo import sft_demo
-from steps.hf_format import validate_checkpoint_dir
-from steps.sft import SftSettings
+from steps.demo.sft import SftSettings
+from steps.models.checkpoint_validation import validate_checkpoint_dir
 
 REPO = Path(__file__).resolve().parents[1]
 

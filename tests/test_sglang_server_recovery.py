@@ -19,10 +19,10 @@ import pytest
 from delta_helpers import moved
 from experience_helpers import REPO, make_run, step_env, tiny_model, write_checkpoint
 
-from steps import checkpoint, serving
 from steps.errors import MoerlError
-from steps.run_store import chunk_key
-from steps.store import Store
+from steps.run import checkpoint, serving
+from steps.run.keys import chunk_key
+from steps.store.object_store import Store
 
 FAKE_SGLANG = Path(__file__).parent / "fake_sglang"
 WORKFLOW = "wf-sglang"
@@ -37,7 +37,7 @@ CONFIG = dict(
 SERVER = """
 import sys
 sys.path.insert(0, sys.argv[1])
-import steps.sglang_engine as se
+import steps.engines.sglang_engine as se
 se.sglang_unavailable_reason = lambda: None
 from steps.errors import run_cli
 from steps.rollout_server import main
@@ -179,8 +179,8 @@ def test_a_sigterm_during_an_sglang_chunk_aborts_it_and_answers_503(tmp_path, ru
 ABORT = """
 import json, sys, time
 sys.path.insert(0, sys.argv[1])
-import steps.sglang_engine as se
-from steps.generation import GenerationInterrupted, GenerationRequest, SamplingParams
+import steps.engines.sglang_engine as se
+from steps.engines.interface import GenerationInterrupted, GenerationRequest, SamplingParams
 se.sglang_unavailable_reason = lambda: None
 engine = se.SGLangEngine(sys.argv[2], se.SGLangSettings())
 requests = [GenerationRequest("p", (1, 2), k, seed=k) for k in range(3)]

@@ -27,7 +27,7 @@ from pipelines.simulate.sizing import (
     tokens_per_iteration,
 )
 from steps.errors import MoerlError
-from steps.run_config import RunConfig
+from steps.run.config import RunConfig
 
 REPO = Path(__file__).resolve().parents[1]
 EKS = REPO / "configs" / "eks-p5en.yaml"

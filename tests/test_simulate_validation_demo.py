@@ -22,7 +22,7 @@ from pipelines.simulate.measured import iteration_times_from_status, step_times_
 from pipelines.simulate.model import simulate
 from pipelines.simulate.sizing import CPU_ASSUMPTIONS, local_cluster, measured_step_model
 from pipelines.workflow import workflow
-from steps.sft import SftSettings
+from steps.demo.sft import SftSettings
 
 REPO = Path(__file__).resolve().parents[1]
 FAST_RETRY = {"limit": 1, "backoff": {"duration": "1s", "factor": 1, "max_duration": "1m"}}

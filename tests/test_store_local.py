@@ -13,9 +13,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import steps.store as store_module
+import steps.store.object_store as store_module
 from steps.errors import MoerlError
-from steps.store import ObjectNotFound, Store
+from steps.store.object_store import ObjectNotFound, Store
 
 
 def sha(data: bytes) -> str:

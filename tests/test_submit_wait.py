@@ -10,7 +10,7 @@ import yaml
 from pipelines.workflow.build import workflow_templates
 from pipelines.workflow.templates import NEXT_SEGMENT_ALONE, NEXT_SEGMENT_OWNED
 from pipelines.workflow.wait import PARENT_LABEL, wait_for_run
-from steps.run_config import validate_config
+from steps.run.config import validate_config
 
 
 def wf(name: str, phase: str | None, segment: int, created: str = "2026-01-01T00:00:00Z"):

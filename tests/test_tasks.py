@@ -4,9 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from steps.char_tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, build_tokenizer, encode, save_tokenizer, unknown_chars
-from steps.errors import MoerlError
-from steps.tasks import (
+from steps.data.tasks import (
     DEFAULT_ADDITION_DIGITS,
     DEFAULT_SORT_LENGTH,
     TASKS,
@@ -19,7 +17,18 @@ from steps.tasks import (
     split_of,
     verify_ids,
 )
-from steps.tokenizer import CheckpointTokenizer
+from steps.data.tokenizer import CheckpointTokenizer
+from steps.demo.char_tokenizer import (
+    BOS_ID,
+    EOS_ID,
+    PAD_ID,
+    UNK_ID,
+    build_tokenizer,
+    encode,
+    save_tokenizer,
+    unknown_chars,
+)
+from steps.errors import MoerlError
 
 TOK = build_tokenizer()
 
@@ -73,7 +82,7 @@ def vars_of(task):
 
 def test_prompts_are_identical_in_a_fresh_interpreter_with_another_hash_seed():
     code = (
-        "from steps.tasks import get_task;"
+        "from steps.data.tasks import get_task;"
         "print([p.prompt_id for p in get_task('sort6').prompts('heldout', 20, 3)]);"
         "print([p.prompt_id for p in get_task('addition2').prompts('train', 20, 3)])"
     )

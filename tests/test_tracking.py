@@ -16,10 +16,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from steps import run_store, tracking
 from steps.errors import MoerlError
-from steps.run_config import validate_config
-from steps.store import Store
+from steps.run import keys as run_store
+from steps.run.config import validate_config
+from steps.store.object_store import Store
+from steps.tracking import trackers as tracking
 from tests.wandb_records import history_rows, records, run_records
 
 REPO = Path(__file__).resolve().parents[1]
@@ -479,9 +480,9 @@ def test_wandb_offline_run_files_hold_each_steps_points(tmp_path):
 def test_no_tracking_imports_no_tracking_library(tmp_path):
     code = (
         "import sys\n"
-        "from steps.run_config import validate_config\n"
+        "from steps.run.config import validate_config\n"
         "from steps import tracking, score, report\n"
-        "from steps.store import Store\n"
+        "from steps.store.object_store import Store\n"
         f"cfg = validate_config({{'sft_checkpoint': 'file:///x', 'run_store': '{(tmp_path / 'run').as_uri()}'}})\n"
         "tracking.log_iteration(Store.open(cfg.run_store), cfg, 'score', 1, {'accuracy': 1.0})\n"
         "print(sorted({m.split('.')[0] for m in sys.modules} & {'mlflow', 'wandb', 'tensorboard'}))\n"

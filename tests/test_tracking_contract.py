@@ -1,4 +1,4 @@
-"""steps/tracking.py's calls into mlflow-skinny 3.17.2, wandb 0.31.0 and tensorboard 2.21.0, held to the pinned
+"""steps/tracking/trackers.py's calls into mlflow-skinny 3.17.2, wandb 0.31.0 and tensorboard 2.21.0, held to the pinned
 versions' own signatures, settings and constants (read in their source: mlflow/tracking/client.py,
 mlflow/environment_variables.py, mlflow/utils/rest_utils.py, wandb/sdk/wandb_init.py, wandb_settings.py,
 wandb_run.py, tensorboard/summary/writer/record_writer.py, backend/event_processing/io_wrapper.py)."""
@@ -11,8 +11,8 @@ import io
 import pytest
 
 from pipelines.workflow.placement import MLFLOW_SECRET_KEYS
-from steps import tracking
-from steps.run_config import WandbTracking
+from steps.run.config import WandbTracking
+from steps.tracking import trackers as tracking
 
 
 def params(fn) -> list[str]:
@@ -114,7 +114,7 @@ def test_pinned_versions(module):
 def test_every_parameter_and_metric_key_passes_mlflows_name_rules():
     from mlflow.utils.validation import path_not_unique, validate_param_and_metric_name
 
-    from steps.run_config import validate_config
+    from steps.run.config import validate_config
 
     cfg = validate_config({"sft_checkpoint": "file:///x", "run_store": "file:///y",
                            "argo": {"labels": {"team@x": "a", "example.com/owner": "b"}},

@@ -1,12 +1,12 @@
-"""steps.trainer.collate: right-padded prompt + response rows shifted for next-token targets, with the loss
+"""steps.training.trainer.collate: right-padded prompt + response rows shifted for next-token targets, with the loss
 mask on the response tokens and the engine's (and old) log-probs where those tokens are predicted."""
 
 from __future__ import annotations
 
 import torch
 
-from steps.experience import Sample
-from steps.trainer import collate
+from steps.experience.tables import Sample
+from steps.training.trainer import collate
 
 
 def test_collate_lays_out_rows_of_different_lengths():

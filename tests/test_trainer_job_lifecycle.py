@@ -24,11 +24,13 @@ import urllib3
 from kubernetes.client.exceptions import ApiException
 
 from pipelines.workflow import pytorchjob
-from steps import pytorchjob_launcher, run_store, trainer_service
+from steps import pytorchjob_launcher
 from steps.expert_parallel.dispatch import HeldDispatch
-from steps.policy_update import agreed
-from steps.run_config import validate_config
-from steps.store import Store
+from steps.run import keys as run_store
+from steps.run.config import validate_config
+from steps.store.object_store import Store
+from steps.training import trainer_service
+from steps.training.policy_update import agreed
 
 BASE = {"sft_checkpoint": "file:///tmp/sft", "run_store": "file:///tmp/run"}
 

@@ -10,10 +10,10 @@ from experience_helpers import tiny_model
 from model_helpers import response_logprobs
 
 from pipelines.config import load_config
-from steps.experience import Sample
+from steps.experience.tables import Sample
 from steps.expert_parallel.mesh import Mesh
-from steps.model import MoeForCausalLM
-from steps.trainer import PolicyTrainer, TrainSettings
+from steps.models.transformer import MoeForCausalLM
+from steps.training.trainer import PolicyTrainer, TrainSettings
 
 
 def on_policy_samples(model: MoeForCausalLM, count: int = 12) -> list[Sample]:

@@ -18,16 +18,16 @@ from delta_helpers import assert_the_ranks_delta_is_the_one_publish_would_write
 from faults_helpers import HOOKS
 from test_update_experience import REPO, experience_table, run_cmd, step_env, tiny_model, write_experience
 
-from steps import checkpoint, serving, weight_delta
-from steps.candidate import MARKER
-from steps.char_tokenizer import save_tokenizer
+from steps.demo.char_tokenizer import save_tokenizer
 from steps.errors import MoerlError
-from steps.hf_checkpoint import save_pretrained
 from steps.import_sft import import_sft
+from steps.models.hf_checkpoint import save_pretrained
 from steps.publish import publish
-from steps.run_config import RunConfig
-from steps.run_store import TRAINER_SERVER_NAME, candidate_prefix, optimizer_prefix, update_metrics_key
-from steps.store import Store
+from steps.run import checkpoint, serving, weight_delta
+from steps.run.candidate import MARKER
+from steps.run.config import RunConfig
+from steps.run.keys import TRAINER_SERVER_NAME, candidate_prefix, optimizer_prefix, update_metrics_key
+from steps.store.object_store import Store
 
 WORKFLOW = "wf-segment-1"
 TRAINER = {"steps_per_epoch": 2, "server": True}

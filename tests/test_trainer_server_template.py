@@ -14,8 +14,8 @@ from hera.workflows import Workflow
 from pipelines.workflow import graph, pytorchjob, templates
 from pipelines.workflow.commands import step_command
 from pipelines.workflow.retry import CLIENT_RETRY_EXPRESSION
-from steps.run_config import validate_config
-from steps.serving import EXIT_SERVER_LOST
+from steps.run.config import validate_config
+from steps.run.serving import EXIT_SERVER_LOST
 
 BASE = {"sft_checkpoint": "file:///tmp/sft", "run_store": "file:///tmp/run"}
 

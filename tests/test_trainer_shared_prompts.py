@@ -14,13 +14,13 @@ from test_update_experience import experience_table, tiny_model
 
 from pipelines.config import load_config
 from steps.errors import MoerlError
-from steps.experience import Sample
+from steps.experience.tables import Sample
 from steps.expert_parallel.dispatch import make_dispatch
 from steps.expert_parallel.mesh import Mesh, build_mesh
-from steps.expert_parallel.placement import ExpertPlacement
-from steps.model import MoeForCausalLM
-from steps.rl_loss import LossSettings
-from steps.trainer import (
+from steps.models.placement import ExpertPlacement
+from steps.models.transformer import MoeForCausalLM
+from steps.training.rl_loss import LossSettings
+from steps.training.trainer import (
     PolicyTrainer,
     TrainSettings,
     collate_groups,

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from steps.optimizer_state import load_optimizer_state, optimizer_state_tensors
-from steps.run_config import validate_config
-from steps.trainer import TrainSettings, completed_steps, set_learning_rate, warmup_lr
+from steps.run.config import validate_config
+from steps.training.optimizer_state import load_optimizer_state, optimizer_state_tensors
+from steps.training.trainer import TrainSettings, completed_steps, set_learning_rate, warmup_lr
 
 
 def test_warmup_ramps_linearly_then_holds():

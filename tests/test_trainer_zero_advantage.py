@@ -9,11 +9,11 @@ import torch
 from experience_helpers import tiny_model
 from model_helpers import response_logprobs
 
-from steps.experience import Sample
+from steps.experience.tables import Sample
 from steps.expert_parallel.mesh import Mesh
-from steps.model import MoeForCausalLM
-from steps.rl_loss import LossSettings
-from steps.trainer import PolicyTrainer, TrainSettings, plan_steps, trained_steps
+from steps.models.transformer import MoeForCausalLM
+from steps.training.rl_loss import LossSettings
+from steps.training.trainer import PolicyTrainer, TrainSettings, plan_steps, trained_steps
 
 
 def samples_with_solved_groups(model: MoeForCausalLM) -> list[Sample]:

@@ -10,13 +10,13 @@ import pytest
 from test_expert_parallel import run_gloo
 from test_update_experience import experience_table, make_run, start_ranks, wait_ranks, write_experience
 
-from steps import checkpoint
-from steps.candidate import MARKER
 from steps.errors import MoerlError
 from steps.expert_parallel.mesh import Mesh, resolve_ep_size
-from steps.run_config import validate_config
-from steps.run_store import candidate_prefix
-from steps.store import Store
+from steps.run import checkpoint
+from steps.run.candidate import MARKER
+from steps.run.config import validate_config
+from steps.run.keys import candidate_prefix
+from steps.store.object_store import Store
 from steps.update import fetch_checkpoint
 
 BASE = {"sft_checkpoint": "file:///tmp/sft", "run_store": "file:///tmp/run"}

@@ -18,15 +18,15 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from steps.char_tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, save_tokenizer
+from steps.demo.char_tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, save_tokenizer
 from steps.errors import MoerlError
-from steps.experience import read_scored_experience
-from steps.hf_checkpoint import save_pretrained
+from steps.experience.tables import read_scored_experience
 from steps.import_sft import import_sft
-from steps.model import MoeConfig, MoeForCausalLM
-from steps.run_config import RunConfig
-from steps.run_store import scored_key
-from steps.store import Store
+from steps.models.hf_checkpoint import save_pretrained
+from steps.models.transformer import MoeConfig, MoeForCausalLM
+from steps.run.config import RunConfig
+from steps.run.keys import scored_key
+from steps.store.object_store import Store
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -10,11 +10,11 @@ import time
 
 from test_update_experience import experience_table, make_run, start_ranks, wait_ranks, write_experience
 
-from steps import checkpoint
-from steps.candidate import MARKER, model_shard_name
 from steps.publish import publish
-from steps.run_store import candidate_prefix
-from steps.store import Store
+from steps.run import checkpoint
+from steps.run.candidate import MARKER, model_shard_name
+from steps.run.keys import candidate_prefix
+from steps.store.object_store import Store
 
 # Long enough (several optimizer steps of one-sequence micro-batches) that a kill lands mid-update.
 TRAINER = {"micro_batch_size": 1, "epochs": 2, "steps_per_epoch": 2, "lr": 5e-3, "kl_coef": 0.05}

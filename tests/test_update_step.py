@@ -22,14 +22,14 @@ from test_update_experience import (
     write_experience,
 )
 
-from steps import checkpoint
-from steps.candidate import CANDIDATE_INDEX, MARKER, model_shard_name
 from steps.errors import MoerlError
 from steps.expert_parallel.mesh import is_expert_param
-from steps.hf_checkpoint import load_pretrained
+from steps.models.hf_checkpoint import load_pretrained
 from steps.publish import publish
-from steps.run_store import candidate_prefix, update_metrics_key
-from steps.store import Store
+from steps.run import checkpoint
+from steps.run.candidate import CANDIDATE_INDEX, MARKER, model_shard_name
+from steps.run.keys import candidate_prefix, update_metrics_key
+from steps.store.object_store import Store
 from steps.update import run_update
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

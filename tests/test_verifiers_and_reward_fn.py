@@ -1,4 +1,5 @@
-"""steps/verifiers.py (exact, numeric, math via math-verify, regex) and steps/user_reward.py (the user's reward
+"""steps/data/verifiers.py (exact, numeric, math via math-verify, regex) and steps/scoring/user_reward.py (the user's
+reward
 function in a worker: its contract, time limit and errors)."""
 
 import threading
@@ -6,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from steps.data.verifiers import Verdict, get_verifier, read_number
 from steps.errors import MoerlError
-from steps.user_reward import RewardFunction
-from steps.verifiers import Verdict, get_verifier, read_number
+from steps.scoring.user_reward import RewardFunction
 
 PLUGINS = Path(__file__).resolve().parent / "reward_plugins"
 

@@ -1,4 +1,5 @@
-"""Weight deltas (steps/weight_delta.py): a version rebuilt from its parent and its delta is the published checkpoint
+"""Weight deltas (steps/run/weight_delta.py): a version rebuilt from its parent and its delta is the published
+checkpoint
 bit for bit; writing is idempotent and DELTA.json comes last; a stale, corrupt or unfinished delta is never
 applied; publish writes the delta before MANIFEST.json and retention deletes it with its version."""
 
@@ -12,11 +13,11 @@ import torch
 from delta_helpers import VersionedRun, same_files
 from test_publish_step import updated_run
 
-from steps import checkpoint, weight_delta
 from steps.publish import clean_up, publish
-from steps.run_store import delta_blob_key, delta_index_key, delta_prefix
-from steps.store import Store
-from steps.weight_delta import DeltaUnusable, apply_delta, read_index, write_delta
+from steps.run import checkpoint, weight_delta
+from steps.run.keys import delta_blob_key, delta_index_key, delta_prefix
+from steps.run.weight_delta import DeltaUnusable, apply_delta, read_index, write_delta
+from steps.store.object_store import Store
 
 
 @pytest.mark.parametrize(

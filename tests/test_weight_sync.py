@@ -1,4 +1,5 @@
-"""WeightSync (steps/weight_sync.py): an engine is brought to a version from the node cache, by deltas when they are
+"""WeightSync (steps/engines/weight_sync.py): an engine is brought to a version from the node cache, by deltas when
+they are
 all there and else in full; a missing or corrupt delta falls back to the full checkpoint; two syncs on one node
 fetch a version once; the cache keeps the last two versions."""
 
@@ -11,10 +12,10 @@ import pytest
 from delta_helpers import VersionedRun, same_files
 from test_weight_delta import forge_segment
 
-from steps import checkpoint
+from steps.engines.weight_sync import CACHE_ENV, WeightSync, default_cache_dir
 from steps.errors import MoerlError
-from steps.run_store import delta_index_key, delta_prefix
-from steps.weight_sync import CACHE_ENV, WeightSync, default_cache_dir
+from steps.run import checkpoint
+from steps.run.keys import delta_index_key, delta_prefix
 
 
 class RecordingEngine:

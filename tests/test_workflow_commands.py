@@ -10,7 +10,7 @@ from pipelines.kfp_pipeline import compile_pipeline
 from pipelines.workflow import pytorchjob
 from pipelines.workflow.build import workflow
 from pipelines.workflow.commands import KFP, STEP_KINDS, pytorchjob_launcher_command, step_command
-from steps.run_config import validate_config
+from steps.run.config import validate_config
 
 BASE = {"sft_checkpoint": "file:///tmp/sft", "run_store": "file:///tmp/run", "iterations": 2}
 
@@ -58,7 +58,7 @@ def test_kfp_rollouts_open_engines_of_their_own_with_rollout_servers_configured(
     """KFP has no daemon tasks: rollout.servers is Argo's, so a KFP rollout shard keeps its engine and its GPU
     pool, and Argo's is a client of its Workflow's servers."""
     from pipelines.workflow.commands import ARGO, KFP, step_command
-    from steps.run_config import validate_config
+    from steps.run.config import validate_config
 
     cfg = validate_config({"sft_checkpoint": "file:///tmp/sft", "run_store": "file:///tmp/run",
                            "rollout": {"servers": 2}})  # fmt: skip

@@ -12,7 +12,7 @@ import yaml
 
 from pipelines.workflow.build import cron_workflow, workflow_templates
 from pipelines.workflow.templates import CRON_LABEL, NEXT_SEGMENT_ALONE, NEXT_SEGMENT_CRON, NEXT_SEGMENT_OWNED
-from steps.run_config import validate_config
+from steps.run.config import validate_config
 
 BASE = {"sft_checkpoint": "file:///tmp/sft", "run_store": "file:///tmp/run", "iterations": 10, "segment_size": 4}
 CRON_UID = "1b2c3d4e-0000-4000-8000-000000000001"

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from pipelines.workflow import workflow
-from steps.run_config import validate_config
+from steps.run.config import validate_config
 
 local = pytest.importorskip("pipelines.local")
 

@@ -17,7 +17,7 @@ from hera.workflows import CronWorkflow, Workflow, WorkflowTemplate
 from pipelines.config import load_config
 from pipelines.render import CRON_WORKFLOW, WORKFLOW, WORKFLOW_FROM_TEMPLATE, WORKFLOW_TEMPLATE, render
 from pipelines.workflow import pytorchjob
-from steps.run_config import validate_config
+from steps.run.config import validate_config
 
 REPO = Path(__file__).resolve().parents[1]
 ARGO_FILES = (WORKFLOW_TEMPLATE, WORKFLOW, WORKFLOW_FROM_TEMPLATE, CRON_WORKFLOW)

@@ -16,7 +16,7 @@ from pipelines.workflow import pytorchjob
 from pipelines.workflow.build import workflow
 from pipelines.workflow.templates import UPDATE_CLEAR, UPDATE_JOB
 from steps import pytorchjob_launcher
-from steps.run_config import validate_config
+from steps.run.config import validate_config
 
 BASE = {"sft_checkpoint": "file:///tmp/sft", "run_store": "file:///tmp/run", "trainer": {"nodes": 3}}
 # k8s.io/apimachinery validation.IsQualifiedName, which labels.Parse applies to every key

@@ -9,11 +9,11 @@ import sys
 
 import pytest
 
-from steps import run_store
 from steps.errors import MoerlError
 from steps.plan import Plan, check_config, plan_segment
-from steps.run_config import validate_config
-from steps.store import Store
+from steps.run import keys as run_store
+from steps.run.config import validate_config
+from steps.store.object_store import Store
 
 CONFIG = validate_config({"sft_checkpoint": "file:///tmp/sft", "run_store": "file:///tmp/run"})
 

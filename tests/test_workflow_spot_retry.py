@@ -9,7 +9,7 @@ import pytest
 
 from pipelines.workflow import workflow
 from pipelines.workflow.retry import SPOT_RETRY_EXPRESSION
-from steps.run_config import validate_config
+from steps.run.config import validate_config
 
 BASE = {"sft_checkpoint": "file:///tmp/sft", "run_store": "file:///tmp/run"}
 

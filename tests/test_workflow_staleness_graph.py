@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from pipelines.workflow import graph, workflow, workflow_templates
-from steps.run_config import validate_config
-from steps.run_store import behaviour_version
+from steps.run.config import validate_config
+from steps.run.keys import behaviour_version
 
 BASE = {"sft_checkpoint": "file:///tmp/sft", "run_store": "file:///tmp/run"}
 

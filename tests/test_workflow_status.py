@@ -1,4 +1,4 @@
-"""The one reader of an Argo Workflow status (steps/workflow_status.py): each node's step, iteration, attempt
+"""The one reader of an Argo Workflow status (steps/tracking/workflow_status.py): each node's step, iteration, attempt
 and times, from a status, a whole Workflow object or compressed nodes."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import gzip
 import json
 from datetime import UTC, datetime
 
-from steps.workflow_status import status_nodes, step_nodes
+from steps.tracking.workflow_status import status_nodes, step_nodes
 
 NODES = {
     "wf-1": {"name": "wf", "displayName": "wf", "type": "DAG", "phase": "Succeeded"},

@@ -30,7 +30,7 @@ from pathlib import Path
 # Imported once per run by the server: the libraries every model step needs, and then the modules the caller
 # names (run_workflow's preload: its step modules; importing one only defines it, its main runs in the child).
 # Imported on first use by the steps, measured: pyarrow.pandas_compat (pa.table of Python rows; pandas where
-# installed). Not torch._dynamo: the update's optimizer (steps.optim) never imports it, and preloading it would
+# installed). Not torch._dynamo: the update's optimizer (steps.training.optim) never imports it, and preloading it would
 # delay every run's first warm start by 1.5-2 s of CPU.
 LIBRARIES = ("torch", "pandas", "pyarrow", "pyarrow.parquet", "pyarrow.pandas_compat")
 # Set per pod (or per rank) and read by no preloaded module when it is imported (tests/test_local_warm_start.py

@@ -1,5 +1,6 @@
 """Measured step times: a real run's Argo status (or `moerl local --status-out`'s) reduced to the median
-seconds per step kind and to its iteration times, read with the one status reader (steps/workflow_status.py)."""
+seconds per step kind and to its iteration times, read with the one status reader
+(steps/tracking/workflow_status.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from typing import Any
 from pipelines.simulate.sizing import CLIENT_KINDS, ENGINE_STARTUP, ROLLOUT_CLIENT, STEP_KINDS, UPDATE_CLIENT
 from pipelines.workflow import graph
 from steps.errors import MoerlError
-from steps.workflow_status import StepNode, step_nodes
+from steps.tracking.workflow_status import StepNode, step_nodes
 
 
 def _nodes(status: dict[str, Any]) -> list[StepNode]:

@@ -17,7 +17,7 @@ from pipelines.simulate.sizing import Assumptions, Cluster, StepModel, pool_of, 
 from pipelines.simulate.state import Job, Node, PoolUsage, Segment, Task
 from pipelines.workflow import graph
 from steps.errors import MoerlError
-from steps.run_config import RunConfig
+from steps.run.config import RunConfig
 
 
 @dataclass

@@ -26,12 +26,12 @@ from typing import TYPE_CHECKING
 
 from pipelines.simulate.state import TRAINER_SERVER, Job, Server, Task
 from pipelines.workflow.graph import ROLLOUT_SERVER
-from steps.run_store import behaviour_version
+from steps.run.keys import behaviour_version
 
 if TYPE_CHECKING:
     from pipelines.simulate.sizing import StepModel
     from pipelines.simulate.state import Node, PoolUsage
-    from steps.run_config import RunConfig
+    from steps.run.config import RunConfig
 
 
 class ServedSteps:
@@ -79,7 +79,7 @@ class ServedSteps:
 
     def start_server(self, server: Server) -> None:
         """Its pod is on a node: the engine (or the trainer) starts, a rollout server on the version the next
-        iteration samples from (steps/rollout_service.py), the trainer on the newest."""
+        iteration samples from (steps/experience/rollout_service.py), the trainer on the newest."""
         if not self.has_v0:
             server.awaiting_v0 = True  # its node held, idle: counted as a ready server's
             return

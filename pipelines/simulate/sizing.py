@@ -8,9 +8,9 @@ import math
 from dataclasses import dataclass
 
 from pipelines.workflow import commands
-from steps.candidate import OPTIMIZER, WEIGHTS, node_write_loads, shard_writers
 from steps.errors import MoerlError
-from steps.run_config import RunConfig
+from steps.run.candidate import OPTIMIZER, WEIGHTS, node_write_loads, shard_writers
+from steps.run.config import RunConfig
 
 GPU = "nvidia.com/gpu"
 # Step kinds: the workflow's template names. engine_startup is the part of a rollout shard spent before it
@@ -60,7 +60,7 @@ class Assumptions:
     # bench/weight_update.py's "delta write" gives on one core (173 MB of bf16 in 0.85 s).
     delta_encode_gb_per_s: float = 0.2
     # The share of the weights outside the experts (embeddings, attention, routers, norms): every EP rank holds
-    # them and EP rank 0's files carry them (steps/candidate.py). Qwen3-30B-A3B: ~1.5B of ~30.5B parameters.
+    # them and EP rank 0's files carry them (steps/run/candidate.py). Qwen3-30B-A3B: ~1.5B of ~30.5B parameters.
     replicated_fraction: float = 0.05
     # The model's routed experts: with trainer.ep_size unset the trainer's EP size is gcd(ranks, num_experts).
     num_experts: int = 128
@@ -121,7 +121,7 @@ CPU_ASSUMPTIONS = Assumptions(
     nvme_gb_per_s=0.5,
     engine_update_s=0.5,  # the torch engine copies the tensors into its modules
     replicated_fraction=0.5,  # the demo model's embeddings and attention weigh as much as its experts
-    num_experts=8,  # steps/sft.py's demo model
+    num_experts=8,  # steps/demo/sft.py's demo model
 )
 
 
@@ -286,7 +286,7 @@ def rollout_served(cfg: RunConfig) -> bool:
 
 def deltas_written(cfg: RunConfig) -> bool:
     """The update writes the version's delta: only read by rollout servers, so only paid where there are some
-    (steps/weight_delta.py wanted)."""
+    (steps/run/weight_delta.py wanted)."""
     return cfg.checkpoint.deltas and rollout_served(cfg)
 
 
@@ -315,8 +315,8 @@ def shard_gb(cfg: RunConfig, a: Assumptions) -> list[dict[str, float]]:
 
 
 def node_write_s(cfg: RunConfig, a: Assumptions, deltas: bool | None = None) -> dict[int, float]:
-    """Seconds each trainer node spends writing the candidate, as the update writes it (steps/policy_update.py
-    writer_plan, steps/candidate.py shard_writers): each EP rank's weight and optimizer files, each written by
+    """Seconds each trainer node spends writing the candidate, as the update writes it (steps/training/policy_update.py
+    writer_plan, steps/run/candidate.py shard_writers): each EP rank's weight and optimizer files, each written by
     one of its dp replicas, spread over the nodes; a node uploads its files at s3_gb_per_s. With the delta
     (deltas_written), the writer of a weight file also encodes that file's delta (one core,
     delta_encode_gb_per_s; a node's writers encode at once) and uploads it."""

@@ -20,7 +20,7 @@ from pipelines.simulate.sizing import (
 )
 from pipelines.simulate.state import TRAINER_SERVER
 from pipelines.workflow.graph import ROLLOUT_SERVER
-from steps.run_config import RunConfig
+from steps.run.config import RunConfig
 
 
 def _fmt_s(seconds: float) -> str:

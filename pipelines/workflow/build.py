@@ -36,9 +36,9 @@ from hera.workflows.models import (
 from pipelines.workflow import graph
 from pipelines.workflow import placement as pl
 from pipelines.workflow import templates as tpl
-from steps.run_config import RunConfig
-from steps.store import Store
-from steps.tracking import wandb_run_id
+from steps.run.config import RunConfig
+from steps.store.object_store import Store
+from steps.tracking.trackers import wandb_run_id
 
 TITLE = "workflows.argoproj.io/title"
 DESCRIPTION = "workflows.argoproj.io/description"

@@ -24,8 +24,8 @@ import json
 from dataclasses import dataclass
 
 from pipelines.workflow import graph
-from steps.run_config import RunConfig
-from steps.run_store import rollout_server_name
+from steps.run.config import RunConfig
+from steps.run.keys import rollout_server_name
 
 # The files each step writes for its orchestrator to read back (Argo output parameters and artifacts). They
 # lie on the pods' /tmp emptyDir (placement.py), where Argo's executor can read them under a read-only root.

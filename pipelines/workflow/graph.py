@@ -4,7 +4,7 @@ Pure data, no Hera: the builders turn it into an Argo DAG and the KFP pipeline i
 tests read it directly.
 
 Per iteration i there are four tasks: rollout-i (fanned out over shards), score-i, update-i, publish-i.
-rollout-i samples from policy v(i-1-staleness) (steps.run_store.behaviour_version) and so waits for
+rollout-i samples from policy v(i-1-staleness) (steps.run.keys.behaviour_version) and so waits for
 publish-(i-1-staleness):
 
     staleness 0:  publish-(i-1) -> rollout-i -> score-i -> update-i -> publish-i       (synchronous)
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from steps.run_store import behaviour_version
+from steps.run.keys import behaviour_version
 
 PLAN = "plan"
 IMPORT_SFT = "import-sft"

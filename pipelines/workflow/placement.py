@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from steps.run_config import Placement, RunConfig
+from steps.run.config import Placement, RunConfig
 
 RUN_LABEL = "moerl.io/run"
 STEP_LABEL = "moerl.io/step"
@@ -138,7 +138,7 @@ def tracking_env(cfg: RunConfig) -> list[dict[str, Any]]:
     return out
 
 
-# A long-lived server's own address (steps/serving.py pod_ip), from the downward API: the server registers it.
+# A long-lived server's own address (steps/run/serving.py pod_ip), from the downward API: the server registers it.
 POD_IP_ENV = {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
 
 

@@ -60,8 +60,8 @@ from steps.pytorchjob_launcher import (
     MASTER_WAIT_SECONDS,
     VERSION,
 )
-from steps.run_config import RunConfig
-from steps.run_store import launcher_heartbeat_key
+from steps.run.config import RunConfig
+from steps.run.keys import launcher_heartbeat_key
 
 SUCCESS_CONDITION = "status.replicaStatuses.Master.succeeded > 0"
 FAILURE_CONDITION = ", ".join(f"status.conditions.{i}.type == Failed" for i in FAILED_CONDITION_INDEXES)

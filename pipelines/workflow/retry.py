@@ -9,7 +9,7 @@ node got before it went away:
     Failed  exit code 143 (SIGTERM) or 137 (SIGKILL)              the container was stopped mid-run
 
 A client of a long-lived server (a rollout step sending its chunks to a rollout server) whose server was lost
-mid-request exits with 75 (steps/serving.py EXIT_SERVER_LOST): that is a reclaim one hop away, retried the
+mid-request exits with 75 (steps/run/serving.py EXIT_SERVER_LOST): that is a reclaim one hop away, retried the
 same way wherever the client runs, so that the retry reaches another server or the replacement.
 
 A long-lived server (a daemon task: rollout servers, the trainer) is retried on any failure when it is on
@@ -29,8 +29,8 @@ from __future__ import annotations
 from hera.workflows import RetryStrategy
 from hera.workflows.models import Backoff, RetryAffinity, RetryNodeAntiAffinity
 
-from steps.run_config import Retry
-from steps.serving import EXIT_SERVER_LOST
+from steps.run.config import Retry
+from steps.run.serving import EXIT_SERVER_LOST
 
 # Argo evaluates this with expr-lang over lastRetry.{status,exitCode,message,duration}; exitCode is a string.
 SPOT_RETRY_EXPRESSION = (

@@ -48,8 +48,8 @@ from pipelines.workflow.retry import retry_for
 from pipelines.workflow.wait import PARENT_LABEL
 from steps.progress import PROGRESS_ANNOTATION
 from steps.pytorchjob_launcher import WAIT_DEADLINE_SECONDS
-from steps.run_config import RunConfig
-from steps.run_store import TRAINER_SERVER_NAME, behaviour_version, rollout_server_name
+from steps.run.config import RunConfig
+from steps.run.keys import TRAINER_SERVER_NAME, behaviour_version, rollout_server_name
 
 ITERATION = ARGO.iteration
 SCORE_METRIC_KEYS = {"reward_mean": "moerl_reward_mean", "accuracy": "moerl_accuracy"}

@@ -1,5 +1,4 @@
-"""Expert parallelism for training: the dp x ep process mesh, expert placement, the dispatch backends and
-gradient sync.
+"""Expert parallelism for training: the dp x ep process mesh, the dispatch backends and gradient sync.
 
 The world of R ranks is a mesh of dp x ep: rank = dp_rank * ep + ep_rank. The ep ranks of one row (an "EP
 group") split the experts of every MoE layer between them, E/ep experts each, as the iteration's
@@ -13,9 +12,10 @@ on all R ranks. Every rank trains on its own slice of the global batch.
 
   mesh.py       the mesh (Mesh, resolve_ep_size, build_mesh), gradient sync and clipping over it, and the
                 small collectives of the trainer's statistics;
-  placement.py  ExpertPlacement and balanced_placement;
-  dispatch.py   make_dispatch: the backend a run names, behind steps.moe's one `ExpertDispatch` contract:
-                  local     one rank, all experts (steps.moe.LocalDispatch);
+  (the placement, ExpertPlacement and balanced_placement, is steps/models/placement.py: the model maps
+  router ids to slots with it, and checkpoints read one EP rank's experts by it);
+  dispatch.py   make_dispatch: the backend a run names, behind steps.models.moe's one `ExpertDispatch` contract:
+                  local     one rank, all experts (steps.models.moe.LocalDispatch);
                   alltoall  alltoall.py, all_to_all_single over gloo (CPU) or NCCL (GPU);
                   deepep    deepep.py, DeepEP 2.x ElasticBuffer, GPU only;
   timing.py     CommTimer, the wall time of the backends' exchanges (the bench reports it).

@@ -3,7 +3,7 @@ or NCCL on GPU.
 
 Every (token, expert) slot is sent to the expert's owner, run there, and sent back; one autograd Function per
 MoE layer with a hand-written backward, which overlaps every exchange with the experts' work on the slots that
-stay on this rank (AllToAllDispatch). It implements steps.moe's `ExpertDispatch` contract;
+stay on this rank (AllToAllDispatch). It implements steps.models.moe's `ExpertDispatch` contract;
 steps/expert_parallel/dispatch.py chooses it.
 """
 
@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from steps.expert_parallel.timing import CommTimer
-from steps.moe import (
+from steps.models.moe import (
     SlotOrder,
     SwiGLURows,
     expert_spans,
@@ -54,7 +54,7 @@ class AllToAllDispatch:
     the own block is never sent to itself. The number of exchanges does not depend on the number of experts:
     few, large messages, which is what a latency-bound transport (gloo on loopback) needs. The experts are
     the model's SwiGLU `Expert`s; the Function computes their forward and backward from their weights with
-    steps.moe's swiglu_forward / swiglu_backward_input / swiglu_backward_weights (the one implementation).
+    steps.models.moe's swiglu_forward / swiglu_backward_input / swiglu_backward_weights (the one implementation).
     `expert_rows` counts the (token, expert) rows this rank's experts ran (the bench reports the balance).
     """
 
@@ -136,7 +136,7 @@ def _without_block(x: torch.Tensor, block: slice) -> torch.Tensor:
 
 @dataclass
 class _Run:
-    """The experts run on rows [start, end) of a buffer (SwiGLU arithmetic in steps.moe), and what their
+    """The experts run on rows [start, end) of a buffer (SwiGLU arithmetic in steps.models.moe), and what their
     backward needs (`rows`, spans relative to `start`)."""
 
     start: int

@@ -2,7 +2,7 @@
 nodes), GPU only, imported when first used.
 
 DeepEP sends tokens (not slots) in bf16; the owner applies the router weights and combine sums the ranks'
-partial outputs (DeepEPDispatch, steps.moe's `ExpertDispatch` contract). Every dispatch passes num_sms
+partial outputs (DeepEPDispatch, steps.models.moe's `ExpertDispatch` contract). Every dispatch passes num_sms
 (DeepEP's own SM model, run once with bandwidths given, `deepep_bandwidths`): left at 0, DeepEP detects the
 RDMA bandwidth with ibstat, which finds nothing on EFA, and the backward's cached dispatch fails before it
 reads the handle (tests/test_deepep_contract.py holds both rules).
@@ -20,7 +20,7 @@ from torch import nn
 
 from steps.errors import MoerlError
 from steps.expert_parallel.timing import CommTimer
-from steps.moe import group_by_expert, run_experts
+from steps.models.moe import group_by_expert, run_experts
 
 
 def import_deep_ep() -> object:

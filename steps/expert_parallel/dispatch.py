@@ -1,7 +1,7 @@
-"""Choosing the expert dispatch backend a run names (trainer.ep_backend): one `ExpertDispatch` (steps/moe.py)
+"""Choosing the expert dispatch backend a run names (trainer.ep_backend): one `ExpertDispatch` (steps/models/moe.py)
 whichever it is, so the model and the trainer never see which.
 
-  local     one rank, all experts (steps.moe.LocalDispatch);
+  local     one rank, all experts (steps.models.moe.LocalDispatch);
   alltoall  steps/expert_parallel/alltoall.py;
   deepep    steps/expert_parallel/deepep.py (CUDA only).
 """
@@ -15,7 +15,7 @@ from steps.expert_parallel.alltoall import AllToAllDispatch
 from steps.expert_parallel.deepep import DeepEPDispatch
 from steps.expert_parallel.mesh import Mesh
 from steps.expert_parallel.timing import CommTimer
-from steps.moe import ExpertDispatch, LocalDispatch
+from steps.models.moe import ExpertDispatch, LocalDispatch
 
 BACKENDS = ("local", "alltoall", "deepep")
 
@@ -67,7 +67,8 @@ def make_dispatch(
 
 
 class HeldDispatch:
-    """The dispatcher that a trainer that stays up keeps from one update to the next (steps/trainer_service.py).
+    """The dispatcher that a trainer that stays up keeps from one update to the next
+    (steps/training/trainer_service.py).
 
     Made once: a DeepEP buffer registers its NCCL window and exchanges its handles across the EP group when
     it is made, and a process that made one per update would pay that each time and hold the old window

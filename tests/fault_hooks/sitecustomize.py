@@ -6,7 +6,7 @@ MOERL_FAULT unset it does nothing.
 
     {"kill": "KILL" | "TERM" | "STOP", "on": "put" | "replace", "match": REGEX, "nth": N, "when": "before" | "after"}
         Send the signal to this process at the N-th store write whose key matches (on "put":
-        steps.store.Store.put_bytes / put_file), or at the N-th os.replace whose target path matches (on
+        steps.store.object_store.Store.put_bytes / put_file), or at the N-th os.replace whose target path matches (on
         "replace": the local store's renames into place), just before or just after it. Deterministic
         crash points: "after the first chunk is written", "between the sidecar and the object rename"; STOP holds
         the process there for the test to kill when it chooses.
@@ -15,7 +15,7 @@ MOERL_FAULT unset it does nothing.
         written there, every write fails with ENOSPC, as on a full filesystem. (Used where no tiny tmpfs
         can be mounted.)
 
-steps.store is patched when it is first imported, so processes that never import it pay nothing.
+steps.store.object_store is patched when it is first imported, so processes that never import it pay nothing.
 """
 
 from __future__ import annotations
@@ -122,10 +122,10 @@ def _patch_store(module) -> None:
 
 
 class _PatchOnImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Finds steps.store like the normal machinery, then patches it right after it has executed."""
+    """Finds steps.store.object_store like the normal machinery, then patches it right after it has executed."""
 
     def find_spec(self, name, path, target=None):
-        if name != "steps.store":
+        if name != "steps.store.object_store":
             return None
         spec = importlib.machinery.PathFinder.find_spec(name, path)
         if spec is None or spec.loader is None:

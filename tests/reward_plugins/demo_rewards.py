@@ -1,4 +1,4 @@
-"""Reward functions as a user would install them (steps/user_reward.py's contract), for the tests."""
+"""Reward functions as a user would install them (steps/scoring/user_reward.py's contract), for the tests."""
 
 import math
 import time

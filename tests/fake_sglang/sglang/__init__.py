@@ -1,4 +1,4 @@
-"""A stand-in for the `sglang` package (0.5.17) with what steps/sglang_engine.py relies on, on CPU:
+"""A stand-in for the `sglang` package (0.5.17) with what steps/engines/sglang_engine.py relies on, on CPU:
 
 - Engine(**kwargs) accepts only ServerArgs' field names that moerl passes (and records them to the JSON file
   named by $FAKE_SGLANG_RECORD), with `dtype` one of ServerArgs' choices, and takes $FAKE_SGLANG_START_S

@@ -1,0 +1,159 @@
+"""Supervised fine-tuning of the small demo MoE on a toy task, on the CPU.
+
+This makes the SFT checkpoint that the demo's RL run starts from: trained just long enough to
+follow the task format and get a fair share of held-out problems right, leaving room for RL.
+Deterministic for a seed: data order, initialisation and every update derive from it.
+
+The checkpoint's tokenizer is written first and SFT encodes through it exactly as the RL steps will
+(steps/data/tokenizer.py): the demo's character tokenizer with raw prompts (`moerl demo`), or a BPE trained on
+the task's text with a chat template (`moerl demo --config configs/demo-chat.yaml`).
+"""
+
+from __future__ import annotations
+
+import random
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from steps.data.tasks import Prompt, get_task, sft_target
+from steps.data.tokenizer import RAW, CheckpointTokenizer, PromptFormat
+from steps.demo import bpe_tokenizer, char_tokenizer
+from steps.models.hf_checkpoint import save_pretrained
+from steps.models.transformer import MoeConfig, MoeForCausalLM
+
+
+def encode_example(
+    prompt: Prompt, tok: CheckpointTokenizer, fmt: PromptFormat = RAW
+) -> tuple[list[int], int]:
+    """Token ids of the prompt (as rollout encodes it) + target answer + eos, and where the response starts."""
+    prompt_ids = tok.prompt_ids(prompt.content, fmt)
+    return prompt_ids + [*tok.encode_text(sft_target(prompt)), tok.eos_id], len(prompt_ids)
+
+
+def teacher_forced_batch(
+    examples: list[tuple[list[int], int]], pad_id: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded inputs, next-token targets, and the mask of targets that belong to the response."""
+    length = max(len(ids) for ids, _ in examples)
+    inputs = torch.full((len(examples), length - 1), pad_id, dtype=torch.long)
+    targets = torch.full_like(inputs, pad_id)
+    response_mask = torch.zeros_like(inputs, dtype=torch.bool)
+    for row, (ids, response_start) in enumerate(examples):
+        seq = torch.tensor(ids)
+        inputs[row, : len(ids) - 1] = seq[:-1]
+        targets[row, : len(ids) - 1] = seq[1:]
+        response_mask[row, response_start - 1 : len(ids) - 1] = True
+    return inputs, targets, response_mask
+
+
+def char_checkpoint_tokenizer() -> CheckpointTokenizer:
+    """The demo's character tokenizer, read back as a checkpoint's (the default of the demo's SFT)."""
+    with tempfile.TemporaryDirectory(prefix="moerl-char-tokenizer-") as tmp:
+        char_tokenizer.save_tokenizer(tmp)
+        return CheckpointTokenizer.load(tmp)
+
+
+def demo_model_config(tok: CheckpointTokenizer | None = None) -> MoeConfig:
+    """About 0.5M parameters: 8 experts, top-2, small enough to train in a minute or two on 2 cores."""
+    tok = tok or char_checkpoint_tokenizer()
+    return MoeConfig(
+        vocab_size=tok.vocab_size,
+        hidden_size=96,
+        intermediate_size=192,
+        moe_intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=24,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        max_position_embeddings=64,
+        bos_token_id=tok.token_id("bos_token"),
+        eos_token_id=list(tok.stop_ids) if len(tok.stop_ids) > 1 else tok.stop_ids[0],
+        pad_token_id=tok.pad_id,
+    )
+
+
+@dataclass
+class SftSettings:
+    # sort6 learns its format and half its held-out problems in 50 steps (~20 s on 2 cores), and RL takes
+    # it from there: addition3 needed 400 steps for 45%, and RL hardly moved that policy (see configs/demo.yaml).
+    task: str = "sort6"
+    seed: int = 0
+    steps: int = 50
+    batch_size: int = 64
+    lr: float = 3e-3
+    weight_decay: float = 0.01
+    train_prompts: int = 4096
+    eval_prompts: int = 256
+    tokenizer: str = "char"  # "char": the demo's character tokenizer; "bpe": a BPE with a chat template
+    prompt_format: str = "raw"  # "raw" or "chat": as the RL run's prompt_format
+    system_prompt: str | None = None
+
+    @property
+    def format(self) -> PromptFormat:
+        return PromptFormat(self.prompt_format, self.system_prompt)
+
+
+def write_tokenizer(settings: SftSettings, directory: Path) -> CheckpointTokenizer:
+    """Write the checkpoint's tokenizer files into `directory` and read them back as every step will."""
+    if settings.tokenizer == "char":
+        char_tokenizer.save_tokenizer(directory)
+    elif settings.tokenizer == "bpe":
+        task = get_task(settings.task)
+        corpus = []
+        for p in task.prompts("train", settings.train_prompts, settings.seed):
+            turns = settings.format.messages(p.content) + [{"role": "assistant", "content": sft_target(p)}]
+            corpus.append(bpe_tokenizer.chatml(turns))
+        bpe_tokenizer.train_chat_tokenizer(corpus, directory)
+    else:
+        raise ValueError(f"unknown demo tokenizer {settings.tokenizer!r}; use 'char' or 'bpe'")
+    return CheckpointTokenizer.load(directory)
+
+
+def train_sft(
+    settings: SftSettings,
+    tok: CheckpointTokenizer | None = None,
+    progress: Callable[[int, float], None] | None = None,
+) -> MoeForCausalLM:
+    """Train the demo model on the task's train split (tok: the checkpoint's tokenizer, by default the demo's
+    characters); returns the model in eval mode."""
+    tok = tok or char_checkpoint_tokenizer()
+    torch.manual_seed(settings.seed)
+    model = MoeForCausalLM(demo_model_config(tok))
+    task = get_task(settings.task)
+    examples = [encode_example(p, tok, settings.format)
+                for p in task.prompts("train", settings.train_prompts, settings.seed)]  # fmt: skip
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=settings.lr, weight_decay=settings.weight_decay, foreach=True
+    )
+    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=settings.lr, total_steps=settings.steps)
+    order = random.Random(settings.seed)
+    model.train()
+    for step in range(settings.steps):
+        inputs, targets, mask = teacher_forced_batch(order.sample(examples, settings.batch_size), tok.pad_id)
+        logits = model(inputs)
+        loss = torch.nn.functional.cross_entropy(logits[mask], targets[mask])
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        if progress is not None:
+            progress(step + 1, loss.item())
+    return model.eval()
+
+
+def write_checkpoint(model: MoeForCausalLM, directory: Path) -> Path:
+    """An HF-format checkpoint: config.json, safetensors weights, beside the tokenizer write_tokenizer wrote
+    (the demo's character tokenizer when there is none yet)."""
+    directory = Path(directory)
+    save_pretrained(model, directory)
+    if not (directory / "tokenizer.json").is_file():
+        char_tokenizer.save_tokenizer(directory)
+    return directory

@@ -1,0 +1,343 @@
+"""The SGLang engine: offline generation with `sglang.Engine` on GPUs, behind the same interface as TorchEngine.
+
+Supported SGLang: 0.5.17 or newer (the rollout image pins it; see images/). It is imported lazily, so nothing
+else in moerl needs it installed.
+
+How the interface maps onto SGLang (names as in SGLang's ServerArgs, SamplingParams and GenerateReqInput):
+    checkpoint dir          Engine(model_path=dir, skip_tokenizer_init=True): we pass token ids and read token
+                            ids back, so SGLang never tokenizes (our tokenizer travels with the checkpoint)
+    weights' dtype          Engine(dtype=...) from the checkpoint's config.json (`dtype`, or transformers'
+                            older `torch_dtype`; none: float32, as SGLang and transformers read it). Never
+                            "auto": SGLang's _get_and_verify_dtype serves a float32 checkpoint in float16
+    expert parallelism      Engine(tp_size, ep_size, moe_a2a_backend="deepep" | "none", mem_fraction_static)
+    determinism             Engine(enable_deterministic_inference=True, random_seed): batch-invariant kernels,
+                            so a sample does not depend on what else is in the batch
+    one sample's seed       sampling_params["sampling_seed"] (per request)
+    temperature, top_p,     sampling_params["temperature"] (0 is greedy), ["top_p"], ["top_k"] (-1 is off),
+    top_k, max_new_tokens,  ["max_new_tokens"], ["stop_token_ids"]; ["no_stop_trim"]=True keeps the stop token in
+    stop tokens             the output, as the torch engine does
+    behaviour log-probs     generate(return_logprob=True): meta_info["output_token_logprobs"], one
+                            (logprob, token_id, text) per generated token. SGLANG_RETURN_ORIGINAL_LOGPROB=1 (set
+                            before the engine starts; its scheduler processes read it) makes those the raw policy
+                            log_softmax(logits) before temperature, which is what the torch engine records and the
+                            trainer recomputes (steps/engines/interface.py)
+    finish reason           meta_info["finish_reason"]["type"]: "stop" or "length" ("abort" is an error, unless
+                            we aborted the batch: see "SIGTERM")
+    new weights in place    Engine.update_weights_from_disk(model_path=dir) -> (success, message,
+                            num_paused_requests) (TokenizerManager.update_weights_from_disk): the scheduler
+                            reloads the dir's safetensors into the running model (DefaultModelLoader, the
+                            config.json it started with: same model, same dtype) and flushes the prefix cache
+
+In-place updates (update_weights). SGLang 0.5.17 reports a failed load as success False and a message (no
+weights iterator for the dir; a tensor that does not fit the model, or a load that raises, e.g. out of
+memory: "Failed to update weights: ... Rolling back to original weights."), and raises when its weight cache
+is on (--weight-cache-mode, which moerl never sets): srt/model_executor/model_runner_components/
+weight_updater.py, WeightUpdater.update_weights_from_disk. Its "rollback" reloads from
+model_config.model_path, which it has already pointed at the new dir, so after a failure the weights are not
+known to be either version's: the engine is `broken` and refuses to generate from then on; the rollout
+server then closes it and opens a new one from the run store, answering 503 meanwhile
+(steps/experience/rollout_service.py RolloutService.bring_to and recover). A tensor the dir lacks is not an error for
+SGLang (the old one stays), so the dir must be a whole verified checkpoint (steps/engines/weight_sync.py makes it
+one). config.json is not read again (update_weights_from_disk takes only model_path and load_format), so a
+dir of another model or dtype is refused here before SGLang sees it: another shape or computation
+(steps/models/hf_checkpoint.py model_architecture, normalised across transformers' config layouts) or another
+dtype. Every published version carries v000000's config.json (steps/publish.py keep_parent_config), so
+within a run this only ever refuses a dir of another run.
+
+SIGTERM. SGLang's request loop (TokenizerManager.auto_create_handle_loop) hands SIGTERM to its asyncio loop,
+whose handler drains the requests and then SIGKILLs its own process tree, the engine's process included: the
+step would end with 137 (and keep generating for a while) instead of stopping at once with the rollout
+step's 143. The engine makes SGLang create that loop right after start-up, takes SIGTERM back from it and
+puts back the handler that was there (the rollout step's or the rollout server's), so a Spot reclaim stops
+the process at once, as with the torch engine. SGLang installs its handler only once per engine, so it stays
+ours. It must create it on the engine's own loop: auto_create_handle_loop takes get_or_create_event_loop()
+(srt/utils/common.py: the running loop, else a new one), and Engine.generate and update_weights_from_disk
+run Engine.loop (entrypoints/engine.py), so a request loop made outside it would never read an output.
+A batch runs inside SGLang's loop, where the rollout step's handler raises at once (Preempted). A rollout
+server's handler only says stop (steps/rollout_server.py): generate polls should_stop on that loop and
+aborts every request in flight (TokenizerManager.abort_request(abort_all=True): they finish with
+finish_reason "abort"), then raises GenerationInterrupted, which the server answers with 503 (retried).
+
+SGLang draws its own random numbers, so its samples differ from the torch engine's for the same seeds; what
+both guarantee is that a sample depends only on its request (prompt, seed, sampling settings, weights).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from steps.engines.interface import (
+    FINISH_LENGTH,
+    FINISH_STOP,
+    Generation,
+    GenerationInterrupted,
+    GenerationRequest,
+    SamplingParams,
+)
+from steps.errors import MoerlError
+
+if TYPE_CHECKING:
+    from steps.run.config import SGLangConfig
+
+MIN_SGLANG_VERSION = (0, 5, 17)
+SGLANG_SEED_MODULUS = 2**63  # sampling_seed is a signed 64-bit integer on SGLang's side
+STOP_POLL_S = 0.1  # how often a batch in flight asks should_stop (a callback on SGLang's loop)
+
+
+@dataclass(frozen=True)
+class SGLangSettings:
+    """SGLang serving settings (rollout.sglang in the run config)."""
+
+    tp_size: int = 1
+    ep_size: int = 1
+    moe_a2a_backend: str = "none"  # "deepep": DeepEP all-to-all between the expert-parallel ranks
+    mem_fraction: float = 0.85
+    deterministic: bool = True  # enable_deterministic_inference: batch-invariant kernels
+    random_seed: int = 0
+
+    @classmethod
+    def from_config(cls, sglang: SGLangConfig, random_seed: int) -> SGLangSettings:
+        """The run's `rollout.sglang` section, field by field, and the run's seed."""
+        return cls(**dict(sglang), random_seed=random_seed)
+
+
+def sglang_unavailable_reason() -> str | None:
+    """Why the SGLang engine cannot run here (for skips and error messages), or None when it can."""
+    if importlib.util.find_spec("sglang") is None:
+        return "SGLang not installed (pip install 'sglang>=0.5.17' in the GPU rollout image)"
+    import torch
+
+    if not torch.cuda.is_available():
+        return "no CUDA GPU (the SGLang engine needs one)"
+    return None
+
+
+def _version_tuple(version: str) -> tuple[int, ...]:
+    parts = []
+    for piece in version.split(".")[:3]:
+        digits = "".join(c for c in piece if c.isdigit())
+        parts.append(int(digits) if digits else 0)
+    return tuple(parts)
+
+
+SGLANG_DTYPES = {"float32": "float32", "float": "float32", "bfloat16": "bfloat16", "float16": "float16",
+                 "half": "float16"}  # fmt: skip
+
+
+def checkpoint_dtype(model_dir: str | os.PathLike) -> str:
+    """SGLang's `dtype` for a checkpoint: the dtype its config.json records (float32 when it records none)."""
+    path = Path(model_dir) / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise MoerlError(f"{path}: cannot read the checkpoint's config ({err}); republish the checkpoint") from err
+    recorded = config.get("dtype") or config.get("torch_dtype") or "float32"
+    name = str(recorded).removeprefix("torch.")
+    if name not in SGLANG_DTYPES:
+        raise MoerlError(
+            f"{path}: dtype {recorded!r} is not one SGLang serves; publish the checkpoint in "
+            "bfloat16, float16 or float32"
+        )
+    return SGLANG_DTYPES[name]
+
+
+def read_config(model_dir: str | os.PathLike) -> tuple[dict[str, Any], str]:
+    """The dir's config.json as a dict, and its path (for errors)."""
+    path = Path(model_dir) / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise MoerlError(f"{path}: cannot read the checkpoint's config ({err}); republish the checkpoint") from err
+    if not isinstance(config, dict):
+        raise MoerlError(f"{path}: not a JSON object; republish the checkpoint")
+    return config, str(path)
+
+
+def same_model(started: tuple[dict[str, Any], str], model_dir: str | os.PathLike) -> bool:
+    """Whether model_dir's config.json describes the model the engine started with (`started`: read_config of
+    its dir): the same shape and computation (steps/models/hf_checkpoint.py model_architecture), compared normalised,
+    so a config in transformers' older layout (top-level rope_theta, torch_dtype) and one in the newer
+    (rope_parameters, dtype) of the same model are the same model. The dtype is compared on its own
+    (checkpoint_dtype)."""
+    from steps.models.hf_checkpoint import model_architecture  # lazy: torch, only once an update comes
+
+    return model_architecture(*started) == model_architecture(*read_config(model_dir))
+
+
+def take_back_sigterm(engine: Any) -> None:
+    """Create SGLang's request loop now, on the engine's own loop, and take SIGTERM back from it (module
+    docstring, "SIGTERM")."""
+    ours = signal.getsignal(signal.SIGTERM)
+    manager = engine.tokenizer_manager
+
+    async def create_handle_loop() -> None:  # inside Engine.loop, so get_or_create_event_loop returns it
+        manager.auto_create_handle_loop()
+
+    engine.loop.run_until_complete(create_handle_loop())
+    if manager.event_loop is not engine.loop:
+        raise MoerlError("SGLang's request loop is not its engine's loop; use SGLang 0.5.17 (images/versions.env)")
+    manager.event_loop.remove_signal_handler(signal.SIGTERM)
+    signal.signal(signal.SIGTERM, ours if ours is not None else signal.SIG_DFL)
+
+
+def sampling_params_for(request: GenerationRequest, params: SamplingParams) -> dict[str, Any]:
+    """SGLang's per-request sampling_params for one of our requests."""
+    return {
+        "temperature": float(params.temperature),
+        "top_p": float(params.top_p),
+        "top_k": int(params.top_k) if params.top_k else -1,
+        "max_new_tokens": int(params.max_new_tokens),
+        "stop_token_ids": list(params.stop_token_ids),
+        "ignore_eos": not params.stop_token_ids,  # no stop tokens: do not stop at the model's EOS either
+        "no_stop_trim": True,
+        "skip_special_tokens": False,
+        "sampling_seed": int(request.seed % SGLANG_SEED_MODULUS),
+    }
+
+
+def generation_from_output(request: GenerationRequest, output: dict[str, Any]) -> Generation:
+    """Our Generation from one SGLang output dict (token ids and log-probs from output_token_logprobs)."""
+    meta = output.get("meta_info", {})
+    finish = (meta.get("finish_reason") or {}).get("type")
+    if finish not in (FINISH_STOP, FINISH_LENGTH):
+        raise MoerlError(
+            f"SGLang did not finish prompt {request.prompt_id} sample {request.sample_index} "
+            f"(finish_reason {meta.get('finish_reason')!r}); check the rollout pod's SGLang log"
+        )
+    entries = meta.get("output_token_logprobs") or []
+    tokens = [int(entry[1]) for entry in entries]
+    logprobs = [float(entry[0]) for entry in entries]
+    if "output_ids" in output and list(output["output_ids"]) != tokens:
+        raise MoerlError(
+            f"SGLang returned {len(output['output_ids'])} output ids but {len(tokens)} token log-probs for prompt "
+            f"{request.prompt_id}; use SGLang {'.'.join(map(str, MIN_SGLANG_VERSION))} or newer"
+        )
+    return Generation(request.prompt_id, request.sample_index, tokens, logprobs, finish)
+
+
+def _aborted(output: dict[str, Any]) -> bool:
+    return ((output.get("meta_info") or {}).get("finish_reason") or {}).get("type") == "abort"
+
+
+class _StopWatch:
+    """Polls should_stop on SGLang's engine loop while a batch runs there, and aborts every request in flight
+    once it says stop. SGLang 0.5.17's abort is TokenizerManager.abort_request(rid: str = "", abort_all: bool =
+    False) (srt/managers/tokenizer_manager.py; its Engine has none of its own): abort_all marks every request
+    aborted and sends AbortReq to the scheduler (Scheduler.abort_request), which ends them with FINISH_ABORT.
+    A callback of the loop, so it never runs in the middle of SGLang's own code, as a signal handler could."""
+
+    def __init__(self, engine: Any, should_stop: Callable[[], bool]) -> None:
+        self.engine = engine
+        self.should_stop = should_stop
+        self.aborted = False
+        self.handle = engine.loop.call_later(STOP_POLL_S, self.poll)
+
+    def poll(self) -> None:
+        if self.should_stop():
+            self.engine.tokenizer_manager.abort_request(abort_all=True)
+            self.aborted = True
+            return
+        self.handle = self.engine.loop.call_later(STOP_POLL_S, self.poll)
+
+    def cancel(self) -> None:
+        self.handle.cancel()
+
+
+class SGLangEngine:
+    """sglang.Engine over one checkpoint dir, in this process (offline: no HTTP server)."""
+
+    name = "sglang"
+
+    def __init__(self, model_dir: str | os.PathLike, settings: SGLangSettings) -> None:
+        reason = sglang_unavailable_reason()
+        if reason is not None:
+            raise MoerlError(f"rollout.engine 'sglang': {reason}; or set rollout.engine: torch")
+        # Read by SGLang's scheduler processes at start-up: log-probs before temperature (see module docstring).
+        os.environ["SGLANG_RETURN_ORIGINAL_LOGPROB"] = "1"
+        import sglang
+
+        version = getattr(sglang, "__version__", "0")
+        if _version_tuple(version) < MIN_SGLANG_VERSION:
+            raise MoerlError(
+                f"SGLang {version} is too old; moerl needs {'.'.join(map(str, MIN_SGLANG_VERSION))} or newer"
+            )
+        kwargs: dict[str, Any] = {
+            "model_path": str(model_dir),
+            "dtype": checkpoint_dtype(model_dir),
+            "skip_tokenizer_init": True,
+            "tp_size": settings.tp_size,
+            "ep_size": settings.ep_size,
+            "mem_fraction_static": settings.mem_fraction,
+            "enable_deterministic_inference": settings.deterministic,
+            "random_seed": settings.random_seed,
+            "log_level": "error",
+        }
+        if settings.moe_a2a_backend != "none":
+            kwargs["moe_a2a_backend"] = settings.moe_a2a_backend
+        self.dtype = kwargs["dtype"]
+        self.started_config = read_config(model_dir)  # what SGLang read at start-up, once
+        self.broken: str | None = None  # why the weights are unknown after a failed in-place update
+        self.engine = sglang.Engine(**kwargs)
+        take_back_sigterm(self.engine)
+
+    def update_weights(self, model_dir: str | os.PathLike) -> None:
+        """SGLang's in-place update from a checkpoint dir on local disk (module docstring, "In-place updates")."""
+        if checkpoint_dtype(model_dir) != self.dtype or not same_model(self.started_config, model_dir):
+            raise MoerlError(
+                f"{model_dir}: another model or dtype than this SGLang engine serves (config.json); an in-place "
+                "update takes another version of the same run — open a new engine for another model"
+            )
+        result = self.engine.update_weights_from_disk(model_path=str(model_dir))
+        success, message = bool(result[0]), str(result[1])
+        if not success:
+            self.broken = f"SGLang could not load {model_dir} in place: {message}"
+            raise MoerlError(f"{self.broken}; open a new engine on it (check the rollout pod's SGLang log)")
+        self.broken = None
+
+    def generate(
+        self,
+        requests: Sequence[GenerationRequest],
+        params: SamplingParams,
+        should_stop: Callable[[], bool] | None = None,
+    ) -> list[Generation]:
+        """One offline batch. SGLang schedules it internally on its engine loop, so should_stop is polled on
+        that loop every STOP_POLL_S while the batch runs; once it returns True, every request in flight is
+        aborted (TokenizerManager.abort_request(abort_all=True)) and GenerationInterrupted is raised
+        (module docstring, "SIGTERM")."""
+        if not requests:
+            return []
+        if self.broken is not None:
+            raise MoerlError(f"{self.broken}: its weights are no version's; open a new engine")
+        if should_stop is not None and should_stop():
+            raise GenerationInterrupted("stopped before the batch started")
+        watch = _StopWatch(self.engine, should_stop) if should_stop is not None else None
+        try:
+            outputs = self.engine.generate(
+                input_ids=[list(r.prompt_ids) for r in requests],
+                sampling_params=[sampling_params_for(r, params) for r in requests],
+                return_logprob=True,
+            )
+        except Exception as err:
+            if watch is not None and watch.aborted:  # aborted before it reached the scheduler: RequestAbortedError
+                raise GenerationInterrupted(f"stopped: SGLang aborted the batch ({err})") from err
+            raise
+        finally:
+            if watch is not None:
+                watch.cancel()
+        if isinstance(outputs, dict):
+            outputs = [outputs]
+        if len(outputs) != len(requests):
+            raise MoerlError(f"SGLang returned {len(outputs)} outputs for {len(requests)} requests")
+        if watch is not None and watch.aborted and any(_aborted(o) for o in outputs):
+            raise GenerationInterrupted("stopped: SGLang aborted the batch in flight")
+        return [generation_from_output(r, o) for r, o in zip(requests, outputs, strict=True)]
+
+    def close(self) -> None:
+        self.engine.shutdown()

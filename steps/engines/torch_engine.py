@@ -1,0 +1,785 @@
+"""The torch engine: batched sampling over steps.models.transformer.MoeForCausalLM on CPU (or one GPU), behind the
+generation interface of steps/engines/interface.py (SGLang's engine is steps/engines/sglang_engine.py).
+
+    engine = TorchEngine.from_checkpoint(model_dir)
+    generations = engine.generate(requests, SamplingParams(n=8))
+
+Determinism of the torch engine. A sample's token at step t is the inverse CDF of the (temperature/top-k/
+top-p) sampling distribution at the uniform u[t] of the sample's own counter-based random stream, keyed by the
+request's seed alone (sample_uniforms): no other row's randomness ever enters. Logits of a row depend on the
+other rows only through floating-point noise of the batch shape (matmul blocking, expert grouping), and on
+the number of CPU threads; so the rollout step always generates the same chunk as one batch
+(steps/experience/rollout_plan.py) with a fixed thread count, and the same chunk then gives bit-identical samples in any
+shard and after any restart.
+
+Speed of the torch engine (bench/rollout.py): a prompt is prefilled once for its whole group, its keys and
+values are shared by the group's samples, samples that drew the same tokens so far are decoded once, and the
+keys and values of the tokens they drew are stored once, as a prefix tree, whatever the splits.
+
+Held-out accuracy: `evaluate_accuracy(engine_or_model, tokenizer, prompts)`, greedy (temperature 0) generation
+of the prompts as the checkpoint's tokenizer and the run's prompt format encode them, checked by each prompt's
+verifier; the one way to measure it, for every engine and for a bare MoeForCausalLM.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from steps.data.tasks import Prompt, Task, get_task, verify_ids
+from steps.data.tokenizer import RAW, CheckpointTokenizer, PromptFormat
+from steps.engines.interface import (
+    FINISH_LENGTH,
+    FINISH_STOP,
+    Engine,
+    Generation,
+    GenerationInterrupted,
+    GenerationRequest,
+    SamplingParams,
+)
+from steps.errors import MoerlError
+from steps.models.hf_checkpoint import check_checkpoint, checkpoint_dtype, load_pretrained, load_state_dict_from_dir
+from steps.models.kernels import token_logprobs
+from steps.models.moe import MoeBlock, group_by_expert
+from steps.models.transformer import MoeForCausalLM, dtype_name, rotary_cos_sin
+
+# PyTorch's CPU bmm runs matrices of fewer multiply-adds than this with a plain loop, several times slower
+# per multiply-add than its blocked kernels; RowBatch decoding keeps its per-row products above it.
+SMALL_PRODUCT = 400
+
+# What fills the token grid where nothing was sampled and the left padding of prompts: any valid id does, as
+# those positions are masked out and never read back.
+FILLER_ID = 0
+
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_MIX1, _MIX2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+
+
+def sample_uniforms(seeds: Sequence[int], steps: int) -> torch.Tensor:
+    """[len(seeds), steps] float64 uniforms in [0, 1): row r, step t is SplitMix64 of seeds[r] at counter t.
+
+    A counter-based generator: each sample's stream depends on its own seed only (like a torch.Generator
+    seeded with it), is computed for all rows at once, and is the same on every machine (unsigned 64-bit
+    arithmetic, which numpy defines to wrap around).
+    """
+    seeds_u64 = np.array([s % 2**64 for s in seeds], dtype=np.uint64)[:, None]
+    with np.errstate(over="ignore"):
+        z = seeds_u64 + _GOLDEN * np.arange(1, steps + 1, dtype=np.uint64)[None, :]
+        z = (z ^ (z >> np.uint64(30))) * _MIX1
+        z = (z ^ (z >> np.uint64(27))) * _MIX2
+        z = z ^ (z >> np.uint64(31))
+    return torch.from_numpy((z >> np.uint64(11)).astype(np.float64) * 2.0**-53)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Sampling one step for a batch of rows
+# ----------------------------------------------------------------------------------------------------
+
+
+def sample_next(
+    logits: torch.Tensor, uniforms: torch.Tensor, params: SamplingParams
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [B, V], uniforms [B] in [0, 1) -> (tokens [B] int64, policy log-probs [B] float32).
+
+    Sampling is the inverse CDF at each row's uniform, so a row's token depends on its own logits and
+    uniform only. Top-k/top-p work on the tokens sorted by probability (stable sort: ties keep vocabulary
+    order); without them the CDF runs in vocabulary order and nothing is sorted.
+    """
+    if params.greedy:
+        tokens = logits.argmax(dim=-1)
+    else:
+        scaled = logits.double() / params.temperature
+        order = None
+        if params.top_k or params.top_p < 1:
+            scaled, order = scaled.sort(dim=-1, descending=True, stable=True)
+        probs = torch.softmax(scaled, dim=-1)
+        if order is not None:
+            keep = torch.ones_like(probs, dtype=torch.bool)
+            if params.top_k:
+                keep[:, params.top_k :] = False
+            if params.top_p < 1:
+                # A token stays if the mass of the tokens before it is still below top_p (the first always).
+                keep &= (probs.cumsum(dim=-1) - probs) < params.top_p
+            probs = probs * keep
+        cdf = probs.cumsum(dim=-1)
+        target = (uniforms.to(cdf.dtype) * cdf[:, -1]).unsqueeze(1)
+        picked = torch.searchsorted(cdf, target, right=True).clamp_(max=cdf.shape[1] - 1)
+        tokens = (picked if order is None else order.gather(1, picked)).squeeze(1)
+    return tokens, token_logprobs(logits, tokens)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The torch engine
+# ----------------------------------------------------------------------------------------------------
+
+
+def compute_dtype(stored: torch.dtype, device: str | torch.device) -> torch.dtype:
+    """The dtype the torch engine computes in over weights stored in `stored`.
+
+    CPU: float32 always. Upcasting bf16/fp16 weights is exact, so the engine evaluates the published policy
+    itself, with the same fp32 arithmetic whatever the stored dtype (the one the CPU determinism tests pin),
+    and its log-probs equal a float32 transformers forward of the published weights up to float32 rounding.
+    A GPU: the stored dtype, as SGLang's dtype auto serves a bf16/fp16 checkpoint.
+    """
+    return torch.float32 if torch.device(device).type == "cpu" else stored
+
+
+@dataclass
+class TorchEngine:
+    """Batched sampling over steps.models.transformer.MoeForCausalLM on CPU (or one GPU).
+
+    One generate() call is one batch. The distinct prompts are prefilled once, left-padded (Decoder.prefill,
+    MoeForCausalLM.forward's arithmetic); the samples of a prompt then share those prompt keys/values (never
+    copied per sample).
+
+    Decoding runs over *states*, not samples: samples of one prompt that have drawn the same tokens so far
+    are in the same state (same keys, values and next-token logits), so they share one row of the batch and
+    one computation; a state splits into new rows when its samples draw different tokens, and the new rows
+    keep reading the keys and values their common past left in the prefix tree (DecodeBatch). Each sample still
+    draws its own token, with its own uniforms, from its state's logits. Rows whose samples have all finished
+    stop costing compute: they are dropped when the batch is rebuilt for a split, or once a quarter of it
+    is finished. All of this is decided by the batch alone, so a batch always decodes the same way.
+
+    The engine serves the weights the model had when the engine was built (the decoder keeps a fused copy of
+    the expert weights): after changing the model, build a new engine or call update_weights, which replaces
+    the model's and the decoder's weights in place from a checkpoint dir (another version of the same run).
+    """
+
+    model: MoeForCausalLM
+    name: str = "torch"
+    compact_below: float = 0.75  # drop finished rows when the live ones are at most this share of the batch
+    # Keep the generated keys/values in the prefix tree (DecodeBatch) while a query reads at most this many
+    # times the columns it attends to; beyond, copy them out per row (RowBatch) for the rest of the batch.
+    tree_waste: float = 3.0
+    stored_dtype: torch.dtype | None = None  # the checkpoint's (from_checkpoint): every update must keep it
+    device: torch.device = field(init=False)
+    decoder: Decoder = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.device = self.model.model.embed_tokens.weight.device
+        self.decoder = Decoder(self.model)
+
+    @classmethod
+    def from_checkpoint(
+        cls, directory: str | os.PathLike, device: str = "cpu", dtype: torch.dtype | None = None
+    ) -> TorchEngine:
+        """The engine over a checkpoint dir's weights, read in the dtype they are stored in and computed in
+        `dtype` (default: compute_dtype for that dtype and the device)."""
+        stored = checkpoint_dtype(directory)
+        model = load_pretrained(directory, dtype=dtype or compute_dtype(stored, device), device=device).eval()
+        return cls(model, stored_dtype=stored)
+
+    def update_weights(self, model_dir: str | os.PathLike) -> None:
+        """Replace the weights in place with checkpoint dir model_dir's (steps/engines/interface.py Engine): each tensor
+        is copied into the existing parameter, cast as from_checkpoint casts it (bf16/fp16 to fp32 on CPU is
+        exact), and the decoder's fused copies are refreshed in place, so the engine then generates exactly what
+        an engine opened on model_dir does. The model must be the same (config.json) and stored in the same dtype.
+        """
+        cfg = check_checkpoint(model_dir)  # config, every tensor's shape and one dtype, before touching anything
+        if cfg != self.model.config:
+            raise MoerlError(
+                f"{model_dir}: config.json describes another model than this engine serves; an in-place update "
+                "takes another version of the same run — open a new engine for another model"
+            )
+        stored = checkpoint_dtype(model_dir)
+        if self.stored_dtype is not None and stored != self.stored_dtype:
+            raise MoerlError(
+                f"{model_dir}: weights stored as {dtype_name(stored)}, but this engine's checkpoint was "
+                f"{dtype_name(self.stored_dtype)} (a run keeps one dtype); open a new engine on it"
+            )
+        params = self.model.state_dict(keep_vars=True)
+        state = load_state_dict_from_dir(model_dir, params)
+        with torch.no_grad():
+            for name, param in params.items():
+                param.copy_(state[name])
+        self.decoder.refresh()
+
+    def close(self) -> None:
+        pass
+
+    @torch.inference_mode()
+    def generate(
+        self,
+        requests: Sequence[GenerationRequest],
+        params: SamplingParams,
+        should_stop: Callable[[], bool] | None = None,
+    ) -> list[Generation]:
+        if not requests:
+            return []
+        device, steps, vocab = self.device, params.max_new_tokens, self.model.config.vocab_size
+        batch, logits, state = self._prefill(requests, steps)  # state: each sample's row in the batch
+
+        uniforms = sample_uniforms([r.seed for r in requests], steps).to(device)
+        out_tokens = torch.full((len(requests), steps), FILLER_ID, dtype=torch.long, device=device)
+        out_logprobs = torch.zeros(len(requests), steps, dtype=torch.float32, device=device)
+        lengths = torch.zeros(len(requests), dtype=torch.long, device=device)
+        stopped = torch.zeros(len(requests), dtype=torch.bool, device=device)
+        stop_ids = torch.tensor(params.stop_token_ids, dtype=torch.long, device=device)
+
+        live = torch.arange(len(requests), device=device)  # the samples still generating
+        for step in range(steps):
+            tokens, logprobs = sample_next(logits.index_select(0, state[live]), uniforms[live, step], params)
+            out_tokens[live, step] = tokens
+            out_logprobs[live, step] = logprobs
+            lengths[live] += 1
+            ended = torch.isin(tokens, stop_ids)
+            stopped[live[ended]] = True
+            live, tokens = live[~ended], tokens[~ended]
+            if live.numel() == 0 or step == steps - 1:
+                break
+            if should_stop is not None and should_stop():
+                raise GenerationInterrupted(f"stopped after {step + 1} of {steps} decode steps")
+            # The live samples' next states: one per distinct (state, token), ordered by (state, token).
+            keys, inverse = torch.unique(state[live] * vocab + tokens, return_inverse=True)
+            rows, row_tokens = keys // vocab, keys % vocab
+            rows_kept = len(logits)
+            if len(rows) == len(torch.unique(rows)) and len(rows) > self.compact_below * rows_kept:
+                # No state split and few finished: keep the rows; finished ones feed padding, unread.
+                next_tokens = torch.full((rows_kept,), FILLER_ID, dtype=torch.long, device=device)
+                next_tokens[rows] = row_tokens
+            else:
+                batch, next_tokens = batch.select(rows), row_tokens
+                state[live] = inverse
+            if isinstance(batch, DecodeBatch) and batch.tree_columns() > self.tree_waste * batch.row_columns():
+                batch = batch.to_rows(self.decoder.row_capacity(batch.length))
+            logits = self.decoder.step(next_tokens, batch)
+
+        token_lists, logprob_lists = out_tokens.tolist(), out_logprobs.tolist()
+        return [
+            Generation(
+                prompt_id=request.prompt_id,
+                sample_index=request.sample_index,
+                response_ids=token_lists[row][:n],
+                logprobs=logprob_lists[row][:n],
+                finish_reason=FINISH_STOP if done else FINISH_LENGTH,
+            )
+            for row, (request, n, done) in enumerate(zip(requests, lengths.tolist(), stopped.tolist(), strict=True))
+        ]
+
+    def _prefill(
+        self, requests: Sequence[GenerationRequest], steps: int
+    ) -> tuple[DecodeBatch, torch.Tensor, torch.Tensor]:
+        """Left-padded prefill of the distinct prompts (Decoder.prefill). Returns the decode batch (one row
+        per distinct prompt), its next-token logits [P, V] and each request's row [R]."""
+        distinct: dict[tuple[int, ...], int] = {}
+        parent = [distinct.setdefault(tuple(r.prompt_ids), len(distinct)) for r in requests]
+        prompts = list(distinct)
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("a GenerationRequest has no prompt tokens; a prompt needs at least one token")
+        width = max(len(p) for p in prompts)
+        ids = torch.tensor([(FILLER_ID,) * (width - len(p)) + p for p in prompts], dtype=torch.long)
+        lengths = torch.tensor([len(p) for p in prompts])
+        valid = torch.arange(width)[None, :] >= (width - lengths)[:, None]
+        # Room for the first decode steps' nodes (DecodeBatch): at most one per sample of a prompt and step.
+        group = max(Counter(parent).values())
+        batch, logits = self.decoder.prefill(ids.to(self.device), valid.to(self.device), room=group * min(steps, 8))
+        return batch, logits, torch.tensor(parent, device=self.device)
+
+
+class PromptGrid:
+    """The rows of a batch laid out by prompt in a grid [P, slots] (slot: the row's rank among its prompt's
+    rows; empty slots repeat row 0, and their results are never read), so that attention reads each prompt's
+    keys once for all of its rows, as one matrix product per prompt and kv head."""
+
+    def __init__(self, parent: torch.Tensor, prompts: int) -> None:
+        self.parent = parent  # [B] the prompt of each row
+        rows = parent.shape[0]
+        counts = torch.bincount(parent, minlength=prompts)
+        order = torch.argsort(parent, stable=True)
+        first_of_prompt = counts.cumsum(0) - counts
+        self.slot = torch.empty_like(parent)  # each row's rank among its prompt's rows
+        self.slot[order] = torch.arange(rows, device=parent.device) - first_of_prompt[parent[order]]
+        self.slots = int(counts.max())
+        self.grid = torch.zeros((prompts, self.slots), dtype=torch.long, device=parent.device)
+        self.grid[parent, self.slot] = torch.arange(rows, device=parent.device)
+        self.row_in_grid = parent * self.slots + self.slot
+
+    def to_grid(self, per_row: torch.Tensor) -> torch.Tensor:
+        """[B, kv, g, X] -> [P * kv, slots * g, X]: rows laid out by prompt."""
+        _, kv, g, x = per_row.shape
+        grid = per_row.index_select(0, self.grid.view(-1)).view(-1, self.slots, kv, g, x)  # [P, slots, kv, g, X]
+        return grid.transpose(1, 2).reshape(-1, self.slots * g, x)
+
+    def from_grid(self, grid: torch.Tensor, kv_heads: int) -> torch.Tensor:
+        """[P * kv, slots * g, X] -> [B, kv, g, X]."""
+        total, slots_g, x = grid.shape
+        prompts, g = total // kv_heads, slots_g // self.slots
+        per_slot = grid.view(prompts, kv_heads, self.slots, g, x).transpose(1, 2).reshape(-1, kv_heads, g, x)
+        return per_slot.index_select(0, self.row_in_grid)
+
+
+class DecodeBatch(PromptGrid):
+    """The decode state of one batch. A row is a state (TorchEngine): the samples of one prompt that drew the
+    same tokens so far. Keys and values are stored per prompt as a prefix tree, never per row:
+
+        keys, values    [layers, P, kv, N, D]  per distinct prompt, its W prefill tokens (left-padded), then its
+                                nodes: one column per (decode step, row of the prompt at that step) holding
+                                the key/value of the token that row fed. A node is shared by every later row
+                                that descends from it, so a state that splits copies nothing;
+        prompt_bias     [P, W]   0 for a real prompt token, -inf for padding
+        parent          [B]      the prompt of each row
+        ancestors       [B, length]  the node column of each row's token at each generated step
+        used            int      columns of keys/values in use (W, then the nodes written so far)
+        position        [B]      RoPE position of each row's next token
+
+    Attention (Decoder.step): each prompt's queries, laid out by the grid, read all of its columns in one
+    matrix product, with a bias that lets a row see the real prompt tokens and its own ancestors only. So a
+    query reads more columns than it attends to (its prompt's other nodes): W + the nodes so far, up to
+    W + steps x samples per prompt. While that is a few times W + length it costs less than copying each
+    row's keys and values whenever a state splits (the demo's 8-token rollouts, bench/README.md "rollout");
+    beyond, TorchEngine copies them out per row once (to_rows, RowBatch) and decodes the rest that way.
+    """
+
+    def __init__(
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        prompt_bias: torch.Tensor,
+        parent: torch.Tensor,
+        ancestors: torch.Tensor,
+        used: int,
+        position: torch.Tensor,
+    ) -> None:
+        super().__init__(parent, keys.shape[1])
+        self.keys, self.values, self.prompt_bias = keys, values, prompt_bias
+        self.ancestors, self.used, self.position = ancestors, used, position
+
+    @property
+    def length(self) -> int:
+        """Tokens generated so far (the same for every row)."""
+        return self.ancestors.shape[1]
+
+    def select(self, rows: torch.Tensor) -> DecodeBatch:
+        """Only these rows, in this order (a row may repeat: a state that splits). The keys and values are
+        shared, not copied, unless half of the prompts or more have no row left: then only the used prompts'
+        are kept (until then the others stay, in empty rows of the grid)."""
+        parent = self.parent.index_select(0, rows)
+        keys, values, bias = self.keys, self.values, self.prompt_bias
+        prompts, compact_parent = torch.unique(parent, return_inverse=True)
+        if len(prompts) <= keys.shape[1] // 2:
+            keys, values = keys.index_select(1, prompts), values.index_select(1, prompts)
+            bias, parent = bias.index_select(0, prompts), compact_parent
+        return DecodeBatch(
+            keys,
+            values,
+            bias,
+            parent,
+            self.ancestors.index_select(0, rows),
+            self.used,
+            self.position.index_select(0, rows),
+        )
+
+    def add_nodes(self) -> torch.Tensor:
+        """Columns for this step's nodes, `slots` of them per prompt (doubling the room when it is full).
+        Records each row's node column among its ancestors; returns where the row's key of each kv head goes
+        in a layer's keys viewed as [P * kv * N, D] ([B * kv], row-major)."""
+        needed = self.used + self.slots
+        if needed > self.keys.shape[3]:
+            grow = max(needed, 2 * self.keys.shape[3]) - self.keys.shape[3]
+            room = list(self.keys.shape)
+            room[3] = grow
+            self.keys = torch.cat([self.keys, self.keys.new_zeros(room)], dim=3)
+            self.values = torch.cat([self.values, self.values.new_zeros(room)], dim=3)
+        column = self.slot + self.used
+        self.ancestors = torch.cat([self.ancestors, column[:, None]], dim=1)
+        self.used = needed
+        kv_heads, capacity = self.keys.shape[2], self.keys.shape[3]
+        head = torch.arange(kv_heads, device=column.device)
+        return ((self.parent[:, None] * kv_heads + head) * capacity + column[:, None]).view(-1)
+
+    def tree_columns(self) -> int:
+        """Columns the next step's queries read: the prompt and every node of their prompt so far."""
+        return self.used + self.slots
+
+    def row_columns(self) -> int:
+        """Columns the next step's queries attend to: the prompt and their own tokens."""
+        return self.prompt_bias.shape[1] + self.length + 1
+
+    def to_rows(self, capacity: int) -> RowBatch:
+        """The same state with each row's generated keys and values copied out of the tree into its own
+        `capacity` (>= length) columns."""
+        width = self.prompt_bias.shape[1]
+        layers, _, kv_heads, _, head_dim = self.keys.shape
+        shape = (layers, self.parent.shape[0], kv_heads, capacity, head_dim)
+        values = self.values.new_zeros(shape)
+        keys = self.keys.new_zeros(shape)
+        # [B, length, layers, kv, D] -> [layers, B, kv, length, D]
+        chains = (self.parent[:, None], slice(None), self.ancestors)
+        keys[:, :, :, : self.length] = self.keys[(slice(None), *chains)].permute(2, 0, 3, 1, 4)
+        values[:, :, :, : self.length] = self.values[(slice(None), *chains)].permute(2, 0, 3, 1, 4)
+        return RowBatch(
+            self.keys[:, :, :, :width].transpose(3, 4).contiguous(),
+            self.values[:, :, :, :width].contiguous(),
+            self.prompt_bias,
+            self.parent,
+            keys.transpose(3, 4).contiguous(),
+            values,
+            self.position,
+            self.length,
+        )
+
+    def attention_bias(self) -> torch.Tensor:
+        """[P, slots, used]: 0 where a grid cell's row may attend (real prompt tokens, its own ancestors),
+        -inf elsewhere. Empty cells see the prompt only (finite, never read)."""
+        prompts, width = self.prompt_bias.shape
+        bias = torch.full((prompts * self.slots, self.used), float("-inf"), device=self.prompt_bias.device)
+        bias.view(prompts, self.slots, self.used)[:, :, :width] = self.prompt_bias[:, None, :]
+        bias[self.row_in_grid[:, None], self.ancestors] = 0.0
+        return bias.view(prompts, self.slots, self.used)
+
+
+class RowBatch(PromptGrid):
+    """The decode state of a batch whose generated keys and values are stored per row (DecodeBatch.to_rows):
+    the prompts' keys/values stay shared, each row holds its own tokens' ones, and a state that splits copies
+    them. Attention reads W + capacity columns per query, whatever the group size.
+
+        prompt_keys     [layers, P, kv, D, W]  transposed for the query-key product
+        prompt_values   [layers, P, kv, W, D]
+        prompt_bias     [P, W]   0 for a real prompt token, -inf for padding
+        keys            [layers, B, kv, D, capacity]  the row's generated tokens' keys (transposed), `length`
+                                of them; zeros beyond
+        values          [layers, B, kv, capacity, D]
+        position        [B]      RoPE position of each row's next token
+    """
+
+    def __init__(
+        self,
+        prompt_keys: torch.Tensor,
+        prompt_values: torch.Tensor,
+        prompt_bias: torch.Tensor,
+        parent: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        position: torch.Tensor,
+        length: int,
+    ) -> None:
+        super().__init__(parent, prompt_keys.shape[1])
+        self.prompt_keys, self.prompt_values, self.prompt_bias = prompt_keys, prompt_values, prompt_bias
+        self.keys, self.values, self.position, self.length = keys, values, position, length
+        self.row_bias = prompt_bias[parent]  # [B, W]
+
+    def select(self, rows: torch.Tensor) -> RowBatch:
+        """Only these rows, in this order (a row may repeat: a state that splits), and the prompts they use."""
+        prompts, parent = torch.unique(self.parent[rows], return_inverse=True)
+        return RowBatch(
+            self.prompt_keys.index_select(1, prompts),
+            self.prompt_values.index_select(1, prompts),
+            self.prompt_bias.index_select(0, prompts),
+            parent,
+            self.keys.index_select(1, rows),
+            self.values.index_select(1, rows),
+            self.position.index_select(0, rows),
+            self.length,
+        )
+
+    def make_room(self) -> None:
+        """Double the capacity for generated tokens when it is full."""
+        capacity = self.values.shape[3]
+        if self.length < capacity:
+            return
+        self.keys = torch.cat([self.keys, torch.zeros_like(self.keys)], dim=4)
+        self.values = torch.cat([self.values, torch.zeros_like(self.values)], dim=3)
+
+
+class Decoder:
+    """The prefill of a batch's prompts into a DecodeBatch, and one decode step (one new token per row) of a
+    MoeForCausalLM over it.
+
+    The same layers and arithmetic as MoeForCausalLM.forward, specialised to inference (decode: one query per
+    row):
+      - RoPE from a precomputed table, rotate_half folded into one roll against a sign-folded sine;
+      - attention per prompt and kv head: one matrix product for the queries of all of the prompt's rows and
+        all of its columns (prompt tokens and generated nodes, DecodeBatch), a bias keeping each row to its
+        own, one softmax, one product with the values. On a RowBatch, in two parts under one softmax: the
+        shared prompt keys the same way, the row's own keys with one small product per row and kv head. No
+        kv head is ever expanded to its query heads (that copy of the whole cache per layer and step
+        dominated decoding on CPU);
+      - experts with gate and up projections fused into one matmul, each expert run once on its tokens.
+    Both paths give the same logits up to float rounding; tests/test_engine_torch.py checks the log-probs
+    against transformers.
+    """
+
+    def __init__(self, model: MoeForCausalLM) -> None:
+        cfg = model.config
+        assert cfg.head_dim is not None
+        self.model, self.cfg = model, cfg
+        self.head_dim, self.kv_heads = cfg.head_dim, cfg.num_key_value_heads
+        self.groups = cfg.num_attention_heads // cfg.num_key_value_heads
+        self.cos = self.sin = torch.empty(0, cfg.head_dim)
+        # Per layer: q, k and v projections as one matrix (and bias). Per MoE layer: [gate; up] of each expert
+        # as one [H, 2I] matrix, and down as [I, H] (x @ W layout).
+        self.qkv: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        self.experts: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        with torch.no_grad():
+            for index, layer in enumerate(model.model.layers):
+                self.qkv.append(self._fused_qkv(layer))
+                if isinstance(layer.mlp, MoeBlock):
+                    self.experts[index] = self._fused_experts(layer.mlp)
+
+    @staticmethod
+    def _fused_qkv(layer: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+        attn = layer.self_attn
+        projections = (attn.q_proj, attn.k_proj, attn.v_proj)
+        bias = torch.cat([p.bias for p in projections]) if attn.q_proj.bias is not None else None
+        return torch.cat([p.weight for p in projections]), bias
+
+    @staticmethod
+    def _fused_experts(block: MoeBlock) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        if block.num_local_experts != block.num_experts:
+            raise ValueError("TorchEngine needs every expert on this process (a full model)")
+        experts = [block.experts[str(e)] for e in range(block.num_experts)]
+        gate_up = [torch.cat([e.gate_proj.weight, e.up_proj.weight]).t().contiguous() for e in experts]
+        down = [e.down_proj.weight.t().contiguous() for e in experts]
+        return gate_up, down
+
+    def refresh(self) -> None:
+        """Recompute the fused copies from the model's current weights, into the tensors they already occupy
+        (TorchEngine.update_weights): the same values __init__ computes; one expert's worth of scratch at a time."""
+        with torch.no_grad():
+            for index, layer in enumerate(self.model.model.layers):
+                for kept, fresh in zip(self.qkv[index], self._fused_qkv(layer), strict=True):
+                    if kept is not None and fresh is not None:
+                        kept.copy_(fresh)
+                if index in self.experts:
+                    block = layer.mlp
+                    experts = [block.experts[str(e)] for e in range(block.num_experts)]
+                    gate_up, down = self.experts[index]
+                    for e, expert in enumerate(experts):
+                        gate_up[e].copy_(torch.cat([expert.gate_proj.weight, expert.up_proj.weight]).t())
+                        down[e].copy_(expert.down_proj.weight.t())
+
+    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sign-folded sin [B, 1, D] at positions [B]: rotate_half(x) * sin equals
+        roll(x, D/2) * sin_folded, with sin_folded = (-sin[:D/2], sin[D/2:])."""
+        needed = int(positions.max()) + 1
+        if needed > self.cos.shape[0]:
+            weight = self.model.model.embed_tokens.weight
+            length = max(needed, 2 * self.cos.shape[0], 64)
+            table = torch.arange(length, device=weight.device)[None]
+            cos, sin = rotary_cos_sin(table, self.head_dim, self.cfg.rope_theta, weight.dtype)
+            half = self.head_dim // 2
+            self.cos, self.sin = cos[0], torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1)
+        return self.cos.index_select(0, positions).unsqueeze(1), self.sin.index_select(0, positions).unsqueeze(1)
+
+    def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        """Attention of each prompt's queries over its columns, one matrix product per prompt and kv head:
+        q [P * kv, M * g, D] (M query rows of the prompt, each with its g query heads; q carries the
+        1/sqrt(D) scale), keys and values [P * kv, C, D], bias [P, M, C] (0 or -inf) -> [P * kv, M * g, D]."""
+        prompts, rows, columns = bias.shape
+        scores = torch.bmm(q, keys.transpose(1, 2))
+        scores.view(prompts, self.kv_heads, rows, self.groups, columns).add_(bias[:, None, :, None, :])
+        return torch.bmm(torch.softmax(scores, dim=-1), values)
+
+    def _qkv(
+        self, index: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, H] of layer `index` -> q [T, heads, D] (scaled by 1/sqrt(D)), k and v [T, kv, D]; q and k
+        normed and rotated (cos and sign-folded sin [T, 1, D], see _rope)."""
+        cfg, head_dim, attn = self.cfg, self.head_dim, self.model.model.layers[index].self_attn
+        tokens, q_size, kv_size = x.shape[0], cfg.num_attention_heads * head_dim, self.kv_heads * head_dim
+        q, k, v = F.linear(x, *self.qkv[index]).split([q_size, kv_size, kv_size], dim=-1)
+        q = attn.q_norm(q.view(tokens, cfg.num_attention_heads, head_dim))
+        k = attn.k_norm(k.view(tokens, self.kv_heads, head_dim))
+        half = head_dim // 2
+        q = torch.addcmul(q * cos, q.roll(half, dims=-1), sin).mul_(attn.scaling)
+        k = torch.addcmul(k * cos, k.roll(half, dims=-1), sin)
+        return q, k, v.view(tokens, self.kv_heads, head_dim)
+
+    def _mlp(self, index: int, x: torch.Tensor) -> torch.Tensor:
+        """x [T, H] -> x + MLP(post-attention norm(x)) of layer `index`."""
+        layer = self.model.model.layers[index]
+        h = layer.post_attention_layernorm(x)
+        return x + (self._experts(layer.mlp, index, h) if index in self.experts else layer.mlp(h))
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        model = self.model
+        weight = model.model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+        return F.linear(model.model.norm(x), weight).float()
+
+    def prefill(self, ids: torch.Tensor, valid: torch.Tensor, room: int) -> tuple[DecodeBatch, torch.Tensor]:
+        """Left-padded prompts ids, valid [P, W] -> (their DecodeBatch, with `room` node columns to start with;
+        next-token logits [P, V] float32). MoeForCausalLM.forward's arithmetic on a fresh cache: positions
+        count real tokens from 0, a query sees the real tokens up to itself (and itself: padding stays
+        finite), every token goes through the MLPs except in the last layer, where only the last position
+        (the one whose logits are returned) needs to."""
+        cfg, head_dim, kv_heads, groups = self.cfg, self.head_dim, self.kv_heads, self.groups
+        prompts, width = ids.shape
+        position = (valid.long().cumsum(dim=1) - 1).clamp(min=0)
+        cos, sin = self._rope(position.view(-1))
+        causal = torch.ones(width, width, dtype=torch.bool, device=ids.device).tril()
+        sees = (causal & valid[:, None, :]) | torch.eye(width, dtype=torch.bool, device=ids.device)
+        bias = torch.zeros(sees.shape, device=ids.device).masked_fill_(~sees, float("-inf"))  # [P, W, W]
+        shape = (cfg.num_hidden_layers, prompts, kv_heads, width + room, head_dim)
+        keys = torch.zeros(shape, dtype=cos.dtype, device=ids.device)
+        values = torch.zeros_like(keys)
+
+        x = self.model.model.embed_tokens(ids.view(-1))  # [P * W, H]
+        last = len(self.model.model.layers) - 1
+        for index, layer in enumerate(self.model.model.layers):
+            q, k, v = self._qkv(index, layer.input_layernorm(x), cos, sin)
+            keys[index, :, :, :width] = k.view(prompts, width, kv_heads, head_dim).transpose(1, 2)
+            values[index, :, :, :width] = v.view(prompts, width, kv_heads, head_dim).transpose(1, 2)
+            q = q.view(prompts, width, kv_heads, groups, head_dim)
+            if index == last:
+                # Past the last layer's keys and values only the last position matters (its logits): the rest
+                # of the layer runs on it alone (token by token arithmetic: the same values).
+                q, bias, x = q[:, -1:], bias[:, -1:], x.view(prompts, width, -1)[:, -1]
+            queries = q.shape[1]
+            q = q.transpose(1, 2).reshape(-1, queries * groups, head_dim)
+            columns = (
+                keys[index].view(-1, width + room, head_dim)[:, :width],
+                values[index].view(-1, width + room, head_dim)[:, :width],
+            )
+            out = self._attend(q, *columns, bias).view(prompts, kv_heads, queries, groups, head_dim)
+            x = x + layer.self_attn.o_proj(out.transpose(1, 2).reshape(x.shape[0], -1))
+            x = self._mlp(index, x)
+        prompt_bias = torch.zeros(valid.shape, device=ids.device).masked_fill_(~valid, float("-inf"))
+        parent = torch.arange(prompts, device=ids.device)
+        ancestors = torch.empty((prompts, 0), dtype=torch.long, device=ids.device)
+        batch = DecodeBatch(keys, values, prompt_bias, parent, ancestors, width, position[:, -1] + 1)
+        return batch, self._logits(x)
+
+    def step(self, tokens: torch.Tensor, batch: DecodeBatch | RowBatch) -> torch.Tensor:
+        """tokens [B] -> next-token logits [B, V] float32; appends the tokens to the batch."""
+        if isinstance(batch, RowBatch):
+            return self._row_step(tokens, batch)
+        rows, head_dim, kv_heads, groups = tokens.shape[0], self.head_dim, self.kv_heads, self.groups
+        node = batch.add_nodes()
+        bias = batch.attention_bias()  # [P, slots, used]
+        cos, sin = self._rope(batch.position)
+
+        x = self.model.model.embed_tokens(tokens)  # [B, H]
+        for index, layer in enumerate(self.model.model.layers):
+            q, k, v = self._qkv(index, layer.input_layernorm(x), cos, sin)
+            keys, values = batch.keys[index], batch.values[index]  # [P, kv, N, D]
+            keys.view(-1, head_dim).index_copy_(0, node, k.reshape(-1, head_dim))
+            values.view(-1, head_dim).index_copy_(0, node, v.reshape(-1, head_dim))
+            capacity = keys.shape[2]
+            columns = (
+                keys.view(-1, capacity, head_dim)[:, : batch.used],
+                values.view(-1, capacity, head_dim)[:, : batch.used],
+            )
+            out = self._attend(batch.to_grid(q.view(rows, kv_heads, groups, head_dim)), *columns, bias)
+            x = x + layer.self_attn.o_proj(batch.from_grid(out, kv_heads).view(rows, -1))
+            x = self._mlp(index, x)
+        batch.position += 1
+        return self._logits(x)
+
+    def row_capacity(self, length: int) -> int:
+        """Room for a RowBatch's generated tokens: more than `length`, at least 8, and enough that the per-row
+        attention products stay above SMALL_PRODUCT multiply-adds."""
+        capacity = 8
+        while capacity <= length or self.groups * self.head_dim * capacity <= SMALL_PRODUCT:
+            capacity *= 2
+        return capacity
+
+    def _row_step(self, tokens: torch.Tensor, batch: RowBatch) -> torch.Tensor:
+        """Decoder.step on a RowBatch: attention in two parts under one softmax, against the shared prompt
+        keys (one product per prompt and kv head via the grid) and against the row's own keys (one small
+        product per row and kv head)."""
+        rows, head_dim, kv_heads, groups = tokens.shape[0], self.head_dim, self.kv_heads, self.groups
+        batch.make_room()
+        slot, seen = batch.length, batch.length + 1
+        prompts, width = batch.prompt_bias.shape
+        cos, sin = self._rope(batch.position)
+
+        x = self.model.model.embed_tokens(tokens)  # [B, H]
+        for index, layer in enumerate(self.model.model.layers):
+            q, k, v = self._qkv(index, layer.input_layernorm(x), cos, sin)
+            q = q.view(rows, kv_heads, groups, head_dim)
+            batch.keys[index, :, :, :, slot] = k
+            batch.values[index, :, :, slot] = v
+            capacity = batch.values.shape[3]
+            own_keys = batch.keys[index].view(rows * kv_heads, head_dim, capacity)  # zeros beyond `seen`
+            own_values = batch.values[index].view(rows * kv_heads, capacity, head_dim)
+            prompt_keys = batch.prompt_keys[index].view(prompts * kv_heads, head_dim, width)
+            prompt_values = batch.prompt_values[index].view(prompts * kv_heads, width, head_dim)
+
+            # Scores [B, kv, g, W + seen] against the prompt (via the grid) and the row's own tokens.
+            to_prompt = batch.from_grid(torch.bmm(batch.to_grid(q), prompt_keys), kv_heads)
+            to_own = torch.bmm(q.view(rows * kv_heads, groups, head_dim), own_keys)[:, :, :seen]
+            to_prompt = to_prompt.add_(batch.row_bias[:, None, None, :])
+            weights = torch.softmax(torch.cat([to_prompt, to_own.view(rows, kv_heads, groups, seen)], dim=-1), dim=-1)
+            from_prompt = torch.bmm(batch.to_grid(weights[..., :width]), prompt_values)
+            # Own keys and values are used up to the capacity (zero scores and weights beyond `seen`): whole
+            # contiguous blocks, and products too big for PyTorch's slow path for tiny matrices (SMALL_PRODUCT).
+            own_weights = F.pad(weights[..., width:], (0, capacity - seen)).view(rows * kv_heads, groups, capacity)
+            from_own = torch.bmm(own_weights, own_values)
+            out = batch.from_grid(from_prompt, kv_heads).view(rows, -1) + from_own.view(rows, -1)
+            x = x + layer.self_attn.o_proj(out)
+            x = self._mlp(index, x)
+        batch.length += 1
+        batch.position += 1
+        return self._logits(x)
+
+    def _experts(self, block: MoeBlock, index: int, hidden: torch.Tensor) -> torch.Tensor:
+        """The MoE block on hidden [T, H]: route, run each expert once on its tokens, combine the top-k."""
+        gate_up, down = self.experts[index]
+        _, topk_idx, topk_weight = block.route(hidden)
+        num_tokens, top_k = topk_idx.shape
+        order, inverse, counts = group_by_expert(topk_idx.reshape(-1), block.num_experts)  # slots by expert
+        routed = hidden.index_select(0, order // top_k)
+        out = torch.empty_like(routed)
+        inner = down[0].shape[0]
+        start = 0
+        for expert, count in enumerate(counts.tolist()):
+            if count:
+                act = torch.mm(routed[start : start + count], gate_up[expert])
+                torch.mm(F.silu(act[:, :inner]).mul_(act[:, inner:]), down[expert], out=out[start : start + count])
+                start += count
+        # Back to token order [T, k, H], then the weighted sum over the k slots (no atomics: deterministic).
+        per_slot = out.index_select(0, inverse).view(num_tokens, top_k, -1)
+        weight = topk_weight.to(per_slot.dtype)
+        combined = per_slot[:, 0] * weight[:, :1]
+        for j in range(1, top_k):
+            combined = torch.addcmul(combined, per_slot[:, j], weight[:, j : j + 1])
+        return combined
+
+
+# ----------------------------------------------------------------------------------------------------
+# Greedy evaluation
+# ----------------------------------------------------------------------------------------------------
+
+
+def evaluate_accuracy(
+    engine_or_model: Engine | MoeForCausalLM,
+    tokenizer: CheckpointTokenizer,
+    prompts: Sequence[Prompt],
+    verifier: Callable[[Prompt], Task] | Task | str | None = None,
+    prompt_format: PromptFormat = RAW,
+    max_new_tokens: int = 16,
+    batch_size: int = 256,
+) -> float:
+    """Share of prompts whose greedy (temperature 0) response the verifier accepts: the answer, then one of the
+    tokenizer's stop tokens, within max_new_tokens.
+
+    `verifier`: a task (or its name) for every prompt, a function of the prompt, or None for each prompt's own
+    task. A MoeForCausalLM is wrapped in a TorchEngine for the call (built from its current weights).
+    """
+    if not prompts:
+        raise ValueError("evaluate_accuracy needs at least one prompt")
+    engine = TorchEngine(engine_or_model) if isinstance(engine_or_model, MoeForCausalLM) else engine_or_model
+    fixed = get_task(verifier) if isinstance(verifier, str) else verifier
+    if fixed is None:
+        verifier_of: Callable[[Prompt], Task] = lambda p: get_task(p.task)  # noqa: E731
+    elif callable(fixed) and not hasattr(fixed, "verify"):
+        verifier_of = fixed  # type: ignore[assignment]
+    else:
+        verifier_of = lambda p: fixed  # type: ignore[assignment,return-value]  # noqa: E731
+    params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, stop_token_ids=tokenizer.stop_ids)
+    correct = 0
+    for start in range(0, len(prompts), batch_size):
+        batch = prompts[start : start + batch_size]
+        requests = [
+            GenerationRequest(p.prompt_id, tuple(tokenizer.prompt_ids(p.content, prompt_format)), 0, 0) for p in batch
+        ]
+        for prompt, generation in zip(batch, engine.generate(requests, params), strict=True):
+            verdict = verify_ids(verifier_of(prompt), tokenizer, generation.response_ids, prompt.answer)
+            correct += verdict.correct
+    return correct / len(prompts)

@@ -1,0 +1,138 @@
+"""The rollout <-> training contract: the experience Parquet files' schemas and the one type the trainer reads.
+
+    <run>/experience/iter-000001/rollout/chunk-000003.parquet    ROLLOUT_SCHEMA, written by rollout
+    <run>/experience/iter-000001/scored.parquet                  SCORED_SCHEMA, written by score
+
+Columns: prompt_id string, sample_index int32, prompt_ids / response_ids list<int32>, behavior_logprobs
+list<float32> (one per response token; steps/engines/interface.py says what they are), policy_version int64;
+plus task, answer, finish_reason (strings). Scored files add correct and well_formed (bool), rm_score (float32,
+null without a reward model), reward and advantage (float32). Readers use the canonical order: sorted by
+(prompt_id, sample_index). The trainer imports this file alone of the experience package: `Sample` and
+`read_scored_experience` are all it sees of rollout.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from dataclasses import dataclass
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from steps.errors import MoerlError
+from steps.run.keys import scored_key
+from steps.store.object_store import Store
+
+ROLLOUT_SCHEMA = pa.schema(
+    [
+        ("prompt_id", pa.string()),
+        ("sample_index", pa.int32()),
+        ("task", pa.string()),
+        ("answer", pa.string()),
+        ("prompt_ids", pa.list_(pa.int32())),
+        ("response_ids", pa.list_(pa.int32())),
+        ("behavior_logprobs", pa.list_(pa.float32())),
+        ("finish_reason", pa.string()),
+        ("policy_version", pa.int64()),
+    ]
+)
+SCORED_SCHEMA = ROLLOUT_SCHEMA.append(pa.field("correct", pa.bool_()))
+for _name, _type in (("well_formed", pa.bool_()), ("rm_score", pa.float32()), ("reward", pa.float32()),
+                     ("advantage", pa.float32())):  # fmt: skip
+    SCORED_SCHEMA = SCORED_SCHEMA.append(pa.field(_name, _type))
+CANONICAL_ORDER = [("prompt_id", "ascending"), ("sample_index", "ascending")]
+
+META_PLAN = b"moerl.plan_digest"
+META_CHUNK = b"moerl.chunk"
+META_NUM_CHUNKS = b"moerl.num_chunks"
+
+
+def table_bytes(table: pa.Table) -> bytes:
+    buffer = io.BytesIO()
+    pq.write_table(table, buffer, compression="zstd")
+    return buffer.getvalue()
+
+
+def read_table(run: Store, key: str) -> pa.Table:
+    try:
+        # ParquetFile, one thread: pq.read_table goes through pyarrow.dataset, whose readahead tasks on Arrow's
+        # I/O pool can still run when the process exits (a std::terminate, SIGABRT, at exit: apache/arrow#34314)
+        return pq.ParquetFile(io.BytesIO(run.get_bytes(key))).read(use_threads=False)
+    except (pa.ArrowException, OSError) as err:
+        raise MoerlError(f"{run.url(key)}: not a readable Parquet file ({err}); delete it and rerun its step") from err
+
+
+SCORED_COLUMNS = (
+    "prompt_id", "sample_index", "prompt_ids", "response_ids", "behavior_logprobs", "policy_version",
+    "reward", "advantage",
+)  # fmt: skip
+
+
+@dataclass
+class Sample:
+    """One scored response: the tokens the model is trained on and what the rollout recorded."""
+
+    prompt_id: str
+    sample_index: int
+    prompt_ids: list[int]
+    response_ids: list[int]
+    behavior_logprobs: list[float]
+    advantage: float
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.response_ids)
+
+
+def read_scored_experience(run: Store, iteration: int, expected_version: int) -> list[Sample]:
+    """The scored experience of `iteration`, validated, sorted by (prompt_id, sample_index).
+
+    Sorting makes the order independent of how many rollout shards wrote the rows.
+    """
+    key = scored_key(iteration)
+    url = run.url(key)
+    if not run.exists(key):
+        raise MoerlError(
+            f"{url}: no scored experience for iteration {iteration}; run the rollout and score steps of "
+            f"iteration {iteration} first (python -m steps.score --run {run.uri} --iteration {iteration})"
+        )
+    table = read_table(run, key)
+    missing = [c for c in SCORED_COLUMNS if c not in table.column_names]
+    if missing:
+        raise MoerlError(f"{url}: missing columns {missing}; scored experience needs {list(SCORED_COLUMNS)}")
+    if table.num_rows == 0:
+        raise MoerlError(f"{url}: no rows; iteration {iteration} produced no experience to train on")
+    cols = {c: table.column(c).to_pylist() for c in SCORED_COLUMNS}
+
+    versions = sorted({int(v) for v in cols["policy_version"]})
+    if versions != [expected_version]:
+        raise MoerlError(
+            f"{url}: experience from policy version(s) {versions}, but iteration {iteration} trains on "
+            f"samples of v{expected_version:06d} (staleness of the run config); the experience is stale or "
+            "from another run — regenerate it with the rollout and score steps of this iteration"
+        )
+    samples = []
+    for i in range(table.num_rows):
+        response, logprobs = cols["response_ids"][i], cols["behavior_logprobs"][i]
+        where = f"{url} row {i} (prompt_id {cols['prompt_id'][i]!r}, sample_index {cols['sample_index'][i]})"
+        if not response or len(logprobs) != len(response):
+            raise MoerlError(
+                f"{where}: {len(response or [])} response tokens but {len(logprobs or [])} behavior_logprobs; "
+                "the rollout must record one log-prob per response token"
+            )
+        values = [cols["advantage"][i], cols["reward"][i], *logprobs]
+        if any(v is None or not math.isfinite(v) for v in values):
+            raise MoerlError(f"{where}: reward, advantage or behavior_logprobs is NaN/inf/null; rerun score")
+        samples.append(
+            Sample(
+                prompt_id=str(cols["prompt_id"][i]),
+                sample_index=int(cols["sample_index"][i]),
+                prompt_ids=[int(t) for t in cols["prompt_ids"][i]],
+                response_ids=[int(t) for t in response],
+                behavior_logprobs=[float(x) for x in logprobs],
+                advantage=float(cols["advantage"][i]),
+            )
+        )
+    samples.sort(key=lambda s: (s.prompt_id, s.sample_index))
+    return samples

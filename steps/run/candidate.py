@@ -1,0 +1,156 @@
+"""The candidate format: what update writes to <run>/candidates/iter-I/ and publish verifies and publishes.
+
+    model-rank0000r-of-0000n.safetensors       the weights EP rank r holds (rank 0 also the replicated ones),
+                                               in the run's checkpoint dtype
+    optimizer-rank0000r-of-0000n.safetensors   AdamW state of the same parameters (+ their fp32 masters)
+    config.json, generation_config.json, tokenizer files
+    candidate.index.json                       {"metadata", "weight_map", "optimizer_map"}: tensor name -> file
+    CANDIDATE.json                             written LAST: iteration, parent, every file with size + sha256,
+                                               and the weight delta blobs the ranks wrote (weight_deltas)
+
+A candidate without CANDIDATE.json is unfinished: update deletes it and trains again, publish refuses it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+from pathlib import Path
+from typing import Any
+
+from steps.errors import MoerlError
+from steps.run.checkpoint import file_digest
+from steps.run.keys import candidate_prefix
+from steps.store.object_store import Store
+
+MARKER = "CANDIDATE.json"
+CANDIDATE_INDEX = "candidate.index.json"
+
+
+def model_shard_name(ep_rank: int, ep_size: int) -> str:
+    return f"model-rank{ep_rank:05d}-of-{ep_size:05d}.safetensors"
+
+
+def published_weight_names(model_files: list[str]) -> dict[str, str]:
+    """The Hugging Face name each candidate weight file is published under (steps/publish.py): one file is
+    model.safetensors, several are model-0000k-of-0000n.safetensors in their names' order (EP rank order)."""
+    if len(model_files) == 1:
+        return {model_files[0]: "model.safetensors"}
+    ordered = sorted(model_files)
+    return {old: f"model-{k:05d}-of-{len(ordered):05d}.safetensors" for k, old in enumerate(ordered, 1)}
+
+
+def published_weight_name(ep_rank: int, ep_size: int) -> str:
+    """The published name of EP rank `ep_rank`'s weight file (what its delta blob is named after)."""
+    files = [model_shard_name(r, ep_size) for r in range(ep_size)]
+    return published_weight_names(files)[model_shard_name(ep_rank, ep_size)]
+
+
+def optimizer_shard_name(ep_rank: int, ep_size: int) -> str:
+    return f"optimizer-rank{ep_rank:05d}-of-{ep_size:05d}.safetensors"
+
+
+# What EP rank r writes: its weight file (with that file's delta blob, made from the local file) and its
+# optimizer file. Every dp replica of r holds the same bits, so any of them can write either.
+WEIGHTS, OPTIMIZER = "weights", "optimizer"
+SHARD_KINDS = (WEIGHTS, OPTIMIZER)
+
+
+def shard_writers(sizes: list[dict[str, float]], dp_size: int, ranks_per_node: int) -> dict[tuple[int, str], int]:
+    """Which trainer rank writes each file of the candidate's shards, {(EP rank, kind): rank}, so that no node
+    writes much more than the others: sizes[r][kind] is EP rank r's file of that kind (bytes, or any unit);
+    rank d * ep_size + r is EP rank r's replica d, on node rank // ranks_per_node (torchrun's numbering).
+    The largest file first, each to the replica whose node has the fewest bytes so far (then the replica
+    writing fewest files, then the lowest dp rank): deterministic, so every rank computes the same plan.
+    With one dp replica, the first dp row writes everything, as it did before. The files and their contents
+    do not depend on who writes them. `moerl simulate` models the write with the same plan
+    (pipelines/simulate/sizing.py, candidate_write_s)."""
+    ep_size = len(sizes)
+    node_load: dict[int, float] = {}
+    rank_files: dict[int, int] = {}
+    writers: dict[tuple[int, str], int] = {}
+    jobs = sorted(((-float(sizes[r][k]), r, i, k) for r in range(ep_size) for i, k in enumerate(SHARD_KINDS)))
+    for neg_size, r, _, kind in jobs:
+        rank = min(
+            (d * ep_size + r for d in range(dp_size)),
+            key=lambda q: (node_load.get(q // ranks_per_node, 0.0), rank_files.get(q, 0), q),
+        )
+        node_load[rank // ranks_per_node] = node_load.get(rank // ranks_per_node, 0.0) - neg_size
+        rank_files[rank] = rank_files.get(rank, 0) + 1
+        writers[(r, kind)] = rank
+    return writers
+
+
+def node_write_loads(
+    sizes: list[dict[str, float]], writers: dict[tuple[int, str], int], ranks_per_node: int
+) -> dict[int, float]:
+    """What each node writes under `writers` (shard_writers): node -> the sum of its ranks' files."""
+    loads: dict[int, float] = {}
+    for (r, kind), rank in writers.items():
+        node = rank // ranks_per_node
+        loads[node] = loads.get(node, 0.0) + float(sizes[r][kind])
+    return loads
+
+
+def index_text(iteration: int, info: dict[str, Any], weight_map: dict[str, str], optimizer_map: dict[str, str]) -> str:
+    """candidate.index.json: which file holds each weight and each optimizer state tensor."""
+    index = {
+        "metadata": {"iteration": iteration, "parent": iteration - 1, **info},
+        "weight_map": dict(sorted(weight_map.items())),
+        "optimizer_map": dict(sorted(optimizer_map.items())),
+    }
+    return json.dumps(index, indent=2) + "\n"
+
+
+def write_marker(
+    run: Store,
+    iteration: int,
+    info: dict[str, Any],
+    files: dict[str, dict[str, Any]],
+    weight_deltas: dict[str, dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """CANDIDATE.json, the last object of a candidate: its presence says every file it lists is there.
+    `weight_deltas`: the delta blobs the update wrote, by published file name (steps/run/weight_delta.py)."""
+    marker = {
+        "iteration": iteration,
+        "parent": iteration - 1,
+        **info,
+        "files": dict(sorted(files.items())),
+        **({"weight_deltas": dict(sorted(weight_deltas.items()))} if weight_deltas else {}),
+        "created_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    }
+    run.put_json(f"{candidate_prefix(iteration)}/{MARKER}", marker)
+    return marker
+
+
+def read_marker(run: Store, iteration: int) -> dict[str, Any] | None:
+    """The complete candidate's CANDIDATE.json, or None while there is none (absent or unfinished)."""
+    key = f"{candidate_prefix(iteration)}/{MARKER}"
+    return run.get_json(key) if run.exists(key) else None
+
+
+def download(run: Store, iteration: int, marker: dict[str, Any], local_dir: Path) -> None:
+    """Every file the marker lists, checked against its recorded size and sha256."""
+    prefix = candidate_prefix(iteration)
+    for name, meta in marker["files"].items():
+        key = f"{prefix}/{name}"
+        if not run.exists(key):
+            raise MoerlError(
+                f"{run.url(key)}: listed in {MARKER} but missing; the candidate is incomplete — rerun update "
+                f"for iteration {iteration} with --force"
+            )
+        target = local_dir / name
+        run.get_file(key, target)
+        if file_digest(target) != (meta["size"], meta["sha256"]):
+            raise MoerlError(
+                f"{run.url(key)}: size or sha256 differs from {MARKER}; the candidate is corrupted — rerun "
+                f"update for iteration {iteration} with --force"
+            )
+
+
+def read_index(local_dir: Path, where: str) -> dict[str, Any]:
+    """The downloaded candidate's candidate.index.json."""
+    index_path = local_dir / CANDIDATE_INDEX
+    if not index_path.is_file():
+        raise MoerlError(f"{where}: no {CANDIDATE_INDEX} in the candidate; rerun update with --force")
+    return json.loads(index_path.read_text())

@@ -1,0 +1,794 @@
+"""The run config's schema: every field of a run config, its default and its checks; the schema of run.json.
+
+`validate_config(data)` checks a parsed config and returns a `RunConfig`. Every field has a default that suits
+the CPU demo on this machine except the two URIs (`sft_checkpoint`, `run_store`), which a config must name.
+The resolved config travels to the steps as `<run>/run.json` (`RunConfig.model_dump(mode="json")`, written
+by import-sft), so the steps read their settings from there and the workflow only passes run, iteration and
+shard on the command line. pipelines/config.py reads the YAML, applies `--set` overrides and resolves paths.
+
+Each section is the one owner of its settings: the libraries are built from their section by keyword
+(TrainSettings and LossSettings from `trainer`, SamplingParams from `sampling`, SGLangSettings from
+`rollout.sglang`, RewardWeights from the `rewards` weights), so a new setting is a field here plus the code
+that uses it.
+
+A bad config ends in one MoerlError that lists every bad field by its path (`rollout.num_shards`) with what
+is wrong and how to fix it; an unknown field is refused with the nearest known name ("did you mean ...").
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+import types
+import typing
+import zoneinfo
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic.alias_generators import to_camel
+
+from steps.errors import MoerlError
+from steps.run.keys import RUN_CONFIG
+from steps.store.object_store import Store
+
+# Placement roles: where each kind of pod runs. `control` holds the small CPU steps that move state:
+# plan, import-sft, publish, the report and the hand-over to the next segment.
+ROLES = ("rollout", "score", "trainer", "control")
+
+# Config fields that may change between the segments or scheduled continuations of one run: they say where
+# and how often pods run, not what is trained. Everything else must match the run's run.json.
+OPERATIONAL_FIELDS = frozenset(
+    {
+        "name",
+        "iterations",
+        "segment_size",
+        "images",
+        "placement",
+        "retries",
+        "argo",
+        "schedule",
+        "namespace",
+        "service_account",
+    }
+)
+OPERATIONAL_SECTION_FIELDS = {
+    "rollout": frozenset({"num_shards", "servers", "server_wait_s"}),
+    "trainer": frozenset({"server", "server_wait_s", "server_idle_exit_s"}),
+    "checkpoint": frozenset({"deltas"}),
+}
+
+_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+_QUANTITY = re.compile(r"^[+]?(\d+(\.\d*)?|\.\d+)([KMGTPE]i|[numkMGTPE]|[eE][+-]?\d+)?$")
+_DURATION = re.compile(r"^\d+(\.\d+)?(ns|us|ms|s|m|h)?$")
+_DOTTED_FN = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*$")
+_URI = re.compile(r"^(file://|s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/|$))")
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_default=True)
+
+
+def _field(default: Any, description: str, **constraints: Any) -> Any:
+    return Field(default, description=description, **constraints)
+
+
+# ---------------------------------------------------------------------------------------------- what
+
+
+class TaskConfig(_Section):
+    name: str = _field("addition", "a task of steps.data.tasks: 'addition', 'sort' or 'sortdesc'")
+    params: dict[str, int | float | str | bool] = _field(
+        {}, "difficulty parameters of the task, e.g. {digits: 3} for addition or {length: 6} for sort"
+    )
+
+
+class PromptFieldsConfig(_Section):
+    prompt: str = _field("prompt", "field of a prompt-file record holding the prompt (a string or chat messages)")
+    answer: str = _field("answer", "field holding the reference answer (dotted for nested: reward_model.ground_truth)")
+    id: str = _field("prompt_id", "field holding the prompt's id; records without one get a stable hash of the prompt")
+
+
+class SGLangConfig(_Section):
+    tp_size: int = _field(1, "tensor-parallel size of each SGLang engine", ge=1)
+    ep_size: int = _field(1, "expert-parallel size of each SGLang engine (GPUs the experts are spread over)", ge=1)
+    moe_a2a_backend: Literal["deepep", "none"] = _field(
+        "none", "SGLang's MoE all-to-all backend: 'deepep' (needs ep_size > 1) or 'none'"
+    )
+    mem_fraction: float = _field(0.85, "share of GPU memory SGLang may take (0-1]", gt=0, le=1)
+
+
+class RolloutConfig(_Section):
+    num_shards: int = _field(2, "rollout pods per iteration (withSequence fan-out)", ge=1, le=1024)
+    chunk_size: int = _field(16, "prompts per generation chunk; fixed for a run, independent of the shard count", ge=1)
+    engine: Literal["torch", "sglang"] = _field("torch", "generation engine: 'torch' (CPU or one GPU) or 'sglang'")
+    sglang: SGLangConfig = _field(SGLangConfig(), "SGLang serving settings (engine: sglang)")
+    servers: int = _field(
+        0,
+        "long-lived rollout servers per segment (Argo daemon tasks, each holding one engine whose weights it "
+        "updates in place from the run store); the rollout steps send them their chunks. 0: each rollout step "
+        "opens an engine of its own",
+        ge=0,
+        le=1024,
+    )
+    server_wait_s: float = _field(
+        600.0,
+        "how long a rollout step waits for a ready rollout server (rollout.servers > 0) before it exits to be "
+        "retried (exit 75, as for a lost server); it never generates with an engine of its own then",
+        ge=0,
+    )
+
+
+class SamplingConfig(_Section):
+    temperature: float = _field(1.0, "sampling temperature, > 0", gt=0)
+    top_p: float = _field(1.0, "nucleus sampling mass in (0, 1]", gt=0, le=1)
+    top_k: int = _field(0, "sample from the k most likely tokens; 0 turns top-k off", ge=0)
+    max_new_tokens: int = _field(8, "longest response in tokens", ge=1)
+
+
+class RewardsConfig(_Section):
+    verifier: Literal["exact", "numeric", "math", "regex"] | None = _field(
+        None,
+        "rule verifier of the answers: 'exact', 'numeric' (last number, or the one after ####), 'math' "
+        "(math-verify) or 'regex' (answer_pattern); default: a built-in task's own, 'exact' for a prompt file",
+    )
+    answer_pattern: str | None = _field(
+        None, "regex verifier: the answer is the last match's first group (or the whole match)"
+    )
+    exact_match_weight: float = _field(1.0, "weight of the verifier's verdict 'correct'")
+    format_weight: float = _field(0.1, "weight of the verifier's verdict 'well_formed' (an answer was found)")
+    reward_fn: str | None = _field(
+        None,
+        "a reward function 'package.module:function' installed in the cpu image (contract: README, "
+        "steps/scoring/user_reward.py)",
+    )
+    reward_fn_weight: float = _field(1.0, "weight of the reward function's reward (needs reward_fn)")
+    reward_fn_timeout_s: float = _field(10.0, "longest the reward function may take on one sample", gt=0)
+    reward_model: str | None = _field(
+        None, "optional reward model: a store URI of a sequence-classification checkpoint"
+    )
+    reward_model_weight: float = _field(0.0, "weight of the reward model's score (needs reward_model)")
+    normalize_std: bool = _field(True, "divide group advantages by the group's reward std (GRPO); false: mean only")
+
+
+class TrainerConfig(_Section):
+    ep_backend: Literal["local", "alltoall", "deepep"] = _field(
+        "alltoall",
+        "expert-parallel dispatch: 'local' (one rank), 'alltoall' (gloo or NCCL) or 'deepep' (GPU)",
+    )
+    expert_placement: Literal["balanced", "contiguous"] = _field(
+        "balanced",
+        "which experts each expert-parallel rank holds, per MoE layer: 'balanced' (split so that the ranks' "
+        "routed rows are even, from the previous update's per-expert row counts; contiguous on iteration 1) or "
+        "'contiguous' (rank r holds experts [r*E/ep, (r+1)*E/ep) in every layer)",
+    )
+    ep_size: int | None = _field(
+        None,
+        "expert-parallel group size: the trainer ranks that split each MoE layer's experts; the data-parallel "
+        "size is the ranks (nodes x nproc_per_node) / ep_size. Must divide the ranks and num_experts; "
+        "nproc_per_node or less keeps every expert exchange inside a node. null: the largest size that divides "
+        "both the ranks and num_experts",
+        ge=1,
+    )
+    nproc_per_node: int = _field(2, "torchrun processes per node (GPUs per node on a cluster)", ge=1, le=64)
+    nodes: int = _field(
+        1,
+        "trainer nodes; more than 1 runs the update (with trainer.server, the trainer) as a Kubeflow PyTorchJob",
+        ge=1,
+    )
+    micro_batch_size: int = _field(32, "sequences per forward/backward pass on one rank", ge=1)
+    epochs: int = _field(1, "passes over the iteration's experience", ge=1)
+    steps_per_epoch: int = _field(
+        1, "optimizer steps per pass (the experience is split into this many mini-batches)", ge=1
+    )
+    lr: float = _field(2e-4, "AdamW learning rate", gt=0)
+    warmup_steps: int = _field(
+        0, "optimizer steps of the run over which the learning rate ramps linearly up to lr (0: none)", ge=0
+    )
+    weight_decay: float = _field(0.0, "AdamW weight decay", ge=0)
+    betas: tuple[float, float] = _field((0.9, 0.999), "AdamW betas, two numbers in [0, 1)")
+    grad_clip: float = _field(1.0, "clip the global gradient norm to this; 0 turns clipping off", ge=0)
+    clip_low: float = _field(0.2, "PPO ratio clip below 1 (ratio >= 1 - clip_low)", gt=0, lt=1)
+    clip_high: float = _field(0.28, "PPO ratio clip above 1 (ratio <= 1 + clip_high; DAPO clip-higher)", gt=0)
+    loss_agg: Literal["token-mean", "seq-mean"] = _field("token-mean", "loss aggregation: 'token-mean' or 'seq-mean'")
+    kl_coef: float = _field(0.0, "weight of the k3 KL penalty to the SFT policy; 0 turns it off", ge=0)
+    is_cap: float = _field(2.0, "cap of the truncated importance weight behaviour -> trainer policy", gt=0)
+    old_logprobs: Literal["recompute", "behavior"] = _field(
+        "recompute",
+        "the PPO ratio's old policy, for updates of more than one step: 'recompute' (one extra forward pass "
+        "with the weights before the update; the truncated IS weight corrects behaviour -> trainer) or "
+        "'behavior' (the rollout engine's own log-probs: no extra pass, IS weight 1; right when the engine "
+        "computes what the trainer would, i.e. the torch engine in fp32 at staleness 0 on an fp32 checkpoint: "
+        "a bf16/fp16 version is the trainer's fp32 masters rounded)",
+    )
+    shared_prompts: bool = _field(
+        False,
+        "run each prompt once per micro-batch and let its GRPO group's responses attend to its keys/values "
+        "(the same loss and gradients, fewer tokens trained); a prompt's samples then stay in one optimizer "
+        "step and one rank's micro-batch, so micro-batches hold whole groups. Measured on the demo: steps of "
+        "whole groups learn far slower than steps of samples shuffled across prompts (bench/README.md)",
+    )
+    server: bool = _field(
+        False,
+        "a trainer that stays up for the segment (an Argo daemon task holding the EP group, the weights and "
+        "AdamW's state in memory; over trainer.nodes > 1, the daemon launches it as one PyTorchJob), driven "
+        "iteration by iteration by the update steps; false: each update step starts its own torchrun or job",
+    )
+    server_wait_s: float = _field(
+        600.0,
+        "with trainer.server: how long an update step waits for its Workflow's trainer to be ready before it "
+        "exits 75 to be retried (it runs on a CPU node: it has no GPU to train on)",
+        ge=0,
+    )
+    server_idle_exit_s: float = _field(
+        3600.0,
+        "with trainer.server over trainer.nodes > 1: the trainer's PyTorchJob ends itself once its launcher "
+        "(the segment's trainer-server daemon) has not refreshed its heartbeat in the run store for this long "
+        "(0: never), so that a job whose launcher was killed before it could delete it frees its nodes; while "
+        "the launcher lives, the trainer waits for updates however long they pause",
+        ge=0,
+    )
+
+
+class CheckpointConfig(_Section):
+    keep_last: int = _field(3, "published versions kept besides v000000 (older ones are deleted)", ge=1)
+    deltas: bool = _field(
+        True,
+        "with rollout servers, each version's compressed delta against its parent is also written (deltas/v(i)/: "
+        "the update's ranks write their weight files' blobs, publish indexes them), which the servers fetch "
+        "instead of the whole checkpoint; the full checkpoint stays the source of truth",
+    )
+
+
+# --------------------------------------------------------------------------------------------- where
+
+
+class Toleration(_Section):
+    # Kubernetes spells these in camelCase; both spellings are accepted.
+    model_config = ConfigDict(extra="forbid", alias_generator=to_camel, populate_by_name=True)
+
+    key: str | None = None
+    operator: Literal["Exists", "Equal"] = "Equal"
+    value: str | None = None
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+    toleration_seconds: int | None = None
+
+
+Quantity = Annotated[int | str, Field(description="a Kubernetes quantity such as 8, '64Gi' or '500m'")]
+
+
+class Resources(_Section):
+    requests: dict[str, Quantity] = _field({}, "resource requests, e.g. {cpu: 4, memory: 16Gi}")
+    limits: dict[str, Quantity] = _field(
+        {}, "resource limits; GPUs (nvidia.com/gpu), EFA (vpc.amazonaws.com/efa) and hugepages-2Mi go here"
+    )
+
+
+class Placement(_Section):
+    node_selector: dict[str, str] = _field({}, "node labels the pods must match (instance type, zone, pool)")
+    tolerations: list[Toleration] = _field([], "taints the pods tolerate (GPU, Spot)")
+    resources: Resources = _field(Resources(), "container resources")
+    priority_class: str | None = _field(None, "Kubernetes PriorityClass of the pods")
+    spot: bool = _field(False, "Spot capacity: retry preemptions (pod deleted, node shutdown, 137/143) elsewhere")
+    shm_size: str | None = _field(None, "size of the in-memory /dev/shm (torchrun, NCCL, SGLang), e.g. 16Gi")
+
+
+def _default_placement() -> dict[str, Placement]:
+    return {
+        "rollout": Placement(spot=True, shm_size="1Gi"),
+        "score": Placement(spot=True),
+        "trainer": Placement(shm_size="1Gi"),
+        "control": Placement(),
+    }
+
+
+class Backoff(_Section):
+    duration: str = _field("2s", "wait before the first retry (Argo duration: 30s, 2m)")
+    factor: int = _field(2, "each wait is the previous one times this", ge=1)
+    max_duration: str | None = _field("1h", "give up retrying after this long since the first attempt")
+    cap: str | None = _field(None, "longest single wait")
+
+
+class Retry(_Section):
+    limit: int = _field(3, "retries after the first attempt", ge=0)
+    backoff: Backoff = _field(Backoff(), "exponential backoff between attempts")
+
+
+def _default_retries() -> dict[str, Retry]:
+    return {
+        "rollout": Retry(limit=6),
+        "score": Retry(limit=4),
+        "trainer": Retry(limit=2),
+        "control": Retry(limit=3),
+    }
+
+
+class Images(_Section):
+    trainer: str = _field("moerl-trainer:latest", "image of the update (torchrun) pods")
+    rollout: str = _field("moerl-rollout:latest", "image of the rollout pods (SGLang)")
+    cpu: str = _field("moerl-cpu:latest", "image of the CPU steps: plan, import-sft, score, publish, report")
+
+
+class Semaphore(_Section):
+    config_map: str = _field("moerl-semaphores", "ConfigMap holding the semaphore's limit")
+    key: str = _field("runs", "key in that ConfigMap whose value is the number of runs at once")
+
+
+class ArgoConfig(_Section):
+    semaphore: Semaphore | None = _field(Semaphore(), "semaphore bounding concurrent moerl runs; null: none")
+    report_artifact: bool = _field(
+        True, "publish the report PNG as an Argo output artifact (needs an artifact repository)"
+    )
+    run_mutex: bool = _field(True, "a mutex per run: two Workflows of one run (a submit, the cron) never overlap")
+    ttl_seconds_after_success: int = _field(7 * 24 * 3600, "delete a Succeeded Workflow after this long", ge=0)
+    ttl_seconds_after_failure: int = _field(14 * 24 * 3600, "delete a Failed Workflow after this long", ge=0)
+    pod_gc: Literal["OnPodCompletion", "OnPodSuccess", "OnWorkflowCompletion", "OnWorkflowSuccess"] = _field(
+        "OnPodSuccess", "when Argo deletes finished pods (failed ones stay for their logs with OnPodSuccess)"
+    )
+    pod_gc_delay: str | None = _field("10m", "wait this long before deleting a pod (keeps logs readable)")
+    active_deadline_seconds: int | None = _field(None, "fail a Workflow that runs longer than this", ge=1)
+    labels: dict[str, str] = _field({}, "extra labels on every Workflow of the run")
+
+
+class ScheduleConfig(_Section):
+    schedules: list[str] = _field(["0 */6 * * *"], "cron expressions (5 fields) for the CronWorkflow")
+    timezone: str = _field("UTC", "IANA timezone of the schedules, e.g. Europe/Berlin")
+    starting_deadline_seconds: int = _field(600, "skip a scheduled start missed by more than this", ge=0)
+    suspend: bool = _field(False, "create the CronWorkflow suspended")
+
+
+# ------------------------------------------------------------------------------------------ tracking
+
+
+class MlflowTracking(_Section):
+    tracking_uri: str | None = _field(
+        None, "MLflow tracking server (http(s)://host:port); null: the pods' MLFLOW_TRACKING_URI (from `secret`)"
+    )
+    experiment: str = _field("moerl", "MLflow experiment the run is logged to (created when missing)")
+    secret: str | None = _field(
+        None,
+        "Kubernetes Secret whose keys MLFLOW_TRACKING_URI, MLFLOW_TRACKING_TOKEN, MLFLOW_TRACKING_USERNAME and "
+        "MLFLOW_TRACKING_PASSWORD (each optional) become the tracked steps' env; never a value in the YAML",
+    )
+
+
+class TensorboardTracking(_Section):
+    enabled: bool = _field(True, "write TensorBoard event files under <run>/tensorboard/ (any store, S3 too)")
+
+
+class WandbTracking(_Section):
+    project: str = _field("moerl", "Weights & Biases project")
+    entity: str | None = _field(None, "Weights & Biases entity (team or user); null: the API key's default")
+    mode: Literal["online", "offline"] = _field(
+        "online", "'online' or 'offline' (no network: run files go to <run>/wandb/, upload with `wandb sync`)"
+    )
+    base_url: str | None = _field(None, "a self-hosted W&B server URL; null: WANDB_BASE_URL or wandb.ai")
+    api_key_secret: str | None = _field(
+        None, "Kubernetes Secret holding the API key; rendered as a secretKeyRef env WANDB_API_KEY, never a value"
+    )
+    api_key_secret_key: str = _field("WANDB_API_KEY", "the key of the API key inside api_key_secret")
+
+
+class TrackingConfig(_Section):
+    mlflow: MlflowTracking | None = _field(None, "log to an MLflow tracking server; null: not")
+    tensorboard: TensorboardTracking | None = _field(
+        None, "TensorBoard event files under <run>/tensorboard/ ({} turns them on; configs/demo.yaml does)"
+    )
+    wandb: WandbTracking | None = _field(None, "log to Weights & Biases; null: not")
+    timeout_seconds: float = _field(
+        10.0, "longest wait for one tracker call; a tracker that misses it is skipped with a warning", gt=0, le=300
+    )
+    argo_ui_url: str | None = _field(
+        None, "base URL of the Argo UI (https://argo.example.com), for the tracker's link to the Workflow"
+    )
+
+
+# ---------------------------------------------------------------------------------------------- root
+
+
+class RunConfig(_Section):
+    name: str = _field("demo", "run name: lowercase letters, digits and '-', at most 40 characters")
+    seed: int = _field(0, "seed of every random choice (prompts, sampling, init)", ge=0)
+    sft_checkpoint: str = Field(description="the SFT checkpoint to start from: a file:// or s3:// URI or a path")
+    run_store: str = Field(description="the run store: a file:// or s3://bucket/prefix URI or a path")
+    iterations: int = _field(6, "RL iterations of the run", ge=1, le=100_000)
+    segment_size: int = _field(
+        25,
+        "iterations per Workflow object; longer runs are split into segments that resume from LATEST",
+        ge=1,
+    )
+    staleness: Literal[0, 1] = _field(0, "0: synchronous; 1: rollout of iteration i+1 overlaps update i")
+    task: TaskConfig | None = _field(None, "the built-in task to train on (default: addition)")
+    prompt_file: str | None = _field(
+        None, "prompts from a JSONL or Parquet file on a store instead of a built-in task"
+    )
+    prompt_fields: PromptFieldsConfig = _field(PromptFieldsConfig(), "field names of the prompt file's records")
+    heldout_file: str | None = _field(None, "held-out prompts of a prompt-file run (same format and fields)")
+    heldout_fraction: float = _field(
+        0.1,
+        "without heldout_file: share of the prompt file held out by a stable hash of the prompt id (0: none)",
+        ge=0,
+        lt=1,
+    )
+    prompt_format: Literal["raw", "chat"] = _field(
+        "raw", "'raw': the prompt text as it is; 'chat': through the checkpoint's chat template"
+    )
+    system_prompt: str | None = _field(None, "prompt_format chat: a system message put before each prompt")
+    chat_template_kwargs: dict[str, Any] = _field(
+        {}, "prompt_format chat: keyword arguments of the chat template, e.g. {enable_thinking: false}"
+    )
+    prompts_per_iteration: int = _field(64, "training prompts sampled per iteration", ge=1)
+    group_size: int = _field(8, "samples per prompt (the GRPO group)", ge=1)
+    heldout_size: int = _field(128, "held-out prompts scored for accuracy each iteration", ge=0)
+    rollout: RolloutConfig = _field(RolloutConfig(), "experience generation")
+    sampling: SamplingConfig = _field(SamplingConfig(), "sampling settings of the rollout engine")
+    rewards: RewardsConfig = _field(RewardsConfig(), "reward functions and advantages")
+    trainer: TrainerConfig = _field(TrainerConfig(), "policy update: expert parallelism, optimizer and loss")
+    checkpoint: CheckpointConfig = _field(CheckpointConfig(), "checkpoint retention")
+    images: Images = _field(Images(), "container image per role")
+    placement: dict[Literal["rollout", "score", "trainer", "control"], Placement] = _field(
+        {}, "where each role's pods run: rollout, score, trainer, control"
+    )
+    retries: dict[Literal["rollout", "score", "trainer", "control"], Retry] = _field(
+        {}, "retry limit and backoff per role: rollout, score, trainer, control"
+    )
+    capacity_label: str | None = _field(
+        "karpenter.sh/capacity-type",
+        "node label that tells Spot from on-demand nodes; each role is pinned to 'spot' or 'on-demand' with it "
+        "unless its node_selector names the label itself; null: pin nothing",
+    )
+    namespace: str = _field("moerl", "Kubernetes namespace of the Workflows")
+    service_account: str = _field("moerl-workflow", "service account of the pods (IRSA gives it S3 access)")
+    argo: ArgoConfig = _field(ArgoConfig(), "Argo Workflow settings")
+    schedule: ScheduleConfig = _field(ScheduleConfig(), "the CronWorkflow that continues the run")
+    tracking: TrackingConfig = _field(
+        TrackingConfig(), "experiment trackers the steps log to: mlflow, tensorboard, wandb (default: none)"
+    )
+
+    def model_post_init(self, context: Any) -> None:
+        # Roles left out get their defaults, so `placement: {trainer: ...}` needs not repeat the others.
+        self.placement = {**_default_placement(), **self.placement}
+        self.retries = {**_default_retries(), **self.retries}
+        if self.task is None and self.prompt_file is None:
+            self.task = TaskConfig()
+
+    def role(self, role: str) -> Placement:
+        return self.placement[role]
+
+
+def training_view(config: dict[str, Any]) -> dict[str, Any]:
+    """A dumped config without the fields that may change between the Workflows of one run.
+
+    Those are OPERATIONAL_FIELDS and, within their sections, OPERATIONAL_SECTION_FIELDS: chunks, not shards or
+    servers, fix what is sampled, and a trainer that stays up trains the bits of one started per iteration.
+    """
+    out = {k: v for k, v in config.items() if k not in OPERATIONAL_FIELDS}
+    for section, fields in OPERATIONAL_SECTION_FIELDS.items():
+        if isinstance(out.get(section), dict):
+            out[section] = {k: v for k, v in out[section].items() if k not in fields}
+    return out
+
+
+# ---------------------------------------------------------------------------------------- validation
+
+
+def _is_uri(text: str) -> bool:
+    return bool(_URI.match(text)) or "://" not in text
+
+
+_HTTP_URL = re.compile(r"^https?://[^\s/]+")
+_SECRET_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
+_ENV_KEY = re.compile(r"^[-._a-zA-Z0-9]+$")
+
+
+def _check_tracking(tracking: TrackingConfig, bad: typing.Callable[[str, str], None]) -> None:
+    """URLs are http(s), Secret names are Kubernetes names: a typo fails at load, not in the tracked step."""
+    urls = {"tracking.argo_ui_url": tracking.argo_ui_url}
+    names = {}
+    if tracking.mlflow is not None:
+        urls["tracking.mlflow.tracking_uri"] = tracking.mlflow.tracking_uri
+        names["tracking.mlflow.secret"] = tracking.mlflow.secret
+    if tracking.wandb is not None:
+        urls["tracking.wandb.base_url"] = tracking.wandb.base_url
+        names["tracking.wandb.api_key_secret"] = tracking.wandb.api_key_secret
+        if not _ENV_KEY.match(tracking.wandb.api_key_secret_key):
+            bad("tracking.wandb.api_key_secret_key", f"{tracking.wandb.api_key_secret_key!r} is not a Secret key; "
+                "use letters, digits, '-', '_' or '.', e.g. WANDB_API_KEY")  # fmt: skip
+    for path, url in urls.items():
+        if url is not None and not _HTTP_URL.match(url):
+            bad(path, f"{url!r} is not an http(s) URL; write e.g. https://mlflow.example.com")
+    for path, name in names.items():
+        if name is not None and (not _SECRET_NAME.match(name) or len(name) > 253):
+            bad(path, f"{name!r} is not a Kubernetes Secret name; use lowercase letters, digits, '-' and '.'")
+
+
+def _check_task(task: TaskConfig, bad: typing.Callable[[str, str], None]) -> None:
+    """A task family of steps.data.tasks whose parameters build a task (whether max_new_tokens holds its answers
+    needs the checkpoint's tokenizer: pipelines/preflight.py checks that)."""
+    from steps.data.tasks import FAMILIES, get_task  # here: the config module is read by tools that never build a task
+
+    if task.name.rstrip("0123456789") not in FAMILIES:
+        hint = difflib.get_close_matches(task.name, FAMILIES, n=1)
+        bad(
+            "task.name",
+            f"unknown task {task.name!r}; use one of {', '.join(FAMILIES)} or a prompt_file"
+            + (f" (did you mean {hint[0]!r}?)" if hint else ""),
+        )
+        return
+    try:
+        get_task(task.name, **task.params)
+    except MoerlError as err:
+        bad("task", str(err))
+
+
+def semantic_problems(cfg: RunConfig) -> list[tuple[str, str]]:
+    """Checks that span fields. Returns (field path, 'what is wrong; the fix') pairs."""
+    problems: list[tuple[str, str]] = []
+
+    def bad(path: str, message: str) -> None:
+        problems.append((path, message))
+
+    if not _DNS_LABEL.match(cfg.name) or len(cfg.name) > 40:
+        bad(
+            "name",
+            f"{cfg.name!r} is not a valid run name; use lowercase letters, digits and '-' "
+            "(at most 40 characters, starting and ending with a letter or digit)",
+        )
+    for path in ("sft_checkpoint", "run_store", "prompt_file", "heldout_file", "rewards.reward_model"):
+        value = _get(cfg, path)
+        if value is not None and "\x00" in value:
+            bad(path, f"{value!r} holds a NUL character; write a plain path or a file:// or s3:// URI")
+        elif value is not None and (not value.strip() or not _is_uri(value)):
+            bad(
+                path,
+                f"{value!r} is not a store URI; use file:///abs/path, s3://bucket/prefix or a plain path",
+            )
+    _check_tracking(cfg.tracking, bad)
+    if "{{" in cfg.model_dump_json():
+        bad("(any string)", "'{{' would be read by Argo as a template variable; remove it from the config")
+    if cfg.task is not None and cfg.prompt_file is not None:
+        bad(
+            "prompt_file",
+            "both task and prompt_file are set; keep one (prompt_file replaces the built-in task)",
+        )
+    if cfg.task is not None:
+        _check_task(cfg.task, bad)
+    chunks = -(-cfg.prompts_per_iteration // cfg.rollout.chunk_size)
+    if cfg.rollout.num_shards > chunks:
+        bad(
+            "rollout.num_shards",
+            f"{cfg.rollout.num_shards} shards but only {chunks} chunks of "
+            f"{cfg.rollout.chunk_size} prompts per iteration; use at most {chunks} shards "
+            "or a smaller rollout.chunk_size",
+        )
+    sg = cfg.rollout.sglang
+    if sg.moe_a2a_backend == "deepep" and sg.ep_size < 2:
+        bad(
+            "rollout.sglang.ep_size",
+            "moe_a2a_backend 'deepep' needs ep_size >= 2; raise ep_size or use 'none'",
+        )
+    if cfg.rollout.engine == "sglang" and "nvidia.com/gpu" not in cfg.placement["rollout"].resources.limits:
+        bad(
+            "placement.rollout.resources.limits",
+            "rollout.engine 'sglang' needs GPUs; add 'nvidia.com/gpu: N'",
+        )
+    if cfg.trainer.ep_backend == "deepep" and "nvidia.com/gpu" not in cfg.placement["trainer"].resources.limits:
+        bad(
+            "placement.trainer.resources.limits",
+            "trainer.ep_backend 'deepep' needs GPUs; add 'nvidia.com/gpu: N'",
+        )
+    if cfg.trainer.ep_backend == "local" and (cfg.trainer.nproc_per_node > 1 or cfg.trainer.nodes > 1):
+        bad(
+            "trainer.ep_backend",
+            "'local' runs one rank; set nproc_per_node: 1 and nodes: 1, or use 'alltoall'",
+        )
+    ranks = cfg.trainer.nodes * cfg.trainer.nproc_per_node
+    if cfg.trainer.ep_size is not None and ranks % cfg.trainer.ep_size:
+        bad(
+            "trainer.ep_size",
+            f"{cfg.trainer.ep_size} does not divide the {ranks} trainer ranks (nodes x nproc_per_node); use a "
+            f"divisor of {ranks} (at most nproc_per_node={cfg.trainer.nproc_per_node} keeps EP inside a node)",
+        )
+    if not all(0 <= b < 1 for b in cfg.trainer.betas):
+        bad("trainer.betas", f"{list(cfg.trainer.betas)} must be two numbers in [0, 1), e.g. [0.9, 0.999]")
+    if cfg.heldout_file is not None and cfg.prompt_file is None:
+        bad("heldout_file", "needs a prompt_file (a built-in task has its own held-out split); remove it")
+    if cfg.prompt_format == "raw" and (cfg.system_prompt is not None or cfg.chat_template_kwargs):
+        bad(
+            "prompt_format",
+            "system_prompt and chat_template_kwargs apply to chat prompts; set prompt_format: chat or remove them",
+        )
+    if cfg.rewards.verifier == "regex":
+        from steps.data.verifiers import pattern_problem
+
+        if problem := pattern_problem(cfg.rewards.answer_pattern):
+            bad("rewards.answer_pattern", problem)
+    if cfg.rewards.reward_fn is not None and not _DOTTED_FN.match(cfg.rewards.reward_fn):
+        bad(
+            "rewards.reward_fn",
+            f"{cfg.rewards.reward_fn!r} is not a dotted path; write package.module:function, e.g. "
+            "my_rewards.gsm8k:score",
+        )
+    if cfg.rewards.reward_model_weight != 0 and cfg.rewards.reward_model is None:
+        bad(
+            "rewards.reward_model",
+            "reward_model_weight is set but no reward_model; name its URI or set weight 0",
+        )
+    if cfg.staleness == 1 and cfg.checkpoint.keep_last < 2:
+        bad(
+            "checkpoint.keep_last",
+            "staleness 1 samples from the version before LATEST; keep_last must be >= 2",
+        )
+    if cfg.placement["trainer"].spot:
+        bad(
+            "placement.trainer.spot",
+            "the trainer runs on on-demand capacity (a reclaimed rank stalls all ranks); set spot: false",
+        )
+    for role, placement in cfg.placement.items():
+        base = f"placement.{role}.resources"
+        for kind in ("requests", "limits"):
+            for name, quantity in getattr(placement.resources, kind).items():
+                if not _QUANTITY.match(str(quantity)):
+                    bad(
+                        f"{base}.{kind}.{name}",
+                        f"{quantity!r} is not a Kubernetes quantity; write e.g. 8, 64Gi, 500m",
+                    )
+            for name in placement.resources.requests:
+                if ("/" in name or name.startswith("hugepages-")) and name not in placement.resources.limits:
+                    bad(f"{base}.requests.{name}", f"{name} must be set in limits (requests follow limits)")
+        if placement.shm_size is not None and not _QUANTITY.match(placement.shm_size):
+            bad(f"placement.{role}.shm_size", f"{placement.shm_size!r} is not a quantity; write e.g. 16Gi")
+    for role, retry in cfg.retries.items():
+        for name in ("duration", "max_duration", "cap"):
+            value = getattr(retry.backoff, name)
+            if value is not None and not _DURATION.match(value):
+                bad(f"retries.{role}.backoff.{name}", f"{value!r} is not a duration; write e.g. 30s, 5m or 1h")
+    if cfg.argo.pod_gc_delay is not None and not _DURATION.match(cfg.argo.pod_gc_delay):
+        bad("argo.pod_gc_delay", f"{cfg.argo.pod_gc_delay!r} is not a duration; write e.g. 10m")
+    for i, expr in enumerate(cfg.schedule.schedules):
+        if cron_problem(expr):
+            bad(f"schedule.schedules.{i}", f"{expr!r}: {cron_problem(expr)}")
+    if not cfg.schedule.schedules:
+        bad("schedule.schedules", "needs at least one cron expression, e.g. '0 */6 * * *'")
+    try:
+        zoneinfo.ZoneInfo(cfg.schedule.timezone)
+    except (zoneinfo.ZoneInfoNotFoundError, ValueError):
+        bad("schedule.timezone", f"unknown timezone {cfg.schedule.timezone!r}; use an IANA name such as UTC")
+    return problems
+
+
+_CRON_FIELD = re.compile(r"^(\*|\d+(-\d+)?)(/\d+)?(,(\*|\d+(-\d+)?)(/\d+)?)*$|^[A-Za-z]{3}(-[A-Za-z]{3})?$")
+_CRON_MACROS = {"@yearly", "@annually", "@monthly", "@weekly", "@daily", "@midnight", "@hourly"}
+
+
+def cron_problem(expr: str) -> str | None:
+    """What is wrong with a cron expression, or None. Argo takes 5 fields or a macro such as @daily."""
+    text = expr.strip()
+    if text in _CRON_MACROS or text.startswith("@every "):
+        return None
+    fields = text.split()
+    if len(fields) != 5:
+        return f"has {len(fields)} fields; write 5 (minute hour day-of-month month day-of-week), e.g. '0 */6 * * *'"
+    for field, name in zip(fields, ("minute", "hour", "day-of-month", "month", "day-of-week"), strict=True):
+        if not _CRON_FIELD.match(field):
+            return f"the {name} field {field!r} is not valid cron syntax"
+    return None
+
+
+def _get(cfg: BaseModel, path: str) -> Any:
+    value: Any = cfg
+    for part in path.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def _model_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
+    """The model class that holds the field at `loc` (for did-you-mean on unknown fields)."""
+    annotation: Any = RunConfig
+    for part in loc:
+        model = _unwrap_model(annotation)
+        if model is not None and isinstance(part, str) and part in model.model_fields:
+            annotation = model.model_fields[part].annotation
+            continue
+        origin = typing.get_origin(annotation)
+        if origin in (dict, list):  # a key or an index: step into the value type
+            annotation = typing.get_args(annotation)[-1]
+            continue
+        model = _unwrap_model(annotation)
+        if model is None:
+            return None
+        annotation = model
+    return _unwrap_model(annotation)
+
+
+def _unwrap_model(annotation: Any) -> type[BaseModel] | None:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        for arg in typing.get_args(annotation):
+            if isinstance(arg, type) and issubclass(arg, BaseModel):
+                return arg
+    return None
+
+
+def _describe(loc: tuple[Any, ...]) -> str:
+    """The description of the field at `loc` (or of its nearest described parent): the hint after an error."""
+    while loc:
+        model = _model_at(loc[:-1])
+        if model is not None and loc[-1] in model.model_fields and model.model_fields[loc[-1]].description:
+            return model.model_fields[loc[-1]].description or ""
+        loc = loc[:-1]
+    return ""
+
+
+def _explain(err: Any) -> tuple[str, str]:
+    # Pydantic puts union members and validator kinds into the path ('int', 'function-after[...]') and marks
+    # a bad dict key with '[key]': keep only the user's own path.
+    raw = err["loc"]
+    bad_key = "[key]" in raw
+    kind = err["type"]
+    # The last part of an unknown field's path is the user's own key, whatever it looks like ('a[0]', 'int').
+    head, tail = (raw[:-1], raw[-1:]) if kind == "extra_forbidden" else (raw, ())
+    is_tag = lambda p: isinstance(p, str) and ("[" in p or p in ("int", "str", "float", "bool"))  # noqa: E731
+    loc = tuple(p for p in head if not is_tag(p)) + tuple(tail)
+    path = ".".join(str(p) for p in loc) or "(top level)"
+    if kind == "extra_forbidden":
+        model = _model_at(loc[:-1])
+        known = sorted(model.model_fields) if model else []
+        guess = difflib.get_close_matches(str(loc[-1]), known, n=1, cutoff=0.6)
+        fix = f"did you mean {guess[0]!r}?" if guess else f"remove it; known fields here: {', '.join(known)}"
+        return path, f"unknown field; {fix}"
+    if kind == "missing":
+        return path, f"required field is missing; add it ({_describe(loc)})"
+    if bad_key:
+        allowed = re.findall(r"'([^']+)'", str(err.get("ctx", {}).get("expected", "")))
+        guess = difflib.get_close_matches(str(err.get("input")), allowed, n=1)
+        fix = f"did you mean {guess[0]!r}?" if guess else f"use one of: {', '.join(allowed)}"
+        return path, f"unknown key; {fix}"
+    got = err.get("input")
+    got_text = "" if isinstance(got, dict | list) else f" (got {got!r})"
+    hint = _describe(loc)
+    return path, f"{err['msg']}{got_text}" + (f"; {hint}" if hint else "")
+
+
+def _merge(problems: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """One line per field: a value that fits no member of a union (int | str) yields one error per member."""
+    merged: dict[str, str] = {}
+    for path, message in problems:
+        if path in merged:
+            first, _, hint = merged[path].partition("; ")
+            extra = message.partition("; ")[0].removeprefix("Input should be ")
+            merged[path] = f"{first} or {extra}" + (f"; {hint}" if hint else "")
+        else:
+            merged[path] = message
+    return list(merged.items())
+
+
+def _format(source: str, problems: list[tuple[str, str]]) -> str:
+    lines = [f"{source}: {len(problems)} problem{'s' if len(problems) > 1 else ''} in the run config:"]
+    lines += [f"  {path}: {message}" for path, message in problems]
+    return "\n".join(lines)
+
+
+def validate_config(data: Any, source: str = "run config") -> RunConfig:
+    """Validate a parsed config mapping; one MoerlError lists every problem."""
+    if not isinstance(data, dict):
+        raise MoerlError(f"{source}: the run config must be a YAML mapping of fields, got {type(data).__name__}")
+    try:
+        cfg = RunConfig.model_validate(data)
+    except ValidationError as err:
+        raise MoerlError(_format(source, _merge([_explain(e) for e in err.errors()]))) from None
+    problems = semantic_problems(cfg)
+    if problems:
+        raise MoerlError(_format(source, problems))
+    return cfg
+
+
+def load_run_config(run: Store) -> RunConfig:
+    """<run>/run.json, validated as a RunConfig (import-sft writes it)."""
+    if not run.exists(RUN_CONFIG):
+        raise MoerlError(
+            f"{run.url(RUN_CONFIG)}: no run config; the run has not been imported yet — run "
+            "`python -m steps.import_sft --src SFT_URI --run RUN_URI --run-config-json ...` (the workflow's "
+            "import-sft step) first, or check the --run URI"
+        )
+    return validate_config(run.get_json(RUN_CONFIG), run.url(RUN_CONFIG))

@@ -1,0 +1,600 @@
+"""The policy update of one iteration, shared by the update step (steps/update.py: one torchrun per
+iteration) and the trainer that stays up (steps/trainer_server.py): read the iteration's inputs, bring each
+rank's model and AdamW state to v(I-1) (from the store, or from what a trainer that stays up holds:
+steps/training/trainer_state.py), train, and write the candidate. steps/update.py's docstring describes the inputs,
+the outputs, the precision and the expert placement.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+
+from steps import progress
+from steps.errors import MoerlError
+from steps.experience.tables import Sample, read_scored_experience
+from steps.expert_parallel.dispatch import HeldDispatch, make_dispatch
+from steps.expert_parallel.mesh import Mesh, all_reduce_sum, build_mesh, is_expert_param, resolve_ep_size
+from steps.expert_parallel.timing import CommTimer
+from steps.models.hf_checkpoint import (
+    CONFIG_NAME,
+    GENERATION_CONFIG_NAME,
+    SAFE_WEIGHTS_INDEX_NAME,
+    checkpoint_dtype,
+    load_config,
+    load_pretrained,
+    model_from_state,
+)
+from steps.models.placement import ExpertPlacement, balanced_placement
+from steps.models.transformer import MoeConfig, MoeForCausalLM, moe_layer_indices
+from steps.run import candidate, checkpoint, weight_delta
+from steps.run.config import RunConfig, load_run_config
+from steps.run.keys import (
+    behaviour_version,
+    candidate_prefix,
+    scored_key,
+    update_metrics_key,
+    version_name,
+)
+from steps.store.object_store import Store
+from steps.tracking import trackers as tracking
+from steps.training.optim import AnyOptimizer
+from steps.training.optimizer_state import (
+    load_optimizer_state,
+    optimizer_state_names,
+    optimizer_state_tensors,
+    read_optimizer_state,
+    restore_optimizer_state,
+)
+from steps.training.trainer import PolicyTrainer, TrainSettings, new_adamw, prompt_groups
+from steps.training.trainer_state import HeldReference, HeldState, move_experts
+
+T = TypeVar("T")
+COLLECTIVE_TIMEOUT_SECONDS = 60 * 60
+
+
+def check_token_ids(samples: list, vocab_size: int, where: str) -> None:
+    """Token ids outside the policy's vocabulary mean experience from another model or tokenizer."""
+    for s in samples:
+        bad = [t for t in (*s.prompt_ids, *s.response_ids) if not 0 <= t < vocab_size]
+        if bad:
+            raise MoerlError(
+                f"{where}: prompt_id {s.prompt_id!r} sample {s.sample_index} holds token id {bad[0]} outside the "
+                f"policy's vocabulary of {vocab_size}; the experience comes from another model or tokenizer — "
+                "regenerate it with this run's rollout"
+            )
+
+
+# ----------------------------------------------------------------------------------------------------
+# Running the same thing on every rank, with one outcome
+# ----------------------------------------------------------------------------------------------------
+
+
+def agreed(mesh: Mesh, fn: Callable[[], T]) -> T:
+    """Run fn on this rank; if it fails on any rank, fail on every rank (no rank left waiting in a
+    collective). The failing rank raises its own error, the others say which rank failed."""
+    error: BaseException | None = None
+    result: Any = None
+    try:
+        result = fn()
+    except Exception as err:  # re-raised below, after the ranks agreed
+        error = err
+    if mesh.world_group is not None:
+        flag = torch.tensor([float(mesh.rank + 1) if error else 0.0], device=mesh.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        failed_rank = int(flag.item()) - 1
+        if error is None and failed_rank >= 0:
+            error = MoerlError(f"trainer rank {failed_rank} failed (its error is above); rank {mesh.rank} stops too")
+    if error is not None:
+        error.moerl_agreed = True  # type: ignore[attr-defined]  # every rank raises here: trainer_service reads it
+        raise error
+    return result
+
+
+# ----------------------------------------------------------------------------------------------------
+# Inputs
+# ----------------------------------------------------------------------------------------------------
+
+
+def fetch_checkpoint(run: Store, version: int, mesh: Mesh, local_rank: int) -> Path:
+    """Download a published version once per node: local rank 0 fetches it into the node's cache and checks
+    every file's size and sha256 against its MANIFEST while the other ranks wait in the same collective;
+    they then read the directory it verified (hashing it on every rank would cost 8 x ~120 GB a node)."""
+    checkpoint.require_manifest(run, version)
+    agreed(mesh, lambda: checkpoint.fetch(run, version) if local_rank == 0 else None)
+    return checkpoint.cache_dir_for(run, version)
+
+
+def previous_expert_rows(run: Store, iteration: int, num_layers: int, num_experts: int) -> list[list[int]]:
+    """The per-expert routed row counts update `iteration` recorded ([MoE layer][expert]); ValueError saying
+    what is wrong when its metrics are absent or do not hold a table of this model's shape."""
+    key = update_metrics_key(iteration)
+    if not run.exists(key):
+        raise ValueError(f"{key} is absent")
+    try:
+        data = run.get_json(key)
+    except MoerlError as err:
+        raise ValueError(str(err)) from err
+    if not isinstance(data, dict) or data.get("iteration") != iteration or not isinstance(data.get("update"), dict):
+        raise ValueError(f"{key} is not the update metrics of iteration {iteration}")
+    rows = data["update"].get("expert_rows")
+    if not isinstance(rows, list) or len(rows) != num_layers or any(
+        not isinstance(r, list) or len(r) != num_experts or any(type(x) is not int or x < 0 for x in r)
+        for r in rows
+    ):
+        raise ValueError(f"{key}: expert_rows is not a [{num_layers}][{num_experts}] table of row counts")
+    return rows
+
+
+def choose_placement(
+    run: Store, iteration: int, mode: str, model_config: MoeConfig, ep_size: int
+) -> tuple[ExpertPlacement, str]:
+    """The expert placement of update `iteration` and why (see the module docstring): balanced from the row
+    counts of update iteration-1, or contiguous. Never fails on the counts: absent or malformed ones give
+    the contiguous placement, with the reason."""
+    num_layers, num_experts = len(moe_layer_indices(model_config)), model_config.num_experts
+    contiguous = ExpertPlacement.contiguous(num_layers, num_experts, ep_size)
+    if mode == "contiguous":
+        return contiguous, "contiguous (trainer.expert_placement: contiguous)"
+    if ep_size == 1:
+        return contiguous, "contiguous (one EP rank holds every expert)"
+    if iteration == 1:
+        return contiguous, "contiguous (iteration 1: no earlier update counted the experts' rows)"
+    try:
+        rows = previous_expert_rows(run, iteration - 1, num_layers, num_experts)
+    except ValueError as err:
+        return contiguous, f"contiguous ({err}; balancing needs the previous update's expert_rows)"
+    placement = balanced_placement(rows, ep_size)
+
+    def busiest(p: ExpertPlacement) -> str:
+        return "/".join(f"{max(r) / max(1, sum(r)):.0%}" for r in p.rank_rows(rows))
+
+    return placement, (
+        f"balanced from the expert rows of {update_metrics_key(iteration - 1)} (busiest EP rank's share per "
+        f"MoE layer there: contiguous {busiest(contiguous)}, balanced {busiest(placement)})"
+    )
+
+
+def agreed_placement(
+    run: Store, iteration: int, mode: str, model_config: MoeConfig, mesh: Mesh
+) -> tuple[ExpertPlacement, str]:
+    """choose_placement on rank 0 (one read), its slots broadcast as a tensor (nothing pickled) so that every
+    rank holds the same experts; the reason is rank 0's (it writes the metrics and the log)."""
+    chosen = agreed(
+        mesh,
+        lambda: choose_placement(run, iteration, mode, model_config, mesh.ep_size) if mesh.rank == 0 else None,
+    )  # fmt: skip
+    if mesh.world_group is None:
+        return chosen
+    shape = (len(moe_layer_indices(model_config)), model_config.num_experts)
+    slots = torch.tensor(chosen[0].slots if chosen else [[0] * shape[1]] * shape[0], dtype=torch.int64)
+    slots = slots.to(mesh.device)
+    dist.broadcast(slots, src=0)
+    if mesh.rank == 0:
+        return chosen
+    return ExpertPlacement.from_lists(slots.cpu().tolist(), mesh.ep_size), ""
+
+
+def placement_metrics(placement: ExpertPlacement, reason: str, rows: torch.Tensor) -> dict[str, Any]:
+    """What the metrics say about expert placement: the rows each expert got ([MoE layer][expert], all
+    ranks, every forward pass of the policy), the placement used, and the rows per EP rank under it."""
+    counts = rows.tolist()
+    return {
+        "expert_rows": counts,
+        "expert_placement": {"ep_size": placement.ep_size, "slots": placement.to_lists(), "reason": reason},
+        "expert_rank_rows": placement.rank_rows(counts),
+    }
+
+
+# ----------------------------------------------------------------------------------------------------
+# Output: the candidate
+# ----------------------------------------------------------------------------------------------------
+
+
+def _save(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+
+
+def _written(mesh: Mesh, name: str) -> bool:
+    """Whether this rank's EP rank's files hold tensor `name`: its experts, and a replicated tensor only with EP
+    rank 0's experts. Which of the EP rank's dp replicas writes each file: writer_plan."""
+    return mesh.ep_rank == 0 or is_expert_param(name)
+
+
+def _stored(model: MoeForCausalLM, mesh: Mesh, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The weights of this rank's EP rank, as they are stored: rounded to the run's checkpoint dtype, on the CPU."""
+    return {n: t.detach().to("cpu", dtype).contiguous() for n, t in model.state_dict().items() if _written(mesh, n)}
+
+
+def _shard_bytes(model: MoeForCausalLM, mesh: Mesh, dtype: torch.dtype) -> dict[str, int]:
+    """About how many bytes this rank's EP rank's weight and optimizer files hold, from the shapes alone (the
+    same before and after training): the weights in `dtype`; per parameter exp_avg, exp_avg_sq, step and,
+    when `dtype` is narrower than the parameter, its master (optimizer_state_tensors)."""
+    weights = sum(t.numel() * dtype.itemsize for n, t in model.state_dict().items() if _written(mesh, n))
+    optimizer = sum(
+        p.numel() * p.element_size() * (2 + (dtype != p.dtype)) + 4
+        for n, p in model.named_parameters()
+        if _written(mesh, n)
+    )
+    return {candidate.WEIGHTS: weights, candidate.OPTIMIZER: optimizer}
+
+
+def writer_plan(model: MoeForCausalLM, mesh: Mesh, dtype: torch.dtype) -> dict[tuple[int, str], int]:
+    """Which rank writes each file of the candidate's shards (candidate.shard_writers): spread over each EP
+    rank's dp replicas, which hold the same bits after the all-reduce, and over the nodes, so that no node
+    writes the whole candidate. Every rank's sizes and node size (torchrun's LOCAL_WORLD_SIZE) are gathered
+    (a few integers), so that every rank computes the same plan from the same figures: rank 0's node size,
+    the first dp row's sizes."""
+    sizes = _shard_bytes(model, mesh, dtype)
+    row = [sizes[candidate.WEIGHTS], sizes[candidate.OPTIMIZER], int(os.environ.get("LOCAL_WORLD_SIZE", "0"))]
+    rows = [row]
+    if mesh.world_group is not None:
+        mine = torch.tensor(row, dtype=torch.int64, device=mesh.device)
+        gathered = [torch.zeros_like(mine) for _ in range(mesh.world_size)]
+        dist.all_gather(gathered, mine)
+        rows = [t.cpu().tolist() for t in gathered]
+    per_node = rows[0][2] if rows[0][2] > 0 else mesh.world_size
+    ep_sizes = [{candidate.WEIGHTS: w, candidate.OPTIMIZER: o} for w, o, _ in rows[: mesh.ep_size]]
+    return candidate.shard_writers(ep_sizes, mesh.dp_size, per_node)
+
+
+def _first_row(mesh: Mesh) -> dict[tuple[int, str], int]:
+    """The plan before writer_plan: the first dp row writes every file."""
+    return {(mesh.ep_rank, kind): mesh.ep_rank for kind in candidate.SHARD_KINDS}
+
+
+def writes(mesh: Mesh, writers: dict[tuple[int, str], int], kind: str) -> bool:
+    """Whether this rank writes its EP rank's file of `kind` under `writers`."""
+    return writers[(mesh.ep_rank, kind)] == mesh.rank
+
+
+def stored_bits(model: MoeForCausalLM, mesh: Mesh, dtype: torch.dtype) -> weight_delta.StoredTensors:
+    """The bits this rank's weights are stored as now: taken before training, they are v(I-1)'s published
+    bits (the model then holds v(I-1)'s weights, or their fp32 masters, which v(I-1) was rounded from), the
+    parent of this rank's delta."""
+    return weight_delta.StoredTensors(
+        {
+            name: (SAFETENSORS_DTYPES[t.dtype], tuple(t.shape), t.reshape(-1).view(torch.uint8).numpy().tobytes())
+            for name, t in _stored(model, mesh, dtype).items()
+            if t.dtype in SAFETENSORS_DTYPES
+        }
+    )
+
+
+def write_shards(
+    run: Store,
+    iteration: int,
+    mesh: Mesh,
+    model: MoeForCausalLM,
+    optimizer: AnyOptimizer,
+    workdir: Path,
+    dtype: torch.dtype = torch.float32,
+    delta_parent: weight_delta.StoredTensors | None = None,
+    writers: dict[tuple[int, str], int] | None = None,
+) -> dict[str, Any]:
+    """Upload the files of this rank's EP rank that `writers` (writer_plan; default: the first dp row writes
+    them all) gives this rank: the weights rounded to `dtype`, the run's checkpoint dtype (the fp32 masters
+    then go with the optimizer state), and the optimizer state. With `delta_parent` (stored_bits before
+    training), the writer of the weight file also writes its delta blob against it (steps/run/weight_delta.py).
+    The files are the same whichever replica writes them. Returns {"files": {name: {size, sha256}},
+    "weights": {tensor: file}, "optimizer": {..}, "deltas": {published file name: FileDelta as JSON}} of what
+    this rank wrote (nothing when it wrote nothing)."""
+    out: dict[str, Any] = {"files": {}, "weights": {}, "optimizer": {}, "deltas": {}}
+    writers = writers or _first_row(mesh)
+    prefix = candidate_prefix(iteration)
+    for kind, file_name in (
+        (candidate.WEIGHTS, candidate.model_shard_name(mesh.ep_rank, mesh.ep_size)),
+        (candidate.OPTIMIZER, candidate.optimizer_shard_name(mesh.ep_rank, mesh.ep_size)),
+    ):
+        if not writes(mesh, writers, kind):
+            continue
+        if kind == candidate.WEIGHTS:
+            tensors = _stored(model, mesh, dtype)
+        else:
+            opt_state = optimizer_state_tensors(model, optimizer, dtype)
+            tensors = {n: t for n, t in opt_state.items() if _written(mesh, n.rsplit(".", 1)[0])}
+        local = workdir / file_name
+        _save(tensors, local)
+        sha = run.put_file(f"{prefix}/{file_name}", local)
+        out["files"][file_name] = {"size": local.stat().st_size, "sha256": sha}
+        out[kind] = dict.fromkeys(tensors, file_name)
+        del tensors
+        if kind == candidate.WEIGHTS and delta_parent is not None:
+            name = candidate.published_weight_name(mesh.ep_rank, mesh.ep_size)
+            out["deltas"][name] = asdict(weight_delta.write_file_delta(run, iteration, name, local, delta_parent))
+        local.unlink()
+    return out
+
+
+def write_candidate_metadata(
+    run: Store,
+    iteration: int,
+    parent_file: Callable[[str], bytes],
+    model: MoeForCausalLM,
+    shards: list[dict[str, Any]],
+    info: dict[str, Any],
+    metrics: dict[str, Any],
+    dtype: torch.dtype = torch.float32,
+) -> dict[str, Any]:
+    """Rank 0: config (saying the weights' `dtype`), tokenizer, the index, the metrics, then CANDIDATE.json
+    last. parent_file(name): the bytes of the parent version's file `name` (as its manifest has them)."""
+    prefix = candidate_prefix(iteration)
+    files: dict[str, dict[str, Any]] = {}
+    weight_map: dict[str, str] = {}
+    optimizer_map: dict[str, str] = {}
+    deltas: dict[str, dict[str, Any]] = {}
+    for shard in shards:
+        files.update(shard["files"])
+        weight_map.update(shard["weights"])
+        optimizer_map.update(shard["optimizer"])
+        deltas.update(shard.get("deltas") or {})
+
+    def put(name: str, data: bytes) -> None:
+        files[name] = {"size": len(data), "sha256": run.put_bytes(f"{prefix}/{name}", data)}
+
+    def put_text(name: str, text: str) -> None:
+        put(name, text.encode())
+
+    put_text(CONFIG_NAME, json.dumps(model.config.to_hf_dict(dtype), indent=2) + "\n")
+    # The parent's other files (generation config, tokenizer files, ...), as its manifest lists them: the
+    # local cache may hold files of an earlier run that had the same URI.
+    skip = {CONFIG_NAME, SAFE_WEIGHTS_INDEX_NAME}
+    for name in sorted(checkpoint.require_manifest(run, iteration - 1).files):
+        if "/" not in name and name not in skip and not name.endswith(".safetensors"):
+            put(name, parent_file(name))
+    if GENERATION_CONFIG_NAME not in files:
+        put_text(GENERATION_CONFIG_NAME, json.dumps({"_from_model_config": True}, indent=2) + "\n")
+    put_text(candidate.CANDIDATE_INDEX, candidate.index_text(iteration, info, weight_map, optimizer_map))
+    run.put_json(update_metrics_key(iteration), {"update": metrics, "iteration": iteration})
+    return candidate.write_marker(run, iteration, info, files, deltas)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The step
+# ----------------------------------------------------------------------------------------------------
+
+
+def init_distributed() -> tuple[int, int, int, torch.device]:
+    """(rank, world size, local rank, device) from torchrun's environment; starts the process group."""
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        # Deterministic kernels where torch has them; warn_only: a kernel without one warns instead of failing.
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    else:
+        device = torch.device("cpu")
+    if world > 1 and not dist.is_initialized():
+        # Long enough for local rank 0 to download and hash a ~120 GB checkpoint while the node's other ranks
+        # wait for it in a collective (NCCL's default is 10 minutes).
+        timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_SECONDS)
+        if device.type == "cuda":
+            dist.init_process_group("nccl", device_id=device, timeout=timeout)
+        else:
+            dist.init_process_group("gloo", timeout=timeout)
+    return rank, world, local_rank, device
+
+
+@dataclass(frozen=True)
+class IterationWork:
+    """What update `iteration` trains on, read from the store (the same on every rank)."""
+
+    run: Store
+    cfg: RunConfig
+    iteration: int
+    version: int  # the behaviour policy that generated the samples
+    samples: list[Sample]
+    settings: TrainSettings
+
+
+def pending_iteration(run: Store, iteration: int, force: bool = False, rank: int = 0) -> IterationWork | None:
+    """Update `iteration`'s inputs, or None when there is nothing to do (v(I) published, or its candidate
+    complete and not `force`)."""
+    if iteration < 1:
+        raise MoerlError(f"--iteration {iteration}: iterations start at 1 (v000000 is the SFT checkpoint)")
+    cfg = load_run_config(run)
+    if checkpoint.read_manifest(run, iteration) is not None:
+        _say(rank, f"{version_name(iteration)} is already published; nothing to do")
+        return None
+    if candidate.read_marker(run, iteration) is not None and not force:
+        _say(rank, f"candidate of iteration {iteration} is complete; nothing to do (--force retrains it)")
+        return None
+    checkpoint.require_manifest(run, iteration - 1)
+    version = behaviour_version(iteration, cfg.staleness)
+    samples = read_scored_experience(run, iteration, version)
+    return IterationWork(run, cfg, iteration, version, samples, TrainSettings.from_run_config(cfg))
+
+
+def run_update(
+    run_uri: str,
+    iteration: int,
+    ep_size: int | None = None,
+    force: bool = False,
+    timer: CommTimer | None = None,
+) -> dict[str, Any] | None:
+    """Train iteration `iteration` and write its candidate; returns the marker (None when nothing to do)."""
+    if iteration < 1:
+        raise MoerlError(f"--iteration {iteration}: iterations start at 1 (v000000 is the SFT checkpoint)")
+    rank, world, local_rank, device = init_distributed()
+    try:
+        run = Store.open(run_uri)
+        work = pending_iteration(run, iteration, force, rank)
+        if work is None:
+            return None
+        # Model config first (cheap) to size the mesh; then the mesh; then the weights of this rank's slice.
+        mesh = Mesh(rank=rank, world_size=world, device=device)
+        mesh.world_group = dist.group.WORLD if world > 1 else None
+        parent_dir = fetch_checkpoint(run, iteration - 1, mesh, local_rank)
+        model_config = load_config(parent_dir)
+        ep = resolve_ep_size(world, model_config.num_experts, ep_size or work.cfg.trainer.ep_size)
+        mesh = build_mesh(rank, world, ep, device)
+        marker, _ = train_iteration(work, mesh, local_rank, model_config, parent_dir=parent_dir, timer=timer)
+        return marker
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def train_iteration(
+    work: IterationWork,
+    mesh: Mesh,
+    local_rank: int,
+    model_config: MoeConfig,
+    held: HeldState | None = None,
+    parent_dir: Path | None = None,
+    timer: CommTimer | None = None,
+    dispatches: HeldDispatch | None = None,
+    reference: HeldReference | None = None,
+) -> tuple[dict[str, Any] | None, HeldState]:
+    """Train `work` on `mesh` from v(I-1) and write candidate I; returns the marker (rank 0; None on the
+    others) and what this rank holds of the version trained (HeldState). v(I-1) comes from `held`, when
+    the caller found it to be that version as published (HeldState.matches; every rank must agree), else
+    from the store (parent_dir: the version's local copy when the caller already fetched it). `dispatches`:
+    the expert dispatcher a trainer that stays up keeps across updates (else one is made for this one);
+    `reference`: the KL reference it keeps (loaded by its first update with kl_coef > 0)."""
+    run, cfg, iteration = work.run, work.cfg, work.iteration
+    parent, rank, world, device = iteration - 1, mesh.rank, mesh.world_size, mesh.device
+    samples, settings = work.samples, work.settings
+    check_token_ids(samples, model_config.vocab_size, run.url(scored_key(iteration)))
+    placement, placement_reason = agreed_placement(run, iteration, cfg.trainer.expert_placement, model_config, mesh)
+    _say(rank, f"expert placement: {placement_reason}")
+    # Trained in fp32 whatever the run's checkpoint dtype (the parent's: every version keeps v000000's);
+    # from v000001 on, the fp32 masters in the parent's optimizer state replace the rounded weights.
+    if held is not None:
+        if held.version != parent:
+            raise MoerlError(f"trainer rank {rank} holds {version_name(held.version)}, not {version_name(parent)}")
+        moved = move_experts(held, placement, mesh, model_config)  # now this rank's share under this placement
+        _say(rank, f"{version_name(parent)} from memory; {moved} expert(s) changed EP rank")
+        dtype = held.dtype
+        model = model_from_state(model_config, held.weights, torch.float32, device, placement, mesh.ep_rank)
+        parent_dir = None
+    else:
+        parent_dir = parent_dir or fetch_checkpoint(run, parent, mesh, local_rank)
+        dtype = checkpoint_dtype(parent_dir)
+        model = load_pretrained(parent_dir, torch.float32, device, placement, mesh.ep_rank)
+    model.count_routed_rows()
+    ref_model, ref_state = None, None
+    if settings.loss.kl_coef > 0:
+        ref_state = reference.take(mesh) if reference is not None else None
+        if ref_state is not None:  # held: its experts follow this update's placement
+            move_experts(ref_state, placement, mesh, model_config)
+            weights = ref_state.weights
+            ref_model = model_from_state(model_config, weights, torch.float32, device, placement, mesh.ep_rank)
+        else:
+            ref_dir = parent_dir if parent == 0 and parent_dir is not None else None
+            ref_dir = ref_dir or fetch_checkpoint(run, 0, mesh, local_rank)
+            ref_model = load_pretrained(ref_dir, torch.float32, device, placement, mesh.ep_rank)
+        ref_model.requires_grad_(False)
+    cfg_model = model.config
+    rows = settings.micro_batch_size
+    if settings.shared_prompts:  # micro-batches of whole groups hold up to a group less one row more
+        rows += max(len(group) for group in prompt_groups(samples)) - 1
+    max_tokens = rows * max(s.num_tokens for s in samples)
+    dispatch = (dispatches.get if dispatches is not None else make_dispatch)(
+        cfg.trainer.ep_backend, mesh, model_config.num_experts, cfg_model.hidden_size, cfg_model.num_experts_per_tok,
+        max_tokens, timer,
+    )  # fmt: skip
+    model.set_dispatch(dispatch)
+    if ref_model is not None:
+        ref_model.set_dispatch(dispatch)
+
+    torch.manual_seed(cfg.seed * 1_000_003 + iteration)
+    optimizer = new_adamw(model, settings)
+    workdir = Path(tempfile.mkdtemp(prefix=f"moerl-update-{rank}-"))
+    try:
+        if held is not None:  # the same restore as from the store's file, without masters: the weights are them
+            optimizer_state = held.optimizer
+            agreed(mesh, lambda: load_optimizer_state(model, optimizer, optimizer_state))
+        elif parent > 0:
+            names = optimizer_state_names(model)
+            state = agreed(mesh, lambda: read_optimizer_state(run, parent, names, workdir))
+            agreed(mesh, lambda: restore_optimizer_state(run, parent, model, optimizer, state, dtype))
+        held = None  # its tensors are the model's and the optimizer's now
+        # A crashed attempt may have left part of a candidate: remove it before anything new is written.
+        agreed(mesh, lambda: run.delete_prefix(candidate_prefix(iteration)) if rank == 0 else None)
+
+        # Who writes which file of the candidate: every EP rank's files spread over its dp replicas and nodes.
+        writers = writer_plan(model, mesh, dtype)
+        # v(I-1)'s bits, the parent of the delta of this rank's weight file if it writes that file (its weights
+        # now are those v(I-1) was stored from)
+        wants_delta = weight_delta.wanted(cfg) and writes(mesh, writers, candidate.WEIGHTS)
+        delta_parent = stored_bits(model, mesh, dtype) if wants_delta else None
+        trainer = PolicyTrainer(model, mesh, settings, optimizer, ref_model, pad_id=cfg_model.pad_token_id or 0)
+        # progress: the optimizer steps, then the candidate's write as one more unit
+        metrics = trainer.train(samples, iteration, on_step=lambda done, steps: progress.report(done, steps + 1))
+        info = {"policy_version": work.version, "world_size": world, "ep_size": mesh.ep_size,
+                "dp_size": mesh.dp_size, "ep_backend": cfg.trainer.ep_backend}  # fmt: skip
+        metrics.update(info)
+        metrics.update(placement_metrics(placement, placement_reason, all_reduce_sum(model.routed_rows(), mesh)))
+        if timer is not None and timer.enabled:
+            metrics["dispatch_seconds"] = timer.seconds
+
+        shard = agreed(
+            mesh, lambda: write_shards(run, iteration, mesh, model, optimizer, workdir, dtype, delta_parent, writers)
+        )  # every rank's part is written before rank 0 writes CANDIDATE.json (agreed: all ranks wait for all)
+        shards = [shard]
+        if world > 1:
+            shards = [None] * world  # type: ignore[list-item]
+            dist.all_gather_object(shards, shard)  # names and digests only, never tensors
+        if parent_dir is not None:
+            local_parent = parent_dir
+            parent_file: Callable[[str], bytes] = lambda name: (local_parent / name).read_bytes()  # noqa: E731
+        else:
+            parent_file = lambda name: checkpoint.read_file(run, parent, name)  # noqa: E731
+        marker = agreed(
+            mesh,
+            lambda: write_candidate_metadata(run, iteration, parent_file, model, shards, info, metrics, dtype)
+            if rank == 0 else None,
+        )  # fmt: skip
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    progress.report(metrics["steps"] + 1, metrics["steps"] + 1)
+    _say(
+        rank,
+        f"iteration {iteration}: loss {metrics['loss']:.6f}, clip fraction {metrics['clip_fraction']:.4f}, "
+        f"grad norm {metrics['grad_norm']:.4f}, {metrics['tokens_per_s']:.0f} tokens/s on {world} rank(s) "
+        f"(ep {mesh.ep_size}); candidate {run.url(candidate_prefix(iteration))}",
+    )
+    if rank == 0:  # the metrics are in the store (the candidate's metadata): now the trackers' copy
+        tracking.log_iteration(run, cfg, "update", iteration, metrics, lambda line: print(line, flush=True))
+    if reference is not None and ref_model is not None:
+        reference.give_back(ref_state, ref_model, placement)
+    trained = HeldState(
+        version=iteration,
+        dtype=dtype,
+        placement=placement,
+        weights={name: t.detach().to("cpu") for name, t in model.state_dict().items()},
+        optimizer=optimizer_state_tensors(model, optimizer),
+        weight_digests=weight_digests(shards),
+    )
+    return marker, trained
+
+
+def weight_digests(shards: list[dict[str, Any]]) -> list[tuple[int, str]]:
+    """(size, sha256) of the candidate's weight shards, from every rank's write_shards answer."""
+    files: dict[str, dict[str, Any]] = {}
+    for shard in shards:
+        files.update(shard["files"])
+    names = {name for shard in shards for name in shard["weights"].values()}
+    return sorted((int(files[n]["size"]), str(files[n]["sha256"])) for n in names)
+
+
+def _say(rank: int, text: str) -> None:
+    if rank == 0:
+        print(text, flush=True)
