@@ -106,7 +106,7 @@ def demo_checkpoint(directory: Path) -> Path:
     import torch
 
     from steps.demo.sft import demo_model_config, write_checkpoint
-    from steps.models.transformer import MoeForCausalLM
+    from steps.models.qwen3_moe.model import MoeForCausalLM
 
     torch.manual_seed(0)
     return write_checkpoint(MoeForCausalLM(demo_model_config()), directory)
@@ -278,7 +278,7 @@ def deepep_section(args: argparse.Namespace) -> dict:
     if deep_ep is None:
         return {"skipped": how}
     from steps.expert_parallel.deepep import DeepEPDispatch
-    from steps.models.moe import MoeBlock
+    from steps.models.qwen3_moe.model import MoeBlock
 
     hidden, inter, experts, top_k, tokens = 256, 512, 8, 2, 512
     if not dist.is_initialized():

@@ -4,7 +4,7 @@
 
 Both sides start from the same SFT checkpoint (built with `moerl sft-demo` when --sft is missing), train on
 the same task, prompts, reward and settings, all read from configs/demo.yaml at run time, and are judged by
-the same held-out greedy accuracy (steps.engines.torch_engine.evaluate_accuracy on the config's held-out prompts):
+the same held-out greedy accuracy (steps.scoring.evaluation.evaluate_accuracy on the config's held-out prompts):
 
     moerl  the real pipeline, `moerl demo --workdir DIR --iterations N`, as a user runs it (rollout shards,
            score, torchrun update, publish under the local executor). The accuracy of version v(i) is the
@@ -430,9 +430,10 @@ def trl_worker(spec_path: str) -> int:
     from trl import GRPOConfig, GRPOTrainer
 
     from steps.data.tokenizer import CheckpointTokenizer
-    from steps.engines.torch_engine import TorchEngine, evaluate_accuracy
+    from steps.engines.torch_engine import TorchEngine
     from steps.experience.rollout_plan import heldout_prompts
     from steps.run.config import RunConfig
+    from steps.scoring.evaluation import evaluate_accuracy
 
     cfg = RunConfig.model_validate(spec["config"])
     heldout = heldout_prompts(cfg)
@@ -460,7 +461,7 @@ def trl_worker(spec_path: str) -> int:
             began = time.time()
             clock = began - start - result["eval_seconds"]
             with tempfile.TemporaryDirectory(prefix="moerl-bench-trl-") as tmp:
-                model.save_pretrained(tmp)  # per-expert tensor names, which steps.models.transformer loads
+                model.save_pretrained(tmp)  # per-expert tensor names, which steps.models.qwen3_moe loads
                 accuracy = evaluate_accuracy(TorchEngine.from_checkpoint(tmp), eval_tokenizer, heldout,
                                              max_new_tokens=cfg.sampling.max_new_tokens)  # fmt: skip
             model.train()
@@ -564,8 +565,9 @@ def plot(curves: list[Curve], target: float, path: Path) -> None:
 
 def sft_accuracy(cfg: RunConfig, sft_dir: Path) -> float:
     from steps.data.tokenizer import CheckpointTokenizer
-    from steps.engines.torch_engine import TorchEngine, evaluate_accuracy
+    from steps.engines.torch_engine import TorchEngine
     from steps.experience.rollout_plan import heldout_prompts
+    from steps.scoring.evaluation import evaluate_accuracy
 
     engine = TorchEngine.from_checkpoint(sft_dir)
     tok = CheckpointTokenizer.load(sft_dir)

@@ -13,7 +13,7 @@ The executor runs in this process (pipelines.local.run_workflow, silent, writing
 `moerl local --status-out` does), so the figures hold its controller loop, pod sandboxes, logs and status, not
 the interpreter start of the `moerl` command. Each figure is the median of --repeats runs. Prints the total,
 the time per step, the executor's overhead per step (its time minus the direct time, over N) and the ratio.
-With --command step the executor's warm starts apply (pipelines/local/warm.py: the first pod starts cold and
+With --command step the executor's warm starts apply (pipelines/local/pods/warm.py: the first pod starts cold and
 starts the warm server, later pods fork from it), so its "overhead" is negative: what warm starts save;
 --cold-start runs the executor without them.
 """

@@ -11,7 +11,8 @@ sampling thread reads the main thread's stack every --interval seconds and files
 sample under one category, by the frames on the stack (first match wins):
 
     imports      an `import` is running (importlib's _find_and_load); the module being loaded is noted
-    store I/O    steps/store/object_store.py or steps/run/checkpoint.py: reading, writing, hashing run-store objects
+    store I/O    steps/store/ (the Store and its backends) or steps/run/checkpoint.py: reading, writing, hashing
+                 run-store objects
     dist init    torch.distributed process-group set-up and tear-down
     model load   building the model, reading and checking safetensors, the tokenizer, optimizer state
     held-out eval  score's greedy held-out accuracy (generation on the held-out prompts)
@@ -71,8 +72,9 @@ WORK = {
     "plan": "plan",
     "report": "report",
 }
-STORE_FILES = ("/steps/store/object_store.py", "/steps/run/checkpoint.py")
-MODEL_FILES = ("/steps/models/transformer.py", "/steps/models/moe.py")
+STORE_FILES = ("/steps/store/object_store.py", "/steps/store/local.py", "/steps/store/s3.py",
+               "/steps/run/checkpoint.py")  # fmt: skip
+MODEL_FILES = ("/steps/models/qwen3_moe/model.py", "/steps/models/moe.py", "/steps/models/layers.py")
 MODEL_LOAD_FUNCTIONS = {
     "load_pretrained",
     "load_state_dict_from_dir",

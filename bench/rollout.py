@@ -85,7 +85,7 @@ def peak_mib(fn) -> float:
 
 def demo_checkpoint(directory: Path) -> Path:
     from steps.demo.sft import demo_model_config, write_checkpoint
-    from steps.models.transformer import MoeForCausalLM
+    from steps.models.qwen3_moe.model import MoeForCausalLM
 
     torch.manual_seed(0)
     return write_checkpoint(MoeForCausalLM(demo_model_config()), directory)

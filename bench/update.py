@@ -90,7 +90,7 @@ def bench_model(args: argparse.Namespace, placement=None, ep_rank: int = 0):  # 
     import torch
 
     from steps.models.hf_checkpoint import load_pretrained
-    from steps.models.transformer import MoeForCausalLM
+    from steps.models.qwen3_moe.model import MoeForCausalLM
 
     if args.sft:
         return load_pretrained(args.sft, torch.float32, "cpu", placement, ep_rank)
@@ -120,7 +120,7 @@ def expert_loads(args: argparse.Namespace) -> list[list[int]]:
     return model.routed_rows().tolist()
 
 
-def bench_model_config(name: str):  # -> steps.models.transformer.MoeConfig
+def bench_model_config(name: str):  # -> steps.models.qwen3_moe.config.MoeConfig
     """The demo model, or the same model with Qwen3-MoE's expert width (see bench/README.md, update)."""
     import dataclasses
 

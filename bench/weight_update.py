@@ -47,7 +47,8 @@ from steps.engines.interface import SamplingParams, sample_requests, sample_seed
 from steps.engines.torch_engine import TorchEngine  # noqa: E402
 from steps.engines.weight_sync import WeightSync  # noqa: E402
 from steps.models.hf_checkpoint import save_pretrained  # noqa: E402
-from steps.models.transformer import MoeConfig, MoeForCausalLM  # noqa: E402
+from steps.models.qwen3_moe.config import MoeConfig  # noqa: E402
+from steps.models.qwen3_moe.model import MoeForCausalLM  # noqa: E402
 from steps.run import checkpoint  # noqa: E402
 from steps.run.weight_delta import LANES, read_layout, write_delta  # noqa: E402
 from steps.store.object_store import Store  # noqa: E402

@@ -40,7 +40,7 @@ def run_config(cfg: RunConfig, workdir: Path, chaos: str | None = None, check: s
     """Render cfg's Argo manifests into workdir/rendered and run its workflow.yaml with the local executor.
     The KFP pipeline is left to `moerl render`: compiling it (and importing kfp) would delay the first pod.
 
-    The executor starts the warm server of the step pods (pipelines/local/warm.py) first, from the environment
+    The executor starts the warm server of the step pods (pipelines/local/pods/warm.py) first, from the environment
     every rendered step pod gets (placement.env), and only then renders (`rendered`), so that the server's
     imports overlap the rendering and the first pods, and, when `check` names the config, the checks of its
     inputs (pipelines/preflight.py: they import torch too).

@@ -22,7 +22,7 @@ from steps.run.config import RunConfig
 
 if TYPE_CHECKING:
     from steps.data.tokenizer import CheckpointTokenizer, PromptFormat, PromptInput
-    from steps.models.transformer import MoeConfig
+    from steps.models.family import FamilyConfig
 
 MAX_TOKEN_PROBLEMS = 5
 
@@ -63,7 +63,7 @@ def preflight(cfg: RunConfig, for_cluster: bool = False) -> tuple[list[str], lis
     problems: list[str] = []
     notes: list[str] = []
     tok = None
-    model_cfg: MoeConfig | None = None
+    model_cfg: FamilyConfig | None = None
     with tempfile.TemporaryDirectory(prefix="moerl-check-") as tmp:
         local = Path(tmp)
         try:
@@ -108,7 +108,7 @@ def _prompt_problems(
     cfg: RunConfig,
     tok: CheckpointTokenizer | None,
     fmt: PromptFormat | None,
-    model_cfg: MoeConfig | None,
+    model_cfg: FamilyConfig | None,
     notes: list[str],
 ) -> list[str]:
     from steps.data.prompt_data import read_prompt_uri

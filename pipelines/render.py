@@ -2,8 +2,9 @@
 
 `moerl render CONFIG --out DIR` writes
 
-    workflow-template.yaml        the WorkflowTemplate(s): one per segment of at most segment_size iterations
-    workflow-from-template.yaml   a Workflow that references the first template (what `moerl submit` creates)
+    workflow-template.yaml        the WorkflowTemplate: one, whatever the run's length; each Workflow of it runs a
+                                  segment of at most segment_size iterations from its parameter `first`
+    workflow-from-template.yaml   a Workflow that references the template, first=1 (what `moerl submit` creates)
     workflow.yaml                 the whole run as one self-contained Workflow: `moerl local` and `moerl run`
                                   execute it on this machine; on a cluster it suits runs that fit one object
     cron-workflow.yaml            the CronWorkflow that continues the run from LATEST on a schedule

@@ -10,9 +10,9 @@ from pathlib import Path
 
 from steps.data.tasks import get_task
 from steps.demo.sft import SftSettings, train_sft, write_checkpoint, write_tokenizer
-from steps.engines.torch_engine import evaluate_accuracy
 from steps.models.checkpoint_validation import validate_checkpoint_dir
-from steps.models.transformer import count_parameters
+from steps.models.moe import count_parameters
+from steps.scoring.evaluation import evaluate_accuracy
 from steps.store.object_store import Store
 
 

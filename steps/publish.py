@@ -37,6 +37,7 @@ from safetensors import SafetensorError, safe_open
 from steps import progress
 from steps.errors import MoerlError, run_cli
 from steps.models.checkpoint_validation import validate_checkpoint_dir
+from steps.models.family import dtype_name
 from steps.models.hf_checkpoint import (
     CONFIG_NAME,
     SAFE_WEIGHTS_INDEX_NAME,
@@ -50,7 +51,6 @@ from steps.models.hf_checkpoint import (
     read_config_json,
     weights_dtype,
 )
-from steps.models.transformer import dtype_name
 from steps.run import candidate, checkpoint, weight_delta
 from steps.run.candidate import CANDIDATE_INDEX, MARKER
 from steps.run.config import load_run_config
@@ -150,8 +150,9 @@ def keep_parent_config(run: Store, iteration: int, candidate_dir: Path, where: s
     after v000000 carry another config.json than the one the user gave. So each version publishes its
     parent's bytes, and by induction v000000's: the user's config as import-sft stored it (plus the dtype it
     declares). Readers that start from one version and follow the run in place (SGLang never re-reads
-    config.json on update_weights_from_disk) then see one config throughout. The weights are checked against
-    this config afterwards (verify_candidate), so what is published is consistent with what it says."""
+    config.json on update_weights_from_disk) then see one config throughout. The weights were checked first
+    (verify_candidate) against the candidate's own config, in the run's dtype, which is the dtype the parent's
+    config declares: what is published is consistent with what it says."""
     parent = checkpoint.read_file(run, iteration - 1, CONFIG_NAME)
     parent_source = run.url(f"{version_prefix(iteration - 1)}/{CONFIG_NAME}")
     try:
@@ -260,8 +261,8 @@ def publish(run_uri: str, iteration: int) -> checkpoint.Manifest:
         candidate.download(run, iteration, marker, candidate_dir)
         if not (candidate_dir / CONFIG_NAME).is_file():
             raise MoerlError(f"{where}: the candidate has no {CONFIG_NAME}; rerun update with --force")
-        keep_parent_config(run, iteration, candidate_dir, where)
         index, model_files, optimizer_files = verify_candidate(candidate_dir, where, run_dtype(run, iteration - 1))
+        keep_parent_config(run, iteration, candidate_dir, where)
         progress.report(1, 3)
         store_optimizer_state(run, iteration, candidate_dir, index["optimizer_map"])
         progress.report(2, 3)

@@ -37,8 +37,9 @@ import torch.distributed as dist
 
 from steps.errors import run_cli
 from steps.expert_parallel.mesh import build_mesh, resolve_ep_size
+from steps.models.family import FamilyConfig
 from steps.models.hf_checkpoint import CONFIG_NAME
-from steps.models.transformer import MoeConfig
+from steps.models.registry import config_from_hf
 from steps.run import checkpoint, serving
 from steps.run.config import load_run_config
 from steps.run.keys import TRAINER_SERVER_NAME, launcher_heartbeat_key
@@ -50,7 +51,7 @@ EXIT_STOPPED = 143  # SIGTERM: the end of the Workflow's scope, or a reclaim
 VERSION_POLL_S = 0.5  # how often a trainer that starts before v000000 exists looks for it
 
 
-def newest_model_config(run: Store, log: Callable[[str], None]) -> MoeConfig:
+def newest_model_config(run: Store, log: Callable[[str], None]) -> FamilyConfig:
     """The model's config, from the newest published version (every version has v000000's), waiting for
     import-sft's v000000 when there is none yet: the trainer's pod starts with its segment, beside the import."""
     said = False
@@ -60,7 +61,7 @@ def newest_model_config(run: Store, log: Callable[[str], None]) -> MoeConfig:
             said = True
         time.sleep(VERSION_POLL_S)
     data = checkpoint.read_file(run, version, CONFIG_NAME)
-    return MoeConfig.from_hf_dict(json.loads(data), source=run.url(f"v{version:06d}/{CONFIG_NAME}"))
+    return config_from_hf(json.loads(data), source=run.url(f"v{version:06d}/{CONFIG_NAME}"))
 
 
 def serve_trainer(run_uri: str, workflow: str, port: int = 0, idle_exit_s: float = 0.0) -> int:

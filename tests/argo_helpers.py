@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from pipelines.local import run_workflow
-from pipelines.local.status import pod_name
+from pipelines.local.api.status import pod_name
 
 
 def workflow(templates: list[dict], entrypoint: str = "main", **spec) -> dict:

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from experience_helpers import make_run, tiny_model, write_checkpoint
 
-from steps.models.transformer import MoeForCausalLM
+from steps.models.qwen3_moe.model import MoeForCausalLM
 from steps.run import checkpoint
 from steps.store.object_store import Store
 

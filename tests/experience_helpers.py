@@ -16,7 +16,8 @@ from model_helpers import randomize_
 from steps.demo.char_tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, save_tokenizer
 from steps.import_sft import import_sft
 from steps.models.hf_checkpoint import save_pretrained
-from steps.models.transformer import MoeConfig, MoeForCausalLM
+from steps.models.qwen3_moe.config import MoeConfig
+from steps.models.qwen3_moe.model import MoeForCausalLM
 from steps.run.config import validate_config
 from steps.store.object_store import Store
 

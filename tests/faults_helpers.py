@@ -28,7 +28,8 @@ from steps.run import checkpoint
 from steps.run import keys as run_store
 from steps.run.config import RunConfig, validate_config
 from steps.run.keys import chunk_key, metrics_key, rollout_prefix, scored_key
-from steps.store.object_store import RESERVED_PREFIX, SIDECAR_PREFIX, Store
+from steps.store.backend import RESERVED_PREFIX, SIDECAR_PREFIX
+from steps.store.object_store import Store
 
 REPO = Path(__file__).resolve().parents[1]
 HOOKS = REPO / "tests" / "fault_hooks"  # sitecustomize.py: crash points inside a step's own process

@@ -1,6 +1,6 @@
 """Issue 32, item 7: the candidate's files are written by every EP rank's dp replicas, spread over the nodes
-(steps/run/candidate.py shard_writers, steps/training/policy_update.py writer_plan), not by the first dp row alone; the
-files, CANDIDATE.json and the delta blobs are those of the single-writer layout; and `moerl simulate` times
+(steps/run/candidate.py shard_writers, steps/training/candidate_writer.py writer_plan), not by the first dp row alone;
+the files, CANDIDATE.json and the delta blobs are those of the single-writer layout; and `moerl simulate` times
 the write by the node that writes the most."""
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from pipelines.cli import main
 from steps.demo.bpe_tokenizer import train_chat_tokenizer
 from steps.engines.interface import FINISH_STOP, Generation
 from steps.experience.rollout_plan import RolloutPlan, chunk_table, version_tokenizer, write_chunk
-from steps.models.transformer import MoeConfig
+from steps.models.qwen3_moe.config import MoeConfig
 from steps.run.config import load_run_config
 from steps.run.keys import metrics_key
 from steps.score import score_iteration

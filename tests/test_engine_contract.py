@@ -22,7 +22,7 @@ from steps.models.hf_checkpoint import load_pretrained
 TOK = build_tokenizer()
 PROMPTS = get_task("addition").prompts("train", 6, 1) + get_task("sort").prompts("train", 2, 1)
 PROMPT_IDS = [(p.prompt_id, encode_prompt(TOK, p.text)) for p in PROMPTS]
-# How close each engine's log-probs come to the policy recomputed in fp32 by steps.models.transformer.
+# How close each engine's log-probs come to the policy recomputed in fp32 by steps.models.qwen3_moe.model.
 LOGPROB_ATOL = {"torch": 1e-4, "sglang": 2e-2}
 
 DEMO_STOP = (2,)  # the demo tokenizer's <eos>: these checkpoints stop there (steps.demo.char_tokenizer.EOS_ID)

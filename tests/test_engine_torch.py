@@ -24,8 +24,9 @@ from steps.engines.interface import (
     sample_requests,
     sample_seed,
 )
-from steps.engines.torch_engine import TorchEngine, compute_dtype, evaluate_accuracy, sample_next, sample_uniforms
+from steps.engines.torch_engine import TorchEngine, compute_dtype, sample_next, sample_uniforms
 from steps.models.hf_checkpoint import load_state_dict_from_dir
+from steps.scoring.evaluation import evaluate_accuracy
 
 TOK = build_tokenizer()
 # Prompts of different lengths (left padding), including two samples' worth of the same prompt text.

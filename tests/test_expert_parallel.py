@@ -27,7 +27,8 @@ from steps.expert_parallel.mesh import (
     resolve_ep_size,
     sync_gradients,
 )
-from steps.models.moe import LocalDispatch, MoeBlock, group_by_expert, run_experts
+from steps.models.moe import LocalDispatch, group_by_expert, run_experts
+from steps.models.qwen3_moe.model import MoeBlock
 
 HIDDEN, INTER, EXPERTS, TOP_K, TOKENS = 8, 6, 4, 2, 12
 
@@ -44,7 +45,7 @@ def free_port() -> int:
 def _context() -> mp.context.BaseContext:
     """Forkserver: torch is imported once by the server, and children never inherit OpenMP threads."""
     ctx = mp.get_context("forkserver")
-    preload = ["torch", "torch.distributed", "steps.expert_parallel.dispatch", "steps.models.transformer"]
+    preload = ["torch", "torch.distributed", "steps.expert_parallel.dispatch", "steps.models.qwen3_moe.model"]
     ctx.set_forkserver_preload(preload)
     return ctx
 

@@ -33,7 +33,8 @@ from steps.engines.torch_engine import TorchEngine
 from steps.expert_parallel.mesh import is_expert_param
 from steps.models.hf_checkpoint import expected_tensor_shapes, load_pretrained
 from steps.models.placement import ExpertPlacement, balanced_placement
-from steps.models.transformer import MoeConfig, MoeForCausalLM
+from steps.models.qwen3_moe.config import MoeConfig
+from steps.models.qwen3_moe.model import MoeForCausalLM
 from steps.publish import publish
 from steps.run import checkpoint
 from steps.run.candidate import CANDIDATE_INDEX, MARKER, model_shard_name, optimizer_shard_name

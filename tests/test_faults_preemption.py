@@ -26,7 +26,7 @@ from faults_helpers import (
     wait_for_line,
 )
 
-from pipelines.local.chaos import NODE_SHUTDOWN, POD_DELETED
+from pipelines.local.pods.chaos import NODE_SHUTDOWN, POD_DELETED
 from steps.rollout import EXIT_PREEMPTED
 from steps.run.keys import metrics_key, scored_key
 from steps.store.object_store import Store
@@ -35,7 +35,7 @@ pytestmark = pytest.mark.faults
 
 # preempt=2,kill=3,seed=327 lands, in pod start order: a preemption of rollout shard 0, a kill of rollout shard 1,
 # a preemption of score, kills of update and publish, each at one of the pod's progress reports
-# (pipelines/local/chaos.py), so on any machine, however fast or loaded.
+# (pipelines/local/pods/chaos.py), so on any machine, however fast or loaded.
 CHAOS = "preempt=2,kill=3,seed=327"
 
 

@@ -14,7 +14,7 @@ from steps.store.object_store import Store
 pytestmark = pytest.mark.faults
 
 # Lands, in pod start order, a preemption of rollout server 1 while it holds a generated, unwritten chunk and
-# a kill of a rollout client at one of its progress reports (pipelines/local/chaos.py): on any machine.
+# a kill of a rollout client at one of its progress reports (pipelines/local/pods/chaos.py): on any machine.
 CHAOS = "preempt=1@rollout-server,kill=1@rollout,seed=1"
 
 

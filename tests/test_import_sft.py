@@ -14,7 +14,8 @@ from steps.demo.char_tokenizer import VOCAB_SIZE, save_tokenizer
 from steps.errors import MoerlError
 from steps.import_sft import import_sft
 from steps.models.hf_checkpoint import save_pretrained
-from steps.models.transformer import MoeConfig, MoeForCausalLM
+from steps.models.qwen3_moe.config import MoeConfig
+from steps.models.qwen3_moe.model import MoeForCausalLM
 from steps.run import checkpoint
 from steps.store.object_store import Store
 

@@ -19,10 +19,11 @@ import yaml
 from argo_helpers import pod_dir, sh, stdout, workflow
 from argo_helpers import run as run_in
 
-from pipelines.local import executor, loops
-from pipelines.local.executor import Controller
-from pipelines.local.expressions import referenced_names, substitute_text
-from pipelines.local.status import DAG, FAILED, PENDING, POD, RUNNING, STEPS, SUCCEEDED, Nodes
+from pipelines.local.api.status import DAG, FAILED, PENDING, POD, RUNNING, STEPS, SUCCEEDED, Nodes
+from pipelines.local.controller import loops
+from pipelines.local.controller import workflow_controller as executor
+from pipelines.local.controller.workflow_controller import Controller
+from pipelines.local.lang.expressions import referenced_names, substitute_text
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -455,3 +456,31 @@ def test_the_upstream_suite_runner_skips_without_a_checkout():
                           env=env, timeout=60, check=False)  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("argo_suite: skipped: set ARGO_WORKFLOWS_SRC")
+
+
+def test_workflow_metadata_values_take_the_global_parameters(tmp_path):
+    """operator.go substitutes the global parameters into the spec (all but its templates) before
+    updateWorkflowMetadata applies it, so a title annotation or a label may read {{workflow.parameters.X}};
+    an unresolved tag is left as it is."""
+    manifest = {
+        "apiVersion": "argoproj.io/v1alpha1",
+        "kind": "Workflow",
+        "metadata": {"name": "meta"},
+        "spec": {
+            "entrypoint": "main",
+            "arguments": {"parameters": [{"name": "first", "value": "41"}]},
+            "workflowMetadata": {
+                "labels": {"first": "{{workflow.parameters.first}}"},
+                "annotations": {
+                    "title": "iterations {{workflow.parameters.first}} to {{=asInt(workflow.parameters.first) + 19}}",
+                    "other": "{{workflow.parameters.absent}}",
+                },
+            },
+            "templates": [{"name": "main", "container": {"image": "alpine", "command": ["echo", "hi"]}}],
+        },
+    }
+    result, nodes = run_in(manifest, tmp_path / "runs")
+    assert result.phase == "Succeeded"
+    assert result.metadata["labels"]["first"] == "41"
+    assert result.metadata["annotations"]["title"] == "iterations 41 to 60"
+    assert result.metadata["annotations"]["other"] == "{{workflow.parameters.absent}}"

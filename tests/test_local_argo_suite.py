@@ -21,9 +21,9 @@ import yaml
 from argo_helpers import pod_dir, sh, stdout, workflow
 from argo_helpers import run as run_in
 
+from pipelines.local.api.manifest import load_workflow, parse_entrypoint
 from pipelines.local.cli import main as cli_main
-from pipelines.local.manifest import load_workflow, parse_entrypoint
-from pipelines.local.sync import LockManager
+from pipelines.local.controller.sync import LockManager
 from steps.errors import MoerlError
 
 # argoproj/argosay's ENTRYPOINT is `/argosay`: `argosay echo X` prints X, `argosay sleep 30s` sleeps.
@@ -224,7 +224,7 @@ def test_workflow_metadata_labels_are_workflow_labels(tmp_path):
 
 def test_null_arguments_parameters_are_no_parameters(tmp_path):
     """`arguments: {parameters: null}` (YAML `parameters:` with nothing after it) decodes to no parameters
-    in Argo (Go's nil slice); it used to raise TypeError (pipelines/local/manifest.py)."""
+    in Argo (Go's nil slice); it used to raise TypeError (pipelines/local/api/manifest.py)."""
     result, _ = run(workflow([sh("main", "true")], arguments={"parameters": None}), tmp_path)
     assert result.phase == "Succeeded"
 

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from pipelines.local import run_workflow
-from pipelines.local.chaos import (
+from pipelines.local.api.status import pod_name
+from pipelines.local.pods.chaos import (
     NODE_SHUTDOWN,
     POD_DELETED,
     ChaosMonkey,
@@ -19,7 +20,6 @@ from pipelines.local.chaos import (
     parse_chaos,
     placement,
 )
-from pipelines.local.status import pod_name
 from steps.errors import MoerlError
 from steps.progress import PROGRESS_ANNOTATION, strike_due, strike_point
 

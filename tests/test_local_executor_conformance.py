@@ -23,7 +23,7 @@ import pytest
 from argo_reference import reference_path
 
 from pipelines.local import run_workflow
-from pipelines.local.status import pod_name
+from pipelines.local.api.status import pod_name
 
 
 @pytest.fixture

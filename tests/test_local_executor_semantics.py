@@ -498,7 +498,7 @@ def test_moerl_local_exits_0_iff_the_workflow_succeeded(tmp_path, capsys):
 
 
 def test_sandbox_rewrites_container_paths_and_leaves_host_paths(tmp_path):
-    from pipelines.local.sandbox import Sandbox
+    from pipelines.local.pods.sandbox import Sandbox
 
     root = tmp_path / "root"
     box = Sandbox(root, {"/data": tmp_path / "vol"}, ["/tmp/plan/latest", "/tmp/out.txt", "/outputs/m.json"])

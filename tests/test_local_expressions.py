@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from pipelines.local.depends import evaluate_depends, task_dependencies, task_results
-from pipelines.local.expressions import (
+from pipelines.local.api.depends import evaluate_depends, task_dependencies, task_results
+from pipelines.local.lang.expressions import (
     AbsentOptional,
     SubstitutionError,
     WhenError,
@@ -16,8 +16,8 @@ from pipelines.local.expressions import (
     substitute,
     substitute_text,
 )
-from pipelines.local.exprlang import ExprError, evaluate, evaluate_bool
-from pipelines.local.functions import go_json, go_string
+from pipelines.local.lang.exprlang import ExprError, evaluate, evaluate_bool
+from pipelines.local.lang.functions import go_json, go_string
 
 ENV = expand(
     {

@@ -13,7 +13,8 @@ from argo_reference import reference_path
 from argo_strict_schema import strict_schema
 
 from pipelines.local import run_workflow
-from pipelines.local.manifest import SHAPES, load_workflow
+from pipelines.local.api.fields import SHAPES
+from pipelines.local.api.manifest import load_workflow
 from steps.errors import MoerlError
 
 ARGO = "io.argoproj.workflow.v1alpha1."

@@ -12,7 +12,8 @@ import textwrap
 from pathlib import Path
 from types import SimpleNamespace
 
-from pipelines.local import pods, run_workflow
+from pipelines.local import run_workflow
+from pipelines.local.pods import pod as pods
 from steps.progress import PROGRESS_ANNOTATION
 
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")

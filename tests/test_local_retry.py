@@ -10,13 +10,14 @@ from pathlib import Path
 import pytest
 
 from pipelines.local import run_workflow
-from pipelines.local.calls import Opts
-from pipelines.local.chaos import NODE_SHUTDOWN, POD_DELETED
-from pipelines.local.executor import Controller, is_transient, retry_scope
-from pipelines.local.expressions import expand
-from pipelines.local.exprlang import evaluate_bool
-from pipelines.local.manifest import load_workflow
-from pipelines.local.status import ERROR, FAILED, POD, RETRY, RUNNING, Node, pod_name
+from pipelines.local.api.manifest import load_workflow
+from pipelines.local.api.status import ERROR, FAILED, POD, RETRY, RUNNING, Node, pod_name
+from pipelines.local.controller.calls import Opts
+from pipelines.local.controller.retries import is_transient, retry_scope
+from pipelines.local.controller.workflow_controller import Controller
+from pipelines.local.lang.expressions import expand
+from pipelines.local.lang.exprlang import evaluate_bool
+from pipelines.local.pods.chaos import NODE_SHUTDOWN, POD_DELETED
 
 
 @pytest.fixture(autouse=True)

@@ -12,7 +12,7 @@ import yaml
 from argo_helpers import pod_dir, workflow
 
 from pipelines.local import run_workflow
-from pipelines.local.sandbox import Sandbox
+from pipelines.local.pods.sandbox import Sandbox
 
 TMP_VOLUME = [{"name": "tmp", "emptyDir": {}}]
 TMP_MOUNT = [{"name": "tmp", "mountPath": "/tmp"}]

@@ -1,4 +1,4 @@
-"""Warm starts (pipelines/local/warm.py): a `python -m` pod forked from a Python that has imported torch
+"""Warm starts (pipelines/local/pods/warm.py): a `python -m` pod forked from a Python that has imported torch
 behaves as the fresh process it replaces: argv, cwd, sys.path[0], environment, stdio, exit codes, process
 group, fresh random seeds, torchrun's ranks and its failure handling."""
 
@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from pipelines.local import run_workflow
-from pipelines.local.pods import warm_start_candidates
-from pipelines.local.warm import LIBRARIES, PER_POD_ENV, WarmStarter, python_program
+from pipelines.local.pods.pod import warm_start_candidates
+from pipelines.local.pods.warm import LIBRARIES, PER_POD_ENV, WarmStarter, python_program
 from pipelines.workflow.commands import warm_preload
 from steps.store.object_store import Store
 

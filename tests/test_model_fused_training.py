@@ -9,7 +9,9 @@ import torch.nn.functional as F
 
 from steps.models.hf_checkpoint import expected_tensor_shapes
 from steps.models.kernels import QKVHeads, TokenLogprobs, grouped_attention, rms_norm, token_logprobs
-from steps.models.transformer import MoeConfig, MoeForCausalLM, attention_mask_for, rotary_cos_sin
+from steps.models.layers import attention_mask_for, rotary_cos_sin
+from steps.models.qwen3_moe.config import MoeConfig
+from steps.models.qwen3_moe.model import MoeForCausalLM
 
 
 def tiny_config(attention_bias: bool) -> MoeConfig:

@@ -23,9 +23,10 @@ from steps.models.hf_checkpoint import (
     save_pretrained,
 )
 from steps.models.kernels import token_logprobs
-from steps.models.moe import LocalDispatch, MoeBlock
+from steps.models.moe import LocalDispatch, count_parameters
 from steps.models.placement import ExpertPlacement
-from steps.models.transformer import MoeConfig, MoeForCausalLM, count_parameters
+from steps.models.qwen3_moe.config import MoeConfig
+from steps.models.qwen3_moe.model import MoeBlock, MoeForCausalLM
 
 # A: one dense layer via mlp_only_layers, renormalised top-2, untied head.
 # B: every other layer sparse via decoder_sparse_step, top-3 without renormalisation, tied head, q/k/v/o bias.

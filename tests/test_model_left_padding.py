@@ -4,7 +4,8 @@ import pytest
 import torch
 from model_helpers import randomize_
 
-from steps.models.transformer import MoeConfig, MoeForCausalLM
+from steps.models.qwen3_moe.config import MoeConfig
+from steps.models.qwen3_moe.model import MoeForCausalLM
 
 CONFIG = MoeConfig(
     vocab_size=64, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,

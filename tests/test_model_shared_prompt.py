@@ -11,7 +11,7 @@ from test_update_experience import tiny_model
 
 from steps.demo.char_tokenizer import PAD_ID
 from steps.models.kernels import token_logprobs
-from steps.models.transformer import MoeForCausalLM
+from steps.models.qwen3_moe.model import MoeForCausalLM
 
 # (prompt, [responses]): prompts of 2, 5 and 3 tokens; groups of 3, 1 and 2 responses of 1 to 5 tokens
 GROUPS = [

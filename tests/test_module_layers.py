@@ -99,12 +99,12 @@ def test_no_import_cycle_anywhere_in_steps():
 
 
 def test_the_controller_is_the_host_the_walkers_are_written_against():
-    """The walkers see the controller only through pipelines/local/host.py's WalkerHost: every member it
+    """The walkers see the controller only through pipelines/local/controller/host.py's WalkerHost: every member it
     names is the controller's, with the same signature."""
     import inspect
 
-    from pipelines.local.executor import Controller
-    from pipelines.local.host import WalkerHost
+    from pipelines.local.controller.host import WalkerHost
+    from pipelines.local.controller.workflow_controller import Controller
 
     members = [name for name in vars(WalkerHost) if not name.startswith("_")]
     assert {"execute_template", "resolve", "settled", "outbound_nodes"} <= set(members)
@@ -161,3 +161,39 @@ def test_a_package_imports_only_what_its_rule_allows(package):
             elif package == "training" and other == "experience" and target not in TRAINING_SEES_OF_EXPERIENCE:
                 found.add(f"{module} imports {target} (training reads only {sorted(TRAINING_SEES_OF_EXPERIENCE)})")
     assert not sorted(found)
+
+
+# pipelines/local/'s wings: wing -> the wings it may import (the front door, run.py, cli.py and view.py, any)
+LOCAL_RULES = {"lang": set(), "api": {"lang"}, "pods": {"api", "lang"}, "controller": {"pods", "api", "lang"}}
+
+
+def test_every_local_module_is_in_a_wing_or_the_front_door():
+    local = STEPS.parent / "pipelines" / "local"
+    assert {p.name for p in local.iterdir() if p.is_dir() and p.name != "__pycache__"} == set(LOCAL_RULES)
+    assert {p.stem for p in local.glob("*.py")} == {"__init__", "run", "cli", "view"}
+
+
+@pytest.mark.parametrize("wing", sorted(LOCAL_RULES))
+def test_a_local_wing_imports_only_the_wings_below_it(wing):
+    prefix = "pipelines.local."
+    found = set()
+    for module, targets in package_graph("pipelines").items():
+        if not module.startswith(f"{prefix}{wing}"):
+            continue
+        for target in targets:
+            if not target.startswith(prefix):
+                continue
+            other = target.removeprefix(prefix).split(".")[0]
+            if other != wing and other not in LOCAL_RULES[wing]:
+                found.add(f"{module} imports {target}")
+    assert not sorted(found)
+
+
+def test_no_file_over_800_lines_in_steps_or_pipelines():
+    long = {
+        str(p.relative_to(STEPS.parent)): n
+        for root in ("steps", "pipelines")
+        for p in (STEPS.parent / root).rglob("*.py")
+        if (n := len(p.read_text().splitlines())) > 800
+    }
+    assert long == {}

@@ -110,7 +110,8 @@ def test_update_optimizer_does_not_import_torch_dynamo():
     program = """
 import sys
 import torch
-from steps.models.transformer import MoeConfig, MoeForCausalLM
+from steps.models.qwen3_moe.config import MoeConfig
+from steps.models.qwen3_moe.model import MoeForCausalLM
 from steps.training.trainer import TrainSettings, new_adamw
 model = MoeForCausalLM(MoeConfig(
     vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,

@@ -17,13 +17,14 @@ from experience_helpers import make_run, read_parquet, run_step, tiny_model, wri
 from steps.data.tokenizer import CheckpointTokenizer
 from steps.demo.char_tokenizer import EOS_ID, build_tokenizer, encode, encode_prompt
 from steps.engines.interface import FINISH_LENGTH, FINISH_STOP, Generation
-from steps.engines.torch_engine import TorchEngine, evaluate_accuracy
+from steps.engines.torch_engine import TorchEngine
 from steps.errors import MoerlError
 from steps.experience.rollout_plan import RolloutPlan, chunk_table, heldout_prompts, write_chunk
 from steps.experience.tables import SCORED_SCHEMA
 from steps.run.config import load_run_config
 from steps.run.keys import metrics_key, scored_key
 from steps.score import score_iteration
+from steps.scoring.evaluation import evaluate_accuracy
 from steps.scoring.rewards import group_advantages
 from steps.store.object_store import Store
 

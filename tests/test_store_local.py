@@ -13,9 +13,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import steps.store.object_store as store_module
+import steps.store.local as store_module
 from steps.errors import MoerlError
-from steps.store.object_store import ObjectNotFound, Store
+from steps.store.backend import ObjectNotFound
+from steps.store.object_store import Store
 
 
 def sha(data: bytes) -> str:

@@ -24,9 +24,10 @@ from botocore.exceptions import (
     ReadTimeoutError,
 )
 
-import steps.store.object_store as store_module
+import steps.store.s3 as store_module
 from steps.errors import MoerlError
-from steps.store.object_store import RetryPolicy, Store, is_transient_s3_error
+from steps.store.object_store import Store
+from steps.store.s3 import RetryPolicy, is_transient_s3_error
 
 
 def client_error(code: str, status: int = 400, message: str = "injected") -> ClientError:

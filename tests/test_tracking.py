@@ -21,6 +21,8 @@ from steps.run import keys as run_store
 from steps.run.config import validate_config
 from steps.store.object_store import Store
 from steps.tracking import trackers as tracking
+from steps.tracking.mlflow_tracker import RUN_STORE_TAG
+from steps.tracking.tensorboard_tracker import TensorboardTracker
 from tests.wandb_records import history_rows, records, run_records
 
 REPO = Path(__file__).resolve().parents[1]
@@ -375,7 +377,7 @@ def test_mlflow_server_gets_points_params_tags_and_artifacts_once(tmp_path, mlfl
     assert got.params["trainer.lr"] == "0.0002" and got.params["tracking.mlflow.experiment"] == "moerl-test"
     assert got.tags["argo.workflow"] == "demo-xyz"
     assert got.tags["argo.ui"] == "https://argo.example.com/workflows/moerl/demo-xyz"
-    assert got.tags[tracking.RUN_STORE_TAG] == run.uri
+    assert got.tags[RUN_STORE_TAG] == run.uri
     artifacts = sorted(a.path for a in client.list_artifacts(run_id, "report"))
     assert artifacts == ["report/report.md", "report/report.png"]
     # The MLflow run is found again from the store: one run in the experiment.
@@ -481,7 +483,8 @@ def test_no_tracking_imports_no_tracking_library(tmp_path):
     code = (
         "import sys\n"
         "from steps.run.config import validate_config\n"
-        "from steps import tracking, score, report\n"
+        "from steps import score, report\n"
+        "from steps.tracking import trackers as tracking\n"
         "from steps.store.object_store import Store\n"
         f"cfg = validate_config({{'sft_checkpoint': 'file:///x', 'run_store': '{(tmp_path / 'run').as_uri()}'}})\n"
         "tracking.log_iteration(Store.open(cfg.run_store), cfg, 'score', 1, {'accuracy': 1.0})\n"
@@ -608,7 +611,7 @@ def test_a_failure_inside_tracking_never_fails_the_step(tmp_path, monkeypatch):
     def broken(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr(tracking.TensorboardTracker, "log_points", broken)
+    monkeypatch.setattr(TensorboardTracker, "log_points", broken)
     monkeypatch.setattr(Store, "put_json", broken)  # the ledger's writes too
     lines: list[str] = []
     tracking.log_iteration(run, cfg, "score", 1, score_metrics(1), lines.append)

@@ -1,4 +1,4 @@
-"""steps/tracking/trackers.py's calls into mlflow-skinny 3.17.2, wandb 0.31.0 and tensorboard 2.21.0, held to the pinned
+"""steps/tracking/'s calls into mlflow-skinny 3.17.2, wandb 0.31.0 and tensorboard 2.21.0, held to the pinned
 versions' own signatures, settings and constants (read in their source: mlflow/tracking/client.py,
 mlflow/environment_variables.py, mlflow/utils/rest_utils.py, wandb/sdk/wandb_init.py, wandb_settings.py,
 wandb_run.py, tensorboard/summary/writer/record_writer.py, backend/event_processing/io_wrapper.py)."""
@@ -13,6 +13,8 @@ import pytest
 from pipelines.workflow.placement import MLFLOW_SECRET_KEYS
 from steps.run.config import WandbTracking
 from steps.tracking import trackers as tracking
+from steps.tracking.tensorboard_tracker import TensorboardTracker, tfrecord
+from steps.tracking.wandb_tracker import WandbTracker
 
 
 def params(fn) -> list[str]:
@@ -31,7 +33,7 @@ def test_mlflow_client_calls_match_the_pinned_client():
     assert params(MlflowClient.get_experiment_by_name) == ["self", "name"]
     assert params(MlflowClient.create_experiment)[:2] == ["self", "name"]
     assert params(MlflowClient.log_artifact) == ["self", "run_id", "local_path", "artifact_path"]
-    # Positional order of the entities as tracking.py builds them.
+    # Positional order of the entities as mlflow_tracker.py builds them.
     assert params(Metric.__init__)[:5] == ["self", "key", "value", "timestamp", "step"]
     assert params(Param.__init__) == ["self", "key", "value"]
     assert params(RunTag.__init__) == ["self", "key", "value"]
@@ -46,10 +48,10 @@ def test_mlflow_timeouts_are_read_from_the_environment_at_each_request(monkeypat
         variable = getattr(env, name)
         assert variable.name == name
         monkeypatch.setenv(name, "3")
-        assert variable.get() == 3  # read when called, not at import: tracking.py sets them before the client
+        assert variable.get() == 3  # read when called, not at import: mlflow_tracker.py sets them before the client
     source = inspect.getsource(rest_utils.http_request)
     assert "MLFLOW_HTTP_REQUEST_TIMEOUT.get()" in source and "MLFLOW_HTTP_REQUEST_MAX_RETRIES.get()" in source
-    # tracking.py cuts parameter values at this length; the client chunks batches itself.
+    # mlflow_tracker.py cuts parameter values at this length; the client chunks batches itself.
     assert validation.MAX_PARAM_VAL_LENGTH == 6000
     for name in MLFLOW_SECRET_KEYS:  # the Secret's keys are the client's own variables
         assert getattr(env, name).name == name
@@ -62,7 +64,7 @@ def test_wandb_init_and_settings_take_what_tracking_passes(tmp_path):
     assert {"project", "entity", "id", "name", "resume", "mode", "dir", "config", "settings"} <= set(
         params(wandb.init)
     )
-    fields = tracking.WandbTracker.settings_fields(WandbTracking(base_url="https://wandb.example.com"), 7.0)
+    fields = WandbTracker.settings_fields(WandbTracking(base_url="https://wandb.example.com"), 7.0)
     settings = wandb.Settings(**fields)  # pydantic: an unknown field or a bad value raises here
     assert settings.init_timeout == 7.0 and settings.x_graphql_timeout_seconds == 7.0
     assert settings.base_url == "https://wandb.example.com" and settings.console == "off"
@@ -84,21 +86,21 @@ def test_tensorboard_record_writer_and_protos():
     from tensorboard.compat.proto import event_pb2
     from tensorboard.summary.writer.record_writer import RecordWriter
 
-    # tracking.tfrecord frames records as tensorboard's own writer does, byte for byte.
+    # tfrecord frames records as tensorboard's own writer does, byte for byte.
     for payload in (b"", b"x", bytes(range(256)) * 5, event_pb2.Event(step=7).SerializeToString()):
         buffer = io.BytesIO()
         RecordWriter(buffer).write(payload)
-        assert tracking.tfrecord(payload) == buffer.getvalue()
-    data = tracking.TensorboardTracker.event_file_bytes(3, {"score/accuracy": 0.5}, wall_time=1.0)
-    assert data == tracking.TensorboardTracker.event_file_bytes(3, {"score/accuracy": 0.5}, wall_time=1.0)
+        assert tfrecord(payload) == buffer.getvalue()
+    data = TensorboardTracker.event_file_bytes(3, {"score/accuracy": 0.5}, wall_time=1.0)
+    assert data == TensorboardTracker.event_file_bytes(3, {"score/accuracy": 0.5}, wall_time=1.0)
     event = event_pb2.Event()
     assert {"wall_time", "step", "summary", "file_version"} <= {f.name for f in event.DESCRIPTOR.fields}
     # The loader takes any name holding 'tfevents': the store's digest sidecar of an event file would be read
-    # too, which is why tracking.py writes a file:// store's event files directly.
-    name = tracking.TensorboardTracker.event_file_name(3, "score")
+    # too, which is why tensorboard_tracker.py writes a file:// store's event files directly.
+    name = TensorboardTracker.event_file_name(3, "score")
     assert io_wrapper.IsSummaryEventsFile(name) and io_wrapper.IsSummaryEventsFile(".moerl-sha256-" + name)
     # Names sort by iteration, then source: the loader reads files in name order, steps never go back.
-    names = [tracking.TensorboardTracker.event_file_name(i, s) for i in (2, 10, 1) for s in tracking.SOURCES]
+    names = [TensorboardTracker.event_file_name(i, s) for i in (2, 10, 1) for s in tracking.SOURCES]
     assert [n.split(".")[3] for n in sorted(names)] == ["0000000001"] * 3 + ["0000000002"] * 3 + ["0000000010"] * 3
 
 

@@ -12,7 +12,7 @@ from model_helpers import response_logprobs
 from pipelines.config import load_config
 from steps.experience.tables import Sample
 from steps.expert_parallel.mesh import Mesh
-from steps.models.transformer import MoeForCausalLM
+from steps.models.qwen3_moe.model import MoeForCausalLM
 from steps.training.trainer import PolicyTrainer, TrainSettings
 
 

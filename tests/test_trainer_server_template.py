@@ -102,7 +102,7 @@ def test_the_daemon_is_placed_sized_and_probed_as_a_server():
 
 
 def test_a_client_whose_trainer_was_lost_is_retried_and_no_other_failure():
-    exprlang = pytest.importorskip("pipelines.local.exprlang")
+    exprlang = pytest.importorskip("pipelines.local.lang.exprlang")
     strategy = rendered(templates.update_template(config()))["retryStrategy"]
     assert strategy["expression"] == CLIENT_RETRY_EXPRESSION
     assert strategy["retryPolicy"] == "Always"

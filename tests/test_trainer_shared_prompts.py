@@ -18,7 +18,7 @@ from steps.experience.tables import Sample
 from steps.expert_parallel.dispatch import make_dispatch
 from steps.expert_parallel.mesh import Mesh, build_mesh
 from steps.models.placement import ExpertPlacement
-from steps.models.transformer import MoeForCausalLM
+from steps.models.qwen3_moe.model import MoeForCausalLM
 from steps.training.rl_loss import LossSettings
 from steps.training.trainer import (
     PolicyTrainer,

@@ -11,7 +11,7 @@ from model_helpers import response_logprobs
 
 from steps.experience.tables import Sample
 from steps.expert_parallel.mesh import Mesh
-from steps.models.transformer import MoeForCausalLM
+from steps.models.qwen3_moe.model import MoeForCausalLM
 from steps.training.rl_loss import LossSettings
 from steps.training.trainer import PolicyTrainer, TrainSettings, plan_steps, trained_steps
 

@@ -23,7 +23,8 @@ from steps.errors import MoerlError
 from steps.experience.tables import read_scored_experience
 from steps.import_sft import import_sft
 from steps.models.hf_checkpoint import save_pretrained
-from steps.models.transformer import MoeConfig, MoeForCausalLM
+from steps.models.qwen3_moe.config import MoeConfig
+from steps.models.qwen3_moe.model import MoeForCausalLM
 from steps.run.config import RunConfig
 from steps.run.keys import scored_key
 from steps.store.object_store import Store

@@ -6,8 +6,6 @@ operator.go reconcileActiveWfs), and Forbid skips a firing while that list is no
 
 from __future__ import annotations
 
-import re
-
 import yaml
 
 from pipelines.workflow.build import cron_workflow, workflow_templates
@@ -18,9 +16,11 @@ BASE = {"sft_checkpoint": "file:///tmp/sft", "run_store": "file:///tmp/run", "it
 CRON_UID = "1b2c3d4e-0000-4000-8000-000000000001"
 
 
-def templates_of(segment: int) -> dict[str, dict]:
+def templates_of() -> dict[str, dict]:
+    """The templates of the run's one WorkflowTemplate, which every segment runs."""
     cfg = validate_config(BASE)
-    return {t["name"]: t for t in workflow_templates(cfg)[segment].to_dict()["spec"]["templates"]}
+    (template,) = workflow_templates(cfg)
+    return {t["name"]: t for t in template.to_dict()["spec"]["templates"]}
 
 
 def created_workflow(template: dict, cron_uid: str) -> dict:
@@ -51,7 +51,7 @@ def test_a_segment_handed_on_under_the_cron_keeps_the_cron_from_firing():
     cron = cron_workflow(cfg).to_dict()
     assert cron["spec"]["concurrencyPolicy"] == "Forbid"
     cron["metadata"]["uid"] = CRON_UID
-    tpl = templates_of(0)
+    tpl = templates_of()
     lookup = tpl[NEXT_SEGMENT_CRON]["resource"]
     assert lookup["action"] == "get" and "--ignore-not-found" in lookup["flags"]
     assert yaml.safe_load(lookup["manifest"])["metadata"]["name"] == cron["metadata"]["name"]
@@ -67,12 +67,16 @@ def test_a_segment_handed_on_under_the_cron_keeps_the_cron_from_firing():
 
 
 def test_which_create_runs_depends_on_the_cron_lookup():
-    steps = templates_of(0)["next-segment"]["steps"]
+    steps = templates_of()["next-segment"]["steps"]
     assert [s["template"] for s in steps[0]] == [NEXT_SEGMENT_CRON]
     when = {s["template"]: s["when"] for s in steps[1]}
     found = "'{{steps.cron.outputs.parameters.cron-uid}}'"
     assert when == {NEXT_SEGMENT_OWNED: f"{found} != ''", NEXT_SEGMENT_ALONE: f"{found} == ''"}
-    alone = yaml.safe_load(templates_of(0)[NEXT_SEGMENT_ALONE]["resource"]["manifest"])
+    alone = yaml.safe_load(templates_of()[NEXT_SEGMENT_ALONE]["resource"]["manifest"])
     assert "ownerReferences" not in alone["metadata"] and CRON_LABEL not in alone["metadata"]["labels"]
-    owned = templates_of(1)[NEXT_SEGMENT_OWNED]["resource"]["manifest"]
-    assert re.search(r"name: demo-seg-002", owned)
+    # The next segment runs the same template (it was the next segment's own, demo-seg-002 after demo-seg-001),
+    # from the iteration after this segment's last.
+    owned = yaml.safe_load(templates_of()[NEXT_SEGMENT_OWNED]["resource"]["manifest"])
+    assert owned["spec"]["workflowTemplateRef"] == {"name": "demo"}
+    assert owned["spec"]["arguments"]["parameters"] == [
+        {"name": "first", "value": "{{=asInt(workflow.parameters.first) + 4}}"}]  # fmt: skip

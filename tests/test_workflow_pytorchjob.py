@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from pipelines.config import load_config
-from pipelines.local.pytorchjob import match_conditions, parse_selector
+from pipelines.local.pods.pytorchjob import match_conditions, parse_selector
 from pipelines.workflow import pytorchjob
 from pipelines.workflow.build import workflow
 from pipelines.workflow.templates import UPDATE_CLEAR, UPDATE_JOB

@@ -127,7 +127,7 @@ def test_the_expression_retries_preemptions_and_not_bugs(status, exit_code, mess
 
 @pytest.mark.parametrize(("status", "exit_code", "message", "retried"), OUTCOMES)
 def test_the_local_executors_expr_lang_agrees(status, exit_code, message, retried):
-    exprlang = pytest.importorskip("pipelines.local.exprlang")
+    exprlang = pytest.importorskip("pipelines.local.lang.exprlang")
     env = {"lastRetry": {"status": status, "exitCode": exit_code, "message": message, "duration": "12"}}
     assert exprlang.evaluate_bool(SPOT_RETRY_EXPRESSION, env) is retried
 

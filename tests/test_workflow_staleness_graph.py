@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import yaml
 
 from pipelines.workflow import graph, workflow, workflow_templates
 from steps.run.config import validate_config
@@ -73,19 +74,28 @@ def test_the_rendered_dag_is_the_graph(staleness):
 def test_long_runs_split_into_segments_that_hand_on():
     assert [(s.first, s.last) for s in graph.segments(10, 4)] == [(1, 4), (5, 8), (9, 10)]
     cfg = validate_config({**BASE, "iterations": 10, "segment_size": 4, "staleness": 1})
-    templates = [t.to_dict() for t in workflow_templates(cfg)]
-    assert [t["metadata"]["name"] for t in templates] == ["demo-seg-000", "demo-seg-001", "demo-seg-002"]
-    first, middle, last = (dag_of(t) for t in templates)
-    assert "import-sft" in first and "import-sft" not in middle
-    assert set(middle) >= {"rollout-5", "publish-8"} and "rollout-4" not in middle
-    # Iterations whose sources lie in an earlier segment start from the plan (that segment is done).
-    assert depends(middle["rollout-5"]) == {"plan"} and depends(middle["rollout-6"]) == {"plan"}
-    assert depends(middle["rollout-7"]) == {"publish-5"}
+    # One WorkflowTemplate, the run's name, runs every segment (it was one per segment, demo-seg-000..002): its
+    # tasks are the segment's positions, its first iteration the parameter `first`.
+    (template,) = [t.to_dict() for t in workflow_templates(cfg)]
+    assert template["metadata"]["name"] == "demo"
+    assert [(p["name"], p["value"]) for p in template["spec"]["arguments"]["parameters"]] == [("first", "1")]
+    tasks = dag_of(template)
+    assert set(tasks) >= {"import-sft", "rollout-1", "publish-4"} and "rollout-5" not in tasks
+    # Positions whose sources lie before the segment start from the plan (through import-sft, which every segment
+    # but the run's first skips: that segment is done).
+    assert depends(tasks["rollout-1"]) == {"import-sft"} and depends(tasks["rollout-2"]) == {"import-sft"}
+    assert depends(tasks["rollout-3"]) == {"publish-1"}
+    assert tasks["rollout-3"]["arguments"]["parameters"][0] == {
+        "name": "iteration", "value": "{{=asInt(workflow.parameters.first) + 2}}"}  # fmt: skip
     # Every segment but the last submits the next one once its last iteration is published.
-    assert depends(first["next-segment"]) == {"publish-4"} and "next-segment" not in last
+    assert depends(tasks["next-segment"]) == {"publish-4"}
+    assert tasks["next-segment"]["when"] == "{{workflow.parameters.first}} + 3 < 10"
     for name in ("next-segment-owned", "next-segment-alone"):
-        next_template = next(t for t in templates[1]["spec"]["templates"] if t["name"] == name)
-        assert "name: demo-seg-002" in next_template["resource"]["manifest"]
-    plan = next(t for t in templates[1]["spec"]["templates"] if t["name"] == "plan")
+        next_template = next(t for t in template["spec"]["templates"] if t["name"] == name)
+        body = yaml.safe_load(next_template["resource"]["manifest"])
+        assert body["spec"] == {"workflowTemplateRef": {"name": "demo"}, "arguments": {"parameters": [
+            {"name": "first", "value": "{{=asInt(workflow.parameters.first) + 4}}"}]}}  # fmt: skip
+    plan = next(t for t in template["spec"]["templates"] if t["name"] == "plan")
     args = plan["container"]["args"]
-    assert args[args.index("--first") + 1] == "5" and args[args.index("--last") + 1] == "8"
+    assert args[args.index("--first") + 1] == "{{workflow.parameters.first}}"
+    assert args[args.index("--last") + 1] == "{{=min(asInt(workflow.parameters.first) + 3, 10)}}"

@@ -38,3 +38,13 @@ def test_a_whole_workflow_object_and_compressed_nodes_read_as_the_plain_status()
     assert status_nodes({"compressedNodes": packed}) == NODES
     assert status_nodes({"offloadNodeStatusVersion": "abc"}) == {}
     assert step_nodes({"status": {"compressedNodes": packed}}) == step_nodes({"nodes": NODES})
+
+
+def test_a_later_segments_node_is_read_at_its_iteration_input_not_its_position():
+    """A segment's tasks are named by their position (rollout-2 of the segment that starts at 41); the node's
+    `iteration` input says which iteration it worked on."""
+    inputs = {"parameters": [{"name": "iteration", "value": "42"}, {"name": "shard", "value": "0"}]}
+    node = {"name": "seg.rollout-2(0:0)", "displayName": "rollout-2(0:0)", "type": "Pod", "templateName": "rollout",
+            "inputs": inputs}  # fmt: skip
+    (read,) = step_nodes({"nodes": {"seg-1": node}})
+    assert (read.step, read.iteration, read.attempt) == ("rollout", 42, "(0:0)")

@@ -7,7 +7,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from pipelines.local.manifest import parse_entrypoint
+from pipelines.local.api.manifest import parse_entrypoint
 from pipelines.local.run import DEFAULT_WORKDIR, run_workflow
 from pipelines.workflow.commands import warm_preload
 from steps.errors import MoerlError

@@ -18,13 +18,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipelines.local.chaos import Injection, parse_chaos
-from pipelines.local.executor import Controller, View
-from pipelines.local.manifest import load_workflow
-from pipelines.local.pods import warm_start_candidates
-from pipelines.local.status import SUCCEEDED
+from pipelines.local.api.manifest import load_workflow
+from pipelines.local.api.status import SUCCEEDED
+from pipelines.local.controller.workflow_controller import Controller, View
+from pipelines.local.pods.chaos import Injection, parse_chaos
+from pipelines.local.pods.pod import warm_start_candidates
+from pipelines.local.pods.warm import LIBRARIES, WarmStarter, warm_starts_enabled
 from pipelines.local.view import LiveView, PlainView
-from pipelines.local.warm import LIBRARIES, WarmStarter, warm_starts_enabled
 from steps.errors import MoerlError
 
 DEFAULT_WORKDIR = Path(tempfile.gettempdir()) / "moerl-local"

@@ -17,8 +17,7 @@ import sys
 import time
 from typing import TYPE_CHECKING, TextIO
 
-from pipelines.local.pods import tail
-from pipelines.local.status import (
+from pipelines.local.api.status import (
     DAG,
     ERROR,
     FAILED,
@@ -35,9 +34,10 @@ from pipelines.local.status import (
     TASK_GROUP,
     Node,
 )
+from pipelines.local.pods.pod import tail
 
 if TYPE_CHECKING:
-    from pipelines.local.executor import Controller
+    from pipelines.local.controller.workflow_controller import Controller
 
 ICONS = {
     SUCCEEDED: ("✔", "green"), FAILED: ("✖", "red"), ERROR: ("⚠", "red"), RUNNING: ("●", "yellow"),

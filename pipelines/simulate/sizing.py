@@ -315,11 +315,11 @@ def shard_gb(cfg: RunConfig, a: Assumptions) -> list[dict[str, float]]:
 
 
 def node_write_s(cfg: RunConfig, a: Assumptions, deltas: bool | None = None) -> dict[int, float]:
-    """Seconds each trainer node spends writing the candidate, as the update writes it (steps/training/policy_update.py
-    writer_plan, steps/run/candidate.py shard_writers): each EP rank's weight and optimizer files, each written by
-    one of its dp replicas, spread over the nodes; a node uploads its files at s3_gb_per_s. With the delta
-    (deltas_written), the writer of a weight file also encodes that file's delta (one core,
-    delta_encode_gb_per_s; a node's writers encode at once) and uploads it."""
+    """Seconds each trainer node spends writing the candidate, as the update writes it
+    (steps/training/candidate_writer.py writer_plan, steps/run/candidate.py shard_writers): each EP rank's weight
+    and optimizer files, each written by one of its dp replicas, spread over the nodes; a node uploads its files at
+    s3_gb_per_s. With the delta (deltas_written), the writer of a weight file also encodes that file's delta (one
+    core, delta_encode_gb_per_s; a node's writers encode at once) and uploads it."""
     deltas = deltas_written(cfg) if deltas is None else deltas
     ranks, ep = trainer_ranks(cfg), trainer_ep_size(cfg, a)
     per_node = max(ranks // cfg.trainer.nodes, 1)

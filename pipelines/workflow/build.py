@@ -1,7 +1,8 @@
-"""The Argo objects of a run: WorkflowTemplates (one per segment), Workflows and the CronWorkflow.
+"""The Argo objects of a run: its WorkflowTemplate (every segment), Workflows and the CronWorkflow.
 
-    workflow_templates(cfg)      one WorkflowTemplate per segment of at most segment_size iterations
-    workflow_from_template(cfg)  a Workflow that runs the run from its first segment's template
+    workflow_templates(cfg)      the run's one WorkflowTemplate: a segment of at most segment_size iterations
+                                 from its parameter `first`, whatever the run's length
+    workflow_from_template(cfg)  a Workflow that runs the run from its first segment (first=1)
     workflow(cfg)                the whole run as one self-contained Workflow (what the local executor runs)
     cron_workflow(cfg)           a CronWorkflow that continues the run from LATEST on a schedule
     argo_objects(cfg, ...)       all of these, bound to a WorkflowsService, ready for .create()
@@ -10,9 +11,11 @@ Every Workflow starts by planning from LATEST, so submitting again, or the sched
 where it stopped; a run's Workflows never run at once (a mutex per run), and a semaphore bounds how many
 runs share the cluster.
 
-In the Argo UI: the title and a Markdown description per Workflow, tasks named after step and iteration
-(rollout-3, update-3), pods labelled with run, step and iteration, Argo's progress (finished pods of the
-unrolled DAG; a step may refine its own by writing "done/total" to $ARGO_PROGRESS_FILE), Prometheus gauges
+In the Argo UI: the title and a Markdown description per Workflow (a segment's with its iterations), tasks
+named after step and position in the segment (rollout-3, update-3: the iteration itself in the first segment
+and in the self-contained Workflow) with the iteration as their input parameter, pods labelled with run, step
+and iteration, every segment's Workflow labelled with its index (moerl.io/segment), Argo's progress (finished
+pods of the unrolled DAG; a step may refine its own by writing "done/total" to $ARGO_PROGRESS_FILE), Prometheus gauges
 of reward mean and accuracy per iteration, and the report's PNG as an artifact of the exit handler.
 """
 
@@ -21,9 +24,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from hera.workflows import CronWorkflow, Workflow, WorkflowsService, WorkflowTemplate
+from hera.workflows import CronWorkflow, Parameter, Workflow, WorkflowsService, WorkflowTemplate
 from hera.workflows.models import (
     ConfigMapKeySelector,
+    LabelValueFrom,
     Mutex,
     PodGC,
     SemaphoreRef,
@@ -44,33 +48,47 @@ TITLE = "workflows.argoproj.io/title"
 DESCRIPTION = "workflows.argoproj.io/description"
 
 
-def template_name(cfg: RunConfig, index: int) -> str:
-    """The WorkflowTemplate of segment `index`: the run name itself when the run is one segment."""
-    if len(graph.segments(cfg.iterations, cfg.segment_size)) == 1:
-        return cfg.name
-    return f"{cfg.name}-seg-{index:03d}"
+def template_name(cfg: RunConfig) -> str:
+    """The run's WorkflowTemplate, which every segment's Workflow runs: the run's name."""
+    return cfg.name
 
 
-def _labels(cfg: RunConfig, segment: graph.Segment | None) -> dict[str, str]:
-    out = {"app.kubernetes.io/name": "moerl", pl.RUN_LABEL: cfg.name, **cfg.argo.labels}
-    if segment is not None and segment.count > 1:
-        out[pl.SEGMENT_LABEL] = str(segment.index)
-    return out
+def _labels(cfg: RunConfig) -> dict[str, str]:
+    return {"app.kubernetes.io/name": "moerl", pl.RUN_LABEL: cfg.name, **cfg.argo.labels}
 
 
-def _annotations(cfg: RunConfig, segment: graph.Segment) -> dict[str, str]:
-    """What the Argo UI shows in the workflow list: a title, and a Markdown description."""
+def _annotations(cfg: RunConfig, first: str, last: str, where: str = "") -> dict[str, str]:
+    """What the Argo UI shows in the workflow list: a title, and a Markdown description (of iterations
+    first-last, literal or Argo tags that a segment's Workflow resolves from its parameter)."""
     t = cfg.trainer
-    where = f"segment {segment.index + 1}/{segment.count}, " if segment.count > 1 else ""
     task = cfg.task.name if cfg.task is not None else f"prompts from `{cfg.prompt_file}`"
     description = (
-        f"GRPO on {task}: {where}iterations {segment.first}-{segment.last} of {cfg.iterations}, "
+        f"GRPO on {task}: {where}iterations {first}-{last} of {cfg.iterations}, "
         f"{cfg.prompts_per_iteration} prompts x {cfg.group_size} samples, staleness {cfg.staleness}. "
         f"Rollout: {cfg.rollout.num_shards} shards ({cfg.rollout.engine}). "
         f"Update: {t.nodes}x{t.nproc_per_node} ranks, expert parallel over {t.ep_backend}. "
         f"Store: `{cfg.run_store}`."
     ) + _tracking_description(cfg)
-    return {TITLE: f"moerl {cfg.name}: RL iterations {segment.first}-{segment.last}", DESCRIPTION: description}
+    return {TITLE: f"moerl {cfg.name}: RL iterations {first}-{last}", DESCRIPTION: description}
+
+
+def _whole_run_annotations(cfg: RunConfig) -> dict[str, str]:
+    return _annotations(cfg, "1", str(cfg.iterations))
+
+
+def _segment_metadata(cfg: RunConfig, shape: graph.Segment) -> WorkflowMetadata:
+    """What a Workflow run from the segment template gets: the run's labels, its segment's index as the label
+    moerl.io/segment (labelsFrom, from its `first`), and a title and description of its iterations (Argo
+    substitutes the Workflow's parameters in workflowMetadata before it applies it)."""
+    numbering = tpl.Numbering(shape, cfg.iterations, parameterized=True)
+    several = shape.count > 1
+    where = f"segment {{{{={numbering.segment_index()} + 1}}}}/{shape.count}, " if several else ""
+    segment = {pl.SEGMENT_LABEL: LabelValueFrom(expression=f"string({numbering.segment_index()})")}
+    return WorkflowMetadata(
+        labels=_labels(cfg),
+        labels_from=segment if several else None,
+        annotations=_annotations(cfg, numbering.first(), numbering.last(), where),
+    )
 
 
 def _tracking_description(cfg: RunConfig) -> str:
@@ -92,7 +110,9 @@ def _tracking_description(cfg: RunConfig) -> str:
     return f" Tracking: {'; '.join(where)}." if where else ""
 
 
-def _spec(cfg: RunConfig, segment: graph.Segment, next_template: str | None) -> dict[str, Any]:
+def _spec(
+    cfg: RunConfig, segment: graph.Segment, next_template: str | None, parameterized: bool = False
+) -> dict[str, Any]:
     """The fields every Workflow of the run shares."""
     a = cfg.argo
     semaphores, mutexes = None, None
@@ -105,7 +125,7 @@ def _spec(cfg: RunConfig, segment: graph.Segment, next_template: str | None) -> 
     return {
         "entrypoint": tpl.MAIN,
         "on_exit": graph.REPORT,
-        "templates": tpl.templates(cfg, segment, next_template),
+        "templates": tpl.templates(cfg, segment, next_template, parameterized),
         "service_account_name": cfg.service_account,
         "pod_gc": PodGC(strategy=a.pod_gc, delete_delay_duration=a.pod_gc_delay),
         "ttl_strategy": TTLStrategy(
@@ -117,22 +137,29 @@ def _spec(cfg: RunConfig, segment: graph.Segment, next_template: str | None) -> 
 
 
 def workflow_templates(cfg: RunConfig) -> list[WorkflowTemplate]:
-    segs = graph.segments(cfg.iterations, cfg.segment_size)
-    out = []
-    for seg in segs:
-        next_template = None if seg.is_last else template_name(cfg, seg.index + 1)
-        out.append(
-            WorkflowTemplate(
-                name=template_name(cfg, seg.index),
-                namespace=cfg.namespace,
-                labels=_labels(cfg, seg),
-                annotations=_annotations(cfg, seg),
-                # Workflows submitted from the template get the run's labels and the UI title.
-                workflow_metadata=WorkflowMetadata(labels=_labels(cfg, seg), annotations=_annotations(cfg, seg)),
-                **_spec(cfg, seg, next_template),
-            )
-        )
-    return out
+    """The run's WorkflowTemplates: one, whatever the run's length. It runs one segment, from its parameter
+    `first` (default 1) to min(first + segment_size - 1, iterations); every segment but the last ends by
+    submitting a Workflow of the same template with `first` one segment on."""
+    shape = graph.template_shape(cfg.iterations, cfg.segment_size)
+    several = shape.count > 1
+    first = Parameter(
+        name=tpl.FIRST,
+        value="1",
+        description=f"the segment's first iteration: 1, {cfg.segment_size + 1}, ... (each segment's next-segment "
+        "step gives the next one's)",
+    )
+    where = f"{shape.count} segments of up to {cfg.segment_size} (parameter `first`) over " if several else ""
+    template = WorkflowTemplate(
+        name=template_name(cfg),
+        namespace=cfg.namespace,
+        labels=_labels(cfg),
+        annotations=_annotations(cfg, "1", str(cfg.iterations), where),
+        # Workflows submitted from the template get the run's labels and the UI title of their segment.
+        workflow_metadata=_segment_metadata(cfg, shape),
+        arguments=[first],
+        **_spec(cfg, shape, template_name(cfg) if several else None, parameterized=True),
+    )
+    return [template]
 
 
 def workflow(cfg: RunConfig) -> Workflow:
@@ -141,19 +168,19 @@ def workflow(cfg: RunConfig) -> Workflow:
     return Workflow(
         generate_name=f"{cfg.name}-",
         namespace=cfg.namespace,
-        labels=_labels(cfg, None),
-        annotations=_annotations(cfg, seg),
+        labels=_labels(cfg),
+        annotations=_whole_run_annotations(cfg),
         **_spec(cfg, seg, None),
     )
 
 
 def workflow_from_template(cfg: RunConfig) -> Workflow:
-    """A Workflow that runs the first segment's template; it plans from LATEST and hands on to the next."""
+    """A Workflow that runs the template's first segment; it plans from LATEST and hands on to the next."""
     return Workflow(
         generate_name=f"{cfg.name}-",
         namespace=cfg.namespace,
-        labels=_labels(cfg, None),
-        workflow_template_ref=WorkflowTemplateRef(name=template_name(cfg, 0)),
+        labels=_labels(cfg),
+        workflow_template_ref=WorkflowTemplateRef(name=template_name(cfg)),
     )
 
 
@@ -164,10 +191,10 @@ def cron_workflow(cfg: RunConfig, schedules: list[str] | None = None) -> CronWor
     return CronWorkflow(
         name=tpl.cron_name(cfg),
         namespace=cfg.namespace,
-        labels=_labels(cfg, None),
+        labels=_labels(cfg),
         annotations={
             TITLE: f"moerl {cfg.name}: continue from LATEST",
-            DESCRIPTION: _annotations(cfg, graph.whole_run(cfg.iterations))[DESCRIPTION],
+            DESCRIPTION: _whole_run_annotations(cfg)[DESCRIPTION],
         },
         schedules=list(schedules or s.schedules),
         timezone=s.timezone,
@@ -176,7 +203,7 @@ def cron_workflow(cfg: RunConfig, schedules: list[str] | None = None) -> CronWor
         cron_suspend=s.suspend or None,
         successful_jobs_history_limit=3,
         failed_jobs_history_limit=3,
-        workflow_template_ref=WorkflowTemplateRef(name=template_name(cfg, 0)),
+        workflow_template_ref=WorkflowTemplateRef(name=template_name(cfg)),
     )
 
 

@@ -141,7 +141,7 @@ def trainer_served(cfg: RunConfig, at: Slots) -> bool:
     return cfg.trainer.server and at.workflow is not None
 
 
-def _args(cfg: RunConfig, kind: str, at: Slots, first: int, last: int) -> list[str]:
+def _args(cfg: RunConfig, kind: str, at: Slots, first: int | str, last: int | str) -> list[str]:
     run = cfg.run_store
     if kind == "plan":
         return flags(run=run, first=first, last=last, out=PLAN_OUT, run_config_json=config_json(cfg))
@@ -177,10 +177,17 @@ def server_probe(cfg: RunConfig, name: str, at: Slots = ARGO) -> list[str]:
 
 
 def step_command(
-    cfg: RunConfig, kind: str, at: Slots = ARGO, *, first: int = 1, last: int | None = None, **more: object
+    cfg: RunConfig,
+    kind: str,
+    at: Slots = ARGO,
+    *,
+    first: int | str = 1,
+    last: int | str | None = None,
+    **more: object,
 ) -> StepCommand:
     """The container of a step kind; `more` appends flags (what one orchestrator reads back that the other
-    does not, such as Argo's --metrics-out or the report's --status). `first`/`last`: plan's iterations.
+    does not, such as Argo's --metrics-out or the report's --status). `first`/`last`: plan's iterations (or
+    the Argo tags that give them in a segment template).
     A single-node update is torchrun; a multi-node one is built by `pytorchjob_launcher_command` or, on Argo,
     by resource templates."""
     step = STEP_KINDS[kind]

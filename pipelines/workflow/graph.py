@@ -17,6 +17,11 @@ Workflow, status included, in one etcd object of about 1 MB). Every segment star
 LATEST; tasks of iterations already published are skipped, so any segment resumes where the run stopped.
 The first segment also imports the SFT checkpoint (when there is no LATEST yet); every segment but the last
 ends by submitting the next one.
+
+Every segment has the same shape, the first segment's (`template_shape`): on a cluster one WorkflowTemplate
+runs them all, its tasks named by their position in the segment (`rollout-1` is the segment's first
+iteration) and its first iteration a parameter (pipelines/workflow/templates.py `Numbering`). The self-contained
+Workflow is the whole run as one segment, where a task's position is its iteration.
 """
 
 from __future__ import annotations
@@ -57,6 +62,13 @@ class Segment:
 def segments(iterations: int, segment_size: int) -> list[Segment]:
     count = -(-iterations // segment_size)
     return [Segment(k, count, k * segment_size + 1, min((k + 1) * segment_size, iterations)) for k in range(count)]
+
+
+def template_shape(iterations: int, segment_size: int) -> Segment:
+    """The shape of every segment's Workflow: the first segment's positions (1..min(segment_size, iterations)),
+    with a next-segment task when the run has more than one segment. A later segment has the same tasks: its
+    iterations before the first one it can sample for depend on `plan` through import-sft, which it skips."""
+    return segments(iterations, segment_size)[0]
 
 
 def whole_run(iterations: int) -> Segment:

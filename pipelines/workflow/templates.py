@@ -1,5 +1,11 @@
 """The Argo templates of one run: one per step, shared by every iteration, plus the DAG that unrolls them.
 
+One DAG serves every segment of a run: its tasks are named by their position in the segment (rollout-1 ..
+rollout-S) and `Numbering` writes each task's iteration, a literal in the self-contained Workflow (the whole run,
+where a position is its iteration) or, in the segment WorkflowTemplate, computed from the Workflow's `first`
+parameter. Each task passes its iteration to its template, so the Argo UI shows it among the node's inputs,
+and the pod carries it as the moerl.io/iteration label.
+
 Each step's command line, role and image come from commands.py (as KFP's do); a template adds what Argo
 makes of them. Each container's pod carries the run, step and iteration as labels, and runs as the images'
 non-root user with a read-only root filesystem and /tmp as an emptyDir (placement.py): the outputs Argo
@@ -8,6 +14,8 @@ executor can read them under a security context.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import yaml
 from hera.workflows import DAG, Artifact, Container, NoneArchiveStrategy, Parameter, Resource, Step, Steps, Task
@@ -56,6 +64,82 @@ SCORE_METRIC_KEYS = {"reward_mean": "moerl_reward_mean", "accuracy": "moerl_accu
 MAIN = "main"
 CRON_LABEL = "workflows.argoproj.io/cron-workflow"  # what Argo's cron controller puts on its Workflows
 TRAINER_SERVER = graph.TRAINER_SERVER
+FIRST = "first"  # the segment WorkflowTemplate's parameter: the segment's first iteration
+FIRST_VALUE = f"{{{{workflow.parameters.{FIRST}}}}}"
+
+
+def _plus(k: int) -> str:
+    return f" + {k}" if k > 0 else f" - {-k}" if k < 0 else ""
+
+
+@dataclass(frozen=True)
+class Numbering:
+    """How the DAG of `segment` (positions 1..n) writes the iteration of the task at position i.
+
+    Literal (`parameterized` False): the self-contained Workflow, the whole run, where position i is iteration i.
+    Parameterized: the segment WorkflowTemplate, whose Workflows give their first iteration F as the parameter
+    `first`; position i is iteration F + i - 1, and a position past the run's last iteration is skipped (its
+    `when` is false: Argo marks it Skipped, which a bare name in `depends` accepts as it accepts Succeeded).
+    Argument values use expression tags, `when` conditions govaluate's arithmetic (both Argo v4.1's and the
+    local executor's)."""
+
+    segment: graph.Segment
+    iterations: int  # the run's
+    parameterized: bool = False
+
+    def _from_first(self, k: int) -> str:
+        """F + k as an expression over the Workflow's parameter (no tag)."""
+        return f"asInt(workflow.parameters.{FIRST}){_plus(k)}"
+
+    def iteration(self, i: int) -> str:
+        """The iteration of position i, as a parameter value."""
+        if not self.parameterized:
+            return str(i)
+        return FIRST_VALUE if i == 1 else f"{{{{={self._from_first(i - 1)}}}}}"
+
+    def policy_version(self, i: int, staleness: int) -> str:
+        """The version that position i's rollout samples from (steps.run.keys.behaviour_version)."""
+        if not self.parameterized:
+            return str(behaviour_version(i, staleness))
+        return f"{{{{=max({self._from_first(i - 2 - staleness)}, 0)}}}}"
+
+    def _number(self, i: int) -> str:
+        """The iteration of position i inside a `when` condition (govaluate)."""
+        return str(i) if not self.parameterized else f"{FIRST_VALUE}{_plus(i - 1)}"
+
+    def to_do(self, latest: str, i: int) -> str:
+        """The `when` of position i's tasks: not yet published, and (parameterized) within the run."""
+        if not self.parameterized:
+            return f"{latest} < {i}"
+        return f"{latest} < {self._number(i)} && {self._number(i)} <= {self.iterations}"
+
+    def anything_to_do(self, latest: str) -> str:
+        """The `when` of the segment's servers: some iteration of the segment is not yet published."""
+        last = self.segment.last
+        if not self.parameterized:
+            return f"{latest} < {last}"
+        return f"{latest} < {self._number(last)} && {latest} < {self.iterations}"
+
+    def first(self) -> str:
+        return str(self.segment.first) if not self.parameterized else FIRST_VALUE
+
+    def last(self) -> str:
+        """The segment's last iteration (plan's --last)."""
+        if not self.parameterized:
+            return str(self.segment.last)
+        return f"{{{{=min({self._from_first(self.segment.last - 1)}, {self.iterations})}}}}"
+
+    def has_next(self) -> str:
+        """The `when` of next-segment: the segment ends before the run does."""
+        return f"{self._number(self.segment.last)} < {self.iterations}"
+
+    def next_first(self) -> str:
+        """The next segment's first iteration, an expression tag."""
+        return f"{{{{={self._from_first(len(self.segment.iterations))}}}}}"
+
+    def segment_index(self) -> str:
+        """The 0-based index of the segment as an expression (no tag): (F - 1) / segment_size."""
+        return f"int(({self._from_first(-1)}) / {len(self.segment.iterations)})"
 
 
 def _step_container(
@@ -115,8 +199,8 @@ def _iteration_step(cfg: RunConfig, name: str, step: StepCommand, **extra: objec
     return _step_container(cfg, name, step, inputs=inputs, iteration=ITERATION, **extra)
 
 
-def plan_template(cfg: RunConfig, segment: graph.Segment) -> Container:
-    step = step_command(cfg, graph.PLAN, first=segment.first, last=segment.last)
+def plan_template(cfg: RunConfig, numbering: Numbering) -> Container:
+    step = step_command(cfg, graph.PLAN, first=numbering.first(), last=numbering.last())
     latest = Parameter(name="latest", value_from=ValueFrom(path=f"{PLAN_OUT}/latest"))
     return _step_container(cfg, graph.PLAN, step, outputs=[latest], reports_progress=True)
 
@@ -295,8 +379,9 @@ def cron_name(cfg: RunConfig) -> str:
     return f"{cfg.name}-continue"
 
 
-def next_segment_templates(cfg: RunConfig, next_template: str, segment_index: int) -> list[Steps | Resource]:
-    """Submit the next segment's Workflow; the run's mutex holds it until this one has finished.
+def next_segment_templates(cfg: RunConfig, next_template: str, numbering: Numbering) -> list[Steps | Resource]:
+    """Submit the next segment's Workflow, from the same template with `first` one segment on; the run's mutex
+    holds it until this one has finished.
 
     With the run's CronWorkflow present, the next segment is created as the cron's own child (its controller
     ownerReference and its label): Argo's cron controller counts every unfinished Workflow so owned as active
@@ -304,7 +389,8 @@ def next_segment_templates(cfg: RunConfig, next_template: str, segment_index: in
     a firing while any segment of the run is still going, instead of starting a second chain of segments
     that would queue on the mutex and the semaphore. Without a cron the Workflow is created plain."""
     # The parent's name lets `moerl submit --wait` follow the run from segment to segment (wait.py).
-    labels = {pl.RUN_LABEL: cfg.name, pl.SEGMENT_LABEL: str(segment_index), PARENT_LABEL: "{{workflow.name}}"}
+    index = f"{{{{={numbering.segment_index()} + 1}}}}"
+    labels = {pl.RUN_LABEL: cfg.name, pl.SEGMENT_LABEL: index, PARENT_LABEL: "{{workflow.name}}"}
 
     def workflow(owned: bool) -> str:
         metadata: dict = {"generateName": f"{cfg.name}-", "labels": dict(labels)}
@@ -314,9 +400,11 @@ def next_segment_templates(cfg: RunConfig, next_template: str, segment_index: in
                 {"apiVersion": "argoproj.io/v1alpha1", "kind": "CronWorkflow", "name": cron_name(cfg),
                  "uid": f"{{{{inputs.parameters.{CRON_UID}}}}}", "controller": True, "blockOwnerDeletion": False}
             ]  # fmt: skip
+        first = {"parameters": [{"name": FIRST, "value": numbering.next_first()}]}
         body = {"apiVersion": "argoproj.io/v1alpha1", "kind": "Workflow", "metadata": metadata,
-                "spec": {"workflowTemplateRef": {"name": next_template}}}  # fmt: skip
-        return yaml.safe_dump(body, sort_keys=False)
+                "spec": {"workflowTemplateRef": {"name": next_template}, "arguments": first}}  # fmt: skip
+        # One line per value: Argo substitutes the tags in the text before it parses it.
+        return yaml.safe_dump(body, sort_keys=False, width=1 << 20)
 
     retry = retry_for(cfg.retries["control"], False)
     cron = {"apiVersion": "argoproj.io/v1alpha1", "kind": "CronWorkflow", "metadata": {"name": cron_name(cfg)}}
@@ -343,22 +431,23 @@ def next_segment_templates(cfg: RunConfig, next_template: str, segment_index: in
     ]
 
 
-def main_dag(cfg: RunConfig, segment: graph.Segment) -> DAG:
-    """Unroll the segment's iterations. Tasks of iterations that LATEST already covers are skipped."""
+def main_dag(cfg: RunConfig, numbering: Numbering) -> DAG:
+    """Unroll the segment's positions. Tasks of iterations that LATEST already covers are skipped, and those past
+    the run's end."""
     latest = f"{{{{tasks.{graph.PLAN}.outputs.parameters.latest}}}}"
     tasks = []
-    for name, deps in graph.dependencies(segment, cfg.staleness).items():
+    for name, deps in graph.dependencies(numbering.segment, cfg.staleness).items():
         step, _, number = name.rpartition("-")
         depends = " && ".join(deps) or None
         if step not in graph.STEPS:  # plan, import-sft (only before the first LATEST), next-segment
-            when = f"{latest} < 0" if name == graph.IMPORT_SFT else None
+            when = {graph.IMPORT_SFT: f"{latest} < 0", graph.NEXT_SEGMENT: numbering.has_next()}.get(name)
             tasks.append(Task(name=name, template=name, depends=depends, when=when))
             continue
         i = int(number)
-        arguments = {"iteration": str(i)}
+        arguments = {"iteration": numbering.iteration(i)}
         shards = None
         if step == "rollout":
-            arguments |= {"shard": "{{item}}", "policy-version": str(behaviour_version(i, cfg.staleness))}
+            arguments |= {"shard": "{{item}}", "policy-version": numbering.policy_version(i, cfg.staleness)}
             shards = Sequence(count=str(cfg.rollout.num_shards))
             depends = " && ".join([*deps, *served_by(cfg)])
         if step == "update":
@@ -368,12 +457,12 @@ def main_dag(cfg: RunConfig, segment: graph.Segment) -> DAG:
                 name=name,
                 template=step,
                 depends=depends,
-                when=f"{latest} < {i}",
+                when=numbering.to_do(latest, i),
                 arguments=arguments,
                 with_sequence=shards,
             )
         )
-    return DAG(name=MAIN, tasks=server_tasks(cfg, segment, latest) + tasks)
+    return DAG(name=MAIN, tasks=server_tasks(cfg, numbering, latest) + tasks)
 
 
 def served_by(cfg: RunConfig) -> list[str]:
@@ -398,14 +487,14 @@ def trained_by(cfg: RunConfig) -> list[str]:
     return [_ready_or_failed(TRAINER_SERVER)] if trainer_served(cfg, ARGO) else []
 
 
-def server_tasks(cfg: RunConfig, segment: graph.Segment, latest: str) -> list[Task]:
+def server_tasks(cfg: RunConfig, numbering: Numbering, latest: str) -> list[Task]:
     """The segment's rollout servers and its trainer that stays up: daemons from the start of the segment to
     its end, when Argo stops them; none when the segment has nothing left to do. They start beside import-sft,
     whose v000000 they wait for, so that their nodes, images and imports overlap the import. Every rollout
     depends on the rollout servers (served_by) and every update on the trainer (trained_by); the clients find
     them through the run store: a replacement's address is new, and Argo holds no dependent back while a
     daemon's new attempt starts."""
-    when = f"{latest} < {segment.last}"
+    when = numbering.anything_to_do(latest)
     rollout = [
         Task(name=rollout_server_name(k), template=graph.ROLLOUT_SERVER, depends=graph.PLAN, when=when,
              arguments={"server": str(k)})
@@ -415,8 +504,13 @@ def server_tasks(cfg: RunConfig, segment: graph.Segment, latest: str) -> list[Ta
     return rollout + (trainer if trainer_served(cfg, ARGO) else [])
 
 
-def templates(cfg: RunConfig, segment: graph.Segment, next_template: str | None) -> list:
-    out = [main_dag(cfg, segment), plan_template(cfg, segment)]
+def templates(cfg: RunConfig, segment: graph.Segment, next_template: str | None, parameterized: bool = False) -> list:
+    """The templates of a Workflow that runs `segment`'s positions: the whole run (literal iterations), or with
+    `parameterized` the shape of every segment (graph.template_shape), whose Workflows give their first iteration
+    as the parameter `first`. `next_template`: the template that next-segment submits (a run of several
+    segments)."""
+    numbering = Numbering(segment, cfg.iterations, parameterized)
+    out = [main_dag(cfg, numbering), plan_template(cfg, numbering)]
     if segment.is_first:
         out.append(import_sft_template(cfg))
     out += [
@@ -430,5 +524,5 @@ def templates(cfg: RunConfig, segment: graph.Segment, next_template: str | None)
         report_template(cfg),
     ]
     if next_template is not None:
-        out += next_segment_templates(cfg, next_template, segment.index + 1)
+        out += next_segment_templates(cfg, next_template, numbering)
     return out

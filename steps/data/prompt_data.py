@@ -279,7 +279,8 @@ def read_prompt_uri(
 ) -> list[Prompt]:
     """The prompts of the JSONL or Parquet file named by a store URI (Parquet by the '.parquet' suffix or its
     magic bytes)."""
-    from steps.store.object_store import ObjectNotFound, Store  # lazily: the store pulls in fsspec/s3fs
+    from steps.store.backend import ObjectNotFound
+    from steps.store.object_store import Store  # lazily: the store pulls in fsspec/s3fs
 
     parent, _, name = uri.rstrip("/").rpartition("/")
     if not name or not parent:

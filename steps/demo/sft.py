@@ -23,7 +23,8 @@ from steps.data.tasks import Prompt, get_task, sft_target
 from steps.data.tokenizer import RAW, CheckpointTokenizer, PromptFormat
 from steps.demo import bpe_tokenizer, char_tokenizer
 from steps.models.hf_checkpoint import save_pretrained
-from steps.models.transformer import MoeConfig, MoeForCausalLM
+from steps.models.qwen3_moe.config import MoeConfig
+from steps.models.qwen3_moe.model import MoeForCausalLM
 
 
 def encode_example(

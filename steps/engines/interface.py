@@ -10,7 +10,7 @@ engine only ever sees single samples, so every sample's randomness is its own.
 
 What `Generation.logprobs` holds (every engine): for each sampled token, log_softmax(logits) of the *policy*
 at temperature 1 — the raw model distribution, before temperature, top-k or top-p reshape it for sampling.
-That is exactly what the trainer recomputes (steps.models.transformer.token_logprobs), so the importance ratio between
+That is exactly what the trainer recomputes (steps.models.kernels.token_logprobs), so the importance ratio between
 behaviour and trainer policy is 1 up to numerics when nothing is stale. With the default sampling settings
 (temperature 1, top_p 1, top_k 0) it is also the log-probability of the distribution the token was drawn from.
 

@@ -1,5 +1,7 @@
-"""The torch engine: batched sampling over steps.models.transformer.MoeForCausalLM on CPU (or one GPU), behind the
-generation interface of steps/engines/interface.py (SGLang's engine is steps/engines/sglang_engine.py).
+"""The torch engine: batched sampling over a policy model (any family of steps/models/registry.py whose attention
+kind is softmax over a key/value cache) on CPU (or one GPU), behind the generation interface of
+steps/engines/interface.py (SGLang's engine is steps/engines/sglang_engine.py; held-out evaluation, over any
+engine, is steps/scoring/evaluation.py).
 
     engine = TorchEngine.from_checkpoint(model_dir)
     generations = engine.generate(requests, SamplingParams(n=8))
@@ -15,10 +17,6 @@ shard and after any restart.
 Speed of the torch engine (bench/rollout.py): a prompt is prefilled once for its whole group, its keys and
 values are shared by the group's samples, samples that drew the same tokens so far are decoded once, and the
 keys and values of the tokens they drew are stored once, as a prefix tree, whatever the splits.
-
-Held-out accuracy: `evaluate_accuracy(engine_or_model, tokenizer, prompts)`, greedy (temperature 0) generation
-of the prompts as the checkpoint's tokenizer and the run's prompt format encode them, checked by each prompt's
-verifier; the one way to measure it, for every engine and for a bare MoeForCausalLM.
 """
 
 from __future__ import annotations
@@ -31,23 +29,23 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch import nn
 
-from steps.data.tasks import Prompt, Task, get_task, verify_ids
-from steps.data.tokenizer import RAW, CheckpointTokenizer, PromptFormat
 from steps.engines.interface import (
     FINISH_LENGTH,
     FINISH_STOP,
-    Engine,
     Generation,
     GenerationInterrupted,
     GenerationRequest,
     SamplingParams,
 )
 from steps.errors import MoerlError
+from steps.models.family import DecodeLayer, dtype_name
 from steps.models.hf_checkpoint import check_checkpoint, checkpoint_dtype, load_pretrained, load_state_dict_from_dir
 from steps.models.kernels import token_logprobs
-from steps.models.moe import MoeBlock, group_by_expert
-from steps.models.transformer import MoeForCausalLM, dtype_name, rotary_cos_sin
+from steps.models.layers import rotary_cos_sin
+from steps.models.moe import SparseMoeBlock, group_by_expert
+from steps.models.registry import family_of
 
 # PyTorch's CPU bmm runs matrices of fewer multiply-adds than this with a plain loop, several times slower
 # per multiply-add than its blocked kernels; RowBatch decoding keeps its per-row products above it.
@@ -132,7 +130,7 @@ def compute_dtype(stored: torch.dtype, device: str | torch.device) -> torch.dtyp
 
 @dataclass
 class TorchEngine:
-    """Batched sampling over steps.models.transformer.MoeForCausalLM on CPU (or one GPU).
+    """Batched sampling over a policy model (its family's, steps/models/registry.py) on CPU (or one GPU).
 
     One generate() call is one batch. The distinct prompts are prefilled once, left-padded (Decoder.prefill,
     MoeForCausalLM.forward's arithmetic); the samples of a prompt then share those prompt keys/values (never
@@ -151,7 +149,7 @@ class TorchEngine:
     the model's and the decoder's weights in place from a checkpoint dir (another version of the same run).
     """
 
-    model: MoeForCausalLM
+    model: nn.Module
     name: str = "torch"
     compact_below: float = 0.75  # drop finished rows when the live ones are at most this share of the batch
     # Keep the generated keys/values in the prefix tree (DecodeBatch) while a query reads at most this many
@@ -162,8 +160,8 @@ class TorchEngine:
     decoder: Decoder = field(init=False)
 
     def __post_init__(self) -> None:
-        self.device = self.model.model.embed_tokens.weight.device
         self.decoder = Decoder(self.model)
+        self.device = self.decoder.parts.embed.weight.device
 
     @classmethod
     def from_checkpoint(
@@ -489,10 +487,11 @@ class RowBatch(PromptGrid):
 
 class Decoder:
     """The prefill of a batch's prompts into a DecodeBatch, and one decode step (one new token per row) of a
-    MoeForCausalLM over it.
+    model over it, for the attention kind softmax over a key/value cache: the model's family says which of its
+    modules play which part (ModelFamily.decode, steps/models/family.py DecodeModel).
 
-    The same layers and arithmetic as MoeForCausalLM.forward, specialised to inference (decode: one query per
-    row):
+    The same layers and arithmetic as the model's forward (MoeForCausalLM.forward for Qwen3-MoE), specialised
+    to inference (decode: one query per row):
       - RoPE from a precomputed table, rotate_half folded into one roll against a sign-folded sine;
       - attention per prompt and kv head: one matrix product for the queries of all of the prompt's rows and
         all of its columns (prompt tokens and generated nodes, DecodeBatch), a bias keeping each row to its
@@ -505,64 +504,69 @@ class Decoder:
     against transformers.
     """
 
-    def __init__(self, model: MoeForCausalLM) -> None:
-        cfg = model.config
-        assert cfg.head_dim is not None
-        self.model, self.cfg = model, cfg
-        self.head_dim, self.kv_heads = cfg.head_dim, cfg.num_key_value_heads
-        self.groups = cfg.num_attention_heads // cfg.num_key_value_heads
-        self.cos = self.sin = torch.empty(0, cfg.head_dim)
+    def __init__(self, model: nn.Module) -> None:
+        family = family_of(model)
+        if family.attention != "softmax_kv_cache":
+            raise MoerlError(
+                f"the torch engine decodes softmax attention over a key/value cache; {family.name}'s attention "
+                f"kind {family.attention!r} has no decoder here"
+            )
+        parts = family.decode(model)
+        self.model, self.parts = model, parts
+        self.head_dim, self.kv_heads = parts.head_dim, parts.num_kv_heads
+        self.num_heads = parts.num_heads
+        self.groups = parts.num_heads // parts.num_kv_heads
+        self.cos = self.sin = torch.empty(0, parts.head_dim)
         # Per layer: q, k and v projections as one matrix (and bias). Per MoE layer: [gate; up] of each expert
         # as one [H, 2I] matrix, and down as [I, H] (x @ W layout).
         self.qkv: list[tuple[torch.Tensor, torch.Tensor | None]] = []
         self.experts: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         with torch.no_grad():
-            for index, layer in enumerate(model.model.layers):
+            for index, layer in enumerate(parts.layers):
                 self.qkv.append(self._fused_qkv(layer))
-                if isinstance(layer.mlp, MoeBlock):
+                if isinstance(layer.mlp, SparseMoeBlock):
                     self.experts[index] = self._fused_experts(layer.mlp)
 
     @staticmethod
-    def _fused_qkv(layer: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
-        attn = layer.self_attn
-        projections = (attn.q_proj, attn.k_proj, attn.v_proj)
-        bias = torch.cat([p.bias for p in projections]) if attn.q_proj.bias is not None else None
+    def _fused_qkv(layer: DecodeLayer) -> tuple[torch.Tensor, torch.Tensor | None]:
+        projections = layer.qkv
+        bias = torch.cat([p.bias for p in projections]) if projections[0].bias is not None else None
         return torch.cat([p.weight for p in projections]), bias
 
     @staticmethod
-    def _fused_experts(block: MoeBlock) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def _fused_experts(block: SparseMoeBlock) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         if block.num_local_experts != block.num_experts:
             raise ValueError("TorchEngine needs every expert on this process (a full model)")
-        experts = [block.experts[str(e)] for e in range(block.num_experts)]
-        gate_up = [torch.cat([e.gate_proj.weight, e.up_proj.weight]).t().contiguous() for e in experts]
-        down = [e.down_proj.weight.t().contiguous() for e in experts]
+        experts = [block.experts[str(e)].projections() for e in range(block.num_experts)]  # type: ignore[operator]
+        gate_up = [torch.cat([gate.weight, up.weight]).t().contiguous() for gate, up, _ in experts]
+        down = [down.weight.t().contiguous() for _, _, down in experts]
         return gate_up, down
 
     def refresh(self) -> None:
         """Recompute the fused copies from the model's current weights, into the tensors they already occupy
         (TorchEngine.update_weights): the same values __init__ computes; one expert's worth of scratch at a time."""
         with torch.no_grad():
-            for index, layer in enumerate(self.model.model.layers):
+            for index, layer in enumerate(self.parts.layers):
                 for kept, fresh in zip(self.qkv[index], self._fused_qkv(layer), strict=True):
                     if kept is not None and fresh is not None:
                         kept.copy_(fresh)
                 if index in self.experts:
                     block = layer.mlp
-                    experts = [block.experts[str(e)] for e in range(block.num_experts)]
+                    experts = [block.experts[str(e)].projections() for e in range(block.num_experts)]  # type: ignore[operator,union-attr]
                     gate_up, down = self.experts[index]
-                    for e, expert in enumerate(experts):
-                        gate_up[e].copy_(torch.cat([expert.gate_proj.weight, expert.up_proj.weight]).t())
-                        down[e].copy_(expert.down_proj.weight.t())
+                    for e, (gate, up, down_weight) in enumerate(experts):
+                        gate_up[e].copy_(torch.cat([gate.weight, up.weight]).t())
+                        down[e].copy_(down_weight.weight.t())
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sign-folded sin [B, 1, D] at positions [B]: rotate_half(x) * sin equals
         roll(x, D/2) * sin_folded, with sin_folded = (-sin[:D/2], sin[D/2:])."""
         needed = int(positions.max()) + 1
         if needed > self.cos.shape[0]:
-            weight = self.model.model.embed_tokens.weight
+            weight = self.parts.embed.weight
             length = max(needed, 2 * self.cos.shape[0], 64)
             table = torch.arange(length, device=weight.device)[None]
-            cos, sin = rotary_cos_sin(table, self.head_dim, self.cfg.rope_theta, weight.dtype)
+            cos, sin = rotary_cos_sin(table, self.head_dim, self.parts.rope_theta, weight.dtype)
             half = self.head_dim // 2
             self.cos, self.sin = cos[0], torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1)
         return self.cos.index_select(0, positions).unsqueeze(1), self.sin.index_select(0, positions).unsqueeze(1)
@@ -581,26 +585,24 @@ class Decoder:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [T, H] of layer `index` -> q [T, heads, D] (scaled by 1/sqrt(D)), k and v [T, kv, D]; q and k
         normed and rotated (cos and sign-folded sin [T, 1, D], see _rope)."""
-        cfg, head_dim, attn = self.cfg, self.head_dim, self.model.model.layers[index].self_attn
-        tokens, q_size, kv_size = x.shape[0], cfg.num_attention_heads * head_dim, self.kv_heads * head_dim
+        head_dim, layer = self.head_dim, self.parts.layers[index]
+        tokens, q_size, kv_size = x.shape[0], self.num_heads * head_dim, self.kv_heads * head_dim
         q, k, v = F.linear(x, *self.qkv[index]).split([q_size, kv_size, kv_size], dim=-1)
-        q = attn.q_norm(q.view(tokens, cfg.num_attention_heads, head_dim))
-        k = attn.k_norm(k.view(tokens, self.kv_heads, head_dim))
+        q = layer.query_norm(q.view(tokens, self.num_heads, head_dim))
+        k = layer.key_norm(k.view(tokens, self.kv_heads, head_dim))
         half = head_dim // 2
-        q = torch.addcmul(q * cos, q.roll(half, dims=-1), sin).mul_(attn.scaling)
+        q = torch.addcmul(q * cos, q.roll(half, dims=-1), sin).mul_(layer.scaling)
         k = torch.addcmul(k * cos, k.roll(half, dims=-1), sin)
         return q, k, v.view(tokens, self.kv_heads, head_dim)
 
     def _mlp(self, index: int, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> x + MLP(post-attention norm(x)) of layer `index`."""
-        layer = self.model.model.layers[index]
-        h = layer.post_attention_layernorm(x)
-        return x + (self._experts(layer.mlp, index, h) if index in self.experts else layer.mlp(h))
+        layer = self.parts.layers[index]
+        h = layer.mlp_norm(x)
+        return x + (self._experts(layer.mlp, index, h) if index in self.experts else layer.mlp(h))  # type: ignore[arg-type]
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        model = self.model
-        weight = model.model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
-        return F.linear(model.model.norm(x), weight).float()
+        return F.linear(self.parts.norm(x), self.parts.output).float()
 
     def prefill(self, ids: torch.Tensor, valid: torch.Tensor, room: int) -> tuple[DecodeBatch, torch.Tensor]:
         """Left-padded prompts ids, valid [P, W] -> (their DecodeBatch, with `room` node columns to start with;
@@ -608,21 +610,21 @@ class Decoder:
         count real tokens from 0, a query sees the real tokens up to itself (and itself: padding stays
         finite), every token goes through the MLPs except in the last layer, where only the last position
         (the one whose logits are returned) needs to."""
-        cfg, head_dim, kv_heads, groups = self.cfg, self.head_dim, self.kv_heads, self.groups
+        head_dim, kv_heads, groups = self.head_dim, self.kv_heads, self.groups
         prompts, width = ids.shape
         position = (valid.long().cumsum(dim=1) - 1).clamp(min=0)
         cos, sin = self._rope(position.view(-1))
         causal = torch.ones(width, width, dtype=torch.bool, device=ids.device).tril()
         sees = (causal & valid[:, None, :]) | torch.eye(width, dtype=torch.bool, device=ids.device)
         bias = torch.zeros(sees.shape, device=ids.device).masked_fill_(~sees, float("-inf"))  # [P, W, W]
-        shape = (cfg.num_hidden_layers, prompts, kv_heads, width + room, head_dim)
+        shape = (len(self.parts.layers), prompts, kv_heads, width + room, head_dim)
         keys = torch.zeros(shape, dtype=cos.dtype, device=ids.device)
         values = torch.zeros_like(keys)
 
-        x = self.model.model.embed_tokens(ids.view(-1))  # [P * W, H]
-        last = len(self.model.model.layers) - 1
-        for index, layer in enumerate(self.model.model.layers):
-            q, k, v = self._qkv(index, layer.input_layernorm(x), cos, sin)
+        x = self.parts.embed(ids.view(-1))  # [P * W, H]
+        last = len(self.parts.layers) - 1
+        for index, layer in enumerate(self.parts.layers):
+            q, k, v = self._qkv(index, layer.attention_norm(x), cos, sin)
             keys[index, :, :, :width] = k.view(prompts, width, kv_heads, head_dim).transpose(1, 2)
             values[index, :, :, :width] = v.view(prompts, width, kv_heads, head_dim).transpose(1, 2)
             q = q.view(prompts, width, kv_heads, groups, head_dim)
@@ -637,7 +639,7 @@ class Decoder:
                 values[index].view(-1, width + room, head_dim)[:, :width],
             )
             out = self._attend(q, *columns, bias).view(prompts, kv_heads, queries, groups, head_dim)
-            x = x + layer.self_attn.o_proj(out.transpose(1, 2).reshape(x.shape[0], -1))
+            x = x + layer.out(out.transpose(1, 2).reshape(x.shape[0], -1))
             x = self._mlp(index, x)
         prompt_bias = torch.zeros(valid.shape, device=ids.device).masked_fill_(~valid, float("-inf"))
         parent = torch.arange(prompts, device=ids.device)
@@ -654,9 +656,9 @@ class Decoder:
         bias = batch.attention_bias()  # [P, slots, used]
         cos, sin = self._rope(batch.position)
 
-        x = self.model.model.embed_tokens(tokens)  # [B, H]
-        for index, layer in enumerate(self.model.model.layers):
-            q, k, v = self._qkv(index, layer.input_layernorm(x), cos, sin)
+        x = self.parts.embed(tokens)  # [B, H]
+        for index, layer in enumerate(self.parts.layers):
+            q, k, v = self._qkv(index, layer.attention_norm(x), cos, sin)
             keys, values = batch.keys[index], batch.values[index]  # [P, kv, N, D]
             keys.view(-1, head_dim).index_copy_(0, node, k.reshape(-1, head_dim))
             values.view(-1, head_dim).index_copy_(0, node, v.reshape(-1, head_dim))
@@ -666,7 +668,7 @@ class Decoder:
                 values.view(-1, capacity, head_dim)[:, : batch.used],
             )
             out = self._attend(batch.to_grid(q.view(rows, kv_heads, groups, head_dim)), *columns, bias)
-            x = x + layer.self_attn.o_proj(batch.from_grid(out, kv_heads).view(rows, -1))
+            x = x + layer.out(batch.from_grid(out, kv_heads).view(rows, -1))
             x = self._mlp(index, x)
         batch.position += 1
         return self._logits(x)
@@ -689,9 +691,9 @@ class Decoder:
         prompts, width = batch.prompt_bias.shape
         cos, sin = self._rope(batch.position)
 
-        x = self.model.model.embed_tokens(tokens)  # [B, H]
-        for index, layer in enumerate(self.model.model.layers):
-            q, k, v = self._qkv(index, layer.input_layernorm(x), cos, sin)
+        x = self.parts.embed(tokens)  # [B, H]
+        for index, layer in enumerate(self.parts.layers):
+            q, k, v = self._qkv(index, layer.attention_norm(x), cos, sin)
             q = q.view(rows, kv_heads, groups, head_dim)
             batch.keys[index, :, :, :, slot] = k
             batch.values[index, :, :, slot] = v
@@ -712,13 +714,13 @@ class Decoder:
             own_weights = F.pad(weights[..., width:], (0, capacity - seen)).view(rows * kv_heads, groups, capacity)
             from_own = torch.bmm(own_weights, own_values)
             out = batch.from_grid(from_prompt, kv_heads).view(rows, -1) + from_own.view(rows, -1)
-            x = x + layer.self_attn.o_proj(out)
+            x = x + layer.out(out)
             x = self._mlp(index, x)
         batch.length += 1
         batch.position += 1
         return self._logits(x)
 
-    def _experts(self, block: MoeBlock, index: int, hidden: torch.Tensor) -> torch.Tensor:
+    def _experts(self, block: SparseMoeBlock, index: int, hidden: torch.Tensor) -> torch.Tensor:
         """The MoE block on hidden [T, H]: route, run each expert once on its tokens, combine the top-k."""
         gate_up, down = self.experts[index]
         _, topk_idx, topk_weight = block.route(hidden)
@@ -740,46 +742,3 @@ class Decoder:
         for j in range(1, top_k):
             combined = torch.addcmul(combined, per_slot[:, j], weight[:, j : j + 1])
         return combined
-
-
-# ----------------------------------------------------------------------------------------------------
-# Greedy evaluation
-# ----------------------------------------------------------------------------------------------------
-
-
-def evaluate_accuracy(
-    engine_or_model: Engine | MoeForCausalLM,
-    tokenizer: CheckpointTokenizer,
-    prompts: Sequence[Prompt],
-    verifier: Callable[[Prompt], Task] | Task | str | None = None,
-    prompt_format: PromptFormat = RAW,
-    max_new_tokens: int = 16,
-    batch_size: int = 256,
-) -> float:
-    """Share of prompts whose greedy (temperature 0) response the verifier accepts: the answer, then one of the
-    tokenizer's stop tokens, within max_new_tokens.
-
-    `verifier`: a task (or its name) for every prompt, a function of the prompt, or None for each prompt's own
-    task. A MoeForCausalLM is wrapped in a TorchEngine for the call (built from its current weights).
-    """
-    if not prompts:
-        raise ValueError("evaluate_accuracy needs at least one prompt")
-    engine = TorchEngine(engine_or_model) if isinstance(engine_or_model, MoeForCausalLM) else engine_or_model
-    fixed = get_task(verifier) if isinstance(verifier, str) else verifier
-    if fixed is None:
-        verifier_of: Callable[[Prompt], Task] = lambda p: get_task(p.task)  # noqa: E731
-    elif callable(fixed) and not hasattr(fixed, "verify"):
-        verifier_of = fixed  # type: ignore[assignment]
-    else:
-        verifier_of = lambda p: fixed  # type: ignore[assignment,return-value]  # noqa: E731
-    params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, stop_token_ids=tokenizer.stop_ids)
-    correct = 0
-    for start in range(0, len(prompts), batch_size):
-        batch = prompts[start : start + batch_size]
-        requests = [
-            GenerationRequest(p.prompt_id, tuple(tokenizer.prompt_ids(p.content, prompt_format)), 0, 0) for p in batch
-        ]
-        for prompt, generation in zip(batch, engine.generate(requests, params), strict=True):
-            verdict = verify_ids(verifier_of(prompt), tokenizer, generation.response_ids, prompt.answer)
-            correct += verdict.correct
-    return correct / len(prompts)

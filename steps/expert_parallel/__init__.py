@@ -7,8 +7,8 @@ group") split the experts of every MoE layer between them, E/ep experts each, as
 update chooses, per layer, the split that evens out the ranks' routed rows (`balanced_placement`, from the
 previous iteration's per-expert row counts). The MoE block maps its router's expert ids to slot ids, so the
 dispatch backends only ever see contiguous slot ranges. The dp rows hold the same expert slices ("expert
-replicas"). Everything that is not an expert (embeddings, attention, norms, routers, lm_head) is replicated
-on all R ranks. Every rank trains on its own slice of the global batch.
+replicas"). Everything that is not an expert (embeddings, attention, norms, routers, the output
+projection) is replicated on all R ranks. Every rank trains on its own slice of the global batch.
 
   mesh.py       the mesh (Mesh, resolve_ep_size, build_mesh), gradient sync and clipping over it, and the
                 small collectives of the trainer's statistics;

@@ -53,7 +53,7 @@ class AllToAllDispatch:
     Four row exchanges and one counts exchange per layer and micro-batch, each overlapped with expert work;
     the own block is never sent to itself. The number of exchanges does not depend on the number of experts:
     few, large messages, which is what a latency-bound transport (gloo on loopback) needs. The experts are
-    the model's SwiGLU `Expert`s; the Function computes their forward and backward from their weights with
+    the model's `SwiGLUExpert`s; the Function computes their forward and backward from their weights with
     steps.models.moe's swiglu_forward / swiglu_backward_input / swiglu_backward_weights (the one implementation).
     `expert_rows` counts the (token, expert) rows this rank's experts ran (the bench reports the balance).
     """
@@ -93,7 +93,7 @@ class AllToAllDispatch:
             raise ValueError(f"AllToAllDispatch: {len(experts)} local experts, expected {self.num_local_experts}")
         weights = []
         for expert in experts:  # local slot order
-            weights += [expert.gate_proj.weight, expert.up_proj.weight, expert.down_proj.weight]
+            weights += [p.weight for p in expert.projections()]  # (gate, up, down): SwiGLUExpert
         return _AllToAllMoe.apply(hidden, topk_weight, self, slots, counts_sent, recv_counts, *weights)
 
 

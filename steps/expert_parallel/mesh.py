@@ -109,7 +109,8 @@ _EXPERT_PARAM = re.compile(r"(^|\.)experts\.\d+\.")
 
 
 def is_expert_param(name: str) -> bool:
-    """`model.layers.3.mlp.experts.17.up_proj.weight` (or `experts.17...` inside a bare MoeBlock)."""
+    """A routed expert's parameter: `<...>.experts.17.<projection>.weight`, the experts of a SparseMoeBlock (or
+    `experts.17...` inside a bare block), whatever the family names the block and the projections."""
     return _EXPERT_PARAM.search(name) is not None
 
 

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
 
 from steps.data.tokenizer import TOKENIZER_FILE, CheckpointTokenizer
 from steps.errors import MoerlError
+from steps.models.family import dtype_name
 from steps.models.hf_checkpoint import (
     CONFIG_NAME,
     PICKLE_WEIGHT_SUFFIXES,
@@ -23,7 +25,6 @@ from steps.models.hf_checkpoint import (
     read_config_json,
     tensor_index,
 )
-from steps.models.transformer import MoeConfig, dtype_name
 
 
 def refuse_pickled(names: list[str], where: str) -> None:
@@ -38,7 +39,7 @@ def refuse_pickled(names: list[str], where: str) -> None:
         )
 
 
-def check_tokenizer(directory: Path, config: MoeConfig) -> None:
+def check_tokenizer(directory: Path, config: Any) -> None:
     path = Path(directory) / TOKENIZER_FILE
     if not path.is_file():
         raise MoerlError(
@@ -66,7 +67,7 @@ def check_finite(directory: Path) -> None:
                 )
 
 
-def validate_checkpoint_dir(directory: Path) -> MoeConfig:
+def validate_checkpoint_dir(directory: Path) -> Any:
     """Check that `directory` is a complete Qwen3-MoE checkpoint moerl can train; return its config."""
     config = check_checkpoint(directory)
     check_tokenizer(directory, config)

@@ -1,10 +1,11 @@
-"""Policy checkpoints in Hugging Face format, safetensors only: what a checkpoint of a MoeConfig holds, its
+"""Policy checkpoints in Hugging Face format, safetensors only, for every family: what a checkpoint holds, its
 validation from config.json and the tensor headers alone, loading (all of it, or one expert-parallel rank's
-experts) and saving.
+experts) and saving. What is a family's own (its config, its tensor names, its model) this module asks the family
+(steps/models/registry.py) for.
 
-A checkpoint directory is what `Qwen3MoeForCausalLM.save_pretrained` writes: config.json,
-generation_config.json and model.safetensors (or model-0000i-of-0000n.safetensors shards and
-model.safetensors.index.json), with per-expert tensor names. Pickle weights are refused, never read.
+A checkpoint directory is what transformers' `save_pretrained` writes: config.json, generation_config.json and
+model.safetensors (or model-0000i-of-0000n.safetensors shards and model.safetensors.index.json), with per-expert
+tensor names. Pickle weights are refused, never read.
 """
 
 from __future__ import annotations
@@ -22,9 +23,13 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from steps.errors import MoerlError
-from steps.models.transformer import MoeConfig, MoeForCausalLM, check_placement, dtype_name, moe_layer_indices
+from steps.models.family import dtype_name
+from steps.models.placement import check_placement
+from steps.models.registry import config_from_hf, family_of
 
 if TYPE_CHECKING:
+    from torch import nn
+
     from steps.models.placement import ExpertPlacement
 
 CONFIG_NAME = "config.json"
@@ -54,13 +59,13 @@ def read_config_json(directory: str | os.PathLike) -> dict[str, Any]:
     return d
 
 
-def load_config(directory: str | os.PathLike) -> MoeConfig:
-    """Read and validate <directory>/config.json."""
+def load_config(directory: str | os.PathLike) -> Any:
+    """Read and validate <directory>/config.json: its family's config (steps/models/registry.py)."""
     d = read_config_json(directory)
-    return MoeConfig.from_hf_dict(d, source=str(Path(directory) / CONFIG_NAME))
+    return config_from_hf(d, source=str(Path(directory) / CONFIG_NAME))
 
 
-# MoeConfig fields that neither the tensors' shapes nor a forward pass nor serving depend on: training-only
+# Config fields that neither the tensors' shapes nor a forward pass nor serving depend on: training-only
 # knobs and token ids that no engine reads (generation stops on the tokenizer's stop ids, steps/engines/interface.py;
 # eos_token_id stays in: SGLang also stops at the eos it read at start-up unless ignore_eos).
 NOT_ARCHITECTURE = frozenset({"initializer_range", "router_aux_loss_coef", "bos_token_id", "pad_token_id"})
@@ -72,50 +77,18 @@ def model_architecture(config: dict[str, Any], source: str = CONFIG_NAME) -> dic
     `rope_parameters`; `num_experts` or `num_local_experts`; `head_dim` implied or explicit; absent fields at
     their defaults), so that two configs of one model compare equal whoever wrote them. The dtype is left
     out (declared_dtype compares it). `source` names the file in errors."""
-    fields = asdict(MoeConfig.from_hf_dict(config, source=source))
+    fields = asdict(config_from_hf(config, source=source))
     architecture = {k: v for k, v in fields.items() if k not in NOT_ARCHITECTURE}
     architecture["architectures"] = list(config.get("architectures") or [])  # SGLang's model class
     return architecture
 
 
 def expected_tensor_shapes(
-    cfg: MoeConfig, placement: ExpertPlacement | None = None, ep_rank: int = 0
+    cfg: Any, placement: ExpertPlacement | None = None, ep_rank: int = 0
 ) -> dict[str, tuple[int, ...]]:
     """Every tensor name a checkpoint of `cfg` holds -> shape; with a placement, only the experts EP rank
-    ep_rank holds."""
-    assert cfg.head_dim is not None
-    h, d = cfg.hidden_size, cfg.head_dim
-    moe_layers = moe_layer_indices(cfg)
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, h)}
-    for layer in range(cfg.num_hidden_layers):
-        p = f"model.layers.{layer}."
-        shapes[p + "input_layernorm.weight"] = (h,)
-        shapes[p + "post_attention_layernorm.weight"] = (h,)
-        for proj, out_dim in (("q", cfg.num_attention_heads * d), ("k", cfg.num_key_value_heads * d),
-                              ("v", cfg.num_key_value_heads * d)):  # fmt: skip
-            shapes[p + f"self_attn.{proj}_proj.weight"] = (out_dim, h)
-            if cfg.attention_bias:
-                shapes[p + f"self_attn.{proj}_proj.bias"] = (out_dim,)
-        shapes[p + "self_attn.o_proj.weight"] = (h, cfg.num_attention_heads * d)
-        if cfg.attention_bias:
-            shapes[p + "self_attn.o_proj.bias"] = (h,)
-        shapes[p + "self_attn.q_norm.weight"] = (d,)
-        shapes[p + "self_attn.k_norm.weight"] = (d,)
-        if cfg.is_moe_layer(layer):
-            shapes[p + "mlp.gate.weight"] = (cfg.num_experts, h)
-            held = range(cfg.num_experts) if placement is None else placement.held(moe_layers.index(layer), ep_rank)
-            for e in sorted(held):
-                shapes[p + f"mlp.experts.{e}.gate_proj.weight"] = (cfg.moe_intermediate_size, h)
-                shapes[p + f"mlp.experts.{e}.up_proj.weight"] = (cfg.moe_intermediate_size, h)
-                shapes[p + f"mlp.experts.{e}.down_proj.weight"] = (h, cfg.moe_intermediate_size)
-        else:
-            shapes[p + "mlp.gate_proj.weight"] = (cfg.intermediate_size, h)
-            shapes[p + "mlp.up_proj.weight"] = (cfg.intermediate_size, h)
-            shapes[p + "mlp.down_proj.weight"] = (h, cfg.intermediate_size)
-    shapes["model.norm.weight"] = (h,)
-    if not cfg.tie_word_embeddings:
-        shapes["lm_head.weight"] = (cfg.vocab_size, h)
-    return shapes
+    ep_rank holds (its family's state-dict adapter names them)."""
+    return family_of(cfg).state_dict_adapter.expected_shapes(cfg, placement, ep_rank)
 
 
 @dataclass(frozen=True)
@@ -193,7 +166,7 @@ def _check_float(name: str, entry: TensorEntry) -> None:
         )
 
 
-def check_tensors(cfg: MoeConfig, entries: dict[str, TensorEntry], directory: str | os.PathLike) -> None:
+def check_tensors(cfg: Any, entries: dict[str, TensorEntry], directory: str | os.PathLike) -> None:
     """Every expected tensor present with the config's shape and a float dtype; nothing unexpected."""
     expected = expected_tensor_shapes(cfg)
     for name, shape in expected.items():
@@ -214,7 +187,7 @@ def check_tensors(cfg: MoeConfig, entries: dict[str, TensorEntry], directory: st
         name = unexpected[0]
         raise MoerlError(
             f"{entries[name].file}: unexpected tensor {name} ({len(unexpected)} unexpected in all) for a "
-            "Qwen3-MoE model of this config.json; remove it or fix config.json"
+            f"{family_of(cfg).name} model of this config.json; remove it or fix config.json"
         )
 
 
@@ -272,7 +245,7 @@ def checkpoint_dtype(directory: str | os.PathLike) -> torch.dtype:
     return weights_dtype(read_config_json(directory), tensor_index(directory), str(directory))
 
 
-def _checked(directory: str | os.PathLike) -> tuple[MoeConfig, dict[str, TensorEntry], torch.dtype]:
+def _checked(directory: str | os.PathLike) -> tuple[Any, dict[str, TensorEntry], torch.dtype]:
     """(config, tensor index, stored dtype) of a checkpoint whose config and tensor headers all check out."""
     cfg = load_config(directory)
     entries = tensor_index(directory)
@@ -280,7 +253,7 @@ def _checked(directory: str | os.PathLike) -> tuple[MoeConfig, dict[str, TensorE
     return cfg, entries, weights_dtype(read_config_json(directory), entries, str(directory))
 
 
-def check_checkpoint(directory: str | os.PathLike) -> MoeConfig:
+def check_checkpoint(directory: str | os.PathLike) -> Any:
     """Validate config.json (its dtype included) and every tensor header of a checkpoint without reading
     the weights."""
     return _checked(directory)[0]
@@ -311,8 +284,8 @@ def load_pretrained(
     device: torch.device | str = "cpu",
     placement: ExpertPlacement | None = None,
     ep_rank: int = 0,
-) -> MoeForCausalLM:
-    """Build a MoeForCausalLM from a Hugging Face Qwen3-MoE checkpoint directory (safetensors only), its
+) -> nn.Module:
+    """Build the model of a Hugging Face checkpoint directory (safetensors only) as its family builds it, its
     weights cast to `dtype` (None: the dtype they are stored in; an upcast to float32 is exact).
 
     The whole checkpoint is validated first (config, every tensor's presence, shape and dtype, one dtype
@@ -327,14 +300,14 @@ def load_pretrained(
 
 
 def model_from_state(
-    cfg: MoeConfig,
+    cfg: Any,
     state: dict[str, torch.Tensor],
     dtype: torch.dtype,
     device: torch.device | str = "cpu",
     placement: ExpertPlacement | None = None,
     ep_rank: int = 0,
-) -> MoeForCausalLM:
-    """A MoeForCausalLM of `cfg` (EP rank ep_rank's experts under `placement`) holding copies of `state`'s
+) -> nn.Module:
+    """The model of `cfg` (its family's; EP rank ep_rank's experts under `placement`) holding copies of `state`'s
     tensors, cast to `dtype`: load_pretrained's last half, and how a trainer that stays up rebuilds its model
     from the tensors it holds (the same construction, so the same bits)."""
     # Always a copy into torch's own (64-byte aligned) memory: a tensor as safetensors hands it over may sit at
@@ -343,21 +316,24 @@ def model_from_state(
     # The meta device skips allocating and initialising weights that are about to be replaced, but its
     # first use imports torch's reference ops (~2 s per process); a small model is cheaper to build plainly.
     numel = sum(t.numel() for t in state.values())
+    family = family_of(cfg)
     with torch.device("meta") if numel > META_BUILD_MIN_PARAMS else contextlib.nullcontext():
-        model = MoeForCausalLM(cfg, placement, ep_rank)
-    model.load_state_dict(state, strict=True, assign=True)
+        model = family.build(cfg, placement, ep_rank)
+    model.load_state_dict(family.state_dict_adapter.from_hf(state), strict=True, assign=True)
     return model
 
 
 def save_pretrained(
-    model: MoeForCausalLM, directory: str | os.PathLike, max_shard_bytes: int | None = None
+    model: nn.Module, directory: str | os.PathLike, max_shard_bytes: int | None = None
 ) -> list[Path]:
     """Write config.json, generation_config.json and the weights (model.safetensors, or
     model-0000i-of-0000n.safetensors + model.safetensors.index.json above max_shard_bytes). Each file is
     written to a temporary name and renamed into place. Returns the paths written."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    state = {name: t.detach().to("cpu").contiguous() for name, t in model.state_dict().items()}
+    cfg: Any = model.config
+    named = family_of(cfg).state_dict_adapter.to_hf(model.state_dict())
+    state = {name: t.detach().to("cpu").contiguous() for name, t in named.items()}
     dtype = next(iter(state.values())).dtype
     written: list[Path] = []
 
@@ -388,7 +364,6 @@ def save_pretrained(
         }
         written.append(_atomic_write_text(directory / SAFE_WEIGHTS_INDEX_NAME, json.dumps(index, indent=2)))
 
-    cfg = model.config
     written.append(_atomic_write_text(directory / CONFIG_NAME, json.dumps(cfg.to_hf_dict(dtype), indent=2)))
     generation: dict[str, Any] = {"_from_model_config": True}
     for name in ("bos_token_id", "eos_token_id", "pad_token_id"):

@@ -5,10 +5,10 @@ bound by their count, so each is one node with a backward written out:
   rms_norm          weight * (x / rms(x)), computed in fp32 (RMSNormFunction);
   QKVHeads          the fused q/k/v projection's output -> per-head RMSNormed, rotated q and k, and v;
   grouped_attention softmax(q k^T * scale, masked) v with the kv heads shared by their query groups (the CPU
-                    path of steps.models.transformer.Attention.attend);
+                    path of steps.models.layers.softmax_attention);
   token_logprobs    log p(target) under the logits, log_softmax in fp32 (TokenLogprobs).
 Each computes exactly the arithmetic of the plain formulas (tests/test_model_fused_training.py); the modules
-that use them are in steps/models/transformer.py.
+that use them are the families' (steps/models/qwen3_moe/model.py) and the shared layers (steps/models/layers.py).
 """
 
 from __future__ import annotations

@@ -4,8 +4,9 @@ The block routes tokens itself (router -> top-k expert ids and weights) and hand
 dispatcher object. `LocalDispatch` runs every expert on this process; an expert-parallel backend (all-to-all,
 DeepEP) implements the same `ExpertDispatch` contract while each rank holds only E/ep of the experts.
 Experts live in an `nn.ModuleDict` keyed by their *global* index, so a rank holding experts {1, 4, 6, 7} has
-state_dict names `experts.1.gate_proj.weight` ... exactly as in the full checkpoint: a per-rank shard is a
-plain subset of the Hugging Face tensors, with no renaming.
+state_dict names `experts.1.<projection>.weight` ... exactly as in the full checkpoint: a per-rank shard is a
+plain subset of the Hugging Face tensors, with no renaming. The block, its router and the experts' arithmetic are
+shared by every family; a family's subclass (steps/models/<family>/model.py) names the experts' projections.
 
 Expert placement. Each MoE layer lists its E global expert ids in "slot" order (ExpertPlacement, in
 steps/models/placement.py; identity unless the trainer balances the ranks' loads); EP rank r holds
@@ -24,15 +25,13 @@ import torch.nn.functional as F
 from torch import nn
 
 
-class Expert(nn.Module):
-    """One SwiGLU feed-forward expert: down(silu(gate(x)) * up(x)); names as Qwen3MoeMLP writes them.
-    Its forward is the experts' one implementation (run_experts with this expert on all rows)."""
+class SwiGLUExpert(nn.Module):
+    """One SwiGLU feed-forward expert: down(silu(gate(x)) * up(x)). A family's subclass creates the three
+    bias-free projections under its checkpoint's names and returns them from `projections`, in the order
+    (gate, up, down). Its forward is the experts' one implementation (run_experts with this expert on all rows)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+    def projections(self) -> tuple[nn.Linear, nn.Linear, nn.Linear]:
+        raise NotImplementedError(f"{type(self).__name__} must return its (gate, up, down) projections")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
@@ -45,7 +44,7 @@ class ExpertDispatch(Protocol):
     Contract, for every backend:
       hidden       [T, H]  this rank's tokens (T may be 0; expert-parallel backends are collective, so every
                            rank calls dispatch once per MoE layer and step, even with no tokens).
-      topk_idx     [T, k]  int64 *slot* ids in [0, num_experts) (MoeBlock.to_slots: the global expert ids
+      topk_idx     [T, k]  int64 *slot* ids in [0, num_experts) (SparseMoeBlock.to_slots: the global expert ids
                            mapped through the layer's placement; the identity for a full model).
       topk_weight  [T, k]  combine weights, in hidden's dtype.
       experts      the experts this rank holds, in slot order: local expert j is slot first + j, where
@@ -201,8 +200,8 @@ class _CombineSlots(torch.autograd.Function):
 
 
 # The SwiGLU experts' arithmetic, forward and backward, in one place: run_experts (LocalDispatch, DeepEP,
-# Expert.forward) and the all-to-all backend (steps.expert_parallel.alltoall) call these. gate_proj and up_proj stay
-# two parameters (checkpoint names), but every call multiplies the rows with their concatenation
+# SwiGLUExpert.forward) and the all-to-all backend (steps.expert_parallel.alltoall) call these. The gate and up
+# projections stay two parameters (checkpoint names), but every call multiplies the rows with their concatenation
 # [gate; up] [2I, H] once: one matmul instead of two in the forward and in each half of the backward (the
 # copy of the weights, done per call because they change every optimizer step, costs far less than a matmul).
 # Rows are grouped by expert; the matmuls run per expert on its rows, the element-wise steps (silu, the
@@ -339,7 +338,7 @@ class _SwiGLUExperts(torch.autograd.Function):
 
 
 def run_experts(experts: Sequence[nn.Module], grouped: torch.Tensor, counts: list[int]) -> torch.Tensor:
-    """Run local expert j (an `Expert`) on its counts[j] contiguous rows of `grouped`, each expert once;
+    """Run local expert j (a `SwiGLUExpert`) on its counts[j] contiguous rows of `grouped`, each expert once;
     returns the outputs in the same row order. One autograd Function for all the experts (_SwiGLUExperts).
     Rows without experts (no rows at all, or experts without rows) stay connected to `grouped`, so the
     result is part of the graph even when no expert has rows (the all-to-all backward is collective and
@@ -348,7 +347,7 @@ def run_experts(experts: Sequence[nn.Module], grouped: torch.Tensor, counts: lis
         raise ValueError(
             f"run_experts: counts {counts} do not split {grouped.shape[0]} rows among {len(experts)} experts"
         )
-    weights = [w for ex in experts for w in (ex.gate_proj.weight, ex.up_proj.weight, ex.down_proj.weight)]
+    weights = [p.weight for ex in experts for p in ex.projections()]  # type: ignore[operator]
     return _SwiGLUExperts.apply(grouped, expert_spans(counts), *weights)
 
 
@@ -382,13 +381,17 @@ class LocalDispatch:
         return slots.combine(expert_out, topk_weight)
 
 
-class MoeBlock(nn.Module):
-    """Qwen3-MoE sparse block: `gate` (router) + `experts.{e}` for the global expert ids this rank holds.
+class SparseMoeBlock(nn.Module):
+    """The sparse MoE block every family shares: `gate` (the router, of router kind "softmax_topk",
+    steps/models/family.py) + `experts.{e}` for the global expert ids this rank holds, each an instance of the
+    family's `expert_class` (a SwiGLUExpert subclass naming its projections).
 
     slots: this layer's E global expert ids in slot order (default: the identity); with ep_size ep the block
     holds slots [ep_rank*E/ep, (ep_rank+1)*E/ep), i.e. experts slots[ep_rank*E/ep : (ep_rank+1)*E/ep]. The
     router keeps choosing global ids; `to_slots` maps them before dispatch.
     """
+
+    expert_class: type[SwiGLUExpert]  # set by the family's subclass
 
     def __init__(
         self,
@@ -421,18 +424,18 @@ class MoeBlock(nn.Module):
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)  # the router, replicated on every rank
         # ModuleDict in global id order (state_dict order does not depend on the placement)
         self.experts = nn.ModuleDict(
-            {str(e): Expert(hidden_size, moe_intermediate_size) for e in sorted(self.held)}
+            {str(e): self.expert_class(hidden_size, moe_intermediate_size) for e in sorted(self.held)}
         )
         self.dispatch: ExpertDispatch = LocalDispatch()
         # per-expert (global id) count of routed (token, expert) rows, accumulated by forward while a tensor
-        # (MoeForCausalLM.count_routed_rows); None: not counted
+        # (the model's count_routed_rows); None: not counted
         self.routed_rows: torch.Tensor | None = None
 
     def route(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """hidden [T, H] -> (router_logits [T, E], topk_idx [T, k], topk_weight [T, k]).
 
         Softmax over all experts in fp32, top-k, optional renormalisation of the k weights, then back to the
-        logits' dtype: the same arithmetic as transformers' Qwen3MoeTopKRouter.
+        logits' dtype: the same arithmetic as transformers' Qwen3MoeTopKRouter (router kind "softmax_topk").
         """
         router_logits = self.gate(hidden)
         probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
@@ -466,3 +469,20 @@ class MoeBlock(nn.Module):
             )
         out = self.dispatch(hidden, self.to_slots(topk_idx), topk_weight, self.local_experts())
         return out.reshape(shape)
+
+
+def count_parameters(model: nn.Module) -> tuple[int, int]:
+    """(total, active per token) for the full model, even when `model` holds only a slice of the experts.
+
+    Active = everything except the experts a token does not use: embeddings, attention, norms, routers,
+    dense MLPs, the output projection and num_experts_per_tok experts per MoE layer (the usual "A3B" convention).
+    """
+    blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
+    routed = {id(p) for block in blocks for p in block.experts.parameters()}
+    non_expert = sum(p.numel() for p in model.parameters() if id(p) not in routed)
+    total = active = non_expert
+    for block in blocks:
+        per_expert = sum(p.numel() for p in next(iter(block.experts.values())).parameters())
+        total += block.num_experts * per_expert
+        active += block.top_k * per_expert
+    return total, active

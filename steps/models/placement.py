@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -133,3 +134,25 @@ def balanced_placement(loads: Sequence[Sequence[int]] | torch.Tensor, ep_size: i
     if any(int(x) != x or x < 0 for r in rows for x in r):
         raise ValueError("loads must be non-negative integers")
     return ExpertPlacement(tuple(_balance_layer([int(x) for x in r], ep_size) for r in rows), ep_size)
+
+
+def moe_layer_indices(cfg: Any) -> list[int]:
+    """The decoder layers of a family's config that are MoE layers, in order (an ExpertPlacement's layer l is the
+    l-th of them)."""
+    return [layer for layer in range(cfg.num_hidden_layers) if cfg.is_moe_layer(layer)]
+
+
+def check_placement(cfg: Any, placement: ExpertPlacement | None, ep_rank: int) -> None:
+    """A placement must describe this config's MoE layers and experts, and ep_rank be one of its ranks."""
+    if placement is None:
+        if ep_rank != 0:
+            raise ValueError(f"ep_rank {ep_rank} without an expert placement")
+        return
+    num_moe = len(moe_layer_indices(cfg))
+    if (placement.num_layers, placement.num_experts) != (num_moe, cfg.num_experts):
+        raise ValueError(
+            f"expert placement for {placement.num_layers} MoE layers x {placement.num_experts} experts, the "
+            f"model has {num_moe} x {cfg.num_experts}"
+        )
+    if not 0 <= ep_rank < placement.ep_size:
+        raise ValueError(f"ep_rank {ep_rank} is not in [0, {placement.ep_size})")

@@ -21,7 +21,7 @@ index) are not in the delta: a reader copies them from its parent dir when MANIF
 change, else reads them from the checkpoint.
 
 The update writes the blobs, the writer of each weight file (one of its EP rank's dp replicas:
-steps/training/policy_update.py writer_plan) that file's (write_file_delta, against the bits of v(i-1) it started
+steps/training/candidate_writer.py writer_plan) that file's (write_file_delta, against the bits of v(i-1) it started
 from, held in memory: StoredTensors), so the bytes are read and written in
 parallel across the trainer's nodes, off publish's path; the publish step then only checks them against the
 files it publishes and writes DELTA.json (adopt), before v(i)'s MANIFEST.json, so a published version's delta

@@ -6,16 +6,21 @@ split that training never sees; steps/experience/rollout_plan.py). They are enco
 the
 run's prompt format, exactly as rollout encodes training prompts. The score step records the accuracy for the
 behaviour policy of each iteration, and the report step for the final version, so that a run shows where it
-started and where it ended. `steps.engines.torch_engine.evaluate_accuracy` does the measuring, the same for every
-engine.
+started and where it ended. `evaluate_accuracy` does the measuring, the same for every engine of
+steps/engines/interface.py (and for a bare policy model, wrapped in a torch engine).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from steps.data.tokenizer import load_tokenizer
-from steps.engines.torch_engine import TorchEngine, evaluate_accuracy
+from torch import nn
+
+from steps.data.tasks import Prompt, Task, get_task, verify_ids
+from steps.data.tokenizer import RAW, CheckpointTokenizer, PromptFormat, load_tokenizer
+from steps.engines.interface import Engine, GenerationRequest, SamplingParams
+from steps.engines.torch_engine import TorchEngine
 from steps.experience.rollout_plan import heldout_prompts, prompt_format
 from steps.run import checkpoint
 from steps.run.config import RunConfig
@@ -24,6 +29,45 @@ from steps.scoring.rewards import sample_verifier
 from steps.store.object_store import Store
 
 HELDOUT_EVAL_MAX_BYTES = 512 << 20
+
+
+def evaluate_accuracy(
+    engine_or_model: Engine | nn.Module,
+    tokenizer: CheckpointTokenizer,
+    prompts: Sequence[Prompt],
+    verifier: Callable[[Prompt], Task] | Task | str | None = None,
+    prompt_format: PromptFormat = RAW,
+    max_new_tokens: int = 16,
+    batch_size: int = 256,
+) -> float:
+    """Share of prompts whose greedy (temperature 0) response the verifier accepts: the answer, then one of the
+    tokenizer's stop tokens, within max_new_tokens.
+
+    `verifier`: a task (or its name) for every prompt, a function of the prompt, or None for each prompt's own
+    task. A bare policy model (an nn.Module) is wrapped in a TorchEngine for the call (built from its current
+    weights).
+    """
+    if not prompts:
+        raise ValueError("evaluate_accuracy needs at least one prompt")
+    engine = TorchEngine(engine_or_model) if isinstance(engine_or_model, nn.Module) else engine_or_model
+    fixed = get_task(verifier) if isinstance(verifier, str) else verifier
+    if fixed is None:
+        verifier_of: Callable[[Prompt], Task] = lambda p: get_task(p.task)  # noqa: E731
+    elif callable(fixed) and not hasattr(fixed, "verify"):
+        verifier_of = fixed  # type: ignore[assignment]
+    else:
+        verifier_of = lambda p: fixed  # type: ignore[assignment,return-value]  # noqa: E731
+    params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, stop_token_ids=tokenizer.stop_ids)
+    correct = 0
+    for start in range(0, len(prompts), batch_size):
+        batch = prompts[start : start + batch_size]
+        requests = [
+            GenerationRequest(p.prompt_id, tuple(tokenizer.prompt_ids(p.content, prompt_format)), 0, 0) for p in batch
+        ]
+        for prompt, generation in zip(batch, engine.generate(requests, params), strict=True):
+            verdict = verify_ids(verifier_of(prompt), tokenizer, generation.response_ids, prompt.answer)
+            correct += verdict.correct
+    return correct / len(prompts)
 
 
 def heldout_accuracy(run: Store, cfg: RunConfig, version: int, log: Any) -> float | None:

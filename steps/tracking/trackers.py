@@ -26,9 +26,10 @@ A tracker that is down never fails or slows the run: each call runs under tracki
 (a deadline on a daemon thread, with the client's own HTTP timeout and retries set below it); a tracker that
 misses it is dropped for the rest of the step with one warning naming the tracker and the points it missed.
 
-The tracking libraries are imported only when a tracker is configured; TensorBoard files are tensorboard's own
-Event protos in TFRecord framing (no writer thread, and not its writer module, which imports its TensorFlow
-stub: about 1 s a step).
+This module holds the ledger, the deadlines and the dispatch; the trackers themselves are beside it
+(interface.py: what each one is; tensorboard_tracker.py, mlflow_tracker.py, wandb_tracker.py). The tracking
+libraries are imported only when a tracker is configured; TensorBoard files are tensorboard's own Event protos in
+TFRecord framing written by tensorboard_tracker.py (its docstring says why not a library's writer).
 """
 
 from __future__ import annotations
@@ -40,9 +41,6 @@ import json
 import math
 import os
 import re
-import shutil
-import struct
-import tempfile
 import threading
 import time
 import urllib.request
@@ -54,14 +52,15 @@ from typing import Any
 
 from steps.run.keys import (
     METRICS_PREFIX,
-    MLFLOW_RUN_KEY,
-    TENSORBOARD_PREFIX,
-    WANDB_PREFIX,
     ledger_key,
     params_ledger_key,
     pending_key,
 )
 from steps.store.object_store import Store
+from steps.tracking.interface import Tracker
+from steps.tracking.mlflow_tracker import MlflowTracker
+from steps.tracking.tensorboard_tracker import TensorboardTracker
+from steps.tracking.wandb_tracker import WandbTracker
 from steps.tracking.workflow_status import status_nodes, step_nodes
 
 SOURCES = ("score", "update", "workflow")
@@ -69,7 +68,6 @@ SOURCES = ("score", "update", "workflow")
 WORKFLOW_STEPS = ("rollout", "score", "update", "publish")
 # The local executor writes the Workflow's Argo-shaped status here (moerl run / moerl demo set it).
 STATUS_FILE_ENV = "MOERL_WORKFLOW_STATUS_FILE"
-RUN_STORE_TAG = "moerl.run_store"
 Log = Callable[[str], None]
 
 
@@ -197,281 +195,9 @@ def read_workflow_status(
         return None
 
 
-# ------------------------------------------------------------------------------------------ trackers
-
-
-class Tracker:
-    """One experiment tracker. Every call may raise; the caller bounds it and keeps going."""
-
-    name = "tracker"
-
-    def points_at(self, iteration: int, keys: list[str]) -> set[str]:
-        """The keys of `keys` the tracker already holds at this step (a crash after a write, before the
-        ledger's). Only MLflow can be asked; the others rely on the ledger and fixed file names."""
-        return set()
-
-    def log_points(self, source: str, iteration: int, values: dict[str, float]) -> None:
-        raise NotImplementedError
-
-    def log_params(self, params: dict[str, str]) -> None:
-        """Parameters are written once per run (the ledger says when)."""
-
-    def set_tags(self, tags: dict[str, str]) -> None:
-        """Tags may be set again; the last value counts."""
-
-    def log_artifacts(self, files: dict[str, Path]) -> None:
-        """name -> local file; a rewrite replaces."""
-
-    def close(self) -> None:
-        """Flush and let go."""
-
-
-def _write_local_atomically(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, staged = tempfile.mkstemp(prefix=".moerl-tmp-", dir=path.parent)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    os.replace(staged, path)
-
-
-def _local_root(run: Store) -> Path | None:
-    """The directory of a file:// store. Trackers' files are written there directly: the store's digest
-    sidecars (.moerl-sha256-<name>) would carry 'tfevents' / '.wandb' in their names and be read as data."""
-    return Path(run.uri.removeprefix("file://")) if run.uri.startswith("file://") else None
-
-
-_CRC32C_TABLE: list[int] = []
-
-
-def _crc32c(data: bytes) -> int:
-    """CRC-32C (Castagnoli, reflected polynomial 0x82F63B78), table-driven: event files are a few KB."""
-    if not _CRC32C_TABLE:
-        for n in range(256):
-            for _ in range(8):
-                n = (n >> 1) ^ 0x82F63B78 if n & 1 else n >> 1
-            _CRC32C_TABLE.append(n)
-    crc = 0xFFFFFFFF
-    for byte in data:
-        crc = _CRC32C_TABLE[(crc ^ byte) & 0xFF] ^ (crc >> 8)
-    return crc ^ 0xFFFFFFFF
-
-
-def _masked_crc32c(data: bytes) -> int:
-    crc = _crc32c(data)
-    return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
-
-
-def tfrecord(data: bytes) -> bytes:
-    """One TFRecord: uint64 length, masked crc32c of the length, data, masked crc32c of the data (little
-    endian). tensorboard's RecordWriter writes the same bytes (tests/test_tracking_contract.py) but importing it
-    imports tensorboard's whole TensorFlow stub, about 1 s in every tracked step; its protos take 40 ms."""
-    length = struct.pack("<Q", len(data))
-    return length + struct.pack("<I", _masked_crc32c(length)) + data + struct.pack("<I", _masked_crc32c(data))
-
-
-class TensorboardTracker(Tracker):
-    """Event files under <run>/tensorboard/: `events.out.tfevents.<iteration>.<source>.moerl`, one per
-    iteration and source, written whole (so a retry replaces it). Names sort by iteration, so TensorBoard's
-    loader reads the steps in order."""
-
-    name = "tensorboard"
-
-    def __init__(self, run: Store):
-        self.run = run
-
-    @staticmethod
-    def event_file_name(iteration: int, source: str) -> str:
-        return f"events.out.tfevents.{iteration:010d}.{source}.moerl"
-
-    @staticmethod
-    def event_file_bytes(iteration: int, values: dict[str, float], wall_time: float | None = None) -> bytes:
-        """A version event, then one Event with every point as a simple_value, in TFRecord framing."""
-        from tensorboard.compat.proto import event_pb2, summary_pb2
-
-        wall_time = time.time() if wall_time is None else wall_time
-        summary = summary_pb2.Summary(
-            value=[summary_pb2.Summary.Value(tag=tag, simple_value=value) for tag, value in sorted(values.items())]
-        )
-        events = [
-            event_pb2.Event(wall_time=wall_time, file_version="brain.Event:2"),
-            event_pb2.Event(wall_time=wall_time, step=iteration, summary=summary),
-        ]
-        return b"".join(tfrecord(event.SerializeToString()) for event in events)
-
-    def log_points(self, source: str, iteration: int, values: dict[str, float]) -> None:
-        data = self.event_file_bytes(iteration, values)
-        name = f"{TENSORBOARD_PREFIX}/{self.event_file_name(iteration, source)}"
-        root = _local_root(self.run)
-        if root is not None:
-            _write_local_atomically(root / name, data)
-        else:
-            self.run.put_bytes(name, data)
-
-
-class MlflowTracker(Tracker):
-    """MlflowClient over the REST API: one MLflow run per moerl run, metrics with step = iteration."""
-
-    name = "mlflow"
-
-    def __init__(self, run: Store, settings: Any, config: dict[str, Any], timeout: float):
-        # The client reads these per request (mlflow.environment_variables): one try and one retry, each of
-        # half the deadline, instead of the default 7 retries with backoff and 120 s a request.
-        os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] = str(max(1, int(timeout / 2)))
-        os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] = "1"
-        os.environ["MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR"] = "0"
-        from mlflow.tracking import MlflowClient
-
-        uri = settings.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
-        if not uri:
-            raise RuntimeError("no tracking URI: set tracking.mlflow.tracking_uri or MLFLOW_TRACKING_URI")
-        self.client = MlflowClient(tracking_uri=uri)
-        self.uri = uri
-        self.run_id = self._find_or_create_run(run, settings.experiment, config)
-
-    def _find_or_create_run(self, run: Store, experiment_name: str, config: dict[str, Any]) -> str:
-        if run.exists(MLFLOW_RUN_KEY):
-            known = run.get_json(MLFLOW_RUN_KEY)
-            if known.get("tracking_uri") == self.uri:
-                return known["run_id"]
-        experiment = self.client.get_experiment_by_name(experiment_name)
-        experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(experiment_name)
-        # A step that created the run and died before writing MLFLOW_RUN_KEY: the tag finds it again.
-        found = self.client.search_runs(
-            [experiment_id], filter_string=f"tags.`{RUN_STORE_TAG}` = '{run.uri}'", max_results=1
-        )
-        if found:
-            run_id = found[0].info.run_id
-        else:
-            tags = {RUN_STORE_TAG: run.uri, "moerl.run": str(config.get("name", ""))}
-            run_id = self.client.create_run(experiment_id, tags=tags, run_name=str(config.get("name"))).info.run_id
-        run.put_json(MLFLOW_RUN_KEY, {"tracking_uri": self.uri, "experiment_id": experiment_id, "run_id": run_id})
-        return run_id
-
-    def points_at(self, iteration: int, keys: list[str]) -> set[str]:
-        present = set()
-        for key in keys:
-            if any(m.step == iteration for m in self.client.get_metric_history(self.run_id, key)):
-                present.add(key)
-        return present
-
-    def log_points(self, source: str, iteration: int, values: dict[str, float]) -> None:
-        from mlflow.entities import Metric
-
-        now = int(time.time() * 1000)
-        metrics = [Metric(key, value, now, iteration) for key, value in sorted(values.items())]
-        self.client.log_batch(self.run_id, metrics=metrics, synchronous=True)
-
-    def log_params(self, params: dict[str, str]) -> None:
-        from mlflow.entities import Param
-
-        # MLflow keeps a parameter's value to 6000 characters (mlflow.utils.validation.MAX_PARAM_VAL_LENGTH).
-        items = [Param(key, value[:6000]) for key, value in sorted(params.items())]
-        self.client.log_batch(self.run_id, params=items, synchronous=True)
-
-    def set_tags(self, tags: dict[str, str]) -> None:
-        from mlflow.entities import RunTag
-
-        self.client.log_batch(self.run_id, tags=[RunTag(k, v) for k, v in sorted(tags.items())], synchronous=True)
-
-    def log_artifacts(self, files: dict[str, Path]) -> None:
-        for path in files.values():
-            self.client.log_artifact(self.run_id, str(path), artifact_path="report")
-
-
 def wandb_run_id(run_uri: str) -> str:
     """The W&B run of a moerl run: the same id from every step, every retry and every resumed Workflow."""
     return "moerl-" + hashlib.sha256(run_uri.encode()).hexdigest()[:16]
-
-
-class WandbTracker(Tracker):
-    """One W&B run per moerl run, resumed by each step (id from the run store URI). Points carry
-    `iteration` as their step metric (wandb.define_metric), so score and update of one iteration share it.
-    Offline, each step's run directory is copied to <run>/wandb/<source>-iter-NNNNNN/offline-run-*/ (for
-    `wandb sync`, which tells offline runs by that name)."""
-
-    name = "wandb"
-
-    def __init__(self, run: Store, settings: Any, config: dict[str, Any], timeout: float, label: str):
-        self.store = run
-        self.settings = settings
-        self.label = label
-        self.workdir = Path(tempfile.mkdtemp(prefix="moerl-wandb-"))
-        import wandb
-
-        self.wandb = wandb
-        self.run = wandb.init(
-            project=settings.project,
-            entity=settings.entity,
-            id=wandb_run_id(run.uri),
-            name=str(config.get("name")),
-            resume="allow",
-            mode=settings.mode,
-            dir=str(self.workdir),
-            config=config,
-            settings=wandb.Settings(**self.settings_fields(settings, timeout)),
-        )
-        self.run.define_metric("iteration")
-        self.run.define_metric("*", step_metric="iteration")
-
-    @staticmethod
-    def settings_fields(settings: Any, timeout: float) -> dict[str, Any]:
-        """wandb.Settings fields: every network wait bounded by the deadline, no console capture or system
-        stats (a step is not a notebook)."""
-        fields: dict[str, Any] = {
-            "init_timeout": timeout,
-            "x_graphql_timeout_seconds": timeout,
-            "x_file_stream_timeout_seconds": timeout,
-            "x_file_stream_retry_max": 1,
-            "console": "off",
-            "x_disable_stats": True,
-            "x_disable_machine_info": True,
-            "x_save_requirements": False,
-            "disable_git": True,
-            "silent": True,
-        }
-        if settings.base_url:
-            fields["base_url"] = settings.base_url
-        return fields
-
-    def log_points(self, source: str, iteration: int, values: dict[str, float]) -> None:
-        self.run.log({"iteration": iteration, **values})
-
-    def set_tags(self, tags: dict[str, str]) -> None:
-        # W&B tags are short labels (64 characters at most): the link goes to the summary, whole.
-        self.run.summary.update({f"tag/{k}": v for k, v in tags.items()})
-        self.run.tags = tuple(sorted({*(self.run.tags or ()), *(f"{k}={v}"[:64] for k, v in tags.items())}))
-
-    def log_artifacts(self, files: dict[str, Path]) -> None:
-        for path in files.values():
-            self.run.save(str(path), base_path=str(path.parent), policy="now")
-
-    def close(self) -> None:
-        self.run.finish()
-        # Ends wandb-core, which closes the run's files: only then is the offline transaction log complete.
-        self.wandb.teardown()
-        if self.settings.mode == "offline":
-            self._keep_offline_files()
-        shutil.rmtree(self.workdir, ignore_errors=True)
-
-    def _keep_offline_files(self) -> None:
-        """The pod's disk goes with the pod: the offline run directory goes to the store, as
-        <run>/wandb/<source>-iter-NNNNNN/offline-run-<time>-<id>/ (the name `wandb sync` tells offline runs by),
-        replacing what an earlier attempt of the same step left."""
-        runs = sorted((self.workdir / "wandb").glob("offline-run-*"))
-        prefix = f"{WANDB_PREFIX}/{self.label}"
-        root = _local_root(self.store)
-        if root is None:
-            self.store.delete_prefix(prefix)
-            for run_dir in runs:
-                self.store.upload_dir(run_dir, f"{prefix}/{run_dir.name}")
-            return
-        target = root / prefix
-        staged = target.with_name(f".moerl-tmp-{target.name}-{os.getpid()}")
-        shutil.rmtree(staged, ignore_errors=True)
-        for run_dir in runs:
-            shutil.copytree(run_dir, staged / run_dir.name)
-        shutil.rmtree(target, ignore_errors=True)
-        os.replace(staged, target)
 
 
 # ------------------------------------------------------------------------------------------ bounded calls
@@ -603,7 +329,9 @@ def open_session(run: Store, cfg: Any, log: Log, label: str, names: list[str] | 
     makers: dict[str, Callable[[], Tracker]] = {
         "tensorboard": lambda: TensorboardTracker(run),
         "mlflow": lambda: MlflowTracker(run, tracking.mlflow, config, tracking.timeout_seconds),
-        "wandb": lambda: WandbTracker(run, tracking.wandb, config, tracking.timeout_seconds, label),
+        "wandb": lambda: WandbTracker(
+            run, tracking.wandb, config, tracking.timeout_seconds, label, wandb_run_id(run.uri)
+        ),
     }
     for name in names:
         make = makers[name]

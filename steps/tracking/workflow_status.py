@@ -61,6 +61,18 @@ class StepNode:
     finished: datetime | None
 
 
+def _iteration(node: dict[str, Any], match: re.Match | None) -> int | None:
+    """The iteration a step's node works on: its `iteration` input where it has one (a segment's tasks are named
+    by their position in the segment, `rollout-3`, and take the iteration as a parameter; Argo records the
+    inputs on every Pod and Retry node), else the number in its display name (a whole run's workflow.yaml)."""
+    if match is None:
+        return None
+    for parameter in (node.get("inputs") or {}).get("parameters") or []:
+        if parameter.get("name") == "iteration" and str(parameter.get("value", "")).isdigit():
+            return int(parameter["value"])
+    return int(match["iteration"])
+
+
 def step_nodes(status: dict[str, Any]) -> list[StepNode]:
     """Every node of the status, in the status's order."""
     out = []
@@ -75,7 +87,7 @@ def step_nodes(status: dict[str, Any]) -> list[StepNode]:
                 phase=node.get("phase") or "",
                 template=node.get("templateName") or "",
                 step=match["step"] if match else None,
-                iteration=int(match["iteration"]) if match else None,
+                iteration=_iteration(node, match),
                 attempt=match["rest"] if match else "",
                 started=_stamp(node.get("startedAt")),
                 finished=_stamp(node.get("finishedAt")),

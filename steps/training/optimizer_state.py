@@ -18,7 +18,7 @@ from safetensors import safe_open
 from torch import nn
 
 from steps.errors import MoerlError
-from steps.models.transformer import dtype_name
+from steps.models.family import dtype_name
 from steps.run.keys import OPTIMIZER_INDEX, optimizer_prefix, version_name
 from steps.store.object_store import Store
 from steps.training.optim import AnyOptimizer

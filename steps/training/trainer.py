@@ -27,7 +27,7 @@ from steps.errors import MoerlError
 from steps.experience.tables import Sample
 from steps.expert_parallel.mesh import Mesh, clip_grad_norm, gather_ranks, sync_gradients
 from steps.models.kernels import token_logprobs
-from steps.models.transformer import MoeForCausalLM
+from steps.models.qwen3_moe.model import MoeForCausalLM
 from steps.training.optim import AdamW, AnyOptimizer
 from steps.training.rl_loss import LossSettings, aggregate, token_entropy, token_terms
 

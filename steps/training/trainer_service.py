@@ -47,7 +47,7 @@ from steps.errors import MoerlError
 from steps.experience.tables import read_scored_experience
 from steps.expert_parallel.dispatch import HeldDispatch
 from steps.expert_parallel.mesh import Mesh
-from steps.models.transformer import MoeConfig
+from steps.models.family import FamilyConfig
 from steps.run import checkpoint
 from steps.run.config import load_run_config
 from steps.run.keys import behaviour_version, scored_key
@@ -122,7 +122,7 @@ class TrainerService:
         run: Store,
         mesh: Mesh,
         local_rank: int,
-        model_config: MoeConfig,
+        model_config: FamilyConfig,
         command_group: dist.ProcessGroup | None,
         log: Callable[[str], None] = print,
     ) -> None:

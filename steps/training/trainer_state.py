@@ -21,17 +21,17 @@ HeldReference keeps the KL reference (v000000) the same way, without AdamW state
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from steps.expert_parallel.mesh import Mesh, all_reduce_sum
 from steps.models.placement import ExpertPlacement
-from steps.models.transformer import MoeConfig, MoeForCausalLM, moe_layer_indices
+from steps.models.registry import family_of
 from steps.run.checkpoint import Manifest
 from steps.training.optimizer_state import ADAMW_FIELDS
-
-EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
 @dataclass
@@ -70,7 +70,7 @@ class HeldReference:
         missing = torch.tensor([0 if state is not None else 1], device=mesh.device)
         return state if int(all_reduce_sum(missing, mesh).item()) == 0 else None
 
-    def give_back(self, state: HeldState | None, model: MoeForCausalLM, placement: ExpertPlacement) -> None:
+    def give_back(self, state: HeldState | None, model: nn.Module, placement: ExpertPlacement) -> None:
         if state is None:  # loaded by this update
             weights = {name: t.detach().to("cpu") for name, t in model.state_dict().items()}
             state = HeldState(0, torch.float32, placement, weights, optimizer={}, weight_digests=[])
@@ -83,15 +83,13 @@ def owner(placement: ExpertPlacement, layer: int, expert: int) -> int:
     return placement.slots[layer].index(expert) // placement.per_rank
 
 
-def expert_params(cfg: MoeConfig, layer: int, expert: int) -> list[tuple[str, tuple[int, ...]]]:
-    """(name, shape) of one expert's parameters; `layer` counts the MoE layers."""
-    prefix = f"model.layers.{moe_layer_indices(cfg)[layer]}.mlp.experts.{expert}."
-    h, i = cfg.hidden_size, cfg.moe_intermediate_size
-    shapes = {"gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}
-    return [(f"{prefix}{proj}.weight", shapes[proj]) for proj in EXPERT_PROJECTIONS]
+def expert_params(cfg: Any, layer: int, expert: int) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of one expert's parameters, as its family's state-dict adapter names them; `layer` counts
+    the MoE layers."""
+    return family_of(cfg).state_dict_adapter.expert_params(cfg, layer, expert)
 
 
-def move_experts(held: HeldState, placement: ExpertPlacement, mesh: Mesh, cfg: MoeConfig) -> int:
+def move_experts(held: HeldState, placement: ExpertPlacement, mesh: Mesh, cfg: Any) -> int:
     """Bring `held` from its placement to `placement`: each expert that changes EP rank is sent, with its
     AdamW state, from its old rank to its new one in every data-parallel row. Every rank walks the moves in
     the same order, so each blocking send meets its receive (the earliest unfinished move always has both

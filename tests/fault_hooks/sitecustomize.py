@@ -111,14 +111,15 @@ def _patch_store(module) -> None:
 
         os.replace = patched_replace
 
+    local = sys.modules["steps.store.local"]  # the local backend's files, imported by object_store above
     for spec in _FULL:
-        pattern, budget, open_temp = re.compile(spec["enospc"]), {"free": int(spec["free"])}, module._open_temp
+        pattern, budget, open_temp = re.compile(spec["enospc"]), {"free": int(spec["free"])}, local._open_temp
 
         def patched_open_temp(directory, _open=open_temp, _pattern=pattern, _budget=budget):
             path, file = _open(directory)
             return (path, _FullDiskFile(file, _budget)) if _pattern.search(str(directory)) else (path, file)
 
-        module._open_temp = patched_open_temp
+        local._open_temp = patched_open_temp
 
 
 class _PatchOnImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):

@@ -10,10 +10,10 @@ import json
 import re
 from typing import Any
 
-from pipelines.local import exprlang
-from pipelines.local.expressions import expand
-from pipelines.local.functions import go_json, go_string
-from pipelines.local.status import OMITTED, RETRY, SKIPPED_PHASE, SUCCEEDED, Node, Nodes, timestamp
+from pipelines.local.api.status import OMITTED, RETRY, SKIPPED_PHASE, SUCCEEDED, Node, Nodes, timestamp
+from pipelines.local.lang import exprlang
+from pipelines.local.lang.expressions import expand
+from pipelines.local.lang.functions import go_json, go_string
 
 
 def last_attempt(node: Node, nodes: Nodes) -> Node | None:

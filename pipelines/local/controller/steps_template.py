@@ -18,18 +18,28 @@ from __future__ import annotations
 
 from typing import Any
 
-from pipelines.local.calls import Call, Opts, TemplateError, continues_on, exit_hook_of
-from pipelines.local.expressions import SubstitutionError, WhenError, evaluate_when, substitute
-from pipelines.local.host import WalkerHost
-from pipelines.local.loops import ExpandError, expand, loops
-from pipelines.local.scope import (
+from pipelines.local.api.status import (
+    ERROR,
+    FAILED,
+    RUNNING,
+    SKIPPED,
+    SKIPPED_PHASE,
+    STEP_GROUP,
+    STEPS,
+    SUCCEEDED,
+    Node,
+)
+from pipelines.local.controller.calls import Call, Opts, TemplateError, continues_on, exit_hook_of
+from pipelines.local.controller.host import WalkerHost
+from pipelines.local.controller.loops import ExpandError, expand, loops
+from pipelines.local.controller.scope import (
     UnresolvedOutput,
     add_aggregate,
     add_node_ref,
     add_skipped_outputs,
     template_outputs,
 )
-from pipelines.local.status import ERROR, FAILED, RUNNING, SKIPPED, SKIPPED_PHASE, STEP_GROUP, STEPS, SUCCEEDED, Node
+from pipelines.local.lang.expressions import SubstitutionError, WhenError, evaluate_when, substitute
 
 STRICT = ("steps", "tasks")
 ABSENT_OPTIONAL = "__argo-internal.absent-optional-output__"  # Argo's AbsentOptionalArgumentValue

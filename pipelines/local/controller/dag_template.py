@@ -15,17 +15,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from pipelines.local.calls import Call, Opts, TemplateError, continues_on, exit_hook_of
-from pipelines.local.depends import evaluate_depends, task_dependencies, task_results
-from pipelines.local.expressions import SubstitutionError, WhenError, evaluate_when
-from pipelines.local.host import WalkerHost
-from pipelines.local.loops import ExpandError, expand, loops
-from pipelines.local.scope import (
-    add_aggregate,
-    add_node_ref,
-    add_skipped_outputs,
-)
-from pipelines.local.status import (
+from pipelines.local.api.depends import evaluate_depends, task_dependencies, task_results
+from pipelines.local.api.status import (
     DAG,
     ERROR,
     OMITTED,
@@ -38,7 +29,16 @@ from pipelines.local.status import (
     Node,
     failed_or_error,
 )
-from pipelines.local.steps_template import resolve_step, succeed_with_outputs
+from pipelines.local.controller.calls import Call, Opts, TemplateError, continues_on, exit_hook_of
+from pipelines.local.controller.host import WalkerHost
+from pipelines.local.controller.loops import ExpandError, expand, loops
+from pipelines.local.controller.scope import (
+    add_aggregate,
+    add_node_ref,
+    add_skipped_outputs,
+)
+from pipelines.local.controller.steps_template import resolve_step, succeed_with_outputs
+from pipelines.local.lang.expressions import SubstitutionError, WhenError, evaluate_when
 
 
 def execute_dag(ctl: WalkerHost, node_name: str, template: dict, opts: Opts, scope_key: Any) -> Node:

@@ -1,249 +1,68 @@
-"""The policy model: a Qwen3-MoE decoder in plain PyTorch, matching transformers' Qwen3MoeForCausalLM.
+"""Qwen3-MoE's layers in plain PyTorch, matching transformers' Qwen3MoeForCausalLM: its experts (Qwen3MoeMLP) and
+sparse block, attention, decoder layer and causal LM. Module names are the checkpoint's tensor names, so the
+state-dict adapter (state_dict_adapter.py) maps them one to one.
 
-Read top to bottom: config (MoeConfig, under config.json's names), building blocks (RMSNorm, RoPE, attention),
-the decoder and the causal LM (training and scoring; the rollout engine decodes with its own prefill and
-key/value tree, steps/engines/torch_engine.py). The MoE block and its experts are in steps/models/moe.py, the
-hand-written autograd
-Functions the blocks call in steps/models/kernels.py, and reading and writing checkpoints in Hugging Face format
-(config.json + safetensors) in steps/models/hf_checkpoint.py.
+Read top to bottom: the experts and the MoE block (the shared SparseMoeBlock with this family's experts), attention
+(the shared softmax_kv_cache kind with q/k RMSNorm), the decoder and the causal LM (training and scoring; the
+rollout engine decodes with its own prefill and key/value tree, steps/engines/torch_engine.py, reading the modules
+through decode.py). The config is config.py; the shared components are in steps/models/ (moe.py, layers.py,
+kernels.py, placement.py).
 """
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from steps.errors import MoerlError
-from steps.models.kernels import QKVHeads, grouped_attention, rms_norm
-from steps.models.moe import Expert, MoeBlock
+from steps.models.kernels import QKVHeads
+from steps.models.layers import RMSNorm, attention_mask_for, rotary_cos_sin, softmax_attention
+from steps.models.moe import SparseMoeBlock, SwiGLUExpert
+from steps.models.placement import check_placement, moe_layer_indices
+from steps.models.qwen3_moe.config import MoeConfig
 
 if TYPE_CHECKING:
     from steps.models.placement import ExpertPlacement
 
-# ----------------------------------------------------------------------------------------------------
-# Config
-# ----------------------------------------------------------------------------------------------------
 
+class Expert(SwiGLUExpert):
+    """One SwiGLU feed-forward expert, down(silu(gate(x)) * up(x)), named as Qwen3MoeMLP writes it (also the dense
+    MLP of the layers that are not sparse)."""
 
-SUPPORTED_ARCHITECTURES = "Qwen3-MoE (model_type 'qwen3_moe', Qwen3MoeForCausalLM with num_experts > 0)"
-# MoE families users bring that moerl recognises and refuses by name (steps/models/transformer.py implements
-# Qwen3-MoE only).
-OTHER_MOE_ARCHITECTURES = {
-    "mixtral": "Mixtral", "qwen2_moe": "Qwen2-MoE", "deepseek_v3": "DeepSeek-V3", "deepseek_v2": "DeepSeek-V2",
-    "olmoe": "OLMoE", "qwen3_next": "Qwen3-Next", "gpt_oss": "gpt-oss", "glm4_moe": "GLM-4-MoE",
-}
-
-
-@dataclass
-class MoeConfig:
-    """Qwen3-MoE hyper-parameters, under the names config.json uses (Qwen3MoeConfig)."""
-
-    vocab_size: int
-    hidden_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    num_experts: int
-    num_experts_per_tok: int
-    moe_intermediate_size: int
-    intermediate_size: int = 0  # the dense MLP of layers that are not sparse; 0 when every layer is MoE
-    head_dim: int | None = None  # None -> hidden_size // num_attention_heads, as transformers does
-    norm_topk_prob: bool = False
-    decoder_sparse_step: int = 1
-    mlp_only_layers: list[int] = field(default_factory=list)
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    max_position_embeddings: int = 32768
-    tie_word_embeddings: bool = False
-    attention_bias: bool = False
-    initializer_range: float = 0.02
-    router_aux_loss_coef: float = 0.001
-    bos_token_id: int | None = None
-    eos_token_id: int | list[int] | None = None
-    pad_token_id: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.head_dim is None:
-            self.head_dim = self.hidden_size // self.num_attention_heads
-        if isinstance(self.mlp_only_layers, tuple):
-            self.mlp_only_layers = list(self.mlp_only_layers)
-
-    def is_moe_layer(self, layer: int) -> bool:
-        """As Qwen3MoeDecoderLayer: sparse unless listed in mlp_only_layers or off the sparse step."""
-        return (
-            layer not in self.mlp_only_layers
-            and self.num_experts > 0
-            and (layer + 1) % self.decoder_sparse_step == 0
-        )
-
-    def to_hf_dict(self, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
-        """config.json content that transformers (v4 and v5) and SGLang load as Qwen3MoeForCausalLM, for
-        weights stored in `dtype` (SGLang's and transformers' dtype auto serve the weights in it)."""
-        name = dtype_name(dtype)
-        d: dict[str, Any] = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe"}
-        d.update(dataclasses.asdict(self))
-        d.update(
-            {
-                "hidden_act": "silu",
-                "attention_dropout": 0.0,
-                "use_sliding_window": False,
-                "sliding_window": None,
-                "max_window_layers": self.num_hidden_layers,
-                "rope_scaling": None,  # v4 readers (SGLang) read rope_theta + rope_scaling
-                "rope_parameters": {"rope_theta": self.rope_theta, "rope_type": "default"},  # v5 readers
-                "use_cache": True,
-                "output_router_logits": False,
-                "dtype": name,
-                "torch_dtype": name,
-            }
-        )
-        return d
-
-    @classmethod
-    def from_hf_dict(cls, d: dict[str, Any], source: str = "config.json") -> MoeConfig:
-        """Validate a Hugging Face config.json dict (`source` names it in errors) and build the config."""
-        model_type = d.get("model_type")
-        num_experts = d.get("num_experts", d.get("num_local_experts"))
-        if model_type != "qwen3_moe" or not num_experts:
-            if model_type in OTHER_MOE_ARCHITECTURES:
-                what = f"{OTHER_MOE_ARCHITECTURES[model_type]} (model_type {model_type!r}) is a MoE architecture"
-                why = "its router, shared experts or attention differ from Qwen3-MoE's and are not implemented"
-            elif model_type != "qwen3_moe":
-                what, why = f"model_type {model_type!r}", "dense and other architectures are not implemented"
-            else:
-                what, why = "no experts (num_experts 0)", "a dense Qwen3 has nothing for expert parallelism"
-            raise MoerlError(
-                f"{source}: {what}, architectures {d.get('architectures')}: not supported ({why}); moerl "
-                f"supports: {SUPPORTED_ARCHITECTURES}"
-            )
-
-        def unsupported(name: str, why: str) -> MoerlError:
-            return MoerlError(f"{source}: {name} = {d.get(name)!r} is not supported by moerl ({why})")
-
-        if d.get("quantization_config"):
-            raise unsupported("quantization_config", "use an unquantized F32/BF16/F16 checkpoint")
-        rope_scaling = d.get("rope_scaling")
-        if rope_scaling and _rope_type(rope_scaling) != "default":
-            raise unsupported("rope_scaling", "only default RoPE; set it to null")
-        rope_parameters = d.get("rope_parameters") or {}
-        if rope_parameters and _rope_type(rope_parameters) != "default":
-            raise MoerlError(
-                f"{source}: rope_parameters.rope_type {_rope_type(rope_parameters)!r} is not supported "
-                "by moerl (only default RoPE)"
-            )
-        if d.get("use_sliding_window"):
-            raise unsupported("use_sliding_window", "sliding-window attention is not implemented")
-        if d.get("hidden_act", "silu") != "silu":
-            raise unsupported("hidden_act", "Qwen3-MoE experts use silu")
-        if d.get("attention_dropout", 0.0):
-            raise unsupported("attention_dropout", "set it to 0.0")
-
-        required = [
-            "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-            "num_experts_per_tok", "moe_intermediate_size",
-        ]  # fmt: skip
-        missing = [name for name in required if d.get(name) is None]
-        if missing:
-            raise MoerlError(f"{source}: missing required Qwen3-MoE fields {missing}; fix config.json")
-
-        names = {f.name for f in dataclasses.fields(cls)}
-        kwargs = {k: v for k, v in d.items() if k in names and v is not None}
-        kwargs["num_experts"] = num_experts
-        kwargs["rope_theta"] = d.get("rope_theta") or rope_parameters.get("rope_theta") or 10000.0
-        for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
-            kwargs[name] = d.get(name)
-        cfg = cls(**kwargs)
-        cfg.validate(source)
-        return cfg
-
-    def validate(self, source: str = "config.json") -> None:
-        """Check that the sizes are consistent; raise MoerlError naming the field otherwise."""
-
-        def bad(msg: str) -> MoerlError:
-            return MoerlError(f"{source}: {msg}; fix config.json")
-
-        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                     "num_key_value_heads", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
-                     "head_dim", "decoder_sparse_step"):  # fmt: skip
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise bad(f"{name} = {value!r} must be a positive integer")
-        if self.num_experts_per_tok > self.num_experts:
-            raise bad(
-                f"num_experts_per_tok = {self.num_experts_per_tok} exceeds num_experts = {self.num_experts}"
-            )
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise bad(
-                f"num_attention_heads = {self.num_attention_heads} is not a multiple of "
-                f"num_key_value_heads = {self.num_key_value_heads}"
-            )
-        assert self.head_dim is not None
-        if self.head_dim % 2:
-            raise bad(f"head_dim = {self.head_dim} must be even for rotary embeddings")
-        if not isinstance(self.mlp_only_layers, list):
-            raise bad(f"mlp_only_layers = {self.mlp_only_layers!r} must be a list of layer indices")
-        layers = range(self.num_hidden_layers)
-        bad_layers = [i for i in self.mlp_only_layers if not (isinstance(i, int) and i in layers)]
-        if bad_layers:
-            raise bad(f"mlp_only_layers {bad_layers} outside [0, num_hidden_layers={self.num_hidden_layers})")
-        dense = [i for i in range(self.num_hidden_layers) if not self.is_moe_layer(i)]
-        if dense and self.intermediate_size < 1:
-            raise bad(
-                f"layers {dense} are dense (mlp_only_layers / decoder_sparse_step) but "
-                f"intermediate_size = {self.intermediate_size}"
-            )
-        for name in ("rms_norm_eps", "rope_theta"):
-            value = getattr(self, name)
-            if not isinstance(value, int | float) or isinstance(value, bool) or not value > 0:
-                raise bad(f"{name} = {value!r} must be a number > 0")
-        for name in ("norm_topk_prob", "tie_word_embeddings", "attention_bias"):
-            if not isinstance(getattr(self, name), bool):
-                raise bad(f"{name} = {getattr(self, name)!r} must be true or false")
-
-
-def _rope_type(rope: object) -> str:
-    if not isinstance(rope, dict):
-        return repr(rope)
-    return rope.get("rope_type", rope.get("type", "default"))
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """config.json's name of a dtype: torch.bfloat16 -> 'bfloat16'."""
-    return str(dtype).removeprefix("torch.")
-
-
-# ----------------------------------------------------------------------------------------------------
-# Building blocks
-# ----------------------------------------------------------------------------------------------------
-
-
-class RMSNorm(nn.Module):
-    """x / rms(x) * weight, computed in fp32 and cast back before the weight (as Qwen3MoeRMSNorm)."""
-
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+    def projections(self) -> tuple[nn.Linear, nn.Linear, nn.Linear]:
+        return self.gate_proj, self.up_proj, self.down_proj
 
 
-def rotary_cos_sin(
-    positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """positions [B, T] -> cos, sin [B, T, head_dim], computed in fp32 (both halves share the frequencies)."""
-    inv_freq = 1.0 / (
-        theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float() / head_dim)
-    )
-    freqs = positions[..., None].float() * inv_freq
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+class MoeBlock(SparseMoeBlock):
+    """Qwen3-MoE's sparse block (Qwen3MoeSparseMoeBlock): the shared block, its softmax top-k router `gate` and
+    Qwen3MoeMLP experts `experts.{e}` for the global expert ids this rank holds."""
+
+    expert_class = Expert
+
+    def __init__(
+        self,
+        hidden_size: int,
+        moe_intermediate_size: int,
+        num_experts: int,
+        num_experts_per_tok: int,
+        norm_topk_prob: bool,
+        slots: Sequence[int] | None = None,
+        ep_rank: int = 0,
+        ep_size: int = 1,
+    ) -> None:
+        super().__init__(
+            hidden_size, moe_intermediate_size, num_experts, num_experts_per_tok, norm_topk_prob, slots, ep_rank,
+            ep_size,
+        )  # fmt: skip
 
 
 class Attention(nn.Module):
@@ -310,36 +129,8 @@ class Attention(nn.Module):
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Masked attention of q [B, heads, T, D] over k/v [B, kv_heads, S, D], then o_proj -> [B, T, H]."""
         batch, _, seq, _ = q.shape
-        if q.device.type == "cpu":
-            out = grouped_attention(q, k, v, mask, self.scaling)
-        else:
-            # Expand the kv heads to the query heads: with a mask, SDPA's GQA mode falls back to the math
-            # kernel on CUDA, while expanded k/v run in the memory-efficient kernel.
-            groups = self.num_heads // self.num_kv_heads
-            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling)
+        out = softmax_attention(q, k, v, mask, self.scaling)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, self.num_heads * self.head_dim))
-
-
-def moe_layer_indices(cfg: MoeConfig) -> list[int]:
-    """The decoder layers that are MoE layers, in order (an ExpertPlacement's layer l is the l-th of them)."""
-    return [layer for layer in range(cfg.num_hidden_layers) if cfg.is_moe_layer(layer)]
-
-
-def check_placement(cfg: MoeConfig, placement: ExpertPlacement | None, ep_rank: int) -> None:
-    """A placement must describe this config's MoE layers and experts, and ep_rank be one of its ranks."""
-    if placement is None:
-        if ep_rank != 0:
-            raise ValueError(f"ep_rank {ep_rank} without an expert placement")
-        return
-    num_moe = len(moe_layer_indices(cfg))
-    if (placement.num_layers, placement.num_experts) != (num_moe, cfg.num_experts):
-        raise ValueError(
-            f"expert placement for {placement.num_layers} MoE layers x {placement.num_experts} experts, the "
-            f"model has {num_moe} x {cfg.num_experts}"
-        )
-    if not 0 <= ep_rank < placement.ep_size:
-        raise ValueError(f"ep_rank {ep_rank} is not in [0, {placement.ep_size})")
 
 
 class DecoderLayer(nn.Module):
@@ -576,32 +367,3 @@ class MoeForCausalLM(nn.Module):
         x = self.model.norm(torch.cat([last, response_x], dim=1))
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(x, weight).float()
-
-
-def attention_mask_for(key_valid: torch.Tensor, start: int, seq: int) -> torch.Tensor:
-    """Boolean SDPA mask [B, 1, seq, start+seq]: query i (slot start+i) sees the valid slots j <= start+i.
-
-    Every query also sees its own slot, so a padding query never has an empty row (softmax of nothing gives
-    NaN, and a NaN value, even at weight 0, would poison the real tokens that attend past it).
-    """
-    total = key_valid.shape[1]
-    query_slot = torch.arange(start, start + seq, device=key_valid.device)[:, None]
-    key_slot = torch.arange(total, device=key_valid.device)[None, :]
-    causal = key_slot <= query_slot
-    mask = (causal[None] & key_valid[:, None, :]) | (key_slot == query_slot)[None]
-    return mask[:, None]
-
-
-def count_parameters(model: MoeForCausalLM) -> tuple[int, int]:
-    """(total, active per token) for the full model, even when `model` holds only a slice of the experts.
-
-    Active = everything except the experts a token does not use: embeddings, attention, norms, routers,
-    dense MLPs, lm_head and num_experts_per_tok experts per MoE layer (the usual "A3B" convention).
-    """
-    cfg = model.config
-    per_expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size
-    non_expert = sum(p.numel() for name, p in model.named_parameters() if ".mlp.experts." not in name)
-    num_moe_layers = len(model.moe_blocks())
-    total = non_expert + num_moe_layers * cfg.num_experts * per_expert
-    active = non_expert + num_moe_layers * cfg.num_experts_per_tok * per_expert
-    return total, active

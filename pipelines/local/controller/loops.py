@@ -10,8 +10,8 @@ import json
 import re
 from typing import Any
 
-from pipelines.local.expressions import evaluate_when, substitute
-from pipelines.local.functions import go_json
+from pipelines.local.lang.expressions import evaluate_when, substitute
+from pipelines.local.lang.functions import go_json
 
 
 class ExpandError(Exception):

@@ -18,7 +18,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from pipelines.local.functions import BUILTINS, PREDICATES, go_equal
+from pipelines.local.lang.functions import BUILTINS, PREDICATES, go_equal
 
 Node = tuple
 

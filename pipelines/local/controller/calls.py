@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipelines.local.status import ERROR, FAILED
+from pipelines.local.api.status import ERROR, FAILED
 
 
 @dataclass

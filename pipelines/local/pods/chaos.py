@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 import yaml
 
-from pipelines.local.status import ERROR, FAILED
+from pipelines.local.api.status import ERROR, FAILED
 from steps.errors import MoerlError
 
 SPOT_LABELS = {"karpenter.sh/capacity-type": "spot", "eks.amazonaws.com/capacitytype": "spot"}

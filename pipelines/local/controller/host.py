@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any, Protocol, runtime_checkable
 
-from pipelines.local.calls import Call, Opts
-from pipelines.local.status import Node, Nodes
+from pipelines.local.api.status import Node, Nodes
+from pipelines.local.controller.calls import Call, Opts
 
 
 @runtime_checkable

@@ -18,8 +18,8 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from pipelines.local import exprlang
-from pipelines.local.functions import BUILTINS, go_float, go_json
+from pipelines.local.lang import exprlang
+from pipelines.local.lang.functions import BUILTINS, go_float, go_json
 
 # Variables Argo binds late; an expression naming one is left unresolved until they exist.
 LATE_VARIABLES = {

@@ -22,7 +22,7 @@ from typing import Any
 
 import yaml
 
-from pipelines.local.manifest import generate_name
+from pipelines.local.api.manifest import generate_name
 
 # torchrun options that take a value; everything else that starts with '-' is a flag.
 TORCHRUN_VALUE_OPTIONS = {

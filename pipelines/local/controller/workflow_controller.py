@@ -17,43 +17,14 @@ from __future__ import annotations
 import copy
 import json
 import os
-import re
-import select
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Any, Protocol
 
-import yaml
-
-from pipelines.durations import backoff_seconds, parse_duration
-from pipelines.local import exprlang
-from pipelines.local.calls import Call, Opts, TemplateError, exit_hook_of
-from pipelines.local.chaos import ChaosMonkey, ChaosSpec, Injection, is_spot_placed, placement
-from pipelines.local.dag_template import execute_dag
-from pipelines.local.expressions import (
-    SubstitutionError,
-    expand,
-    humanize_duration,
-    substitute,
-)
-from pipelines.local.functions import go_json
-from pipelines.local.manifest import LEAF_TYPES, Workflow, merge_defaults, template_type
-from pipelines.local.memoize import MemoizeError, Memoizer
-from pipelines.local.pods import (
-    DEADLINE_MESSAGE,
-    STRIKE_MARKER,
-    PlanError,
-    Pod,
-    PodOutcome,
-    Termination,
-    forget_container_processes,
-    plan_pod,
-    read_progress,
-    warm_start_candidates,
-)  # fmt: skip
-from pipelines.local.scope import add_node_ref, last_attempt, result_referenced
-from pipelines.local.status import (
+from pipelines.durations import parse_duration
+from pipelines.local.api.fields import LEAF_TYPES, merge_defaults, template_type
+from pipelines.local.api.manifest import Workflow
+from pipelines.local.api.status import (
     DAG,
     ERROR,
     FAILED,
@@ -77,27 +48,34 @@ from pipelines.local.status import (
     timestamp,
     write_json_atomic,
 )
-from pipelines.local.steps_template import ABSENT_OPTIONAL, execute_steps
-from pipelines.local.sync import LockError, LockManager
-from pipelines.local.warm import WarmStarter, warm_starts_enabled
+from pipelines.local.controller.calls import Call, Opts, TemplateError, exit_hook_of
+from pipelines.local.controller.dag_template import execute_dag
+from pipelines.local.controller.memoize import MemoizeError, Memoizer
+from pipelines.local.controller.pod_nodes import PodNodes
+from pipelines.local.controller.retries import RetryNodes
+from pipelines.local.controller.scope import add_node_ref, last_attempt
+from pipelines.local.controller.steps_template import ABSENT_OPTIONAL, execute_steps
+from pipelines.local.controller.sync import LockError, LockManager
+from pipelines.local.lang import exprlang
+from pipelines.local.lang.expressions import (
+    SubstitutionError,
+    expand,
+    substitute,
+)
+from pipelines.local.lang.functions import go_json
+from pipelines.local.pods.chaos import ChaosMonkey, ChaosSpec
+from pipelines.local.pods.pod import (
+    Pod,
+    Termination,
+    warm_start_candidates,
+)  # fmt: skip
+from pipelines.local.pods.warm import WarmStarter, warm_starts_enabled
 from steps.errors import MoerlError
-from steps.progress import PROGRESS_ANNOTATION, STRIKE_ENV
 
-DEADLINE_EXCEEDED = "Step exceeded its deadline"
 WORKFLOW_HOLDER = "workflow"  # the holder of spec.synchronization's locks (node IDs hold the templates')
 NODE_TYPES = {"container": POD, "script": POD, "resource": POD, "steps": STEPS, "dag": DAG, "suspend": SUSPEND}
-IDLE_WAIT_SECONDS = 0.1  # the longest sleep between passes while nothing happens (see Executor.wait_for_pods)
-POLL_SECONDS = 0.02  # the sleep between passes while a pod can only be polled
 MAX_PASSES_WITHOUT_WAIT = 10  # passes in a row that changed something before a sleep anyway
 STATUS_INTERVAL_SECONDS = 1.0  # the shortest time between two writes of the status file
-TRANSIENT_MESSAGES = (
-    "etcdserver: leader changed", "etcdserver: request timed out", "etcdserver: too many requests",
-    "unexpected error when reading response body", "stream error when reading response body",
-    "Connection closed by foreign host", "net/http: TLS handshake timeout", "i/o timeout",
-    "connection timed out", "connection reset by peer", "http2: client connection lost",
-    "http2: server sent GOAWAY and closed the connection", "request did not complete within requested timeout",
-    "connect: connection refused", "invalid connection", "client rate limiter Wait returned an error",
-)  # fmt: skip
 
 
 def time_scale_from_env() -> float:
@@ -122,7 +100,7 @@ class View(Protocol):
     def finish(self, controller: Controller) -> None: ...
 
 
-class Controller:
+class Controller(PodNodes, RetryNodes):
     def __init__(
         self,
         workflow: Workflow,
@@ -309,6 +287,10 @@ class Controller:
         """Argo's updateWorkflowMetadata: spec.workflowMetadata's labels, annotations and labelsFrom
         expressions become the workflow's own, and so `{{workflow.labels.NAME}}`."""
         metadata = self.wf.spec.get("workflowMetadata") or {}
+        # Argo substitutes the global parameters into the spec (all but its templates) before it applies the
+        # metadata (operator.go: substituteGlobalVariables, then updateWorkflowMetadata), unresolved tags kept.
+        given = {key: metadata.get(key) or {} for key in ("labels", "annotations")}
+        metadata = {**metadata, **substitute(given, self.globals())}
         for name, value in (metadata.get("labels") or {}).items():
             self.wf.labels[str(name)] = text_of(value)
         for name, value in (metadata.get("annotations") or {}).items():
@@ -394,14 +376,6 @@ class Controller:
         self.status.message = message
         self.status.finished_at = time.time()
 
-    def stop_all_pods(self) -> None:
-        forget_container_processes()
-        for pod in self.pods.values():
-            pod.kill(Termination(FAILED, "stopped", keep_exit_code=True))
-        for pod in self.pods.values():
-            pod.wait(timeout=10)
-        self.pods.clear()
-
     def write_status(self, force: bool = False) -> None:
         """The status file, at most once a second and only when something changed since the last write (or
         forced, at the end). A write of thousands of nodes takes a while: the next one waits ten times as long
@@ -428,8 +402,6 @@ class Controller:
         self._last_status_write = time.time()
         self._status_interval = max(STATUS_INTERVAL_SECONDS, 10 * took)
 
-    def pods_nodes(self) -> list[Node]:
-        return [node for id_ in self.pods if (node := self.nodes.get(id_)) is not None]
 
     # ------------------------------------------------------------------------- pods
 
@@ -437,115 +409,11 @@ class Controller:
         """What a pass can change: the running pods, and each node's phase and message."""
         return tuple(self.pods), tuple((n.phase, n.message) for n in self.nodes)
 
-    def wait_for_pods(self) -> None:
-        """Sleep until a pod's process exits, for IDLE_WAIT_SECONDS at most (each pass checks the timers:
-        retry backoffs, deadlines, chaos, grace periods), or POLL_SECONDS while some pod can only be polled.
-        Reconciling on exits rather than every few milliseconds is what Argo's controller does too: here it
-        starts the next pod within a millisecond or so of the last one's exit and leaves the cores to the pods
-        (a pass over a long run's nodes takes milliseconds; 50 of them a second took a fifth of a core)."""
-        # scaled time (MOERL_LOCAL_TIME_SCALE < 1: backoffs of milliseconds) checks its timers as often as before
-        timeout = max(POLL_SECONDS, IDLE_WAIT_SECONDS * min(1.0, self.time_scale))
-        waiting: dict[int, Pod] = {}
-        for pod in self.pods.values():
-            fd = pod.exit_fd()
-            if fd is None:
-                timeout = POLL_SECONDS
-            else:
-                waiting[fd] = pod
-        if not waiting:
-            time.sleep(timeout)
-            return
-        poller = select.poll()  # not select(): it cannot take a descriptor numbered 1024 or more (~1,000 pods)
-        for fd in waiting:
-            poller.register(fd, select.POLLIN)
-        for fd, _ in poller.poll(timeout * 1000):
-            waiting[fd].exit_seen()
-
-    def reconcile_pods(self) -> None:
-        """What the kubelet and Argo's pod reconciliation would see: exits, deadlines, chaos."""
-        now = self.now
-        forget_container_processes()  # the pods that end in this pass share one read of /proc
-        for id_, pod in list(self.pods.items()):
-            node = self.nodes.get(id_)
-            assert node is not None
-            if pod.running and not fulfilled(node.phase):  # (a daemoned node is fulfilled, yet still running)
-                self.enforce(node, pod, now)
-            outcome = pod.poll(now)
-            if outcome is None:
-                if pod.plan.daemon and not node.daemoned and node.phase == RUNNING and pod.ready(now):
-                    node.daemoned = True  # Argo: running and ready, so the steps and tasks after it may start
-                continue
-            del self.pods[id_]
-            node.reported_progress = read_progress(pod.plan.pod_dir)
-            if pod.injection is not None and self.chaos is not None:
-                if pod.injection.fired:
-                    self.hit.add(id_)
-                else:
-                    self.chaos.missed(pod.injection)
-            if not fulfilled(node.phase):
-                self.apply_outcome(node, outcome)
-
-    def read_reported_progress(self) -> None:
-        """What the running pods wrote to their ARGO_PROGRESS_FILE (read when the status is written)."""
-        for id_, pod in self.pods.items():
-            node = self.nodes.get(id_)
-            if node is not None:
-                node.reported_progress = read_progress(pod.plan.pod_dir) or node.reported_progress
-
-    def enforce(self, node: Node, pod: Pod, now: float) -> None:
-        past_workflow_deadline = self.deadline is not None and now > self.deadline
-        if past_workflow_deadline and node.id not in self.exit_handler_pods:
-            # Argo's execution control: the node fails at once, the pod is stopped behind it.
-            self.nodes.mark(node, FAILED, DEADLINE_EXCEEDED)
-            pod.terminate(Termination(FAILED, DEADLINE_EXCEEDED, keep_exit_code=True), pod.plan.grace_seconds)
-        elif pod.deadline is not None and now >= pod.deadline:
-            pod.terminate(Termination(FAILED, DEADLINE_MESSAGE, keep_exit_code=True), pod.plan.grace_seconds)
-        elif pod.injection is not None and not pod.injection.fired and self.strike_due(pod, pod.injection, now):
-            injection = pod.injection
-            injection.fired = True
-            termination = Termination(
-                injection.phase,
-                injection.message,
-                keep_exit_code=injection.phase == FAILED,
-                override=pod.plan.job is None or pod.plan.job.launched,  # a launcher pod's end is its own
-            )
-            if injection.kind == "kill":
-                pod.kill(termination)
-            else:
-                pod.terminate(termination, pod.plan.grace_seconds)
-
-    def strike_due(self, pod: Pod, injection: Injection, now: float) -> bool:
-        """A pod that reports progress: once it has stopped itself at its strike point (steps/progress.py);
-        any other: `delay` seconds after its start."""
-        if not injection.at_progress:
-            return now >= pod.started_at + injection.delay
-        pid = pod.stopped_at_strike()
-        if pid is None:
-            return False
-        pod.struck_pid = pid
-        return True
-
-    def apply_outcome(self, node: Node, outcome: PodOutcome) -> None:
-        outputs: dict[str, Any] = {}
-        if outcome.parameters:
-            outputs["parameters"] = outcome.parameters
-        if outcome.result is not None:
-            outputs["result"] = outcome.result
-        if outcome.exit_code is not None:
-            outputs["exitCode"] = str(outcome.exit_code)
-        node.outputs = outputs or None
-        node.daemoned = False
-        self.add_global_outputs(node.outputs)
-        self.nodes.mark(node, outcome.phase, outcome.message)
-
     def add_global_outputs(self, outputs: dict | None) -> None:
         for param in (outputs or {}).get("parameters") or []:
             if param.get("globalName") and param.get("value") is not None:
                 self.global_outputs[param["globalName"]] = param["value"]
                 self._globals = None
-
-    def active_pods(self) -> int:
-        return self.nodes.active_pods()
 
     def active_children(self, boundary_id: str) -> int:
         return self.nodes.active_children(boundary_id)
@@ -622,13 +490,6 @@ class Controller:
         if defaults:
             template = merge_defaults(defaults, template)
         return template, scope
-
-    def retry_strategy(self, template: dict) -> dict | None:
-        """Argo's retryStrategy(): the template's, else the workflow's. `retryStrategy: {}` is a strategy
-        (retry until success), not none."""
-        if template.get("retryStrategy") is not None:
-            return template["retryStrategy"]
-        return self.wf.spec.get("retryStrategy")
 
     def process_args(self, template: dict, arguments: dict | None, local: dict[str, Any]) -> dict:
         """Argo's ProcessArgs: input values from arguments (or defaults), then substitution of the
@@ -710,15 +571,6 @@ class Controller:
             self.memo.settle(started)
         return started
 
-    def pod_running(self, node: Node) -> bool:
-        """A Pod node whose pod is running, or a Retry node whose last attempt is one (not yet daemoned)."""
-        if node.type == RETRY:
-            last = last_attempt(node, self.nodes)
-            if last is None or last.fulfilled:
-                return False
-            node = last
-        return node.type == POD and node.id in self.pods and not node.fulfilled
-
     def cache_hit_node(self, node: Node | None, node_name: str, template: dict, opts: Opts, hit: dict) -> Node:
         """Argo's initializeCacheHitNode (updateAsCacheHitNode for a node that waited for a lock): the node, of
         the template's node type (Template.GetNodeType: Retry for a template with its own retryStrategy),
@@ -785,221 +637,12 @@ class Controller:
 
     # ------------------------------------------------------------------------- retries
 
-    def execute_retries(
-        self, node: Node | None, node_name: str, template: dict, call: Call, opts: Opts, scope: Any, retry: dict
-    ) -> Node | None:
-        """A Retry node whose children are the attempts `<name>(0)`, `<name>(1)`, ..."""
-        if node is None:
-            node = self.create_node(node_name, RETRY, template, opts, RUNNING)
-        attempt_opts = replace(opts, display_parent=node.id, retried=True, hooked=False)
-        try:
-            proceed = self.process_retries(node, retry, attempt_opts)
-        except (TemplateError, exprlang.ExprError, ValueError) as err:
-            return self.nodes.mark(node, ERROR, str(err))
-        last = last_attempt(node, self.nodes)
-        if node.fulfilled and last is not None:  # a Retry node shows its last attempt's outputs
-            node.outputs = copy.deepcopy(last.outputs)
-        if not proceed or self.settled(node):
-            return node
-        attempts = [a for a in (self.nodes.get(c) for c in node.children) if a is not None and not a.hooked]
-        if last is not None and not last.fulfilled:
-            attempt_name, number = last.name, len(attempts) - 1
-        else:
-            attempt_name, number = f"{node_name}({len(attempts)})", len(attempts)
-        local = {
-            "retries": str(number),
-            "lastRetry.exitCode": ((last.outputs or {}).get("exitCode") if last else None) or "0",
-            "lastRetry.status": last.phase if last else "",
-            "lastRetry.duration": go_seconds(last.duration()) if last else "0",
-            "lastRetry.message": last.message if last else "",
-        }
-        if template_type(template) in LEAF_TYPES:
-            local["pod.name"] = pod_name(self.wf.name, attempt_name, template.get("name", ""))
-        attempt_template = substitute(template, {**self.globals(), **local})
-        attempt_template.pop("retryStrategy", None)  # the attempt itself is not retried again
-        if self.dispatch(attempt_name, attempt_template, call, attempt_opts, scope) is not None:
-            self.nodes.add_child(node_name, attempt_name)
-        return node  # an attempt that ended is settled by the next pass
-
     def settled(self, node: Node) -> bool:
         """Fulfilled, and so left alone by this pass, unless it is a lost daemon that Argo retries."""
         return node.fulfilled and not self.daemon_lost(node)
 
-    def daemon_lost(self, node: Node) -> bool:
-        """A daemon's Retry node whose attempt's pod ended while some node below that attempt (a dependent's)
-        is unfinished: Argo keeps it daemoned, so its dependents go on, and starts a new attempt (operator.go
-        executeTemplate and processNodeRetries, v4.1.2). With every node below it done, Argo starts none."""
-        if node.type != RETRY or not node.daemoned or node.failed_or_error:
-            return False
-        last = last_attempt(node, self.nodes)
-        return last is not None and last.failed_or_error and not self.descendants_fulfilled(last)
-
-    def descendants_fulfilled(self, node: Node) -> bool:
-        """Argo's childrenFulfilled: every node below `node` is fulfilled."""
-        queue, seen = list(node.children), set()
-        while queue:
-            child = self.nodes.get(queue.pop())
-            if child is None or child.id in seen:
-                continue
-            seen.add(child.id)
-            if not child.fulfilled:
-                return False
-            queue += child.children
-        return True
-
-    def process_retries(self, node: Node, retry: dict, opts: Opts) -> bool:
-        """Argo's processNodeRetries: settle the Retry node from its last attempt, or decide that
-        another attempt may start (True) or must wait for its backoff (False)."""
-        attempts = [a for a in (self.nodes.get(c) for c in node.children) if a is not None and not a.hooked]
-        if not attempts or not attempts[-1].fulfilled:
-            return True
-        last = attempts[-1]
-        if last.daemoned:  # a daemon attempt runs on: the Retry node is daemoned with it
-            node.daemoned = True
-            return False
-        now = time.time()
-        if not last.failed_or_error:
-            self.nodes.mark(node, SUCCEEDED)
-            return True
-        if self.deadline is not None and now > self.deadline and not opts.on_exit:
-            self.nodes.mark(node, last.phase, f"retry exceeded workflow deadline {go_time(self.deadline)}")
-            return True
-        backoff = retry.get("backoff")
-        limit = retry.get("limit")
-        if backoff:
-            max_deadline = None
-            if backoff.get("maxDuration"):
-                # a budget for the whole retry, like a deadline: not scaled by MOERL_LOCAL_TIME_SCALE
-                max_deadline = attempts[0].started_at + parse_duration(backoff["maxDuration"])
-                if now > max_deadline:
-                    self.nodes.mark(node, last.phase, "Max duration limit exceeded")
-                    return True
-            wait = backoff_seconds(backoff, len(attempts))
-            waiting_deadline = (last.finished_at or now) + wait * self.time_scale
-            if max_deadline is not None and waiting_deadline > max_deadline:
-                self.nodes.mark(node, last.phase, "Backoff would exceed max duration limit")
-                return True
-            if now < waiting_deadline and limit is not None and len(attempts) <= int(limit):
-                node.message = f"Backoff for {humanize_duration(wait)}"
-                return False
-            opts.execution_deadline = max_deadline
-            node.message = ""
-        policy = retry.get("retryPolicy") or ("Always" if retry.get("expression") else "OnFailure")
-        retry_failed = policy in ("Always", "OnFailure")
-        retry_error = policy in ("Always", "OnError")
-        if policy == "OnTransientError":
-            retry_failed = retry_error = is_transient(last.message)
-        if (last.phase == FAILED and not retry_failed) or (last.phase == ERROR and not retry_error):
-            self.nodes.mark(node, last.phase, last.message)
-            return True
-        if limit is not None and len(attempts) > int(limit):
-            self.nodes.mark(node, last.phase, "No more retries left")
-            return True
-        if retry.get("expression"):
-            env = expand(retry_scope(attempts))
-            if not exprlang.evaluate_bool(retry["expression"], env):
-                self.nodes.mark(node, last.phase, "retryStrategy.expression evaluated to false")
-                return True
-        return True
 
     # ------------------------------------------------------------------------- pods and suspends
-
-    def execute_pod(self, node_name: str, template: dict, opts: Opts) -> Node | None:
-        node = self.nodes.by_name(node_name)
-        if node is not None and node.id not in self.lock_granted:
-            return node
-        parallelism = self.wf.spec.get("parallelism")
-        if parallelism is not None and self.active_pods() >= int(parallelism) + (node is not None):
-            return None
-        if node is None:
-            node = self.create_node(node_name, POD, template, opts, PENDING)
-        else:  # it waited for a lock (sync.py) and holds it now
-            self.lock_granted.discard(node.id)
-        if self.deadline is not None and time.time() > self.deadline and not opts.on_exit:
-            return self.nodes.mark(node, FAILED, DEADLINE_EXCEEDED)
-        self.start_pod(node, template, opts)
-        return node
-
-    def start_pod(self, node: Node, template: dict, opts: Opts) -> None:
-        where = placement(template, self.wf.spec)
-        spot = self.is_spot(template)
-        name = pod_name(self.wf.name, node.name, node.template_name)
-        boundary_template = self.node_templates.get(node.boundary_id)
-        try:
-            plan = plan_pod(
-                template,
-                pod_name=name,
-                node_name=node.name,
-                workflow=self.wf,
-                run_dir=self.run_dir,
-                placement=where,
-                spot=spot,
-                capture_result=result_referenced(boundary_template, node.name),
-                time_scale=self.time_scale,
-                pod_spec_patches=self.pod_spec_patches(template, name),
-            )
-        except (PlanError, KeyError, ValueError, TypeError, yaml.YAMLError) as err:
-            # the pod cannot be created: executeTemplate marks the node Error and returns the error, which
-            # operate() wraps for the entrypoint and the exit handler (createWorkflowPod's errors)
-            self.template_errors.add(node.id)
-            self.nodes.mark(node, ERROR, str(err))
-            return
-        deadlines = []
-        if template.get("activeDeadlineSeconds") is not None:
-            deadlines.append(node.started_at + float(template["activeDeadlineSeconds"]))
-        if template.get("timeout"):  # Argo sets the pod's activeDeadlineSeconds from it (checkTemplateTimeouts)
-            try:
-                deadlines.append(node.started_at + parse_duration(str(template["timeout"])))
-            except ValueError as err:
-                self.nodes.mark(node, ERROR, f"timeout: {err}")
-                return
-        if opts.execution_deadline is not None:
-            deadlines.append(opts.execution_deadline)
-        injection = None
-        if self.chaos is not None:
-            eligible = not opts.on_exit and not self.previous_attempt_hit(node)
-            reports_progress = PROGRESS_ANNOTATION in ((template.get("metadata") or {}).get("annotations") or {})
-            injection = self.chaos.target(name, node.name, spot, eligible, node.template_name, reports_progress)
-            if injection is not None and injection.at_progress:
-                plan.env[STRIKE_ENV] = f"{injection.fraction!r}:{plan.pod_dir / STRIKE_MARKER}"
-        pod = Pod(plan, min(deadlines) if deadlines else None, injection, self.starter)
-        self.pod_dirs[node.id] = plan.pod_dir
-        if opts.on_exit:
-            self.exit_handler_pods.add(node.id)
-        if pod.outcome is not None:  # the program could not be started
-            self.apply_outcome(node, pod.outcome)
-            return
-        self.pods[node.id] = pod
-        self.nodes.mark(node, RUNNING)
-
-    def pod_spec_patches(self, template: dict, pod: str) -> list[str]:
-        """Argo's processPodSpecPatch: the workflow's podSpecPatch, then the template's, each substituted with
-        the workflow's variables and `pod.name` (a workflow-level patch is not substituted anywhere else)."""
-        scope = {**self.globals(), "pod.name": pod}
-        patches = (self.wf.spec.get("podSpecPatch"), template.get("podSpecPatch"))
-        return [substitute(p, scope) if isinstance(p, str) else p for p in patches if p]
-
-    def previous_attempt_hit(self, node: Node) -> bool:
-        """Whether chaos hit the attempt before this one (then this one is spared)."""
-        match = re.fullmatch(r"(.*)\((\d+)\)", node.name)
-        if not node.retried or match is None or match.group(2) == "0":
-            return False
-        return node_id(self.wf.name, f"{match.group(1)}({int(match.group(2)) - 1})") in self.hit
-
-    def is_spot(self, template: dict) -> bool:
-        where = placement(template, self.wf.spec)
-        spot = is_spot_placed(where["nodeSelector"], where["affinity"])
-        if template.get("resource"):  # a PyTorchJob's pods are placed by its own replica spec
-            spot = spot or self._job_is_spot(template)
-        return spot
-
-    def _job_is_spot(self, template: dict) -> bool:
-        text = re.sub(r"\{\{[^}]*\}\}", "x", str(template["resource"].get("manifest", "")))
-        try:
-            master = yaml.safe_load(text)["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]
-        except (KeyError, TypeError, ValueError):
-            return False
-        return is_spot_placed(master.get("nodeSelector"), master.get("affinity"))
 
     def execute_suspend(self, node_name: str, template: dict, opts: Opts) -> Node:
         node = self.nodes.by_name(node_name) or self.create_node(node_name, SUSPEND, template, opts, RUNNING)
@@ -1066,32 +709,3 @@ def text_of(value: Any) -> str:
     return value if isinstance(value, str) else go_json(value)
 
 
-def go_seconds(seconds: float) -> str:
-    """fmt.Sprint of a float64 number of seconds: "3", "0.5"."""
-    return str(int(seconds)) if seconds == int(seconds) else repr(seconds)
-
-
-def go_time(seconds: float) -> str:
-    """time.Time's String(): "2024-05-01 12:00:00 +0000 UTC"."""
-    return time.strftime("%Y-%m-%d %H:%M:%S +0000 UTC", time.gmtime(int(seconds)))
-
-
-def retry_scope(attempts: list[Node]) -> dict[str, str]:
-    """Variables of retryStrategy.expression (Argo's buildRetryStrategyLocalScope)."""
-    last = attempts[-1]
-    return {
-        "retries": str(len(attempts) - 1),
-        "lastRetry.exitCode": (last.outputs or {}).get("exitCode") or "-1",
-        "lastRetry.status": last.phase,
-        "lastRetry.duration": go_seconds(last.duration()),
-        "lastRetry.message": last.message,
-    }
-
-
-def is_transient(message: str) -> bool:
-    """Argo's IsTransientErr on a node message: network and API-server hiccups, or the operator's
-    TRANSIENT_ERROR_PATTERN. A preemption ("pod deleted") is not transient unless the pattern says so."""
-    pattern = os.environ.get("TRANSIENT_ERROR_PATTERN")
-    if pattern and re.search(pattern, message):
-        return True
-    return any(text in message for text in TRANSIENT_MESSAGES) or message.endswith("EOF")

@@ -35,11 +35,11 @@ from typing import Any
 
 import yaml
 
-from pipelines.local import pytorchjob
-from pipelines.local.chaos import Injection
-from pipelines.local.sandbox import Sandbox
-from pipelines.local.status import ERROR, FAILED, SUCCEEDED, timestamp
-from pipelines.local.warm import PER_POD_ENV, WarmProcess, WarmStarter
+from pipelines.local.api.status import ERROR, FAILED, SUCCEEDED, timestamp
+from pipelines.local.pods import pytorchjob
+from pipelines.local.pods.chaos import Injection
+from pipelines.local.pods.sandbox import Sandbox
+from pipelines.local.pods.warm import PER_POD_ENV, WarmProcess, WarmStarter
 
 MAX_RESULT_BYTES = 256 * 1024
 PYTHON_RE = re.compile(r"python(\d+(\.\d+)?)?")

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from pipelines.durations import parse_duration
-from pipelines.local.status import SUCCEEDED, Node, timestamp
+from pipelines.local.api.status import SUCCEEDED, Node, timestamp
 
 KEY_RE = re.compile(r"[-._a-zA-Z0-9]+")  # a ConfigMap key, which Argo's cache key must be
 

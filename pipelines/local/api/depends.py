@@ -12,8 +12,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from pipelines.local import exprlang
-from pipelines.local.status import ERROR, FAILED, OMITTED, SKIPPED_PHASE, SUCCEEDED
+from pipelines.local.api.status import ERROR, FAILED, OMITTED, SKIPPED_PHASE, SUCCEEDED
+from pipelines.local.lang import exprlang
 
 TASK_NAME_RE = re.compile(r"([a-zA-Z0-9][-a-zA-Z0-9]*?\.[A-Z][a-zA-Z]+)|([a-zA-Z0-9][-a-zA-Z0-9]*)")
 RESULTS = ("Succeeded", "Failed", "Errored", "Skipped", "Omitted", "Daemoned", "AnySucceeded", "AllFailed")

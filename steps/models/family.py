@@ -1,0 +1,130 @@
+"""What a model family is: the spec each family folder (steps/models/<family>/spec.py) fills in and the registry
+(steps/models/registry.py) maps config.json's `model_type` to, in the manner of torchtitan's `ModelSpec`.
+
+A family brings its config class (config.json's names, its checks), its model builder (the layers, which use the
+shared components: the MoE block and its router kind, an attention kind, the kernels), its state-dict adapter (the
+one place its Hugging Face tensor names are written) and its decode (what the torch engine's decoder reads of a
+built model). Everything else (loading and saving checkpoints, the trainer, expert parallelism, the engines) asks
+the family through this spec and never spells a family's names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal, Protocol
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from steps.models.placement import ExpertPlacement
+
+# How a family's layers attend, and how its MoE layers route. One kind each today; the spec names them so that
+# the torch engine picks the decoder of the kind (and refuses a kind it has none for), and so that MLA, gated
+# DeltaNet linear attention, DeepSeek sparse attention, or sigmoid routing with a correction bias and group-limited
+# top-k come as new kinds beside these, each a shared component used by every family that has it.
+AttentionKind = Literal["softmax_kv_cache"]  # softmax attention over a key/value cache (GQA, RoPE, q/k norm)
+RouterKind = Literal["softmax_topk"]  # softmax over all experts in fp32, top-k, optional renormalisation
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """config.json's name of a dtype: torch.bfloat16 -> 'bfloat16'."""
+    return str(dtype).removeprefix("torch.")
+
+
+class FamilyConfig(Protocol):
+    """A family's config: its hyper-parameters under config.json's names, with the fields every family has and
+    the shared code reads (the MoE layers and their experts, the vocabulary, the token ids)."""
+
+    vocab_size: int
+    num_hidden_layers: int
+    num_experts: int
+    num_experts_per_tok: int
+    bos_token_id: int | None
+    eos_token_id: int | list[int] | None
+    pad_token_id: int | None
+
+    def is_moe_layer(self, layer: int) -> bool: ...
+
+    def validate(self, source: str = ...) -> None: ...
+
+    def to_hf_dict(self, dtype: torch.dtype = ...) -> dict[str, Any]: ...
+
+    @classmethod
+    def refusal(cls, d: dict[str, Any]) -> tuple[str, str] | None: ...
+
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any], source: str = ...) -> Any: ...
+
+
+class StateDictAdapter(Protocol):
+    """A family's Hugging Face tensor names: the only place they are written (torchtitan's StateDictAdapter).
+
+    The model's state_dict names are the family's module names; to_hf/from_hf map them to the checkpoint's and
+    back (the identity where the modules are named as the checkpoint, as Qwen3-MoE's are)."""
+
+    def expected_shapes(
+        self, cfg: Any, placement: ExpertPlacement | None = None, ep_rank: int = 0
+    ) -> dict[str, tuple[int, ...]]:
+        """Every tensor name a checkpoint of `cfg` holds -> shape; with a placement, only the experts EP rank
+        ep_rank holds."""
+        ...
+
+    def expert_params(self, cfg: Any, moe_layer: int, expert: int) -> list[tuple[str, tuple[int, ...]]]:
+        """(name, shape) of one routed expert's parameters; `moe_layer` counts the MoE layers."""
+        ...
+
+    def to_hf(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Model state_dict names -> checkpoint names."""
+        ...
+
+    def from_hf(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Checkpoint names -> model state_dict names."""
+        ...
+
+
+@dataclass(frozen=True)
+class DecodeLayer:
+    """One decoder layer of softmax attention over a KV cache, as the torch engine's decoder reads it:
+    x + out(attention(attention_norm(x))), then x + mlp(mlp_norm(x))."""
+
+    attention_norm: nn.Module
+    qkv: tuple[nn.Linear, nn.Linear, nn.Linear]  # the q, k and v projections (the decoder fuses them)
+    query_norm: nn.Module  # per head, before RoPE
+    key_norm: nn.Module
+    scaling: float  # the attention scores' scale
+    out: nn.Module  # the output projection
+    mlp_norm: nn.Module
+    mlp: nn.Module  # a SparseMoeBlock (steps/models/moe.py), or a dense SwiGLUExpert
+
+
+@dataclass(frozen=True)
+class DecodeModel:
+    """A built model as the torch engine's decoder for its attention kind reads it: the modules (so that weights
+    updated in place are seen) and the sizes the decode needs."""
+
+    embed: nn.Embedding
+    layers: list[DecodeLayer]
+    norm: nn.Module
+    output: nn.Parameter  # the output projection's weight [V, H] (the embedding's when they are tied)
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    """One model family (torchtitan's ModelSpec): what every part of moerl asks of a model."""
+
+    name: str  # as people call it: "Qwen3-MoE"
+    model_type: str  # config.json's model_type
+    architectures: tuple[str, ...]  # the transformers classes (config.json's architectures) it loads as
+    description: str  # what moerl supports of it, as errors list it
+    config: type[Any]  # the config class (a FamilyConfig): config.json's names and checks
+    build: Callable[..., nn.Module]  # (config, placement=None, ep_rank=0) -> the model (its layers)
+    state_dict_adapter: StateDictAdapter
+    decode: Callable[[nn.Module], DecodeModel]  # a built model -> what the torch engine's decoder reads
+    attention: AttentionKind
+    router: RouterKind

@@ -1,0 +1,198 @@
+"""Writing candidate I, the update's output (its format: steps/run/candidate.py): which rank writes each file of
+the candidate's shards (writer_plan: spread over each EP rank's dp replicas and over the nodes, from the shard byte
+estimates), the shards themselves with their weight deltas (write_shards), then on rank 0 the config, generation
+config, tokenizer files, index and metrics, and CANDIDATE.json last (write_candidate_metadata). The iteration that
+calls them: steps/training/policy_update.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+
+from steps.expert_parallel.mesh import Mesh, is_expert_param
+from steps.models.hf_checkpoint import CONFIG_NAME, GENERATION_CONFIG_NAME, SAFE_WEIGHTS_INDEX_NAME
+from steps.models.qwen3_moe.model import MoeForCausalLM
+from steps.run import candidate, checkpoint, weight_delta
+from steps.run.keys import candidate_prefix, update_metrics_key
+from steps.store.object_store import Store
+from steps.training.optim import AnyOptimizer
+from steps.training.optimizer_state import optimizer_state_tensors
+
+
+def _save(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+
+
+def _written(mesh: Mesh, name: str) -> bool:
+    """Whether this rank's EP rank's files hold tensor `name`: its experts, and a replicated tensor only with EP
+    rank 0's experts. Which of the EP rank's dp replicas writes each file: writer_plan."""
+    return mesh.ep_rank == 0 or is_expert_param(name)
+
+
+def _stored(model: MoeForCausalLM, mesh: Mesh, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The weights of this rank's EP rank, as they are stored: rounded to the run's checkpoint dtype, on the CPU."""
+    return {n: t.detach().to("cpu", dtype).contiguous() for n, t in model.state_dict().items() if _written(mesh, n)}
+
+
+def _shard_bytes(model: MoeForCausalLM, mesh: Mesh, dtype: torch.dtype) -> dict[str, int]:
+    """About how many bytes this rank's EP rank's weight and optimizer files hold, from the shapes alone (the
+    same before and after training): the weights in `dtype`; per parameter exp_avg, exp_avg_sq, step and,
+    when `dtype` is narrower than the parameter, its master (optimizer_state_tensors)."""
+    weights = sum(t.numel() * dtype.itemsize for n, t in model.state_dict().items() if _written(mesh, n))
+    optimizer = sum(
+        p.numel() * p.element_size() * (2 + (dtype != p.dtype)) + 4
+        for n, p in model.named_parameters()
+        if _written(mesh, n)
+    )
+    return {candidate.WEIGHTS: weights, candidate.OPTIMIZER: optimizer}
+
+
+def writer_plan(model: MoeForCausalLM, mesh: Mesh, dtype: torch.dtype) -> dict[tuple[int, str], int]:
+    """Which rank writes each file of the candidate's shards (candidate.shard_writers): spread over each EP
+    rank's dp replicas, which hold the same bits after the all-reduce, and over the nodes, so that no node
+    writes the whole candidate. Every rank's sizes and node size (torchrun's LOCAL_WORLD_SIZE) are gathered
+    (a few integers), so that every rank computes the same plan from the same figures: rank 0's node size,
+    the first dp row's sizes."""
+    sizes = _shard_bytes(model, mesh, dtype)
+    row = [sizes[candidate.WEIGHTS], sizes[candidate.OPTIMIZER], int(os.environ.get("LOCAL_WORLD_SIZE", "0"))]
+    rows = [row]
+    if mesh.world_group is not None:
+        mine = torch.tensor(row, dtype=torch.int64, device=mesh.device)
+        gathered = [torch.zeros_like(mine) for _ in range(mesh.world_size)]
+        dist.all_gather(gathered, mine)
+        rows = [t.cpu().tolist() for t in gathered]
+    per_node = rows[0][2] if rows[0][2] > 0 else mesh.world_size
+    ep_sizes = [{candidate.WEIGHTS: w, candidate.OPTIMIZER: o} for w, o, _ in rows[: mesh.ep_size]]
+    return candidate.shard_writers(ep_sizes, mesh.dp_size, per_node)
+
+
+def _first_row(mesh: Mesh) -> dict[tuple[int, str], int]:
+    """The plan before writer_plan: the first dp row writes every file."""
+    return {(mesh.ep_rank, kind): mesh.ep_rank for kind in candidate.SHARD_KINDS}
+
+
+def writes(mesh: Mesh, writers: dict[tuple[int, str], int], kind: str) -> bool:
+    """Whether this rank writes its EP rank's file of `kind` under `writers`."""
+    return writers[(mesh.ep_rank, kind)] == mesh.rank
+
+
+def stored_bits(model: MoeForCausalLM, mesh: Mesh, dtype: torch.dtype) -> weight_delta.StoredTensors:
+    """The bits this rank's weights are stored as now: taken before training, they are v(I-1)'s published
+    bits (the model then holds v(I-1)'s weights, or their fp32 masters, which v(I-1) was rounded from), the
+    parent of this rank's delta."""
+    return weight_delta.StoredTensors(
+        {
+            name: (SAFETENSORS_DTYPES[t.dtype], tuple(t.shape), t.reshape(-1).view(torch.uint8).numpy().tobytes())
+            for name, t in _stored(model, mesh, dtype).items()
+            if t.dtype in SAFETENSORS_DTYPES
+        }
+    )
+
+
+def write_shards(
+    run: Store,
+    iteration: int,
+    mesh: Mesh,
+    model: MoeForCausalLM,
+    optimizer: AnyOptimizer,
+    workdir: Path,
+    dtype: torch.dtype = torch.float32,
+    delta_parent: weight_delta.StoredTensors | None = None,
+    writers: dict[tuple[int, str], int] | None = None,
+) -> dict[str, Any]:
+    """Upload the files of this rank's EP rank that `writers` (writer_plan; default: the first dp row writes
+    them all) gives this rank: the weights rounded to `dtype`, the run's checkpoint dtype (the fp32 masters
+    then go with the optimizer state), and the optimizer state. With `delta_parent` (stored_bits before
+    training), the writer of the weight file also writes its delta blob against it (steps/run/weight_delta.py).
+    The files are the same whichever replica writes them. Returns {"files": {name: {size, sha256}},
+    "weights": {tensor: file}, "optimizer": {..}, "deltas": {published file name: FileDelta as JSON}} of what
+    this rank wrote (nothing when it wrote nothing)."""
+    out: dict[str, Any] = {"files": {}, "weights": {}, "optimizer": {}, "deltas": {}}
+    writers = writers or _first_row(mesh)
+    prefix = candidate_prefix(iteration)
+    for kind, file_name in (
+        (candidate.WEIGHTS, candidate.model_shard_name(mesh.ep_rank, mesh.ep_size)),
+        (candidate.OPTIMIZER, candidate.optimizer_shard_name(mesh.ep_rank, mesh.ep_size)),
+    ):
+        if not writes(mesh, writers, kind):
+            continue
+        if kind == candidate.WEIGHTS:
+            tensors = _stored(model, mesh, dtype)
+        else:
+            opt_state = optimizer_state_tensors(model, optimizer, dtype)
+            tensors = {n: t for n, t in opt_state.items() if _written(mesh, n.rsplit(".", 1)[0])}
+        local = workdir / file_name
+        _save(tensors, local)
+        sha = run.put_file(f"{prefix}/{file_name}", local)
+        out["files"][file_name] = {"size": local.stat().st_size, "sha256": sha}
+        out[kind] = dict.fromkeys(tensors, file_name)
+        del tensors
+        if kind == candidate.WEIGHTS and delta_parent is not None:
+            name = candidate.published_weight_name(mesh.ep_rank, mesh.ep_size)
+            out["deltas"][name] = asdict(weight_delta.write_file_delta(run, iteration, name, local, delta_parent))
+        local.unlink()
+    return out
+
+
+def write_candidate_metadata(
+    run: Store,
+    iteration: int,
+    parent_file: Callable[[str], bytes],
+    model: MoeForCausalLM,
+    shards: list[dict[str, Any]],
+    info: dict[str, Any],
+    metrics: dict[str, Any],
+    dtype: torch.dtype = torch.float32,
+) -> dict[str, Any]:
+    """Rank 0: config (saying the weights' `dtype`), tokenizer, the index, the metrics, then CANDIDATE.json
+    last. parent_file(name): the bytes of the parent version's file `name` (as its manifest has them)."""
+    prefix = candidate_prefix(iteration)
+    files: dict[str, dict[str, Any]] = {}
+    weight_map: dict[str, str] = {}
+    optimizer_map: dict[str, str] = {}
+    deltas: dict[str, dict[str, Any]] = {}
+    for shard in shards:
+        files.update(shard["files"])
+        weight_map.update(shard["weights"])
+        optimizer_map.update(shard["optimizer"])
+        deltas.update(shard.get("deltas") or {})
+
+    def put(name: str, data: bytes) -> None:
+        files[name] = {"size": len(data), "sha256": run.put_bytes(f"{prefix}/{name}", data)}
+
+    def put_text(name: str, text: str) -> None:
+        put(name, text.encode())
+
+    put_text(CONFIG_NAME, json.dumps(model.config.to_hf_dict(dtype), indent=2) + "\n")
+    # The parent's other files (generation config, tokenizer files, ...), as its manifest lists them: the
+    # local cache may hold files of an earlier run that had the same URI.
+    skip = {CONFIG_NAME, SAFE_WEIGHTS_INDEX_NAME}
+    for name in sorted(checkpoint.require_manifest(run, iteration - 1).files):
+        if "/" not in name and name not in skip and not name.endswith(".safetensors"):
+            put(name, parent_file(name))
+    if GENERATION_CONFIG_NAME not in files:
+        put_text(GENERATION_CONFIG_NAME, json.dumps({"_from_model_config": True}, indent=2) + "\n")
+    put_text(candidate.CANDIDATE_INDEX, candidate.index_text(iteration, info, weight_map, optimizer_map))
+    run.put_json(update_metrics_key(iteration), {"update": metrics, "iteration": iteration})
+    return candidate.write_marker(run, iteration, info, files, deltas)
+
+
+def weight_digests(shards: list[dict[str, Any]]) -> list[tuple[int, str]]:
+    """(size, sha256) of the candidate's weight shards, from every rank's write_shards answer."""
+    files: dict[str, dict[str, Any]] = {}
+    for shard in shards:
+        files.update(shard["files"])
+    names = {name for shard in shards for name in shard["weights"].values()}
+    return sorted((int(files[n]["size"]), str(files[n]["sha256"])) for n in names)
