@@ -5,18 +5,9 @@ workflow (as `argo submit --from workflowtemplate/NAME` would); kind CronWorkflo
 Workflow's `workflowTemplateRef` and any step's `templateRef` are resolved from the other documents
 of the same file and from the *.yaml / *.yml files beside it.
 
-Every field of every object is checked against the tables below, which name each field of the
-corresponding definition in Argo's JSON schema (v4.1 api/jsonschema/schema.json) with what this
-executor does with it:
-
-    RUN        executed with Argo's semantics
-    RECORDED   scheduling or bookkeeping with no meaning on one machine: accepted, written to the
-               node's pod.json, otherwise ignored (nodeSelector, tolerations, affinity, podGC, ...)
-    <Shape>    an object checked against that table, or ("list", Shape) / ("map", Shape)
-    Unsupported(why)  stops the run with `unsupported: FIELD at PATH: why`
-
-A field that is in no table is not an Argo field at all (a typo such as `limt:`) and stops the run
-with `unknown field`. tests/test_local_manifest_validation.py keeps the tables equal to the schema.
+Every field of every object is checked against the field table (fields.py: each field of Argo's JSON schema
+with what this executor does with it, or `unknown field` for a typo), and the resolved spec against what
+Argo's validator refuses (validation.py).
 """
 
 from __future__ import annotations
