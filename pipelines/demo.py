@@ -176,7 +176,10 @@ def run_run(args: argparse.Namespace) -> int:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    chaos_help = "inject faults: preempt=N,kill=M,seed=S (Spot preemptions and hard kills, see docs/contracts.md)"
+    chaos_help = (
+        "inject faults: preempt=N[@TEMPLATE],kill=M[@TEMPLATE],seed=S (Spot preemptions and hard kills, aimed at "
+        "one template's pods with @TEMPLATE; see docs/contracts.md)"
+    )
     parser = subparsers.add_parser(
         "demo", help="run the RL workflow on this machine (CPU, file:// store)", description=__doc__
     )

@@ -46,6 +46,6 @@ def write_local_atomically(path: Path, data: bytes) -> None:
 
 
 def local_root(run: Store) -> Path | None:
-    """The directory of a file:// store. Trackers' files are written there directly: the store's digest
-    sidecars (.moerl-sha256-<name>) would carry 'tfevents' / '.wandb' in their names and be read as data."""
+    """The directory of a file:// store. Trackers' files are written there directly, so that the folders that
+    TensorBoard and W&B read hold only their own files, not the store's digest sidecars."""
     return Path(run.uri.removeprefix("file://")) if run.uri.startswith("file://") else None
