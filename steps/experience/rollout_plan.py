@@ -12,8 +12,8 @@ of `rollout.chunk_size` prompts; a chunk is all `group_size` samples of each of 
 generated as one batch.
 Shard K of S generates chunks K, K+S, K+2S, ...: the chunks never depend on the shard count, so neither
 does any sample. A chunk file carries the digest of everything that determines its samples (plan_digest);
-a resumed shard skips the chunks whose file is there with the right digest, and score refuses a chunk with
-another digest.
+a resumed shard skips the chunks whose file is there with the right digest and refuses one with another
+digest (delete it and rerun the shard), and score refuses such a chunk too.
 
 The Parquet files' schemas and the trainer's `Sample` are steps/experience/tables.py.
 """
