@@ -8,6 +8,7 @@ another command; nothing under steps/ imports pipelines/; no import cycle anywhe
 from __future__ import annotations
 
 import ast
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -52,6 +53,7 @@ def test_nothing_under_steps_imports_pipelines():
     assert not offenders
 
 
+@cache
 def package_graph(root: str) -> dict[str, set[str]]:
     """module -> the modules of the same tree it imports (recursively over root's folders; TYPE_CHECKING and
     lazy imports count: a cycle through them is still two modules that cannot be read apart)."""

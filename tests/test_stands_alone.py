@@ -6,6 +6,7 @@ on any `make test`."""
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -18,11 +19,10 @@ OUTSIDE = re.compile(r"\.\./shared\b|/\s*[\"']shared[\"']|[\"']shared[\"']\s*/|\
 
 def repository_files() -> list[Path]:
     files = []
-    for path in REPO.rglob("*"):
-        relative = path.relative_to(REPO)
-        if any(part in SKIPPED_DIRS or part.endswith(".egg-info") for part in relative.parts) or not path.is_file():
-            continue
-        files.append(path)
+    for directory, subdirectories, names in os.walk(REPO):
+        # pruned in place, so that os.walk never descends into .venv or .git
+        subdirectories[:] = [d for d in subdirectories if d not in SKIPPED_DIRS and not d.endswith(".egg-info")]
+        files += [Path(directory) / name for name in names]
     return files
 
 

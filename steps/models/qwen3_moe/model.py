@@ -11,7 +11,6 @@ kernels.py, placement.py).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -47,22 +46,6 @@ class MoeBlock(SparseMoeBlock):
     Qwen3MoeMLP experts `experts.{e}` for the global expert ids this rank holds."""
 
     expert_class = Expert
-
-    def __init__(
-        self,
-        hidden_size: int,
-        moe_intermediate_size: int,
-        num_experts: int,
-        num_experts_per_tok: int,
-        norm_topk_prob: bool,
-        slots: Sequence[int] | None = None,
-        ep_rank: int = 0,
-        ep_size: int = 1,
-    ) -> None:
-        super().__init__(
-            hidden_size, moe_intermediate_size, num_experts, num_experts_per_tok, norm_topk_prob, slots, ep_rank,
-            ep_size,
-        )  # fmt: skip
 
 
 class Attention(nn.Module):
