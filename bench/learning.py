@@ -75,7 +75,7 @@ TRAINER_NOT_MAPPED = {
 # Trainer fields mapped by grpo_settings.
 TRAINER_MAPPED = {
     "micro_batch_size", "epochs", "steps_per_epoch", "lr", "weight_decay", "betas", "grad_clip", "clip_low",
-    "clip_high", "loss_agg", "kl_coef", "warmup_steps", "warmup_iterations", "lr_schedule",
+    "clip_high", "loss_agg", "kl_coef", "warmup_steps", "warmup_iterations", "lr_schedule", "router",
 }  # fmt: skip
 LR_SCHEDULES = {"constant": "constant", "linear": "linear", "cosine": "cosine"}
 
@@ -443,6 +443,10 @@ def trl_worker(spec_path: str) -> int:
     if spec.get("experts_implementation"):
         model_kwargs["experts_implementation"] = spec["experts_implementation"]
     model = AutoModelForCausalLM.from_pretrained(spec["sft"], local_files_only=True, **model_kwargs)
+    if cfg.trainer.router == "freeze":  # as moerl's update: the routers keep their SFT weights
+        for name, parameter in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                parameter.requires_grad_(False)
     tokenizer = AutoTokenizer.from_pretrained(spec["sft"], local_files_only=True)
     # save_pretrained writes the weights only: the held-out evaluation reads the SFT checkpoint's tokenizer.
     eval_tokenizer = CheckpointTokenizer.load(spec["sft"])

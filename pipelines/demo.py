@@ -108,7 +108,7 @@ def print_summary(cfg: RunConfig, result: RunResult, seconds: float) -> None:
     print(f"step logs: {result.run_dir}/pods/")
 
 
-def demo_sft_settings(cfg: RunConfig, seed: int) -> SftSettings:
+def demo_sft_settings(cfg: RunConfig, seed: int, arch: str = "qwen3_moe") -> SftSettings:
     """The demo SFT checkpoint a demo config starts from: its task, and for chat prompts a BPE tokenizer with a
     chat template (the checkpoint's own; nothing else in the run knows which tokenizer it is)."""
     from steps.demo.sft import SftSettings
@@ -119,7 +119,7 @@ def demo_sft_settings(cfg: RunConfig, seed: int) -> SftSettings:
     return SftSettings(
         task=task.name if task else SftSettings().task, seed=seed, tokenizer="bpe" if chat else "char",
         prompt_format=cfg.prompt_format, system_prompt=cfg.system_prompt,
-        steps=DEMO_CHAT_SFT_STEPS if chat else SftSettings().steps,
+        steps=DEMO_CHAT_SFT_STEPS if chat else SftSettings().steps, arch=arch,
     )  # fmt: skip
 
 
@@ -130,6 +130,7 @@ def demo(
     chaos: str | None,
     shards: int | None = None,
     config: Path = DEMO_CONFIG,
+    arch: str = "qwen3_moe",
 ) -> RunResult:
     workdir = workdir.resolve()
     sft_dir = workdir / "sft-demo"
@@ -147,7 +148,13 @@ def demo(
         # Imported here: they load torch (6-12 s on a busy machine), which a demo with its SFT checkpoint skips.
         from pipelines.sft_demo import sft_demo
 
-        sft_demo(str(sft_dir), demo_sft_settings(cfg, seed or 0))
+        sft_demo(str(sft_dir), demo_sft_settings(cfg, seed or 0, arch))
+    else:
+        built = json.loads((sft_dir / "config.json").read_text()).get("model_type")
+        if built != arch:
+            raise MoerlError(
+                f"{sft_dir} holds a {built} demo checkpoint, not {arch}; pass --workdir for another or delete it"
+            )
     if Store.open(cfg.run_store).exists(RUN_CONFIG):
         stored = Store.open(cfg.run_store).get_json(RUN_CONFIG)
         if stored != json.loads(cfg.model_dump_json()):
@@ -163,7 +170,9 @@ def demo(
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    result = demo(Path(args.workdir), args.iterations, args.seed, args.chaos, args.shards, Path(args.config))
+    result = demo(
+        Path(args.workdir), args.iterations, args.seed, args.chaos, args.shards, Path(args.config), args.arch
+    )
     return 0 if result.succeeded else 1
 
 
@@ -191,6 +200,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--seed", type=int, help="seed of the SFT checkpoint and the run (default 0)")
     parser.add_argument("--shards", type=int, help="rollout shards (default: configs/demo.yaml)")
     parser.add_argument("--chaos", help=chaos_help)
+    parser.add_argument("--arch", default="qwen3_moe",
+                        help="the model family of the demo's SFT checkpoint, as `moerl sft-demo --arch` builds it "
+                        "(default qwen3_moe; deepseek_v3: a tiny DeepSeek-V3)")  # fmt: skip
     parser.set_defaults(func=run_demo)
 
     parser = subparsers.add_parser("run", help="render a run config and run it here with the local executor")

@@ -74,6 +74,11 @@ def preflight(cfg: RunConfig, for_cluster: bool = False) -> tuple[list[str], lis
             else:
                 try:
                     model_cfg = load_config(local)
+                    if cfg.rollout.engine == "sglang":
+                        from steps.engines.sglang_engine import family_server_args
+                        from steps.models.hf_checkpoint import read_config_json
+
+                        family_server_args(read_config_json(local), cfg.rollout.sglang.moe_a2a_backend)
                 except MoerlError as err:
                     problems.append(f"sft_checkpoint {str(err).replace(str(local), cfg.sft_checkpoint)}")
                 try:

@@ -9,11 +9,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 from steps.data.tasks import get_task
-from steps.demo.sft import SftSettings, train_sft, write_checkpoint, write_tokenizer
+from steps.demo.sft import DEMO_ARCHS, SftSettings, train_sft, write_checkpoint, write_tokenizer
 from steps.models.checkpoint_validation import validate_checkpoint_dir
 from steps.models.moe import count_parameters
 from steps.scoring.evaluation import evaluate_accuracy
 from steps.store.object_store import Store
+
+DEMO_ARCH_NAMES = sorted(DEMO_ARCHS)
 
 
 def progress_printer(total: int, start: float) -> Callable[[int, float], None]:
@@ -33,8 +35,8 @@ def sft_demo(out_uri: str, settings: SftSettings) -> float:
     out.check_access()
     task = get_task(settings.task)
     start = time.monotonic()
-    print(f"sft-demo: task {task.name}, {settings.tokenizer} tokenizer, {settings.prompt_format} prompts, "
-          f"{settings.steps} steps of {settings.batch_size}, seed {settings.seed}")  # fmt: skip
+    print(f"sft-demo: {settings.arch}, task {task.name}, {settings.tokenizer} tokenizer, {settings.prompt_format} "
+          f"prompts, {settings.steps} steps of {settings.batch_size}, seed {settings.seed}")  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="moerl-sft-") as tmp:
         tok = write_tokenizer(settings, Path(tmp))
         model = train_sft(settings, tok, progress_printer(settings.steps, start))
@@ -57,7 +59,8 @@ def sft_demo(out_uri: str, settings: SftSettings) -> float:
 
 def run(args: argparse.Namespace) -> int:
     settings = SftSettings(task=args.task, seed=args.seed, steps=args.steps, tokenizer=args.tokenizer,
-                           prompt_format=args.prompt_format, system_prompt=args.system_prompt)  # fmt: skip
+                           prompt_format=args.prompt_format, system_prompt=args.system_prompt,
+                           arch=args.arch)  # fmt: skip
     sft_demo(args.out, settings)
     return 0
 
@@ -75,6 +78,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--prompt-format", choices=("raw", "chat"), default=defaults.prompt_format,
                         help="how SFT (and the RL run after it) formats prompts")  # fmt: skip
     parser.add_argument("--system-prompt", help="chat prompts: a system message before each prompt")
+    parser.add_argument("--arch", choices=DEMO_ARCH_NAMES, default=defaults.arch,
+                        help=f"the model family the demo's model is built as (default {defaults.arch}; deepseek_v3: "
+                        "multi-head latent attention, sigmoid routing with group-limited top-k, a shared "
+                        "expert)")  # fmt: skip
     parser.set_defaults(func=run)
 
 

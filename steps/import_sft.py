@@ -65,7 +65,7 @@ def import_sft(src_uri: str, run_uri: str, run_config_json: str | None = None) -
         local = Path(tmp)
         fetch_checkpoint(src, local)
         try:
-            validate_checkpoint_dir(local)
+            validate_checkpoint_dir(local, say=lambda line: print(line.replace(str(local), src.uri)))
             declare_dtype(local)
         except MoerlError as err:  # name the user's --src, not the temporary copy
             raise MoerlError(str(err).replace(str(local), src.uri)) from None

@@ -45,9 +45,9 @@ from steps.models.hf_checkpoint import (
     TensorEntry,
     check_tensors,
     declared_dtype,
-    expected_tensor_shapes,
     load_config,
     model_architecture,
+    parameter_shapes,
     read_config_json,
     weights_dtype,
 )
@@ -114,7 +114,7 @@ def verify_candidate(
             f"{where}: the weights are {dtype_name(dtype)}, but the run's checkpoints are {dtype_name(run_dtype)} "
             "(every version keeps the SFT checkpoint's dtype); rerun update with --force"
         )
-    shapes = expected_tensor_shapes(cfg)
+    shapes = parameter_shapes(cfg)  # optimizer state is named by the model's parameters (buffers have none)
     state = _check_map("optimizer", optimizer_map, local_dir, where)
     for name, entry in state.items():
         param, _, field = name.rpartition(".")

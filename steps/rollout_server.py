@@ -7,10 +7,10 @@ It listens (port 0: any free port), registers as `<run>/servers/<workflow>/<name
 the version the run's next iteration samples from (in the node cache, steps/engines/weight_sync.py; waiting for
 v000000 when it starts beside import-sft) and then says it is ready (`GET /health`; the readinessProbe is
 `python -m steps.server_probe`). The rollout steps of its Workflow send it their chunks (`POST /chunk`,
-steps/experience/rollout_service.py); it brings its engine to each request's policy version in place and writes the
+steps/experience/rollout_server.py); it brings its engine to each request's policy version in place and writes the
 chunk to the store. An in-place update that breaks the engine (SGLang's failed load) is answered 503 and a
 new engine is opened from the store, the server not ready and answering 503 until it is
-(steps/experience/rollout_service.py). On SIGTERM (the end of its Workflow's scope, or a Spot reclaim) it stops the
+(steps/experience/rollout_server.py). On SIGTERM (the end of its Workflow's scope, or a Spot reclaim) it stops the
 request in flight (the torch engine between two decode steps; SGLang's by aborting its requests,
 steps/engines/sglang_engine.py "SIGTERM"), answers it 503, unregisters and exits with 143; that request's client
 fails and is retried.
@@ -28,7 +28,7 @@ import torch
 
 from steps.errors import run_cli
 from steps.experience.rollout_chunks import EXIT_PREEMPTED
-from steps.experience.rollout_service import RolloutService
+from steps.experience.rollout_server import RolloutService
 from steps.run import serving
 from steps.store.object_store import Store
 

@@ -14,9 +14,9 @@ Its ranks start the process group and the dp x ep mesh once (trainer.ep_size, th
 newest published version's config.json); rank 0 listens, registers as `<run>/servers/<workflow>/trainer.json`
 and says it is ready (`GET /health`; the readinessProbe is `python -m steps.server_probe --server trainer`).
 The update steps of its Workflow send it `update` {run, iteration} (steps/update.py --workflow); every rank
-trains that iteration with the update step's own code (steps/training/policy_update.py), from the state it holds in
+trains that iteration with the update step's own code (steps/training/update.py), from the state it holds in
 memory when that is v(I-1) as published, else from the store, and writes the same candidate bit for bit
-(steps/training/trainer_service.py, steps/training/trainer_state.py). A trainer killed mid-update loses nothing: its
+(steps/training/trainer_server.py, steps/training/held_state.py). A trainer killed mid-update loses nothing: its
 client
 exits 75 and is retried, and the restarted trainer reloads v(I-1) from the store.
 """
@@ -44,8 +44,8 @@ from steps.run import checkpoint, serving
 from steps.run.config import load_run_config
 from steps.run.keys import TRAINER_SERVER_NAME, launcher_heartbeat_key
 from steps.store.object_store import Store
-from steps.training.policy_update import COLLECTIVE_TIMEOUT_SECONDS, init_distributed
-from steps.training.trainer_service import LauncherWatch, TrainerService
+from steps.training.trainer_server import LauncherWatch, TrainerService
+from steps.training.update import COLLECTIVE_TIMEOUT_SECONDS, init_distributed
 
 EXIT_STOPPED = 143  # SIGTERM: the end of the Workflow's scope, or a reclaim
 VERSION_POLL_S = 0.5  # how often a trainer that starts before v000000 exists looks for it

@@ -43,7 +43,7 @@ server's), so with no trainer ready within that time, or a trainer lost mid-requ
 steps/run/serving.py EXIT_SERVER_LOST (75), which its retryStrategy retries: the retry reaches the restarted
 trainer, which reloads v(I-1) from the store and trains the same bits.
 
-The update itself is steps/training/policy_update.py (shared with the trainer server).
+The update itself is steps/training/update.py (shared with the trainer server).
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ from steps.run import candidate, checkpoint, serving
 from steps.run.config import load_run_config
 from steps.run.keys import TRAINER_SERVER_NAME
 from steps.store.object_store import Store
-from steps.training.policy_update import choose_placement, fetch_checkpoint, run_update
+from steps.training.update import choose_placement, fetch_checkpoint, run_update
 
 __all__ = ["choose_placement", "fetch_checkpoint", "main", "run_update", "serve_update"]
 

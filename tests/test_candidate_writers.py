@@ -75,7 +75,7 @@ def update_worker(rank: int, world: int, out_dir: Path, run_uri: str, ep_size: i
     """Update iteration 1 on this gloo rank, as run_update does, recording the store keys this rank uploads;
     `spread` False: the plan of before (the first dp row writes every file)."""
     from steps.run import candidate
-    from steps.training import policy_update
+    from steps.training import update as training_update
 
     os.environ["LOCAL_WORLD_SIZE"] = str(per_node)  # `world // per_node` nodes, as torchrun numbers them
     if not spread:
@@ -89,12 +89,12 @@ def update_worker(rank: int, world: int, out_dir: Path, run_uri: str, ep_size: i
 
     Store.put_file = recording  # type: ignore[method-assign]
     run = Store.open(run_uri)
-    work = policy_update.pending_iteration(run, 1, rank=rank)
+    work = training_update.pending_iteration(run, 1, rank=rank)
     assert work is not None
     mesh = Mesh(rank=rank, world_size=world, world_group=dist.group.WORLD)
-    parent_dir = policy_update.fetch_checkpoint(run, 0, mesh, local_rank=rank)  # one machine: rank 0 fetches
+    parent_dir = training_update.fetch_checkpoint(run, 0, mesh, local_rank=rank)  # one machine: rank 0 fetches
     mesh = build_mesh(rank, world, ep_size, torch.device("cpu"))
-    policy_update.train_iteration(work, mesh, rank, load_model_config(parent_dir), parent_dir=parent_dir)
+    training_update.train_iteration(work, mesh, rank, load_model_config(parent_dir), parent_dir=parent_dir)
     (out_dir / f"wrote-{rank}.json").write_text(json.dumps(wrote))
 
 

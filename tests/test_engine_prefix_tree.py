@@ -35,8 +35,8 @@ def projected_keys_values(model, ids, valid):
     originals = [layer.self_attn.project for layer in model.model.layers]
 
     def recording(project):
-        def record(x, cos, sin):
-            q, k, v = project(x, cos, sin)
+        def record(x, rope):
+            q, k, v = project(x, rope)
             keys.append(k)
             values.append(v)
             return q, k, v

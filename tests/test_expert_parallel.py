@@ -31,6 +31,7 @@ from steps.models.moe import LocalDispatch, group_by_expert, run_experts
 from steps.models.qwen3_moe.model import MoeBlock
 
 HIDDEN, INTER, EXPERTS, TOP_K, TOKENS = 8, 6, 4, 2, 12
+DEEPEP_HIDDEN = 256  # DeepEP needs a multiple of 256 (steps/expert_parallel/deepep.py check_deepep_shape)
 
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -83,11 +84,13 @@ def run_gloo(fn, world: int, out_dir: Path, *args, timeout: float = 120.0, backe
     assert [p.exitcode for p in procs] == [0] * world, "a gloo worker failed (traceback above)"
 
 
-def make_block(seed: int, mesh: Mesh | None = None, router_bias: float = 0.0, slots=None) -> MoeBlock:
+def make_block(
+    seed: int, mesh: Mesh | None = None, router_bias: float = 0.0, slots=None, hidden: int = HIDDEN
+) -> MoeBlock:
     """The same weights whatever the experts held: built in full, then sliced to mesh's EP rank's experts
     under `slots` (the layer's placement; default the identity)."""
     torch.manual_seed(seed)
-    full = MoeBlock(HIDDEN, INTER, EXPERTS, TOP_K, norm_topk_prob=False)
+    full = MoeBlock(hidden, INTER, EXPERTS, TOP_K, norm_topk_prob=False)
     with torch.no_grad():
         for p in full.parameters():
             p.normal_(0, 0.5)
@@ -95,15 +98,15 @@ def make_block(seed: int, mesh: Mesh | None = None, router_bias: float = 0.0, sl
         full.gate.weight[:2, 0] += router_bias
     if mesh is None:
         return full
-    block = MoeBlock(HIDDEN, INTER, EXPERTS, TOP_K, norm_topk_prob=False, slots=slots, ep_rank=mesh.ep_rank,
+    block = MoeBlock(hidden, INTER, EXPERTS, TOP_K, norm_topk_prob=False, slots=slots, ep_rank=mesh.ep_rank,
                      ep_size=mesh.ep_size)  # fmt: skip
     block.load_state_dict({k: v for k, v in full.state_dict().items() if k in block.state_dict()})
     return block
 
 
-def inputs(seed: int, router_bias: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+def inputs(seed: int, router_bias: float = 0.0, hidden: int = HIDDEN) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
-    x, probe = torch.randn(TOKENS, HIDDEN, generator=gen), torch.randn(TOKENS, HIDDEN, generator=gen)
+    x, probe = torch.randn(TOKENS, hidden, generator=gen), torch.randn(TOKENS, hidden, generator=gen)
     if router_bias:
         x[:, 0] = 1.0
     return x, probe
@@ -115,10 +118,10 @@ def token_split(world: int, rank: int, sizes: tuple[int, ...] | None) -> slice:
     return slice(start, start + sizes[rank])
 
 
-def reference(router_bias: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def reference(router_bias: float, hidden: int = HIDDEN) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One process, all experts, all tokens: output and gradients of sum(out * probe) / TOKENS."""
-    block = make_block(0, router_bias=router_bias)
-    x, probe = inputs(1, router_bias)
+    block = make_block(0, router_bias=router_bias, hidden=hidden)
+    x, probe = inputs(1, router_bias, hidden)
     x.requires_grad_(True)
     out = block(x)
     ((out * probe).sum() / TOKENS).backward()
@@ -251,9 +254,9 @@ def test_alltoall_rejects_experts_not_divisible_by_ep():
 def deepep_worker(rank: int, world: int, out_dir: Path) -> None:
     device = torch.device("cuda", rank)
     mesh = build_mesh(rank, world, world, device)
-    block = make_block(0, mesh, slots=(3, 0, 2, 1)).to(device)  # a non-identity placement: slot ids to DeepEP
-    block.dispatch = make_dispatch("deepep", mesh, EXPERTS, HIDDEN, TOP_K, max_tokens_per_rank=TOKENS)
-    x, probe = (t.to(device) for t in inputs(1))
+    block = make_block(0, mesh, slots=(3, 0, 2, 1), hidden=DEEPEP_HIDDEN).to(device)  # non-identity placement
+    block.dispatch = make_dispatch("deepep", mesh, EXPERTS, DEEPEP_HIDDEN, TOP_K, max_tokens_per_rank=TOKENS)
+    x, probe = (t.to(device) for t in inputs(1, hidden=DEEPEP_HIDDEN))
     mine = token_split(world, rank, None)
     out = block(x[mine])
     (world * (out * probe[mine]).sum() / TOKENS).backward()
@@ -276,7 +279,7 @@ def test_deepep_backend(tmp_path):
         pytest.skip(f"deep_ep is not installed here ({err}); the deepep backend runs on GPU trainer nodes")
     if torch.cuda.device_count() < 2:
         pytest.skip("the deepep backend needs at least 2 CUDA GPUs (one per EP rank)")
-    ref_out, ref_grads = reference(0.0)
+    ref_out, ref_grads = reference(0.0, DEEPEP_HIDDEN)
     run_gloo(deepep_worker, 2, tmp_path, backend="nccl")
     for rank in range(2):
         got = load_file(tmp_path / f"rank{rank}.safetensors")

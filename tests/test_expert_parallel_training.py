@@ -15,8 +15,8 @@ from test_update_experience import experience_table, tiny_model
 
 from steps.experience.tables import Sample
 from steps.expert_parallel.dispatch import make_dispatch
-from steps.expert_parallel.mesh import all_reduce_sum, build_mesh, is_expert_param, sync_gradients
-from steps.models.placement import ExpertPlacement
+from steps.expert_parallel.mesh import all_reduce_sum, build_mesh, sync_gradients
+from steps.models.placement import ExpertPlacement, is_expert_param
 from steps.models.qwen3_moe.model import MoeForCausalLM
 from steps.training.rl_loss import LossSettings
 from steps.training.trainer import PolicyTrainer, TrainSettings, collate, rank_micro_batches

@@ -30,9 +30,8 @@ from test_update_experience import (
 
 from steps.engines.interface import GenerationRequest, SamplingParams
 from steps.engines.torch_engine import TorchEngine
-from steps.expert_parallel.mesh import is_expert_param
 from steps.models.hf_checkpoint import expected_tensor_shapes, load_pretrained
-from steps.models.placement import ExpertPlacement, balanced_placement
+from steps.models.placement import ExpertPlacement, balanced_placement, is_expert_param
 from steps.models.qwen3_moe.config import MoeConfig
 from steps.models.qwen3_moe.model import MoeForCausalLM
 from steps.publish import publish

@@ -221,7 +221,7 @@ def test_project_bfloat16_matches_the_formulas() -> None:
     cos, sin = rotary_cos_sin(torch.arange(seq)[None].expand(batch, seq), dim, cfg.rope_theta, torch.bfloat16)
     params = (x, attn.q_proj.weight, attn.k_proj.bias, attn.v_proj.weight, attn.q_norm.weight, attn.k_norm.weight)
 
-    q, k, v = attn.project(x, cos, sin)
+    q, k, v = attn.project(x, (cos, sin))
     want_q = F.linear(x, attn.q_proj.weight, attn.q_proj.bias).view(batch, seq, heads, dim)
     want_k = F.linear(x, attn.k_proj.weight, attn.k_proj.bias).view(batch, seq, kv_heads, dim)
     want_v = F.linear(x, attn.v_proj.weight, attn.v_proj.bias).view(batch, seq, kv_heads, dim).transpose(1, 2)

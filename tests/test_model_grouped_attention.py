@@ -34,3 +34,22 @@ def test_grouped_attention_equals_sdpa_with_repeated_kv_heads(seq, keys):
     torch.testing.assert_close(out, reference, atol=1e-6, rtol=0)
     for name, a, b in zip("qkv", got, expected, strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0, msg=name)
+
+
+def test_values_narrower_than_keys_as_multi_head_latent_attention_has():
+    """MLA's keys (nope + rope dims) are wider than its values: the output and the gradients take each's size."""
+    torch.manual_seed(1)
+    batch, heads, seq, dim, value_dim, scale = 2, 4, 5, 12, 8, 12**-0.5
+    q = torch.randn(batch, heads, seq, dim, requires_grad=True)
+    k = torch.randn(batch, heads, seq, dim, requires_grad=True)
+    v = torch.randn(batch, heads, seq, value_dim, requires_grad=True)
+    mask = torch.ones(seq, seq, dtype=torch.bool).tril()[None, None].expand(batch, 1, seq, seq)
+    grad = torch.randn(batch, heads, seq, value_dim)
+    out = grouped_attention(q, k, v, mask, scale)
+    reference = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    assert out.shape == (batch, heads, seq, value_dim)
+    torch.testing.assert_close(out, reference, atol=1e-6, rtol=0)
+    got = torch.autograd.grad(out, (q, k, v), grad)
+    expected = torch.autograd.grad(reference, (q, k, v), grad)
+    for name, a, b in zip("qkv", got, expected, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0, msg=name)

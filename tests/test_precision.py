@@ -32,7 +32,9 @@ from steps.store.object_store import Store
 from steps.update import run_update
 
 # Two optimizer steps a update, the KL penalty against v000000 on: the reference policy is read from bf16 too.
-TRAINER = {"ep_backend": "alltoall", "micro_batch_size": 4, "lr": 1e-2, "steps_per_epoch": 2, "kl_coef": 0.05}
+# router: train, so that every parameter (the routers too) carries AdamW state and a master
+TRAINER = {"ep_backend": "alltoall", "micro_batch_size": 4, "lr": 1e-2, "steps_per_epoch": 2, "kl_coef": 0.05,
+           "router": "train"}
 
 
 def experience(iteration: int):

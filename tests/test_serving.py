@@ -80,18 +80,18 @@ def test_a_trainer_whose_launcher_is_gone_stops_itself(tmp_path, monkeypatch):
     from types import SimpleNamespace
 
     from steps.store.object_store import Store
-    from steps.training import trainer_service
+    from steps.training import trainer_server
 
-    monkeypatch.setattr(trainer_service, "HEARTBEAT_S", 0.0)  # check at every idle poll
+    monkeypatch.setattr(trainer_server, "HEARTBEAT_S", 0.0)  # check at every idle poll
     lines: list[str] = []
     mesh = SimpleNamespace(rank=0, ep_size=1)
     run = Store.open(tmp_path.as_uri())
     run.put_json("launchers/wf/trainer-server.json", {"beat": 1})  # written once, then never again
-    service = trainer_service.TrainerService(run, mesh, 0, None, None, lines.append)
+    service = trainer_server.TrainerService(run, mesh, 0, None, None, lines.append)
     server = serving.JsonServer({"update": service.update}, service.health, main_thread=True)
     server.serve_in_background()
     try:
-        service.serve(server, trainer_service.LauncherWatch(run, "launchers/wf/trainer-server.json", 0.01))
+        service.serve(server, trainer_server.LauncherWatch(run, "launchers/wf/trainer-server.json", 0.01))
     finally:
         server.close()
     assert service.stopping.is_set()

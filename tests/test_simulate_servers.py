@@ -222,7 +222,7 @@ def test_delta_bytes_scale_the_servers_update_time():
 
 def test_a_server_opens_the_version_its_segments_first_rollout_samples():
     """Asynchronous, a segment's first rollout samples v(first-2) while LATEST is v(first-1): the new servers
-    open that version (steps/experience/rollout_service.py), not LATEST, so no whole checkpoint is fetched; every next
+    open that version (steps/experience/rollout_server.py), not LATEST, so no whole checkpoint is fetched; every next
     version is a delta."""
     cfg = eks(**{"rollout.servers": 32}, segment_size=5)
     result = simulate(cfg, STEPS, cluster_for(cfg, ASSUME), ASSUME, staleness=1)

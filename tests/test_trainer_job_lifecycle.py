@@ -29,8 +29,8 @@ from steps.expert_parallel.dispatch import HeldDispatch
 from steps.run import keys as run_store
 from steps.run.config import validate_config
 from steps.store.object_store import Store
-from steps.training import trainer_service
-from steps.training.policy_update import agreed
+from steps.training import trainer_server
+from steps.training.update import agreed
 
 BASE = {"sft_checkpoint": "file:///tmp/sft", "run_store": "file:///tmp/run"}
 
@@ -42,11 +42,11 @@ class Ended(BaseException):
     """What the fake `abort` raises instead of ending the test's process."""
 
 
-def follower(monkeypatch, commands: list[dict], train) -> tuple[trainer_service.TrainerService, list]:
+def follower(monkeypatch, commands: list[dict], train) -> tuple[trainer_server.TrainerService, list]:
     """Rank 1 of two, its commands from a list, train_iteration replaced by `train`; pending_iteration must
     never run on it (rank 0 decides)."""
     mesh = SimpleNamespace(rank=1, world_group=None, ep_size=1, device=torch.device("cpu"))
-    service = trainer_service.TrainerService(Store.open("file:///nowhere"), mesh, 0, None, object(), print)
+    service = trainer_server.TrainerService(Store.open("file:///nowhere"), mesh, 0, None, object(), print)
     feed = iter(commands)
     monkeypatch.setattr(service, "_broadcast", lambda command: next(feed))
     ended: list[int] = []
@@ -60,9 +60,9 @@ def follower(monkeypatch, commands: list[dict], train) -> tuple[trainer_service.
     def decided(*args, **kwargs):
         raise AssertionError("a rank other than 0 decided whether to train")
 
-    monkeypatch.setattr(trainer_service, "pending_iteration", decided)
-    monkeypatch.setattr(trainer_service, "iteration_inputs", lambda run, iteration: f"inputs of {iteration}")
-    monkeypatch.setattr(trainer_service, "train_iteration", train)
+    monkeypatch.setattr(trainer_server, "pending_iteration", decided)
+    monkeypatch.setattr(trainer_server, "iteration_inputs", lambda run, iteration: f"inputs of {iteration}")
+    monkeypatch.setattr(trainer_server, "train_iteration", train)
     return service, ended
 
 
@@ -88,11 +88,11 @@ def test_a_rank_that_fails_outside_an_agreed_step_ends_its_process(monkeypatch):
     service, ended = follower(monkeypatch, [UPDATE, UPDATE, {"op": "stop"}], oom)
     with pytest.raises(Ended):
         service.follow()
-    assert ended == [trainer_service.EXIT_RANK_FAILED]
+    assert ended == [trainer_server.EXIT_RANK_FAILED]
 
 
 def test_a_failure_every_rank_agreed_on_leaves_the_ranks_listening(monkeypatch):
-    """policy_update.agreed: every rank raises at the same step, no collective is pending; the next update
+    """update.agreed: every rank raises at the same step, no collective is pending; the next update
     reloads."""
     mesh = SimpleNamespace(rank=1, world_group=None)
 
@@ -109,16 +109,16 @@ def test_rank_0_decides_and_broadcasts_only_work_to_do(monkeypatch, tmp_path):
     mesh = SimpleNamespace(rank=0, world_group=None, ep_size=1, device=torch.device("cpu"))
     config = SimpleNamespace(vocab_size=10)
     run = Store.open(tmp_path.as_uri())
-    service = trainer_service.TrainerService(run, mesh, 0, config, object(), print)
+    service = trainer_server.TrainerService(run, mesh, 0, config, object(), print)
     sent: list[dict] = []
     monkeypatch.setattr(service, "_broadcast", lambda command: sent.append(command) or command)
     monkeypatch.setattr(service, "_may_train_on", lambda iteration: False)
     work = SimpleNamespace(samples=[SimpleNamespace(prompt_ids=[1], response_ids=[2], prompt_id="p", sample_index=0)])
     decisions = {4: None, 5: work}
-    monkeypatch.setattr(trainer_service, "pending_iteration", lambda r, iteration, force, rank: decisions[iteration])
+    monkeypatch.setattr(trainer_server, "pending_iteration", lambda r, iteration, force, rank: decisions[iteration])
     trained = []
     monkeypatch.setattr(
-        trainer_service, "train_iteration", lambda w, *a, **k: (trained.append(w), (None, "held"))[1]
+        trainer_server, "train_iteration", lambda w, *a, **k: (trained.append(w), (None, "held"))[1]
     )
     assert service.update({"run": run.uri, "iteration": 4})["outcome"] == "nothing to do"
     assert sent == []  # nothing to do: the other ranks are not asked
@@ -127,7 +127,7 @@ def test_rank_0_decides_and_broadcasts_only_work_to_do(monkeypatch, tmp_path):
     # inputs that cannot train are refused before any rank starts
     bad = SimpleNamespace(samples=[SimpleNamespace(prompt_ids=[99], response_ids=[], prompt_id="p", sample_index=0)])
     decisions[6] = bad
-    with pytest.raises(trainer_service.MoerlError, match="outside the policy's vocabulary"):
+    with pytest.raises(trainer_server.MoerlError, match="outside the policy's vocabulary"):
         service.update({"run": run.uri, "iteration": 6})
     assert len(sent) == 1
 
@@ -142,10 +142,10 @@ def test_rank_0_decides_and_broadcasts_only_work_to_do(monkeypatch, tmp_path):
     def oom(*args, **kwargs):
         raise RuntimeError("CUDA out of memory")
 
-    monkeypatch.setattr(trainer_service, "train_iteration", oom)
+    monkeypatch.setattr(trainer_server, "train_iteration", oom)
     with pytest.raises(Ended):  # rank 0 too: its client then sees the trainer lost (exit 75, retried)
         service.update({"run": run.uri, "iteration": 5})
-    assert ended == [trainer_service.EXIT_RANK_FAILED]
+    assert ended == [trainer_server.EXIT_RANK_FAILED]
 
 
 # ------------------------------------------------------------------------------ item 3: a cold start
@@ -240,11 +240,11 @@ def test_the_trainer_ends_when_its_launcher_is_gone_not_when_updates_pause(tmp_p
 
     clock = [0.0]
     key = run_store.launcher_heartbeat_key("wf")
-    watch = trainer_service.LauncherWatch(run, key, timeout, lambda: clock[0])
+    watch = trainer_server.LauncherWatch(run, key, timeout, lambda: clock[0])
     mesh = SimpleNamespace(rank=0, world_group=None, ep_size=1)
     lines: list[str] = []
-    service = trainer_service.TrainerService(run, mesh, 0, None, None, lines.append)
-    monkeypatch.setattr(trainer_service, "HEARTBEAT_S", 0.0)
+    service = trainer_server.TrainerService(run, mesh, 0, None, None, lines.append)
+    monkeypatch.setattr(trainer_server, "HEARTBEAT_S", 0.0)
     ticks = 0
     beats_for = 40  # idle ticks with a live launcher: 20 x the timeout without one update request
 
@@ -258,7 +258,7 @@ def test_the_trainer_ends_when_its_launcher_is_gone_not_when_updates_pause(tmp_p
 
     monkeypatch.setattr(service, "_broadcast", noop)
     beat()  # before it created the job
-    server = trainer_service.JsonServer({"update": service.update}, service.health, main_thread=True)
+    server = trainer_server.JsonServer({"update": service.update}, service.health, main_thread=True)
     server.serve_in_background()
     try:
         service.serve(server, watch)  # returns once it stopped itself
@@ -271,7 +271,7 @@ def test_the_trainer_ends_when_its_launcher_is_gone_not_when_updates_pause(tmp_p
 def test_a_trainer_whose_launcher_never_wrote_a_heartbeat_never_ends_itself(tmp_path):
     """The local executor runs a launcher pod's job itself: no heartbeat, no launcher to outlive."""
     clock = [0.0]
-    watch = trainer_service.LauncherWatch(Store.open(tmp_path.as_uri()), "launchers/wf/trainer-server.json", 10.0,
+    watch = trainer_server.LauncherWatch(Store.open(tmp_path.as_uri()), "launchers/wf/trainer-server.json", 10.0,
                                           lambda: clock[0])  # fmt: skip
     clock[0] = 10_000.0
     assert not watch.gone()

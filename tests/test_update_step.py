@@ -23,8 +23,8 @@ from test_update_experience import (
 )
 
 from steps.errors import MoerlError
-from steps.expert_parallel.mesh import is_expert_param
 from steps.models.hf_checkpoint import load_pretrained
+from steps.models.placement import is_expert_param
 from steps.publish import publish
 from steps.run import checkpoint
 from steps.run.candidate import CANDIDATE_INDEX, MARKER, model_shard_name

@@ -235,7 +235,7 @@ def test_the_steps_that_report_progress_say_so_to_argo(rendered):
         if (t.get("metadata") or {}).get("annotations", {}).get("workflows.argoproj.io/progress") == "0/1"
     }  # fmt: skip
     one_pod_update = {"update"} if "container" in by_name["update"] else set()  # a PyTorchJob's pods are not Argo's
-    servers = {"rollout-server", "trainer-server"} & by_name.keys()  # requests served: rollout_service, trainer_server
+    servers = {"rollout-server", "trainer-server"} & by_name.keys()  # requests served: rollout_server, trainer_server
     assert reporting == {"plan", "import-sft", "rollout", "score", "publish"} | one_pod_update | servers
 
 

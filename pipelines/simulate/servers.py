@@ -79,7 +79,7 @@ class ServedSteps:
 
     def start_server(self, server: Server) -> None:
         """Its pod is on a node: the engine (or the trainer) starts, a rollout server on the version the next
-        iteration samples from (steps/experience/rollout_service.py), the trainer on the newest."""
+        iteration samples from (steps/experience/rollout_server.py), the trainer on the newest."""
         if not self.has_v0:
             server.awaiting_v0 = True  # its node held, idle: counted as a ready server's
             return

@@ -16,15 +16,19 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from steps.data.tasks import Prompt, get_task, sft_target
 from steps.data.tokenizer import RAW, CheckpointTokenizer, PromptFormat
 from steps.demo import bpe_tokenizer, char_tokenizer
+from steps.errors import MoerlError
+from steps.models.causal_lm import MoeCausalLM
+from steps.models.deepseek_v3.config import DeepseekConfig
 from steps.models.hf_checkpoint import save_pretrained
 from steps.models.qwen3_moe.config import MoeConfig
-from steps.models.qwen3_moe.model import MoeForCausalLM
+from steps.models.registry import family_of
 
 
 def encode_example(
@@ -58,9 +62,24 @@ def char_checkpoint_tokenizer() -> CheckpointTokenizer:
         return CheckpointTokenizer.load(tmp)
 
 
-def demo_model_config(tok: CheckpointTokenizer | None = None) -> MoeConfig:
+def demo_model_config(tok: CheckpointTokenizer | None = None, arch: str = "qwen3_moe") -> Any:
+    """The demo's model as family `arch` (DEMO_ARCHS) builds it, for the checkpoint's tokenizer."""
+    if arch not in DEMO_ARCHS:
+        raise MoerlError(f"demo architecture {arch!r} is not one of {sorted(DEMO_ARCHS)}")
+    return DEMO_ARCHS[arch](tok or char_checkpoint_tokenizer())
+
+
+def token_ids(tok: CheckpointTokenizer) -> dict[str, Any]:
+    """The checkpoint tokenizer's special ids, as config.json names them."""
+    return {
+        "bos_token_id": tok.token_id("bos_token"),
+        "eos_token_id": list(tok.stop_ids) if len(tok.stop_ids) > 1 else tok.stop_ids[0],
+        "pad_token_id": tok.pad_id,
+    }
+
+
+def qwen3_moe_demo(tok: CheckpointTokenizer) -> MoeConfig:
     """About 0.5M parameters: 8 experts, top-2, small enough to train in a minute or two on 2 cores."""
-    tok = tok or char_checkpoint_tokenizer()
     return MoeConfig(
         vocab_size=tok.vocab_size,
         hidden_size=96,
@@ -74,10 +93,44 @@ def demo_model_config(tok: CheckpointTokenizer | None = None) -> MoeConfig:
         num_experts_per_tok=2,
         norm_topk_prob=True,
         max_position_embeddings=64,
-        bos_token_id=tok.token_id("bos_token"),
-        eos_token_id=list(tok.stop_ids) if len(tok.stop_ids) > 1 else tok.stop_ids[0],
-        pad_token_id=tok.pad_id,
+        **token_ids(tok),
     )
+
+
+def deepseek_v3_demo(tok: CheckpointTokenizer) -> DeepseekConfig:
+    """The same budget as a tiny DeepSeek-V3: multi-head latent attention (q and kv low-rank, the rope/nope
+    split), a dense first layer, 8 routed experts top-2 chosen by sigmoid scores with the selection bias in 4
+    groups of which 2 are kept, and a shared expert."""
+    return DeepseekConfig(
+        vocab_size=tok.vocab_size,
+        hidden_size=96,
+        intermediate_size=192,
+        moe_intermediate_size=64,
+        num_hidden_layers=3,
+        first_k_dense_replace=1,
+        num_attention_heads=4,
+        q_lora_rank=48,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        n_group=4,
+        topk_group=2,
+        routed_scaling_factor=1.0,
+        norm_topk_prob=True,
+        max_position_embeddings=64,
+        **token_ids(tok),
+    )
+
+
+# The families `moerl sft-demo --arch` builds the demo's model as.
+DEMO_ARCHS: dict[str, Callable[[CheckpointTokenizer], Any]] = {
+    "qwen3_moe": qwen3_moe_demo,
+    "deepseek_v3": deepseek_v3_demo,
+}
 
 
 @dataclass
@@ -93,6 +146,7 @@ class SftSettings:
     train_prompts: int = 4096
     eval_prompts: int = 256
     tokenizer: str = "char"  # "char": the demo's character tokenizer; "bpe": a BPE with a chat template
+    arch: str = "qwen3_moe"  # the model family (DEMO_ARCHS)
     prompt_format: str = "raw"  # "raw" or "chat": as the RL run's prompt_format
     system_prompt: str | None = None
 
@@ -121,12 +175,13 @@ def train_sft(
     settings: SftSettings,
     tok: CheckpointTokenizer | None = None,
     progress: Callable[[int, float], None] | None = None,
-) -> MoeForCausalLM:
+) -> MoeCausalLM:
     """Train the demo model on the task's train split (tok: the checkpoint's tokenizer, by default the demo's
     characters); returns the model in eval mode."""
     tok = tok or char_checkpoint_tokenizer()
+    config = demo_model_config(tok, settings.arch)
     torch.manual_seed(settings.seed)
-    model = MoeForCausalLM(demo_model_config(tok))
+    model = family_of(config).build(config)
     task = get_task(settings.task)
     examples = [encode_example(p, tok, settings.format)
                 for p in task.prompts("train", settings.train_prompts, settings.seed)]  # fmt: skip
@@ -150,7 +205,7 @@ def train_sft(
     return model.eval()
 
 
-def write_checkpoint(model: MoeForCausalLM, directory: Path) -> Path:
+def write_checkpoint(model: MoeCausalLM, directory: Path) -> Path:
     """An HF-format checkpoint: config.json, safetensors weights, beside the tokenizer write_tokenizer wrote
     (the demo's character tokenizer when there is none yet)."""
     directory = Path(directory)

@@ -36,7 +36,7 @@ weight_updater.py, WeightUpdater.update_weights_from_disk. Its "rollback" reload
 model_config.model_path, which it has already pointed at the new dir, so after a failure the weights are not
 known to be either version's: the engine is `broken` and refuses to generate from then on; the rollout
 server then closes it and opens a new one from the run store, answering 503 meanwhile
-(steps/experience/rollout_service.py RolloutService.bring_to and recover). A tensor the dir lacks is not an error for
+(steps/experience/rollout_server.py RolloutService.bring_to and recover). A tensor the dir lacks is not an error for
 SGLang (the old one stays), so the dir must be a whole verified checkpoint (steps/engines/weight_sync.py makes it
 one). config.json is not read again (update_weights_from_disk takes only model_path and load_format), so a
 dir of another model or dtype is refused here before SGLang sees it: another shape or computation
@@ -106,6 +106,117 @@ class SGLangSettings:
     def from_config(cls, sglang: SGLangConfig, random_seed: int) -> SGLangSettings:
         """The run's `rollout.sglang` section, field by field, and the run's seed."""
         return cls(**dict(sglang), random_seed=random_seed)
+
+
+# --- Per-family server arguments (SGLang 0.5.17, the rollout image's pin; paths under python/sglang/srt/). ---
+# SGLang dispatches on config.json's architectures[0] (models/*.py EntryClass); a config without one (a
+# transformers config class's to_dict) is named by its model_type. Kimi-K2 is model_type kimi_k2 with
+# DeepseekV3ForCausalLM, so it is served, and resolved, as DeepSeek-V3.
+SGLANG_ARCHITECTURES = {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+                        "deepseek_v3": "DeepseekV3ForCausalLM", "kimi_k2": "DeepseekV3ForCausalLM",
+                        "glm4_moe": "Glm4MoeForCausalLM", "mixtral": "MixtralForCausalLM",
+                        "gpt_oss": "GptOssForCausalLM"}  # fmt: skip
+# server_args.py:220 DETERMINISTIC_ATTENTION_BACKEND_CHOICES and :228 RADIX_SUPPORTED_DETERMINISTIC_ATTENTION_BACKEND
+# (the backends _handle_deterministic_inference accepts for DeepSeek/MLA models, server_args.py:7849-7855).
+DETERMINISTIC_ATTENTION_BACKENDS = ("ascend", "fa3", "fa4", "flashinfer", "triton")
+MLA_DETERMINISTIC_ATTENTION_BACKENDS = ("ascend", "fa3", "fa4", "triton")
+# server_args.py:5334 _handle_model_specific_adjustments, GptOssForCausalLM: the backends with attention sinks.
+GPT_OSS_ATTENTION_BACKENDS = ("triton", "trtllm_mha", "fa3", "fa4", "ascend", "intel_amx", "intel_xpu", "aiter")
+# Architectures whose SGLang model has no DeepEP path: moe_a2a_backend "deepep" cannot serve them.
+NO_DEEPEP_PATH = {
+    "MixtralForCausalLM": "models/mixtral.py MixtralMoE runs FusedMoE and then a tensor-parallel all-reduce, with no "
+                          "DeepEP forward (qwen2_moe, qwen3_moe, glm4_moe and deepseek_v2 have one)",
+    "GptOssForCausalLM": "models/gpt_oss.py GptOssSparseMoeBlock.forward raises NotImplementedError('forward_deepep "
+                         "branch not implemented yet')",
+}  # fmt: skip
+# Architectures for which SGLang, on sm100 with moe_a2a_backend "none" and moe_runner_backend "auto", picks the
+# flashinfer_trtllm MoE runner (arg_groups/overrides.py:1740 _deepseek_moe_quant_resolution, :1308
+# _qwen3_moe_family_overrides, :1339 _glm4_moe_overrides); deterministic inference configures only the
+# triton runner (layers/moe/moe_runner/triton_utils/fused_moe_triton_config.py:72 get_moe_configs, :190
+# get_default_config), which is what "auto" already is for bf16 weights elsewhere
+# (layers/quantization/unquant.py:568 UnquantizedFusedMoEMethod: MoeRunnerBackend.TRITON).
+TRTLLM_MOE_ON_SM100 = frozenset({"DeepseekV3ForCausalLM", "Qwen3MoeForCausalLM", "Glm4MoeForCausalLM"})
+HOPPER_SM = 90
+
+
+def sglang_architecture(config: dict[str, Any]) -> str | None:
+    """The architecture SGLang serves a config.json dict as: architectures[0], else by model_type."""
+    architectures = config.get("architectures")
+    if isinstance(architectures, list) and architectures and isinstance(architectures[0], str):
+        return architectures[0]
+    return SGLANG_ARCHITECTURES.get(str(config.get("model_type")))
+
+
+def sglang_model_mismatch(config: dict[str, Any]) -> str | None:
+    """What SGLang 0.5.17 would compute differently from the model of config.json dict `config` (which moerl and
+    transformers build as written), or None. SGLang loads such a checkpoint without complaint and samples from
+    another model, so the rollouts would be off-policy in a way no importance weight corrects.
+
+    Qwen2MoeForCausalLM (python/sglang/srt/models/qwen2_moe.py): every layer is sparse ("Qwen2MoE all layers are
+    sparse", Qwen2MoeDecoderLayer), the head size is hidden_size // num_attention_heads (Qwen2MoeAttention) and
+    output projection is never tied to the embeddings (Qwen2MoeForCausalLM)."""
+    if sglang_architecture(config) != "Qwen2MoeForCausalLM":
+        return None
+    heads, hidden = config.get("num_attention_heads") or 1, config.get("hidden_size") or 0
+    if config.get("mlp_only_layers") or config.get("decoder_sparse_step", 1) != 1:
+        return "dense layers (mlp_only_layers / decoder_sparse_step): SGLang's Qwen2-MoE makes every layer sparse"
+    if config.get("head_dim") not in (None, hidden // heads):
+        return f"head_dim {config['head_dim']}: SGLang's Qwen2-MoE uses hidden_size // num_attention_heads"
+    if config.get("tie_word_embeddings"):
+        return "tie_word_embeddings: SGLang's Qwen2-MoE keeps an output projection of its own"
+    return None
+
+
+def family_server_args(config: dict[str, Any], moe_a2a_backend: str = "none", sm: int | None = None) -> dict[str, Any]:
+    """The sglang.Engine kwargs a model family needs beyond moerl's common ones, for deterministic inference
+    (enable_deterministic_inference=True, which moerl always sets), from its config.json dict; `sm` is the
+    GPU's compute capability as major*10+minor (None: unknown, then an arch-independent choice), and
+    moe_a2a_backend the rollout's. One MoerlError for a family SGLang 0.5.17 cannot serve so.
+
+    Why (SGLang 0.5.17, python/sglang/srt/): ServerArgs.__post_init__ collects the per-architecture overrides
+    (_handle_model_specific_adjustments) before _handle_deterministic_inference (server_args.py:3530-3536),
+    whose _deterministic_attention_backend (arg_groups/overrides.py:1980) fills an unset attention_backend
+    deterministically (sm90: fa3; sm100/sm120: triton for DeepSeek, flashinfer otherwise) but raises
+    ValueError for one already set outside DETERMINISTIC_ATTENTION_BACKEND_CHOICES. On sm100 two families
+    arrive with one set: DeepseekV3ForCausalLM (and Kimi-K2) gets trtllm_mla (overrides.py:639
+    _deepseek_family_overrides) and GptOssForCausalLM gets trtllm_mha (overrides.py:880 _gpt_oss_overrides),
+    so both would fail to start. Off Hopper they are given "triton": deterministic, allowed for MLA models
+    (server_args.py:7849-7855 requires RADIX_SUPPORTED_DETERMINISTIC_ATTENTION_BACKEND there) and among the
+    backends with attention sinks that gpt-oss asserts (server_args.py:5334). On Hopper SGLang's own choice
+    (fa3) is already deterministic, so nothing is added. Qwen3-MoE, Qwen2-MoE, GLM-4-MoE and Mixtral get a
+    deterministic default everywhere (fa3 or flashinfer). The MoE runner is pinned to triton where SGLang
+    would pick flashinfer_trtllm on sm100 (TRTLLM_MOE_ON_SM100), with moe_a2a_backend "none" only (under
+    DeepEP SGLang picks no trtllm runner). Mixtral and gpt-oss have no DeepEP path (NO_DEEPEP_PATH)."""
+    arch = sglang_architecture(config)
+    kwargs: dict[str, Any] = {}
+    mismatch = sglang_model_mismatch(config)
+    if mismatch is not None:
+        raise MoerlError(
+            f"rollout.engine 'sglang': SGLang 0.5.17 would serve another model than this {arch} checkpoint "
+            f"({mismatch}); set rollout.engine: torch, or start from a checkpoint without it"
+        )
+    if moe_a2a_backend == "deepep" and arch in NO_DEEPEP_PATH:
+        raise MoerlError(
+            f"rollout.sglang.moe_a2a_backend 'deepep': SGLang 0.5.17 cannot serve {arch} "
+            f"(model_type {config.get('model_type')!r}) over DeepEP ({NO_DEEPEP_PATH[arch]}); set "
+            "rollout.sglang.moe_a2a_backend: none (SGLang's own expert parallelism over ep_size)"
+        )
+    hopper = sm == HOPPER_SM
+    if arch in ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM", "GptOssForCausalLM") and not hopper:
+        kwargs["attention_backend"] = "triton"
+    if arch in TRTLLM_MOE_ON_SM100 and moe_a2a_backend == "none" and not hopper:
+        kwargs["moe_runner_backend"] = "triton"
+    return kwargs
+
+
+def _device_sm() -> int | None:
+    """This process's GPU compute capability as major*10+minor, or None without CUDA."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    major, minor = torch.cuda.get_device_capability()
+    return major * 10 + minor
 
 
 def sglang_unavailable_reason() -> str | None:
@@ -281,8 +392,10 @@ class SGLangEngine:
         }
         if settings.moe_a2a_backend != "none":
             kwargs["moe_a2a_backend"] = settings.moe_a2a_backend
+        started_config = read_config(model_dir)
+        kwargs.update(family_server_args(started_config[0], settings.moe_a2a_backend, _device_sm()))
         self.dtype = kwargs["dtype"]
-        self.started_config = read_config(model_dir)  # what SGLang read at start-up, once
+        self.started_config = started_config  # what SGLang read at start-up, once
         self.broken: str | None = None  # why the weights are unknown after a failed in-place update
         self.engine = sglang.Engine(**kwargs)
         take_back_sigterm(self.engine)

@@ -40,11 +40,10 @@ from steps.engines.interface import (
     SamplingParams,
 )
 from steps.errors import MoerlError
-from steps.models.family import DecodeLayer, dtype_name
+from steps.models.family import dtype_name
 from steps.models.hf_checkpoint import check_checkpoint, checkpoint_dtype, load_pretrained, load_state_dict_from_dir
 from steps.models.kernels import token_logprobs
-from steps.models.layers import rotary_cos_sin
-from steps.models.moe import SparseMoeBlock, group_by_expert
+from steps.models.moe import SWIGLU, SparseMoeBlock, expert_spans, group_by_expert
 from steps.models.registry import family_of
 
 # PyTorch's CPU bmm runs matrices of fewer multiply-adds than this with a plain loop, several times slower
@@ -192,7 +191,8 @@ class TorchEngine:
                 f"{dtype_name(self.stored_dtype)} (a run keeps one dtype); open a new engine on it"
             )
         params = self.model.state_dict(keep_vars=True)
-        state = load_state_dict_from_dir(model_dir, params)
+        adapter = family_of(self.model).state_dict_adapter  # the checkpoint names its tensors as the family does
+        state = adapter.from_hf(load_state_dict_from_dir(model_dir, adapter.to_hf(params)))
         with torch.no_grad():
             for name, param in params.items():
                 param.copy_(state[name])
@@ -316,7 +316,7 @@ class DecodeBatch(PromptGrid):
     """The decode state of one batch. A row is a state (TorchEngine): the samples of one prompt that drew the
     same tokens so far. Keys and values are stored per prompt as a prefix tree, never per row:
 
-        keys, values    [layers, P, kv, N, D]  per distinct prompt, its W prefill tokens (left-padded), then its
+        keys, values    [layers, P, kv, N, Dk | Dv]  per distinct prompt, its W prefill tokens (left-padded), then its
                                 nodes: one column per (decode step, row of the prompt at that step) holding
                                 the key/value of the token that row fed. A node is shared by every later row
                                 that descends from it, so a state that splits copies nothing;
@@ -380,10 +380,10 @@ class DecodeBatch(PromptGrid):
         needed = self.used + self.slots
         if needed > self.keys.shape[3]:
             grow = max(needed, 2 * self.keys.shape[3]) - self.keys.shape[3]
-            room = list(self.keys.shape)
-            room[3] = grow
-            self.keys = torch.cat([self.keys, self.keys.new_zeros(room)], dim=3)
-            self.values = torch.cat([self.values, self.values.new_zeros(room)], dim=3)
+            self.keys = torch.cat([self.keys, self.keys.new_zeros((*self.keys.shape[:3], grow, self.keys.shape[4]))], 3)
+            self.values = torch.cat(
+                [self.values, self.values.new_zeros((*self.values.shape[:3], grow, self.values.shape[4]))], dim=3
+            )
         column = self.slot + self.used
         self.ancestors = torch.cat([self.ancestors, column[:, None]], dim=1)
         self.used = needed
@@ -403,10 +403,10 @@ class DecodeBatch(PromptGrid):
         """The same state with each row's generated keys and values copied out of the tree into its own
         `capacity` (>= length) columns."""
         width = self.prompt_bias.shape[1]
-        layers, _, kv_heads, _, head_dim = self.keys.shape
-        shape = (layers, self.parent.shape[0], kv_heads, capacity, head_dim)
-        values = self.values.new_zeros(shape)
-        keys = self.keys.new_zeros(shape)
+        layers, _, kv_heads, _, key_dim = self.keys.shape
+        shape = (layers, self.parent.shape[0], kv_heads, capacity)
+        values = self.values.new_zeros((*shape, self.values.shape[4]))
+        keys = self.keys.new_zeros((*shape, key_dim))
         # [B, length, layers, kv, D] -> [layers, B, kv, length, D]
         chains = (self.parent[:, None], slice(None), self.ancestors)
         keys[:, :, :, : self.length] = self.keys[(slice(None), *chains)].permute(2, 0, 3, 1, 4)
@@ -422,14 +422,29 @@ class DecodeBatch(PromptGrid):
             self.length,
         )
 
-    def attention_bias(self) -> torch.Tensor:
+    def attention_bias(self, window: int | None = None) -> torch.Tensor:
         """[P, slots, used]: 0 where a grid cell's row may attend (real prompt tokens, its own ancestors),
-        -inf elsewhere. Empty cells see the prompt only (finite, never read)."""
+        -inf elsewhere. Empty cells see the prompt only (finite, never read). With a sliding window, a row
+        sees only the keys at positions > its query's position - window: prompt token j at its position among
+        the prompt's real tokens, the node of generated step t at prompt length + t (the query's position is
+        the prompt length + length - 1)."""
         prompts, width = self.prompt_bias.shape
         bias = torch.full((prompts * self.slots, self.used), float("-inf"), device=self.prompt_bias.device)
         bias.view(prompts, self.slots, self.used)[:, :, :width] = self.prompt_bias[:, None, :]
-        bias[self.row_in_grid[:, None], self.ancestors] = 0.0
+        ancestors = self.ancestors
+        if window is not None:
+            far = prompt_positions(self.prompt_bias)[self.parent] <= (self.position - window)[:, None]  # [B, W]
+            rows = bias[self.row_in_grid, :width]
+            bias[self.row_in_grid, :width] = rows.masked_fill_(far, float("-inf"))
+            ancestors = ancestors[:, max(0, self.length - window) :]  # the last `window` tokens
+        bias[self.row_in_grid[:, None], ancestors] = 0.0
         return bias.view(prompts, self.slots, self.used)
+
+
+def prompt_positions(prompt_bias: torch.Tensor) -> torch.Tensor:
+    """[P, W] the position of each prompt column among its prompt's real tokens (0 from the first real one;
+    padding columns 0 too, masked anyway), from the prompt bias (0 real, -inf padding)."""
+    return ((prompt_bias == 0).long().cumsum(dim=1) - 1).clamp(min=0)
 
 
 class RowBatch(PromptGrid):
@@ -462,6 +477,18 @@ class RowBatch(PromptGrid):
         self.keys, self.values, self.position, self.length = keys, values, position, length
         self.row_bias = prompt_bias[parent]  # [B, W]
 
+    def window_bias(self, window: int | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(prompt bias [B, W], bias of the row's own seen tokens [seen] or None) for a query at each row's
+        position: a sliding window hides keys at positions <= position - window (prompt token j at its position
+        among the real tokens, own token t at prompt length + t; the query is own token `length`)."""
+        if window is None:
+            return self.row_bias, None
+        prompt_pos = prompt_positions(self.prompt_bias)[self.parent]
+        far = prompt_pos <= (self.position - window)[:, None]
+        own = torch.zeros(self.length + 1, device=self.row_bias.device)
+        own[: max(0, self.length + 1 - window)] = float("-inf")
+        return self.row_bias.masked_fill(far, float("-inf")), own
+
     def select(self, rows: torch.Tensor) -> RowBatch:
         """Only these rows, in this order (a row may repeat: a state that splits), and the prompts they use."""
         prompts, parent = torch.unique(self.parent[rows], return_inverse=True)
@@ -488,18 +515,23 @@ class RowBatch(PromptGrid):
 class Decoder:
     """The prefill of a batch's prompts into a DecodeBatch, and one decode step (one new token per row) of a
     model over it, for the attention kind softmax over a key/value cache: the model's family says which of its
-    modules play which part (ModelFamily.decode, steps/models/family.py DecodeModel).
+    modules play which part (ModelFamily.decode, steps/models/family.py DecodeModel), and projects each layer's
+    queries, keys and values (DecodeLayer.project: its norms, its rotary embedding, multi-head latent attention's
+    per-head keys and values).
 
-    The same layers and arithmetic as the model's forward (MoeForCausalLM.forward for Qwen3-MoE), specialised
-    to inference (decode: one query per row):
-      - RoPE from a precomputed table, rotate_half folded into one roll against a sign-folded sine;
+    The same layers and arithmetic as the model's forward (steps/models/causal_lm.py), specialised to inference
+    (decode: one query per row):
       - attention per prompt and kv head: one matrix product for the queries of all of the prompt's rows and
         all of its columns (prompt tokens and generated nodes, DecodeBatch), a bias keeping each row to its
         own, one softmax, one product with the values. On a RowBatch, in two parts under one softmax: the
         shared prompt keys the same way, the row's own keys with one small product per row and kv head. No
         kv head is ever expanded to its query heads (that copy of the whole cache per layer and step
         dominated decoding on CPU);
-      - experts with gate and up projections fused into one matmul, each expert run once on its tokens.
+      - experts with gate and up projections fused into one matmul (SwiGLU; other kinds of experts, e.g.
+        gpt-oss's clamped SwiGLU with biases, through their kind's forward, steps/models/moe.py
+        ExpertArithmetic), each expert run once on its tokens; shared experts beside them;
+      - per layer, optional attention sinks (an extra logit per query head in its softmax, dropped after it)
+        and a sliding window (DecodeLayer.sinks / window).
     Both paths give the same logits up to float rounding; tests/test_engine_torch.py checks the log-probs
     against transformers.
     """
@@ -513,30 +545,23 @@ class Decoder:
             )
         parts = family.decode(model)
         self.model, self.parts = model, parts
-        self.head_dim, self.kv_heads = parts.head_dim, parts.num_kv_heads
+        self.key_dim, self.value_dim, self.kv_heads = parts.key_dim, parts.value_dim, parts.num_kv_heads
         self.num_heads = parts.num_heads
         self.groups = parts.num_heads // parts.num_kv_heads
-        self.cos = self.sin = torch.empty(0, parts.head_dim)
-        # Per layer: q, k and v projections as one matrix (and bias). Per MoE layer: [gate; up] of each expert
-        # as one [H, 2I] matrix, and down as [I, H] (x @ W layout).
-        self.qkv: list[tuple[torch.Tensor, torch.Tensor | None]] = []
-        self.experts: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        # Per SwiGLU MoE layer: [gate; up] of each expert as one [H, 2I] matrix, and down as [I, H] (x @ W
+        # layout); a MoE layer of another kind of experts is run by its kind (None here: nothing copied).
+        self.experts: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]] | None] = {}
         with torch.no_grad():
             for index, layer in enumerate(parts.layers):
-                self.qkv.append(self._fused_qkv(layer))
                 if isinstance(layer.mlp, SparseMoeBlock):
                     self.experts[index] = self._fused_experts(layer.mlp)
 
     @staticmethod
-    def _fused_qkv(layer: DecodeLayer) -> tuple[torch.Tensor, torch.Tensor | None]:
-        projections = layer.qkv
-        bias = torch.cat([p.bias for p in projections]) if projections[0].bias is not None else None
-        return torch.cat([p.weight for p in projections]), bias
-
-    @staticmethod
-    def _fused_experts(block: SparseMoeBlock) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def _fused_experts(block: SparseMoeBlock) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
         if block.num_local_experts != block.num_experts:
             raise ValueError("TorchEngine needs every expert on this process (a full model)")
+        if block.experts["0"].arithmetic is not SWIGLU:
+            return None
         experts = [block.experts[str(e)].projections() for e in range(block.num_experts)]  # type: ignore[operator]
         gate_up = [torch.cat([gate.weight, up.weight]).t().contiguous() for gate, up, _ in experts]
         down = [down.weight.t().contiguous() for _, _, down in experts]
@@ -547,59 +572,56 @@ class Decoder:
         (TorchEngine.update_weights): the same values __init__ computes; one expert's worth of scratch at a time."""
         with torch.no_grad():
             for index, layer in enumerate(self.parts.layers):
-                for kept, fresh in zip(self.qkv[index], self._fused_qkv(layer), strict=True):
-                    if kept is not None and fresh is not None:
-                        kept.copy_(fresh)
-                if index in self.experts:
+                layer.project.refresh()
+                if self.experts.get(index) is not None:
                     block = layer.mlp
                     experts = [block.experts[str(e)].projections() for e in range(block.num_experts)]  # type: ignore[operator,union-attr]
-                    gate_up, down = self.experts[index]
+                    gate_up, down = self.experts[index]  # type: ignore[misc]
                     for e, (gate, up, down_weight) in enumerate(experts):
                         gate_up[e].copy_(torch.cat([gate.weight, up.weight]).t())
                         down[e].copy_(down_weight.weight.t())
 
-    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sign-folded sin [B, 1, D] at positions [B]: rotate_half(x) * sin equals
-        roll(x, D/2) * sin_folded, with sin_folded = (-sin[:D/2], sin[D/2:])."""
-        needed = int(positions.max()) + 1
-        if needed > self.cos.shape[0]:
-            weight = self.parts.embed.weight
-            length = max(needed, 2 * self.cos.shape[0], 64)
-            table = torch.arange(length, device=weight.device)[None]
-            cos, sin = rotary_cos_sin(table, self.head_dim, self.parts.rope_theta, weight.dtype)
-            half = self.head_dim // 2
-            self.cos, self.sin = cos[0], torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1)
-        return self.cos.index_select(0, positions).unsqueeze(1), self.sin.index_select(0, positions).unsqueeze(1)
-
-    def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    def _attend(
+        self,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        bias: torch.Tensor,
+        sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Attention of each prompt's queries over its columns, one matrix product per prompt and kv head:
-        q [P * kv, M * g, D] (M query rows of the prompt, each with its g query heads; q carries the
-        1/sqrt(D) scale), keys and values [P * kv, C, D], bias [P, M, C] (0 or -inf) -> [P * kv, M * g, D]."""
+        q [P * kv, M * g, Dk] (M query rows of the prompt, each with its g query heads; q carries the scale),
+        keys [P * kv, C, Dk] and values [P * kv, C, Dv], bias [P, M, C] (0 or -inf), sinks [heads] or None
+        -> [P * kv, M * g, Dv]."""
         prompts, rows, columns = bias.shape
         scores = torch.bmm(q, keys.transpose(1, 2))
-        scores.view(prompts, self.kv_heads, rows, self.groups, columns).add_(bias[:, None, :, None, :])
-        return torch.bmm(torch.softmax(scores, dim=-1), values)
+        per_head = scores.view(prompts, self.kv_heads, rows, self.groups, columns)
+        per_head.add_(bias[:, None, :, None, :])
+        weights = torch.softmax(scores, dim=-1) if sinks is None else self._softmax(per_head, sinks).view(scores.shape)
+        return torch.bmm(weights, values)
 
-    def _qkv(
-        self, index: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [T, H] of layer `index` -> q [T, heads, D] (scaled by 1/sqrt(D)), k and v [T, kv, D]; q and k
-        normed and rotated (cos and sign-folded sin [T, 1, D], see _rope)."""
-        head_dim, layer = self.head_dim, self.parts.layers[index]
-        tokens, q_size, kv_size = x.shape[0], self.num_heads * head_dim, self.kv_heads * head_dim
-        q, k, v = F.linear(x, *self.qkv[index]).split([q_size, kv_size, kv_size], dim=-1)
-        q = layer.query_norm(q.view(tokens, self.num_heads, head_dim))
-        k = layer.key_norm(k.view(tokens, self.kv_heads, head_dim))
-        half = head_dim // 2
-        q = torch.addcmul(q * cos, q.roll(half, dims=-1), sin).mul_(layer.scaling)
-        k = torch.addcmul(k * cos, k.roll(half, dims=-1), sin)
-        return q, k, v.view(tokens, self.kv_heads, head_dim)
+    def _softmax(self, scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+        """Softmax over the last dim of scores [..., kv, M, g, C]; with sinks [heads = kv * g], each head's sink
+        is one more logit in its softmax, whose weight is dropped (gpt-oss)."""
+        if sinks is None:
+            return torch.softmax(scores, dim=-1)
+        sink = sinks.to(scores.dtype).view(self.kv_heads, 1, self.groups, 1).expand(*scores.shape[:-1], 1)
+        return torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
 
     def _mlp(self, index: int, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> x + MLP(post-attention norm(x)) of layer `index`."""
         layer = self.parts.layers[index]
         h = layer.mlp_norm(x)
         return x + (self._experts(layer.mlp, index, h) if index in self.experts else layer.mlp(h))  # type: ignore[arg-type]
+
+    def _windowed(self, index: int, positions: torch.Tensor, sees: torch.Tensor) -> torch.Tensor:
+        """sees [P, W, W] (query, key) of a prefill restricted to layer `index`'s sliding window (key position >
+        query position - window; a query always sees itself), as a 0/-inf bias."""
+        window = self.parts.layers[index].window
+        if window is not None:
+            near = positions[:, None, :] > positions[:, :, None] - window
+            sees = (sees & near) | torch.eye(sees.shape[-1], dtype=torch.bool, device=sees.device)
+        return torch.zeros(sees.shape, device=sees.device).masked_fill_(~sees, float("-inf"))
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(self.parts.norm(x), self.parts.output).float()
@@ -610,35 +632,39 @@ class Decoder:
         count real tokens from 0, a query sees the real tokens up to itself (and itself: padding stays
         finite), every token goes through the MLPs except in the last layer, where only the last position
         (the one whose logits are returned) needs to."""
-        head_dim, kv_heads, groups = self.head_dim, self.kv_heads, self.groups
+        key_dim, value_dim, kv_heads, groups = self.key_dim, self.value_dim, self.kv_heads, self.groups
         prompts, width = ids.shape
         position = (valid.long().cumsum(dim=1) - 1).clamp(min=0)
-        cos, sin = self._rope(position.view(-1))
+        rope = self.parts.rotary(position.view(-1))
         causal = torch.ones(width, width, dtype=torch.bool, device=ids.device).tril()
         sees = (causal & valid[:, None, :]) | torch.eye(width, dtype=torch.bool, device=ids.device)
-        bias = torch.zeros(sees.shape, device=ids.device).masked_fill_(~sees, float("-inf"))  # [P, W, W]
-        shape = (len(self.parts.layers), prompts, kv_heads, width + room, head_dim)
-        keys = torch.zeros(shape, dtype=cos.dtype, device=ids.device)
-        values = torch.zeros_like(keys)
+        biases = {window: None for window in {layer.window for layer in self.parts.layers}}
+        shape = (len(self.parts.layers), prompts, kv_heads, width + room)
+        dtype = self.parts.embed.weight.dtype
+        keys = torch.zeros((*shape, key_dim), dtype=dtype, device=ids.device)
+        values = torch.zeros((*shape, value_dim), dtype=dtype, device=ids.device)
 
         x = self.parts.embed(ids.view(-1))  # [P * W, H]
         last = len(self.parts.layers) - 1
         for index, layer in enumerate(self.parts.layers):
-            q, k, v = self._qkv(index, layer.attention_norm(x), cos, sin)
-            keys[index, :, :, :width] = k.view(prompts, width, kv_heads, head_dim).transpose(1, 2)
-            values[index, :, :, :width] = v.view(prompts, width, kv_heads, head_dim).transpose(1, 2)
-            q = q.view(prompts, width, kv_heads, groups, head_dim)
+            q, k, v = layer.project(layer.attention_norm(x), rope)
+            keys[index, :, :, :width] = k.view(prompts, width, kv_heads, key_dim).transpose(1, 2)
+            values[index, :, :, :width] = v.view(prompts, width, kv_heads, value_dim).transpose(1, 2)
+            q = q.view(prompts, width, kv_heads, groups, key_dim)
+            bias = biases[layer.window]
+            if bias is None:  # [P, W, W], per distinct window
+                bias = biases[layer.window] = self._windowed(index, position, sees)
             if index == last:
                 # Past the last layer's keys and values only the last position matters (its logits): the rest
                 # of the layer runs on it alone (token by token arithmetic: the same values).
                 q, bias, x = q[:, -1:], bias[:, -1:], x.view(prompts, width, -1)[:, -1]
             queries = q.shape[1]
-            q = q.transpose(1, 2).reshape(-1, queries * groups, head_dim)
+            q = q.transpose(1, 2).reshape(-1, queries * groups, key_dim)
             columns = (
-                keys[index].view(-1, width + room, head_dim)[:, :width],
-                values[index].view(-1, width + room, head_dim)[:, :width],
+                keys[index].view(-1, width + room, key_dim)[:, :width],
+                values[index].view(-1, width + room, value_dim)[:, :width],
             )
-            out = self._attend(q, *columns, bias).view(prompts, kv_heads, queries, groups, head_dim)
+            out = self._attend(q, *columns, bias, layer.sinks).view(prompts, kv_heads, queries, groups, value_dim)
             x = x + layer.out(out.transpose(1, 2).reshape(x.shape[0], -1))
             x = self._mlp(index, x)
         prompt_bias = torch.zeros(valid.shape, device=ids.device).masked_fill_(~valid, float("-inf"))
@@ -651,23 +677,25 @@ class Decoder:
         """tokens [B] -> next-token logits [B, V] float32; appends the tokens to the batch."""
         if isinstance(batch, RowBatch):
             return self._row_step(tokens, batch)
-        rows, head_dim, kv_heads, groups = tokens.shape[0], self.head_dim, self.kv_heads, self.groups
+        rows, kv_heads, groups = tokens.shape[0], self.kv_heads, self.groups
+        key_dim, value_dim = self.key_dim, self.value_dim
         node = batch.add_nodes()
-        bias = batch.attention_bias()  # [P, slots, used]
-        cos, sin = self._rope(batch.position)
+        biases = {window: batch.attention_bias(window) for window in {layer.window for layer in self.parts.layers}}
+        rope = self.parts.rotary(batch.position)
 
         x = self.parts.embed(tokens)  # [B, H]
         for index, layer in enumerate(self.parts.layers):
-            q, k, v = self._qkv(index, layer.attention_norm(x), cos, sin)
-            keys, values = batch.keys[index], batch.values[index]  # [P, kv, N, D]
-            keys.view(-1, head_dim).index_copy_(0, node, k.reshape(-1, head_dim))
-            values.view(-1, head_dim).index_copy_(0, node, v.reshape(-1, head_dim))
+            q, k, v = layer.project(layer.attention_norm(x), rope)
+            keys, values = batch.keys[index], batch.values[index]  # [P, kv, N, Dk | Dv]
+            keys.view(-1, key_dim).index_copy_(0, node, k.reshape(-1, key_dim))
+            values.view(-1, value_dim).index_copy_(0, node, v.reshape(-1, value_dim))
             capacity = keys.shape[2]
             columns = (
-                keys.view(-1, capacity, head_dim)[:, : batch.used],
-                values.view(-1, capacity, head_dim)[:, : batch.used],
+                keys.view(-1, capacity, key_dim)[:, : batch.used],
+                values.view(-1, capacity, value_dim)[:, : batch.used],
             )
-            out = self._attend(batch.to_grid(q.view(rows, kv_heads, groups, head_dim)), *columns, bias)
+            bias = biases[layer.window]  # [P, slots, used]
+            out = self._attend(batch.to_grid(q.view(rows, kv_heads, groups, key_dim)), *columns, bias, layer.sinks)
             x = x + layer.out(batch.from_grid(out, kv_heads).view(rows, -1))
             x = self._mlp(index, x)
         batch.position += 1
@@ -677,7 +705,7 @@ class Decoder:
         """Room for a RowBatch's generated tokens: more than `length`, at least 8, and enough that the per-row
         attention products stay above SMALL_PRODUCT multiply-adds."""
         capacity = 8
-        while capacity <= length or self.groups * self.head_dim * capacity <= SMALL_PRODUCT:
+        while capacity <= length or self.groups * self.key_dim * capacity <= SMALL_PRODUCT:
             capacity *= 2
         return capacity
 
@@ -685,29 +713,36 @@ class Decoder:
         """Decoder.step on a RowBatch: attention in two parts under one softmax, against the shared prompt
         keys (one product per prompt and kv head via the grid) and against the row's own keys (one small
         product per row and kv head)."""
-        rows, head_dim, kv_heads, groups = tokens.shape[0], self.head_dim, self.kv_heads, self.groups
+        rows, kv_heads, groups = tokens.shape[0], self.kv_heads, self.groups
+        key_dim, value_dim = self.key_dim, self.value_dim
         batch.make_room()
         slot, seen = batch.length, batch.length + 1
         prompts, width = batch.prompt_bias.shape
-        cos, sin = self._rope(batch.position)
+        rope = self.parts.rotary(batch.position)
+        biases = {window: batch.window_bias(window) for window in {layer.window for layer in self.parts.layers}}
 
         x = self.parts.embed(tokens)  # [B, H]
         for index, layer in enumerate(self.parts.layers):
-            q, k, v = self._qkv(index, layer.attention_norm(x), cos, sin)
-            q = q.view(rows, kv_heads, groups, head_dim)
+            q, k, v = layer.project(layer.attention_norm(x), rope)
+            q = q.view(rows, kv_heads, groups, key_dim)
             batch.keys[index, :, :, :, slot] = k
             batch.values[index, :, :, slot] = v
             capacity = batch.values.shape[3]
-            own_keys = batch.keys[index].view(rows * kv_heads, head_dim, capacity)  # zeros beyond `seen`
-            own_values = batch.values[index].view(rows * kv_heads, capacity, head_dim)
-            prompt_keys = batch.prompt_keys[index].view(prompts * kv_heads, head_dim, width)
-            prompt_values = batch.prompt_values[index].view(prompts * kv_heads, width, head_dim)
+            own_keys = batch.keys[index].view(rows * kv_heads, key_dim, capacity)  # zeros beyond `seen`
+            own_values = batch.values[index].view(rows * kv_heads, capacity, value_dim)
+            prompt_keys = batch.prompt_keys[index].view(prompts * kv_heads, key_dim, width)
+            prompt_values = batch.prompt_values[index].view(prompts * kv_heads, width, value_dim)
 
             # Scores [B, kv, g, W + seen] against the prompt (via the grid) and the row's own tokens.
             to_prompt = batch.from_grid(torch.bmm(batch.to_grid(q), prompt_keys), kv_heads)
-            to_own = torch.bmm(q.view(rows * kv_heads, groups, head_dim), own_keys)[:, :, :seen]
-            to_prompt = to_prompt.add_(batch.row_bias[:, None, None, :])
-            weights = torch.softmax(torch.cat([to_prompt, to_own.view(rows, kv_heads, groups, seen)], dim=-1), dim=-1)
+            to_own = torch.bmm(q.view(rows * kv_heads, groups, key_dim), own_keys)[:, :, :seen]
+            row_bias, own_bias = biases[layer.window]
+            to_prompt = to_prompt.add_(row_bias[:, None, None, :])
+            to_own = to_own.view(rows, kv_heads, groups, seen)
+            if own_bias is not None:
+                to_own = to_own + own_bias
+            scores = torch.cat([to_prompt, to_own], dim=-1)  # [B, kv, g, W + seen]
+            weights = self._softmax(scores.unsqueeze(2), layer.sinks).squeeze(2)
             from_prompt = torch.bmm(batch.to_grid(weights[..., :width]), prompt_values)
             # Own keys and values are used up to the capacity (zero scores and weights beyond `seen`): whole
             # contiguous blocks, and products too big for PyTorch's slow path for tiny matrices (SMALL_PRODUCT).
@@ -722,23 +757,31 @@ class Decoder:
 
     def _experts(self, block: SparseMoeBlock, index: int, hidden: torch.Tensor) -> torch.Tensor:
         """The MoE block on hidden [T, H]: route, run each expert once on its tokens, combine the top-k."""
-        gate_up, down = self.experts[index]
+        fused = self.experts[index]
         _, topk_idx, topk_weight = block.route(hidden)
         num_tokens, top_k = topk_idx.shape
         order, inverse, counts = group_by_expert(topk_idx.reshape(-1), block.num_experts)  # slots by expert
         routed = hidden.index_select(0, order // top_k)
         out = torch.empty_like(routed)
-        inner = down[0].shape[0]
-        start = 0
-        for expert, count in enumerate(counts.tolist()):
-            if count:
-                act = torch.mm(routed[start : start + count], gate_up[expert])
-                torch.mm(F.silu(act[:, :inner]).mul_(act[:, inner:]), down[expert], out=out[start : start + count])
-                start += count
+        if fused is None:  # another kind of experts: its own forward over the grouped rows
+            experts = block.local_experts()
+            arithmetic = experts[0].arithmetic  # type: ignore[union-attr]
+            weights = [w for expert in experts for w in expert.expert_weights()]  # type: ignore[operator]
+            arithmetic.forward(routed, expert_spans(counts.tolist()), arithmetic.fuse(weights), out)
+        else:
+            gate_up, down = fused
+            inner = down[0].shape[0]
+            start = 0
+            for expert, count in enumerate(counts.tolist()):
+                if count:
+                    act = torch.mm(routed[start : start + count], gate_up[expert])
+                    torch.mm(F.silu(act[:, :inner]).mul_(act[:, inner:]), down[expert], out=out[start : start + count])
+                    start += count
         # Back to token order [T, k, H], then the weighted sum over the k slots (no atomics: deterministic).
         per_slot = out.index_select(0, inverse).view(num_tokens, top_k, -1)
         weight = topk_weight.to(per_slot.dtype)
         combined = per_slot[:, 0] * weight[:, :1]
         for j in range(1, top_k):
             combined = torch.addcmul(combined, per_slot[:, j], weight[:, j : j + 1])
-        return combined
+        shared = block.shared_output(hidden)
+        return combined if shared is None else combined + shared

@@ -1,5 +1,5 @@
 """Bring a live engine to a policy version: the version's dir from the node's cache, by deltas or in full, then
-the engine's in-place update (issue 21; used by the rollout server, steps/experience/rollout_service.py).
+the engine's in-place update (issue 21; used by the rollout server, steps/experience/rollout_server.py).
 
     sync = WeightSync(run)                      # cache: $MOERL_NODE_CACHE, else <tmp>/moerl-node-cache
     result = sync.bring(engine, held=3, wanted=5)

@@ -12,22 +12,14 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from steps.expert_parallel.timing import CommTimer
-from steps.models.moe import (
-    SlotOrder,
-    SwiGLURows,
-    expert_spans,
-    fuse_expert_weights,
-    split_expert_grads,
-    swiglu_backward_input,
-    swiglu_backward_weights,
-    swiglu_forward,
-)
+from steps.models.moe import ExpertArithmetic, SlotOrder, expert_arithmetic, expert_spans
 
 
 class AllToAllDispatch:
@@ -53,8 +45,9 @@ class AllToAllDispatch:
     Four row exchanges and one counts exchange per layer and micro-batch, each overlapped with expert work;
     the own block is never sent to itself. The number of exchanges does not depend on the number of experts:
     few, large messages, which is what a latency-bound transport (gloo on loopback) needs. The experts are
-    the model's `SwiGLUExpert`s; the Function computes their forward and backward from their weights with
-    steps.models.moe's swiglu_forward / swiglu_backward_input / swiglu_backward_weights (the one implementation).
+    the model's `RoutedExpert`s; the Function computes their forward and backward from their weights with their
+    kind's arithmetic (steps.models.moe ExpertArithmetic: SwiGLU's swiglu_forward / swiglu_backward_input /
+    swiglu_backward_weights, or another kind's; the one implementation of each).
     `expert_rows` counts the (token, expert) rows this rank's experts ran (the bench reports the balance).
     """
 
@@ -91,10 +84,9 @@ class AllToAllDispatch:
             counts_sent = dist.all_to_all_single(recv_counts, slots.counts, group=self.group, async_op=True)
         if len(experts) != self.num_local_experts:
             raise ValueError(f"AllToAllDispatch: {len(experts)} local experts, expected {self.num_local_experts}")
-        weights = []
-        for expert in experts:  # local slot order
-            weights += [p.weight for p in expert.projections()]  # (gate, up, down): SwiGLUExpert
-        return _AllToAllMoe.apply(hidden, topk_weight, self, slots, counts_sent, recv_counts, *weights)
+        arithmetic = expert_arithmetic(experts)
+        weights = [w for expert in experts for w in expert.expert_weights()]  # type: ignore[operator]  # slot order
+        return _AllToAllMoe.apply(hidden, topk_weight, self, slots, counts_sent, recv_counts, arithmetic, *weights)
 
 
 def _exchange_others(
@@ -136,34 +128,41 @@ def _without_block(x: torch.Tensor, block: slice) -> torch.Tensor:
 
 @dataclass
 class _Run:
-    """The experts run on rows [start, end) of a buffer (SwiGLU arithmetic in steps.models.moe), and what their
-    backward needs (`rows`, spans relative to `start`)."""
+    """The experts run on rows [start, end) of a buffer (their kind's arithmetic, steps.models.moe
+    ExpertArithmetic), and what their backward needs (`rows`, spans relative to `start`)."""
 
     start: int
     end: int
-    rows: SwiGLURows
+    rows: Any
 
 
-def _run_experts(x: torch.Tensor, out: torch.Tensor, counts: list[int], start: int, fused: tuple) -> list[_Run]:
+def _run_experts(
+    x: torch.Tensor, out: torch.Tensor, counts: list[int], start: int, fused: Any, arithmetic: ExpertArithmetic
+) -> list[_Run]:
     """out[rows] = the experts on x's rows [start, start + sum(counts)), grouped by expert: counts[j] rows
     for local expert j (the counts of all local experts); one run, or none without rows."""
     end = start + sum(counts)
     if end == start:
         return []
-    rows = swiglu_forward(x[start:end], expert_spans(counts), *fused, out[start:end])
+    rows = arithmetic.forward(x[start:end], expert_spans(counts), fused, out[start:end])
     return [_Run(start, end, rows)]
 
 
-def _backward_input(runs: list[_Run], grad_out: torch.Tensor, grad_x: torch.Tensor, fused: tuple) -> list:
-    """grad_x's rows of each run; returns what the weight gradients need: (run, d_gate_up) per run."""
+def _backward_input(
+    runs: list[_Run], grad_out: torch.Tensor, grad_x: torch.Tensor, fused: Any, arithmetic: ExpertArithmetic
+) -> list:
+    """grad_x's rows of each run; returns what the weight gradients need: (run, saved) per run."""
     return [
-        (r, swiglu_backward_input(r.rows, grad_out[r.start : r.end], *fused, grad_x[r.start : r.end])) for r in runs
+        (r, arithmetic.backward_input(r.rows, grad_out[r.start : r.end], fused, grad_x[r.start : r.end]))
+        for r in runs
     ]
 
 
-def _backward_weights(pending: list, grad_out: torch.Tensor, x: torch.Tensor, grads: list) -> None:
-    for r, d_gate_up in pending:
-        swiglu_backward_weights(r.rows, d_gate_up, grad_out[r.start : r.end], x[r.start : r.end], grads)
+def _backward_weights(
+    pending: list, grad_out: torch.Tensor, x: torch.Tensor, grads: list, arithmetic: ExpertArithmetic
+) -> None:
+    for r, saved in pending:
+        arithmetic.backward_weights(r.rows, saved, grad_out[r.start : r.end], x[r.start : r.end], grads)
 
 
 class _AllToAllMoe(torch.autograd.Function):
@@ -179,6 +178,7 @@ class _AllToAllMoe(torch.autograd.Function):
         slots: SlotOrder,
         counts_sent: dist.Work,
         recv_counts: torch.Tensor,
+        arithmetic: ExpertArithmetic,
         *weights: torch.Tensor,
     ) -> torch.Tensor:
         routed = slots.gather_rows(hidden)  # [T*k, H], grouped by expert, hence by owner
@@ -197,7 +197,7 @@ class _AllToAllMoe(torch.autograd.Function):
         received = routed.new_empty((sum(recv_splits), routed.shape[1]))
         with d.timer.measure(hidden.device):
             sent = _exchange_others(received, own_received, routed, own_rows, recv_splits, send_splits, d)
-        fused = fuse_expert_weights(weights)  # [gate; up] per expert, for this call (weights change per step)
+        fused = arithmetic.fuse(weights)  # e.g. SwiGLU's [gate; up] per expert, for this call (weights change)
         returned = routed.new_empty(routed.shape)  # expert outputs of this rank's slots, grouped by expert
         own_routed, own_returned = routed[own_rows], returned[own_rows]
         # the own experts are split between the two exchanges' waits: experts [0, first) and [first, E/ep),
@@ -207,19 +207,21 @@ class _AllToAllMoe(torch.autograd.Function):
         first = sum(1 for rows_so_far in itertools.accumulate(own_counts) if rows_so_far <= half)
         first_counts = own_counts[:first] + [0] * (len(own_counts) - first)
         last_counts = [0] * first + own_counts[first:]
-        own = _run_experts(own_routed, own_returned, first_counts, 0, fused)
+        own = _run_experts(own_routed, own_returned, first_counts, 0, fused, arithmetic)
         expert_out = torch.empty_like(received)  # outputs of the rows that arrived (own block unused)
         with d.timer.measure(hidden.device):
             sent()
         remote = [
             run for s in range(d.ep_size) if s != me
-            for run in _run_experts(received, expert_out, recv_matrix[s].tolist(), sum(recv_splits[:s]), fused)
+            for run in _run_experts(
+                received, expert_out, recv_matrix[s].tolist(), sum(recv_splits[:s]), fused, arithmetic
+            )
         ]  # fmt: skip
 
         # the outputs go back (all but the own block) while the rest of the own experts run
         with d.timer.measure(hidden.device):
             back = _exchange_others(returned, own_rows, expert_out, own_received, send_splits, recv_splits, d)
-        own += _run_experts(own_routed, own_returned, last_counts, sum(first_counts), fused)
+        own += _run_experts(own_routed, own_returned, last_counts, sum(first_counts), fused, arithmetic)
         d.expert_rows += sum(r.end - r.start for r in own + remote)
         with d.timer.measure(hidden.device):
             back()
@@ -227,6 +229,7 @@ class _AllToAllMoe(torch.autograd.Function):
 
         ctx.save_for_backward(routed, received, per_choice, choice_weights)
         ctx.d, ctx.slots, ctx.own, ctx.remote, ctx.fused = d, slots, own, remote, fused  # type: ignore[attr-defined]
+        ctx.arithmetic = arithmetic  # type: ignore[attr-defined]
         ctx.splits, ctx.own_slices = (send_splits, recv_splits), (own_rows, own_received)  # type: ignore[attr-defined]
         ctx.weight_dtype = topk_weight.dtype  # type: ignore[attr-defined]
         return out
@@ -240,7 +243,8 @@ class _AllToAllMoe(torch.autograd.Function):
         own_rows, own_received = ctx.own_slices  # type: ignore[attr-defined]
         own_runs, remote_runs, fused = ctx.own, ctx.remote, ctx.fused  # type: ignore[attr-defined]
         weight_dtype = ctx.weight_dtype  # type: ignore[attr-defined]
-        grads: list[torch.Tensor | None] = [None] * (2 * len(fused[1]))  # ([gate; up], down) per expert
+        arithmetic: ExpertArithmetic = ctx.arithmetic  # type: ignore[attr-defined]
+        grads: list[torch.Tensor | None] = [None] * arithmetic.grad_slots(d.num_local_experts)
 
         # The combine's gradient goes to the owners while the own experts run backward on their own slots.
         grad_returned, grad_topk_weight = slots.combine_rows_backward(grad, per_choice, choice_weights)
@@ -251,18 +255,19 @@ class _AllToAllMoe(torch.autograd.Function):
             )
         grad_routed = torch.empty_like(routed)
         own_grad_returned = grad_returned[own_rows]
-        own = _backward_input(own_runs, own_grad_returned, grad_routed[own_rows], fused)
-        _backward_weights(own, own_grad_returned, routed[own_rows], grads)
+        own = _backward_input(own_runs, own_grad_returned, grad_routed[own_rows], fused, arithmetic)
+        _backward_weights(own, own_grad_returned, routed[own_rows], grads, arithmetic)
         with d.timer.measure(grad.device):
             sent()
 
         # The arrived rows' input gradients go back while their weight gradients are computed.
         grad_received = torch.empty_like(received)  # own block unused
-        remote = _backward_input(remote_runs, grad_expert_out, grad_received, fused)
+        remote = _backward_input(remote_runs, grad_expert_out, grad_received, fused, arithmetic)
         with d.timer.measure(grad.device):
             back = _exchange_others(grad_routed, own_rows, grad_received, own_received, send_splits, recv_splits, d)
-        _backward_weights(remote, grad_expert_out, received, grads)
+        _backward_weights(remote, grad_expert_out, received, grads, arithmetic)
         with d.timer.measure(grad.device):
             back()
         grad_hidden = slots.gather_rows_backward(grad_routed)
-        return grad_hidden, grad_topk_weight.to(weight_dtype), None, None, None, None, *split_expert_grads(grads)
+        grad_weights = arithmetic.split_grads(grads)
+        return grad_hidden, grad_topk_weight.to(weight_dtype), None, None, None, None, None, *grad_weights

@@ -40,6 +40,55 @@ def import_deep_ep() -> object:
     return deep_ep
 
 
+# The shapes DeepEP's normal (ElasticBuffer) kernels take, at the trainer image's pin (DeepEP dd758ca,
+# images/versions.env DEEPEP_COMMIT). hidden, num_topk and num_experts are template arguments of the
+# JIT-compiled kernels, so a shape outside these fails the static asserts when the first dispatch compiles
+# (or a host/device assert), deep inside a run; check_deepep_shape says so before the buffer is made.
+DEEPEP_HIDDEN_MULTIPLE = 256  # deep_ep/include/deep_ep/impls/combine.cuh:109 (hybrid_combine.cuh:219 across
+# nodes): EP_STATIC_ASSERT(kHidden % (32 * sizeof(int4) / sizeof(nv_bfloat16)) == 0, "Invalid hidden"), i.e.
+# 32 lanes x 8 bf16; it implies the 32-byte TMA row of common/layout.cuh:198 (ptx.cuh:16 kNumTMAAlignBytes)
+# and csrc/elastic/buffer.hpp:755's 16-byte rows.
+DEEPEP_MAX_TOPK = 32  # impls/dispatch.cuh:93, dispatch_copy_epilogue.cuh:97, combine_reduce_epilogue.cuh:65:
+# EP_STATIC_ASSERT(kNumTopk <= 32) (one lane per selection); combine_utils.cuh:71 kNumValidTopk > 0
+DEEPEP_MAX_EXPERTS = 2048  # common/layout.cuh:20 kNumMaxExperts, asserted at :39
+DEEPEP_MAX_EXPERTS_PER_RANK = 256  # common/layout.cuh:21 kNumMaxExpertsPerRank, asserted at :40
+DEEPEP_MAX_RANKS = 1024  # common/layout.cuh:19 kNumMaxRanks, asserted at :38
+
+
+def check_deepep_shape(hidden_size: int, num_experts: int, top_k: int, ep_size: int) -> None:
+    """One MoerlError, naming DeepEP's limit, for a model shape (experts counted as the slots DeepEP sees) and
+    EP group size that DeepEP's normal kernels cannot take; nothing otherwise (see DEEPEP_* above).
+    num_experts % ep_size: csrc/elastic/buffer.hpp:805 EP_HOST_ASSERT(num_experts % num_ranks == 0)
+    (also common/layout.cuh:37, impls/dispatch.cuh:47)."""
+    fix = "set trainer.ep_backend: alltoall (no such limit)"
+    problems = []
+    if hidden_size <= 0 or hidden_size % DEEPEP_HIDDEN_MULTIPLE:
+        problems.append(
+            f"hidden_size {hidden_size} is not a multiple of {DEEPEP_HIDDEN_MULTIPLE} (DeepEP's combine moves a "
+            "token's bf16 row 32 lanes x 8 values at a time: deep_ep/include/deep_ep/impls/combine.cuh:109)"
+        )
+    if not 1 <= top_k <= DEEPEP_MAX_TOPK:
+        problems.append(f"top_k {top_k} is outside 1..{DEEPEP_MAX_TOPK} (one warp lane per selection: "
+                        "deep_ep/include/deep_ep/impls/dispatch.cuh:93)")  # fmt: skip
+    if not 1 <= ep_size <= DEEPEP_MAX_RANKS:
+        problems.append(f"ep_size {ep_size} is outside 1..{DEEPEP_MAX_RANKS} (deep_ep/include/deep_ep/common/"
+                        "layout.cuh:38)")  # fmt: skip
+    elif num_experts % ep_size:
+        problems.append(f"{num_experts} experts do not split evenly over ep_size {ep_size} "
+                        "(csrc/elastic/buffer.hpp:805); choose an ep_size that divides them")  # fmt: skip
+    elif num_experts // ep_size > DEEPEP_MAX_EXPERTS_PER_RANK:
+        problems.append(f"{num_experts // ep_size} experts a rank exceed DeepEP's {DEEPEP_MAX_EXPERTS_PER_RANK} "
+                        "(deep_ep/include/deep_ep/common/layout.cuh:40); use a larger ep_size")  # fmt: skip
+    if num_experts > DEEPEP_MAX_EXPERTS:
+        problems.append(f"{num_experts} experts exceed DeepEP's {DEEPEP_MAX_EXPERTS} "
+                        "(deep_ep/include/deep_ep/common/layout.cuh:39)")  # fmt: skip
+    if problems:
+        raise MoerlError(
+            f"trainer.ep_backend 'deepep' (DeepEP dd758ca): this model's MoE shape does not fit DeepEP's "
+            f"kernels: {'; '.join(problems)}; {fix}"
+        )
+
+
 # What DeepEP would otherwise detect for its SM model, on p5en (H200 + EFA): get_rdma_gbs() parses `ibstat`
 # for an mlx5_0 NIC, finds none on EFA, returns 0 and DeepEP divides by it as soon as the group spans two
 # nodes (ZeroDivisionError; upstream fix only in the open PR deepseek-ai/DeepEP#612); get_nvlink_gbs() runs

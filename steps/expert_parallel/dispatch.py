@@ -12,7 +12,7 @@ import os
 
 from steps.errors import MoerlError
 from steps.expert_parallel.alltoall import AllToAllDispatch
-from steps.expert_parallel.deepep import DeepEPDispatch
+from steps.expert_parallel.deepep import DeepEPDispatch, check_deepep_shape
 from steps.expert_parallel.mesh import Mesh
 from steps.expert_parallel.timing import CommTimer
 from steps.models.moe import ExpertDispatch, LocalDispatch
@@ -57,6 +57,7 @@ def make_dispatch(
             "trainer.ep_backend 'deepep' needs CUDA GPUs (DeepEP is GPU-only); run the trainer on GPU nodes "
             "or set trainer.ep_backend: alltoall"
         )
+    check_deepep_shape(hidden_size, num_experts, top_k, mesh.ep_size)
     if ep_group_within_node(mesh):
         # NVLink only: DeepEP's non-Gin path, so that an EP group inside a node needs neither the OFI
         # plugin's GIN nor GDRCopy's /dev/gdrdrv (DeepEP asserts GIN for any group of 2+ ranks otherwise).
@@ -68,7 +69,7 @@ def make_dispatch(
 
 class HeldDispatch:
     """The dispatcher that a trainer that stays up keeps from one update to the next
-    (steps/training/trainer_service.py).
+    (steps/training/trainer_server.py).
 
     Made once: a DeepEP buffer registers its NCCL window and exchanges its handles across the EP group when
     it is made, and a process that made one per update would pay that each time and hold the old window

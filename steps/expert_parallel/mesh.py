@@ -12,7 +12,6 @@ Gradients (`sync_gradients`): each rank's loss is scaled to be its estimate of t
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -21,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from steps.errors import MoerlError
+from steps.models.placement import is_expert_param
 
 # ----------------------------------------------------------------------------------------------------
 # The mesh
@@ -103,15 +103,6 @@ def build_mesh(rank: int, world_size: int, ep_size: int, device: torch.device) -
 # ----------------------------------------------------------------------------------------------------
 # Gradients
 # ----------------------------------------------------------------------------------------------------
-
-
-_EXPERT_PARAM = re.compile(r"(^|\.)experts\.\d+\.")
-
-
-def is_expert_param(name: str) -> bool:
-    """A routed expert's parameter: `<...>.experts.17.<projection>.weight`, the experts of a SparseMoeBlock (or
-    `experts.17...` inside a bare block), whatever the family names the block and the projections."""
-    return _EXPERT_PARAM.search(name) is not None
 
 
 def _split_params(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:

@@ -7,6 +7,7 @@ checkpoint validates in seconds (steps.models.hf_checkpoint.check_checkpoint doe
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ from steps.models.hf_checkpoint import (
     check_checkpoint,
     checkpoint_dtype,
     declared_dtype,
+    dropped_tensors,
     read_config_json,
     tensor_index,
 )
@@ -54,11 +56,15 @@ def check_tokenizer(directory: Path, config: Any) -> None:
         )
 
 
-def check_finite(directory: Path) -> None:
-    """Every weight is finite: a NaN or inf in the SFT policy would poison every rollout and update.
+def check_finite(directory: Path, skip: Iterable[str] = ()) -> None:
+    """Every weight is finite (but the tensors in `skip`): a NaN or inf in the SFT policy would poison every
+    rollout and update.
 
     Reads one tensor at a time, so memory stays at the largest tensor whatever the checkpoint's size."""
+    skipped = set(skip)
     for name, entry in tensor_index(directory).items():
+        if name in skipped:
+            continue
         with safe_open(entry.file, framework="pt") as f:
             if not torch.isfinite(f.get_tensor(name)).all():
                 raise MoerlError(
@@ -67,11 +73,16 @@ def check_finite(directory: Path) -> None:
                 )
 
 
-def validate_checkpoint_dir(directory: Path) -> Any:
-    """Check that `directory` is a complete Qwen3-MoE checkpoint moerl can train; return its config."""
+def validate_checkpoint_dir(directory: Path, say: Callable[[str], None] = print) -> Any:
+    """Check that `directory` is a complete checkpoint of a family moerl can train; return its config. Tensors its
+    family drops on import (multi-token-prediction layers) are said, in one line."""
     config = check_checkpoint(directory)
     check_tokenizer(directory, config)
-    check_finite(directory)
+    dropped = dropped_tensors(config, tensor_index(directory))
+    if dropped:
+        reasons = sorted(set(dropped.values()))
+        say(f"{directory}: {len(dropped)} tensors dropped on import ({'; '.join(reasons)}), e.g. {min(dropped)}")
+    check_finite(directory, skip=dropped)
     return config
 
 

@@ -20,12 +20,16 @@ from torch import nn
 if TYPE_CHECKING:
     from steps.models.placement import ExpertPlacement
 
-# How a family's layers attend, and how its MoE layers route. One kind each today; the spec names them so that
-# the torch engine picks the decoder of the kind (and refuses a kind it has none for), and so that MLA, gated
-# DeltaNet linear attention, DeepSeek sparse attention, or sigmoid routing with a correction bias and group-limited
-# top-k come as new kinds beside these, each a shared component used by every family that has it.
-AttentionKind = Literal["softmax_kv_cache"]  # softmax attention over a key/value cache (GQA, RoPE, q/k norm)
-RouterKind = Literal["softmax_topk"]  # softmax over all experts in fp32, top-k, optional renormalisation
+# How a family's layers attend, and how its MoE layers route. The spec names them so that the torch engine picks
+# the decoder of the kind (and refuses a kind it has none for), and so that gated DeltaNet linear attention or
+# DeepSeek sparse attention come as new kinds beside these, each a shared component used by every family that has
+# it. Softmax attention over a key/value cache covers GQA with or without q/k norms, partial rotary, and multi-head
+# latent attention (its keys and values materialised per head; keys wider than values).
+AttentionKind = Literal["softmax_kv_cache"]
+# softmax_topk: softmax over all experts in fp32, top-k, optional renormalisation (Qwen3-MoE, Qwen2-MoE, Mixtral);
+# sigmoid_group_topk: sigmoid scores, a selection-only correction bias, group-limited top-k (DeepSeek-V3, GLM-4.5);
+# topk_softmax: a router with a bias, top-k of its logits, softmax over the k chosen (gpt-oss)
+RouterKind = Literal["softmax_topk", "sigmoid_group_topk", "topk_softmax"]
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -58,6 +62,20 @@ class FamilyConfig(Protocol):
     def from_hf_dict(cls, d: dict[str, Any], source: str = ...) -> Any: ...
 
 
+@dataclass(frozen=True)
+class FusedExperts:
+    """One checkpoint tensor that holds every routed expert of a MoE layer, stacked along `dim` (gpt-oss's fused
+    gate-and-up projection of a layer's experts, [E, H, 2I]): expert e's slice (index e along `dim`) is the model's
+    tensor experts[e]. An EP rank holds only some of the slices: the candidate writer gathers them (steps/training/
+    candidate_writer.py), the loader reads only the rank's (steps/models/hf_checkpoint.py load_pretrained)."""
+
+    name: str  # the checkpoint's tensor name
+    moe_layer: int  # which MoE layer (counting the MoE layers: an ExpertPlacement's layer)
+    experts: tuple[str, ...]  # the model's name of expert e's slice, e = 0 .. E-1
+    shape: tuple[int, ...]  # the fused tensor's shape (E at `dim`)
+    dim: int = 0
+
+
 class StateDictAdapter(Protocol):
     """A family's Hugging Face tensor names: the only place they are written (torchtitan's StateDictAdapter).
 
@@ -83,20 +101,45 @@ class StateDictAdapter(Protocol):
         """Checkpoint names -> model state_dict names."""
         ...
 
+    def dropped_on_import(self, cfg: Any, name: str) -> str | None:
+        """Why a checkpoint tensor outside expected_shapes is skipped when the checkpoint is read (e.g. a
+        multi-token-prediction layer the model does not have), or None: such a tensor is then refused."""
+        ...
+
+    def fused_experts(self, cfg: Any) -> list[FusedExperts]:
+        """The checkpoint tensors that each hold all of a MoE layer's experts (FusedExperts), in checkpoint
+        order; [] for a family that stores one tensor per expert (to_hf/from_hf then map an EP rank's experts
+        on their own)."""
+        ...
+
+
+class DecodeProjection(Protocol):
+    """One layer's queries, keys and values for the torch engine's decoder: x [T, H] (normed) and the rotary
+    tables of its tokens (DecodeModel.rotary) -> q [T, heads, Dk] already multiplied by the attention's scale,
+    k [T, kv_heads, Dk], v [T, kv_heads, Dv], normed and rotated as the family's forward does. A projection that
+    keeps fused copies of weights recomputes them in refresh (after an in-place weight update)."""
+
+    def __call__(self, x: torch.Tensor, rope: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+
+    def refresh(self) -> None: ...
+
 
 @dataclass(frozen=True)
 class DecodeLayer:
     """One decoder layer of softmax attention over a KV cache, as the torch engine's decoder reads it:
-    x + out(attention(attention_norm(x))), then x + mlp(mlp_norm(x))."""
+    x + out(attention(project(attention_norm(x)))), then x + mlp(mlp_norm(x)).
+
+    sinks: per query head [heads], an extra logit in each head's softmax whose weight is then dropped
+    (gpt-oss's attention sinks); None: none. window: a key is seen from a query only if key position > query
+    position - window (a sliding window, as transformers' sliding_window_overlay); None: every earlier key."""
 
     attention_norm: nn.Module
-    qkv: tuple[nn.Linear, nn.Linear, nn.Linear]  # the q, k and v projections (the decoder fuses them)
-    query_norm: nn.Module  # per head, before RoPE
-    key_norm: nn.Module
-    scaling: float  # the attention scores' scale
+    project: DecodeProjection
     out: nn.Module  # the output projection
     mlp_norm: nn.Module
     mlp: nn.Module  # a SparseMoeBlock (steps/models/moe.py), or a dense SwiGLUExpert
+    sinks: torch.Tensor | None = None
+    window: int | None = None
 
 
 @dataclass(frozen=True)
@@ -108,10 +151,11 @@ class DecodeModel:
     layers: list[DecodeLayer]
     norm: nn.Module
     output: nn.Parameter  # the output projection's weight [V, H] (the embedding's when they are tied)
+    rotary: Callable[[torch.Tensor], Any]  # token positions [T] -> the rotary tables the projections read
     num_heads: int
     num_kv_heads: int
-    head_dim: int
-    rope_theta: float
+    key_dim: int  # per head: the cached keys' (and the queries') size
+    value_dim: int  # per head: the cached values' size (multi-head latent attention's differs from the keys')
 
 
 @dataclass(frozen=True)

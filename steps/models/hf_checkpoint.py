@@ -24,12 +24,14 @@ from safetensors.torch import save_file
 
 from steps.errors import MoerlError
 from steps.models.family import dtype_name
-from steps.models.placement import check_placement
+from steps.models.moe import kept_in_float32
+from steps.models.placement import check_placement, is_expert_param
 from steps.models.registry import config_from_hf, family_of
 
 if TYPE_CHECKING:
     from torch import nn
 
+    from steps.models.family import FusedExperts
     from steps.models.placement import ExpertPlacement
 
 CONFIG_NAME = "config.json"
@@ -166,8 +168,16 @@ def _check_float(name: str, entry: TensorEntry) -> None:
         )
 
 
+def dropped_tensors(cfg: Any, entries: dict[str, TensorEntry] | Iterable[str]) -> dict[str, str]:
+    """The checkpoint's tensors its family skips on import (name -> why: multi-token-prediction layers)."""
+    adapter = family_of(cfg).state_dict_adapter
+    dropped = {name: adapter.dropped_on_import(cfg, name) for name in entries}
+    return {name: why for name, why in dropped.items() if why is not None}
+
+
 def check_tensors(cfg: Any, entries: dict[str, TensorEntry], directory: str | os.PathLike) -> None:
-    """Every expected tensor present with the config's shape and a float dtype; nothing unexpected."""
+    """Every expected tensor present with the config's shape and a float dtype; nothing unexpected but what the
+    family drops on import (dropped_tensors)."""
     expected = expected_tensor_shapes(cfg)
     for name, shape in expected.items():
         entry = entries.get(name)
@@ -182,7 +192,7 @@ def check_tensors(cfg: Any, entries: dict[str, TensorEntry], directory: str | os
                 "config.json; the weights do not match config.json: re-export the checkpoint"
             )
         _check_float(name, entry)
-    unexpected = sorted(set(entries) - set(expected))
+    unexpected = sorted(set(entries) - set(expected) - set(dropped_tensors(cfg, entries)))
     if unexpected:
         name = unexpected[0]
         raise MoerlError(
@@ -218,6 +228,8 @@ def weights_dtype(config: dict[str, Any], entries: dict[str, TensorEntry], sourc
     stored: dict[str, list[str]] = {}
     for name, entry in sorted(entries.items()):
         _check_float(name, entry)
+        if kept_in_float32(name) and entry.dtype == "F32":
+            continue  # float32 beside any weights' dtype (steps/models/moe.py kept_in_float32)
         stored.setdefault(entry.dtype, []).append(name)
     if not stored:
         raise MoerlError(f"{source}: the checkpoint holds no tensors; re-export it with save_pretrained")
@@ -242,14 +254,20 @@ def weights_dtype(config: dict[str, Any], entries: dict[str, TensorEntry], sourc
 
 def checkpoint_dtype(directory: str | os.PathLike) -> torch.dtype:
     """The dtype a checkpoint's weights are stored in (see weights_dtype); reads config.json and headers only."""
-    return weights_dtype(read_config_json(directory), tensor_index(directory), str(directory))
+    entries = tensor_index(directory)
+    dropped = dropped_tensors(load_config(directory), entries)
+    kept = {name: entry for name, entry in entries.items() if name not in dropped}
+    return weights_dtype(read_config_json(directory), kept, str(directory))
 
 
 def _checked(directory: str | os.PathLike) -> tuple[Any, dict[str, TensorEntry], torch.dtype]:
-    """(config, tensor index, stored dtype) of a checkpoint whose config and tensor headers all check out."""
+    """(config, tensor index without the dropped tensors, stored dtype) of a checkpoint whose config and tensor
+    headers all check out."""
     cfg = load_config(directory)
     entries = tensor_index(directory)
     check_tensors(cfg, entries, directory)
+    dropped = dropped_tensors(cfg, entries)
+    entries = {name: entry for name, entry in entries.items() if name not in dropped}
     return cfg, entries, weights_dtype(read_config_json(directory), entries, str(directory))
 
 
@@ -278,6 +296,38 @@ def load_state_dict_from_dir(
     return state
 
 
+def _runs(ids: Iterable[int]) -> list[tuple[int, int]]:
+    """Sorted ids as [start, stop) runs of consecutive ids: [0, 1, 3] -> [(0, 2), (3, 4)]."""
+    runs: list[tuple[int, int]] = []
+    for i in sorted(ids):
+        if runs and runs[-1][1] == i:
+            runs[-1] = (runs[-1][0], i + 1)
+        else:
+            runs.append((i, i + 1))
+    return runs
+
+
+def read_expert_rows(
+    entries: dict[str, TensorEntry], fused: Iterable[FusedExperts], placement: ExpertPlacement, ep_rank: int
+) -> dict[str, torch.Tensor]:
+    """EP rank ep_rank's slices of the checkpoint's fused expert tensors (FusedExperts), under the model's names:
+    only the rows of the experts the placement gives it are read from disk (safetensors slices, one read per run
+    of consecutive expert ids), never the whole tensor."""
+    by_file: dict[Path, list[FusedExperts]] = {}
+    for f in fused:
+        by_file.setdefault(entries[f.name].file, []).append(f)
+    out: dict[str, torch.Tensor] = {}
+    for path, tensors in by_file.items():
+        with safe_open(path, framework="pt") as handle:
+            for f in tensors:
+                stored = handle.get_slice(f.name)
+                for start, stop in _runs(placement.held(f.moe_layer, ep_rank)):
+                    rows = stored[(slice(None),) * f.dim + (slice(start, stop),)]
+                    for i, expert in enumerate(range(start, stop)):
+                        out[f.experts[expert]] = rows.select(f.dim, i)
+    return out
+
+
 def load_pretrained(
     directory: str | os.PathLike,
     dtype: torch.dtype | None = torch.float32,
@@ -290,13 +340,27 @@ def load_pretrained(
 
     The whole checkpoint is validated first (config, every tensor's presence, shape and dtype, one dtype
     that config.json agrees with, nothing extra); with a placement only the experts EP rank ep_rank holds
-    are then read from disk (by name, from whichever files hold them).
+    are then read from disk (by name, from whichever files hold them; of a tensor that fuses a layer's experts,
+    as gpt-oss's do, only their rows: read_expert_rows).
     """
-    cfg, _, stored = _checked(directory)
+    cfg, entries, stored = _checked(directory)
     check_placement(cfg, placement, ep_rank)
     wanted = expected_tensor_shapes(cfg, placement, ep_rank)
+    experts: dict[str, torch.Tensor] = {}
+    if placement is not None:
+        fused = family_of(cfg).state_dict_adapter.fused_experts(cfg)
+        experts = read_expert_rows(entries, fused, placement, ep_rank)
+        wanted = {name: shape for name, shape in wanted.items() if name not in {f.name for f in fused}}
     state = load_state_dict_from_dir(directory, wanted)
-    return model_from_state(cfg, state, dtype or stored, device, placement, ep_rank)
+    return model_from_state(cfg, state, dtype or stored, device, placement, ep_rank, experts)
+
+
+def parameter_shapes(cfg: Any) -> dict[str, tuple[int, ...]]:
+    """The full model's parameters (every expert), by the model's own names -> shape: what optimizer state is
+    named by (steps/training/optimizer_state.py). Built on the meta device: no memory, whatever the size."""
+    with torch.device("meta"):
+        model = family_of(cfg).build(cfg)
+    return {name: tuple(p.shape) for name, p in model.named_parameters()}
 
 
 def model_from_state(
@@ -306,20 +370,40 @@ def model_from_state(
     device: torch.device | str = "cpu",
     placement: ExpertPlacement | None = None,
     ep_rank: int = 0,
+    experts: dict[str, torch.Tensor] | None = None,
 ) -> nn.Module:
     """The model of `cfg` (its family's; EP rank ep_rank's experts under `placement`) holding copies of `state`'s
     tensors, cast to `dtype`: load_pretrained's last half, and how a trainer that stays up rebuilds its model
-    from the tensors it holds (the same construction, so the same bits)."""
+    from the tensors it holds (the same construction, so the same bits). `experts`: tensors already under the
+    model's names, beside `state`'s checkpoint names (an EP rank's slices of fused expert tensors, read on their
+    own: read_expert_rows)."""
+
     # Always a copy into torch's own (64-byte aligned) memory: a tensor as safetensors hands it over may sit at
     # any offset, and CPU kernels round differently on unaligned data, so the same weights would train other bits.
-    state = {name: t.to(device=device, dtype=dtype, copy=True) for name, t in state.items()}
+    def copied(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {
+            name: t.to(device=device, dtype=torch.float32 if kept_in_float32(name) else dtype, copy=True)
+            for name, t in tensors.items()
+        }
+
+    state, experts = copied(state), copied(experts or {})
     # The meta device skips allocating and initialising weights that are about to be replaced, but its
     # first use imports torch's reference ops (~2 s per process); a small model is cheaper to build plainly.
-    numel = sum(t.numel() for t in state.values())
+    numel = sum(t.numel() for t in (*state.values(), *experts.values()))
     family = family_of(cfg)
     with torch.device("meta") if numel > META_BUILD_MIN_PARAMS else contextlib.nullcontext():
         model = family.build(cfg, placement, ep_rank)
-    model.load_state_dict(family.state_dict_adapter.from_hf(state), strict=True, assign=True)
+    state = family.state_dict_adapter.from_hf(state)
+    twice = sorted(set(state) & set(experts))
+    if twice:
+        raise ValueError(f"tensors given both in the checkpoint's and in the model's names: {twice[:3]}")
+    state.update(experts)
+    if placement is not None:
+        # A fused expert tensor given whole (gpt-oss's, by a caller that read the whole checkpoint) splits into
+        # every expert's slice: keep the experts this rank holds.
+        held = set(model.state_dict())
+        state = {name: t for name, t in state.items() if name in held or not is_expert_param(name)}
+    model.load_state_dict(state, strict=True, assign=True)
     return model
 
 
@@ -334,7 +418,7 @@ def save_pretrained(
     cfg: Any = model.config
     named = family_of(cfg).state_dict_adapter.to_hf(model.state_dict())
     state = {name: t.detach().to("cpu").contiguous() for name, t in named.items()}
-    dtype = next(iter(state.values())).dtype
+    dtype = next(t.dtype for name, t in state.items() if not kept_in_float32(name))
     written: list[Path] = []
 
     shards: list[dict[str, torch.Tensor]] = [{}]

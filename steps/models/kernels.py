@@ -152,9 +152,9 @@ class QKVHeads(torch.autograd.Function):
 def grouped_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    """softmax(q k^T * scale, masked) v for q [B, heads, T, D], k/v [B, kv_heads, S, D], mask [B, 1, T, S]
-    (True: attend) -> [B, heads, T, D]; query head h reads kv head h // (heads / kv_heads), as SDPA with the
-    kv heads repeated. The CPU path of Attention.attend: the queries of a kv head's group are one matrix
+    """softmax(q k^T * scale, masked) v for q [B, heads, T, D], k [B, kv_heads, S, D], v [B, kv_heads, S, Dv],
+    mask [B, 1, T, S] (True: attend) -> [B, heads, T, Dv]; query head h reads kv head h // (heads / kv_heads), as
+    SDPA with the kv heads repeated. The CPU path of Attention.attend: the queries of a kv head's group are one matrix
     against its keys, never expanded; at the demo's sizes (20 tokens, 24-dim heads) SDPA's CPU kernel took
     twice as long, forward and backward (bench/README.md, "update")."""
     bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
@@ -171,18 +171,18 @@ class GroupedAttention(torch.autograd.Function):
         ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float
     ) -> torch.Tensor:
         batch, heads, seq, dim = q.shape
-        kv_heads, keys = k.shape[1], k.shape[2]
+        kv_heads, keys, value_dim = k.shape[1], k.shape[2], v.shape[-1]  # value_dim: MLA's differs from dim
         groups = heads // kv_heads
         # The queries of a kv head's group are one [groups * seq, D] matrix against its keys.
         q3 = q.reshape(batch * kv_heads, groups * seq, dim)
-        k3, v3 = k.reshape(batch * kv_heads, keys, dim), v.reshape(batch * kv_heads, keys, dim)
+        k3, v3 = k.reshape(batch * kv_heads, keys, dim), v.reshape(batch * kv_heads, keys, value_dim)
         scores = torch.bmm(q3, k3.transpose(1, 2))
         grouped = scores.view(batch, kv_heads, groups, seq, keys)
         torch.add(bias[:, :, None], grouped, alpha=scale, out=grouped)  # bias + scale * q k^T, in place
         weights = torch.softmax(scores, dim=-1)
         ctx.save_for_backward(q3, k3, v3, weights)
         ctx.scale, ctx.shapes = scale, (q.shape, k.shape, v.shape)
-        return torch.bmm(weights, v3).view(batch, heads, seq, dim)
+        return torch.bmm(weights, v3).view(batch, heads, seq, value_dim)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -190,8 +190,8 @@ class GroupedAttention(torch.autograd.Function):
         ctx: Any, grad_out: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None, None]:
         q3, k3, v3, weights = ctx.saved_tensors
-        batch_heads, rows, dim = q3.shape
-        grad3 = grad_out.reshape(batch_heads, rows, dim)
+        batch_heads, rows, _ = q3.shape
+        grad3 = grad_out.reshape(batch_heads, rows, v3.shape[-1])
         grad_v = torch.bmm(weights.transpose(1, 2), grad3)
         grad_scores = torch._softmax_backward_data(torch.bmm(grad3, v3.transpose(1, 2)), weights, -1, weights.dtype)
         # beta=0 ignores the (uninitialised) input: scale * (grad_scores @ k), the scale inside the GEMM

@@ -1,6 +1,6 @@
 """Building blocks the families share: RMSNorm, rotary embedding, and softmax attention over a key/value cache
-(the attention kind "softmax_kv_cache", steps/models/family.py): its masks and its arithmetic. A family's layers
-hold the parameters under its own names and call these."""
+(the attention kind "softmax_kv_cache", steps/models/family.py): its masks (causal, after a prompt, sliding
+windows) and its arithmetic. A family's layers hold the parameters under its own names and call these."""
 
 from __future__ import annotations
 
@@ -60,3 +60,42 @@ def attention_mask_for(key_valid: torch.Tensor, start: int, seq: int) -> torch.T
     causal = key_slot <= query_slot
     mask = (causal[None] & key_valid[:, None, :]) | (key_slot == query_slot)[None]
     return mask[:, None]
+
+
+class AttentionMasks:
+    """The boolean attention masks [B, 1, T, S] of one forward: the causal one every layer starts from, and per
+    sliding window the same restricted to keys fewer than `window` positions before the query (as transformers'
+    sliding-window mask: key position > query position - window), built once per window and forward."""
+
+    def __init__(self, base: torch.Tensor, query_positions: torch.Tensor, key_positions: torch.Tensor) -> None:
+        self.base = base
+        self.query_positions, self.key_positions = query_positions, key_positions
+        self._windowed: dict[int, torch.Tensor] = {}
+
+    @classmethod
+    def causal(cls, valid: torch.Tensor, positions: torch.Tensor) -> AttentionMasks:
+        """Tokens valid [B, T] at positions [B, T] attending among themselves (attention_mask_for)."""
+        return cls(attention_mask_for(valid, 0, valid.shape[1]), positions, positions)
+
+    @classmethod
+    def after_prompt(
+        cls,
+        prompt_valid: torch.Tensor,
+        prompt_positions: torch.Tensor,
+        valid: torch.Tensor,
+        positions: torch.Tensor,
+    ) -> AttentionMasks:
+        """Response tokens valid [R, T] attending to their prompt's real tokens [R, P] (all of them: the prompt
+        comes first), then to their own causally: [R, 1, T, P + T]."""
+        sees_prompt = prompt_valid[:, None, None, :].expand(-1, 1, valid.shape[1], prompt_valid.shape[1])
+        base = torch.cat([sees_prompt, attention_mask_for(valid, 0, valid.shape[1])], dim=-1)
+        return cls(base, positions, torch.cat([prompt_positions, positions], dim=1))
+
+    def get(self, window: int | None) -> torch.Tensor:
+        if window is None:
+            return self.base
+        mask = self._windowed.get(window)
+        if mask is None:
+            near = self.key_positions[:, None, None, :] > self.query_positions[:, None, :, None] - window
+            mask = self._windowed[window] = self.base & near
+        return mask

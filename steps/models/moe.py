@@ -18,24 +18,66 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 
-class SwiGLUExpert(nn.Module):
-    """One SwiGLU feed-forward expert: down(silu(gate(x)) * up(x)). A family's subclass creates the three
-    bias-free projections under its checkpoint's names and returns them from `projections`, in the order
-    (gate, up, down). Its forward is the experts' one implementation (run_experts with this expert on all rows)."""
+class ExpertArithmetic(Protocol):
+    """What a kind of expert computes, forward and backward, over rows grouped by expert: every dispatcher
+    (LocalDispatch and DeepEP through run_experts, the all-to-all backend) and the torch engine call these and
+    nothing of the kind's own. An expert module declares its kind (RoutedExpert.arithmetic) and lists its
+    tensors in the kind's order (RoutedExpert.expert_weights).
 
-    def projections(self) -> tuple[nn.Linear, nn.Linear, nn.Linear]:
-        raise NotImplementedError(f"{type(self).__name__} must return its (gate, up, down) projections")
+    fuse:             the flat weights of the local experts (expert_weights of each, in slot order) -> the form
+                      the other methods read, built once per call (weights change every optimizer step).
+    forward:          out[s:e] = expert j on x[s:e] for each span (j, s, e); returns what the backward needs.
+    backward_input:   writes the rows' input gradients into grad_x; returns what backward_weights needs.
+    backward_weights: adds the rows' weight gradients into `grads` (grad_slots entries, None until an expert
+                      has rows); split_grads turns them into one gradient per tensor of fuse's input."""
+
+    def fuse(self, weights: Sequence[torch.Tensor]) -> Any: ...
+
+    def forward(self, x: torch.Tensor, spans: list[tuple[int, int, int]], fused: Any, out: torch.Tensor) -> Any: ...
+
+    def backward_input(self, rows: Any, grad_out: torch.Tensor, fused: Any, grad_x: torch.Tensor) -> Any: ...
+
+    def backward_weights(
+        self, rows: Any, saved: Any, grad_out: torch.Tensor, x: torch.Tensor, grads: list[torch.Tensor | None]
+    ) -> None: ...
+
+    def grad_slots(self, num_experts: int) -> int: ...
+
+    def split_grads(self, grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]: ...
+
+
+class RoutedExpert(nn.Module):
+    """An expert of some kind (ExpertArithmetic): `arithmetic` computes it, `expert_weights` lists its tensors
+    in that kind's order. Its forward is the experts' one implementation (run_experts with this expert on all
+    rows)."""
+
+    arithmetic: ExpertArithmetic
+
+    def expert_weights(self) -> list[torch.Tensor]:
+        raise NotImplementedError(f"{type(self).__name__} must list its weights")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
         return run_experts([self], rows, [rows.shape[0]]).view(*x.shape[:-1], -1)
+
+
+class SwiGLUExpert(RoutedExpert):
+    """One SwiGLU feed-forward expert: down(silu(gate(x)) * up(x)) (the kind SWIGLU). A family's subclass
+    creates the three bias-free projections under its checkpoint's names and returns them from `projections`, in
+    the order (gate, up, down)."""
+
+    def projections(self) -> tuple[nn.Linear, nn.Linear, nn.Linear]:
+        raise NotImplementedError(f"{type(self).__name__} must return its (gate, up, down) projections")
+
+    def expert_weights(self) -> list[torch.Tensor]:
+        return [p.weight for p in self.projections()]
 
 
 class ExpertDispatch(Protocol):
@@ -304,51 +346,183 @@ def split_expert_grads(grads: list[torch.Tensor | None]) -> list[torch.Tensor | 
     return flat
 
 
-class _SwiGLUExperts(torch.autograd.Function):
+class SwiGLU:
+    """The SwiGLU kind (ExpertArithmetic): swiglu_forward / swiglu_backward_input / swiglu_backward_weights on
+    [gate; up] fused per call (fuse_expert_weights); weights (gate, up, down) per expert."""
+
+    def fuse(self, weights: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        return fuse_expert_weights(weights)
+
+    def forward(self, x: torch.Tensor, spans: list[tuple[int, int, int]], fused: Any, out: torch.Tensor) -> Any:
+        return swiglu_forward(x, spans, *fused, out)
+
+    def backward_input(self, rows: Any, grad_out: torch.Tensor, fused: Any, grad_x: torch.Tensor) -> Any:
+        return swiglu_backward_input(rows, grad_out, *fused, grad_x)
+
+    def backward_weights(
+        self, rows: Any, saved: Any, grad_out: torch.Tensor, x: torch.Tensor, grads: list[torch.Tensor | None]
+    ) -> None:
+        swiglu_backward_weights(rows, saved, grad_out, x, grads)
+
+    def grad_slots(self, num_experts: int) -> int:
+        return 2 * num_experts  # ([gate; up], down) per expert
+
+    def split_grads(self, grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        return split_expert_grads(grads)
+
+
+SWIGLU = SwiGLU()
+SwiGLUExpert.arithmetic = SWIGLU
+
+
+@dataclass
+class ClampedSwiGLURows:
+    """One run of ClampedSwiGLU experts: spans as SwiGLURows; gate_up [N, 2I] the biased pre-activations
+    (gate and up interleaved: gate = [:, ::2], up = [:, 1::2]); sig = sigmoid(alpha * clamped gate), glu =
+    clamped gate * sig, act = (clamped up + 1) * glu [N, I]."""
+
+    spans: list[tuple[int, int, int]]
+    gate_up: torch.Tensor
+    sig: torch.Tensor
+    glu: torch.Tensor
+    act: torch.Tensor
+
+
+@dataclass(frozen=True)
+class ClampedSwiGLU:
+    """gpt-oss's experts (transformers' GptOssExperts), the kind ExpertArithmetic "clamped SwiGLU with biases":
+    gate_up = x @ W_gate_up + b_gate_up (W [H, 2I], gate and up interleaved), gate = min(gate, limit),
+    up = clamp(up, -limit, limit), out = ((up + 1) * gate * sigmoid(alpha * gate)) @ W_down + b_down (W_down
+    [I, H]). Weights per expert: (W_gate_up, b_gate_up, W_down, b_down), in the x @ W layout gpt-oss stores.
+    The backward is written by hand (tests/test_moe_fused_experts.py checks it against autograd)."""
+
+    alpha: float = 1.702
+    limit: float = 7.0
+
+    def fuse(self, weights: Sequence[torch.Tensor]) -> tuple[Sequence[torch.Tensor], ...]:
+        return tuple(weights[i::4] for i in range(4))  # nothing to copy: (W_gu, b_gu, W_down, b_down) per expert
+
+    def forward(
+        self, x: torch.Tensor, spans: list[tuple[int, int, int]], fused: Any, out: torch.Tensor
+    ) -> ClampedSwiGLURows:
+        w_gate_up, b_gate_up, w_down, b_down = fused
+        gate_up = x.new_empty((x.shape[0], w_gate_up[0].shape[1]))
+        for j, s, e in spans:
+            torch.mm(x[s:e], w_gate_up[j], out=gate_up[s:e]).add_(b_gate_up[j])
+        gate = gate_up[:, ::2].clamp(max=self.limit)
+        up = gate_up[:, 1::2].clamp(min=-self.limit, max=self.limit)
+        sig = torch.sigmoid(gate * self.alpha)
+        glu = gate * sig
+        act = (up + 1) * glu
+        for j, s, e in spans:
+            torch.mm(act[s:e], w_down[j], out=out[s:e]).add_(b_down[j])
+        return ClampedSwiGLURows(spans, gate_up, sig, glu, act)
+
+    def backward_input(
+        self, rows: ClampedSwiGLURows, grad_out: torch.Tensor, fused: Any, grad_x: torch.Tensor
+    ) -> torch.Tensor:
+        """Writes the rows' input gradients into grad_x; returns the gradient of the pre-activations gate_up."""
+        w_gate_up, _, w_down, _ = fused
+        d_act = torch.empty_like(rows.act)
+        for j, s, e in rows.spans:
+            torch.mm(grad_out[s:e], w_down[j].t(), out=d_act[s:e])
+        gate_raw, up_raw = rows.gate_up[:, ::2], rows.gate_up[:, 1::2]
+        gate = gate_raw.clamp(max=self.limit)
+        up = up_raw.clamp(min=-self.limit, max=self.limit)
+        d_gate_up = torch.empty_like(rows.gate_up)
+        # d up = d_act * glu where -limit <= up <= limit (clamp's gradient), else 0
+        torch.mul(d_act, rows.glu, out=d_gate_up[:, 1::2])
+        d_gate_up[:, 1::2].mul_((up_raw >= -self.limit) & (up_raw <= self.limit))
+        # d gate = d_act * (up + 1) * (sig + alpha * gate * sig * (1 - sig)) where gate <= limit, else 0
+        d_glu = d_act.mul_(up + 1)
+        local = torch.addcmul(rows.sig, gate * self.alpha, rows.sig * (1 - rows.sig))
+        torch.mul(d_glu, local, out=d_gate_up[:, ::2])
+        d_gate_up[:, ::2].mul_(gate_raw <= self.limit)
+        for j, s, e in rows.spans:
+            torch.mm(d_gate_up[s:e], w_gate_up[j].t(), out=grad_x[s:e])
+        return d_gate_up
+
+    def backward_weights(
+        self,
+        rows: ClampedSwiGLURows,
+        saved: torch.Tensor,
+        grad_out: torch.Tensor,
+        x: torch.Tensor,
+        grads: list[torch.Tensor | None],
+    ) -> None:
+        """Adds (W_gate_up, b_gate_up, W_down, b_down) gradients per local expert with rows into grads."""
+        for j, s, e in rows.spans:
+            parts = (x[s:e].t() @ saved[s:e], saved[s:e].sum(0), rows.act[s:e].t() @ grad_out[s:e],
+                     grad_out[s:e].sum(0))  # fmt: skip
+            for k, part in enumerate(parts):
+                grad = grads[4 * j + k]
+                grads[4 * j + k] = part if grad is None else grad.add_(part)
+
+    def grad_slots(self, num_experts: int) -> int:
+        return 4 * num_experts
+
+    def split_grads(self, grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        return grads
+
+
+class _Experts(torch.autograd.Function):
     """run_experts: every local expert on its contiguous rows in one Function, with the hand-written
-    backward of swiglu_backward_input/weights."""
+    backward of the experts' kind (ExpertArithmetic)."""
 
     @staticmethod
     def forward(  # type: ignore[override]
         ctx: torch.autograd.function.FunctionCtx,
         grouped: torch.Tensor,
         spans: list[tuple[int, int, int]],
+        arithmetic: ExpertArithmetic,
+        num_experts: int,
         *weights: torch.Tensor,
     ) -> torch.Tensor:
-        w_gate_up, w_down = fuse_expert_weights(weights)
+        fused = arithmetic.fuse(weights)
         out = grouped.new_empty(grouped.shape)
-        run = swiglu_forward(grouped, spans, w_gate_up, w_down, out) if spans else None
+        run = arithmetic.forward(grouped, spans, fused, out) if spans else None
         ctx.save_for_backward(grouped)
-        ctx.run, ctx.fused = run, (w_gate_up, w_down)  # type: ignore[attr-defined]
+        ctx.run, ctx.fused, ctx.arithmetic, ctx.num_experts = run, fused, arithmetic, num_experts  # type: ignore[attr-defined]
         return out
 
     @staticmethod
     def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> tuple:  # type: ignore[override]
         (grouped,) = ctx.saved_tensors  # type: ignore[attr-defined]
-        run: SwiGLURows | None = ctx.run  # type: ignore[attr-defined]
-        w_gate_up, w_down = ctx.fused  # type: ignore[attr-defined]
-        grads: list[torch.Tensor | None] = [None] * (2 * len(w_down))
+        run, fused = ctx.run, ctx.fused  # type: ignore[attr-defined]
+        arithmetic: ExpertArithmetic = ctx.arithmetic  # type: ignore[attr-defined]
+        grads: list[torch.Tensor | None] = [None] * arithmetic.grad_slots(ctx.num_experts)  # type: ignore[attr-defined]
         grad_grouped = grouped.new_empty(grouped.shape)
         if run is not None:
             grad = grad.contiguous()
-            d_gate_up = swiglu_backward_input(run, grad, w_gate_up, w_down, grad_grouped)
-            if any(ctx.needs_input_grad[2:]):  # type: ignore[attr-defined]
-                swiglu_backward_weights(run, d_gate_up, grad, grouped, grads)
-        return grad_grouped, None, *split_expert_grads(grads)
+            saved = arithmetic.backward_input(run, grad, fused, grad_grouped)
+            if any(ctx.needs_input_grad[4:]):  # type: ignore[attr-defined]
+                arithmetic.backward_weights(run, saved, grad, grouped, grads)
+        return grad_grouped, None, None, None, *arithmetic.split_grads(grads)
+
+
+def expert_arithmetic(experts: Sequence[nn.Module]) -> ExpertArithmetic:
+    """The one kind (ExpertArithmetic) of a list of local experts."""
+    if not experts:
+        raise ValueError("expert_arithmetic: no experts")
+    arithmetic = experts[0].arithmetic  # type: ignore[union-attr]
+    if any(ex.arithmetic != arithmetic for ex in experts):  # type: ignore[union-attr]
+        raise ValueError("expert_arithmetic: the experts of one block are of different kinds")
+    return arithmetic  # type: ignore[return-value]
 
 
 def run_experts(experts: Sequence[nn.Module], grouped: torch.Tensor, counts: list[int]) -> torch.Tensor:
-    """Run local expert j (a `SwiGLUExpert`) on its counts[j] contiguous rows of `grouped`, each expert once;
-    returns the outputs in the same row order. One autograd Function for all the experts (_SwiGLUExperts).
-    Rows without experts (no rows at all, or experts without rows) stay connected to `grouped`, so the
-    result is part of the graph even when no expert has rows (the all-to-all backward is collective and
-    must run on every rank)."""
+    """Run local expert j (a `RoutedExpert`) on its counts[j] contiguous rows of `grouped`, each expert once;
+    returns the outputs in the same row order. One autograd Function for all the experts (_Experts), computed
+    by their kind (ExpertArithmetic). Rows without experts (no rows at all, or experts without rows) stay
+    connected to `grouped`, so the result is part of the graph even when no expert has rows (the all-to-all
+    backward is collective and must run on every rank)."""
     if sum(counts) != grouped.shape[0] or len(counts) != len(experts):
         raise ValueError(
             f"run_experts: counts {counts} do not split {grouped.shape[0]} rows among {len(experts)} experts"
         )
-    weights = [p.weight for ex in experts for p in ex.projections()]  # type: ignore[operator]
-    return _SwiGLUExperts.apply(grouped, expert_spans(counts), *weights)
+    arithmetic = expert_arithmetic(experts)
+    weights = [w for ex in experts for w in ex.expert_weights()]  # type: ignore[operator]
+    return _Experts.apply(grouped, expert_spans(counts), arithmetic, len(experts), *weights)
 
 
 class LocalDispatch:
@@ -381,17 +555,60 @@ class LocalDispatch:
         return slots.combine(expert_out, topk_weight)
 
 
+# Tensors kept in float32 whatever the checkpoint's dtype (transformers' _keep_in_fp32_modules_strict): the
+# selection-only correction bias, whose small differences between experts bf16 would erase. Loaded, held and
+# published in float32 beside weights of the run's dtype.
+FLOAT32_TENSOR_SUFFIXES = (".e_score_correction_bias",)
+
+
+def kept_in_float32(name: str) -> bool:
+    """Whether tensor `name` (a model or checkpoint name) stays float32 whatever the checkpoint's dtype."""
+    return name.endswith(FLOAT32_TENSOR_SUFFIXES)
+
+
+@dataclass(frozen=True)
+class RouterSettings:
+    """How a block's router chooses experts (the router kind, steps/models/family.py) and weighs them.
+
+    softmax_topk: softmax over all experts, top k, optional renormalisation (Qwen3-MoE, Qwen2-MoE, Mixtral).
+    sigmoid_group_topk: sigmoid scores, a selection-only correction bias, group-limited top-k (n_group groups,
+    the best topk_group of them), weights renormalised when norm_topk_prob (DeepSeek-V3, Kimi-K2, GLM-4.5).
+    topk_softmax: a router with a bias; top k of its logits, then softmax over those k in the logits' dtype
+    (gpt-oss).
+    All multiply the weights by routed_scaling_factor."""
+
+    kind: str = "softmax_topk"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+
+    def check(self, num_experts: int, top_k: int) -> None:
+        if self.kind not in ("softmax_topk", "sigmoid_group_topk", "topk_softmax"):
+            raise ValueError(f"router kind {self.kind!r} is not implemented")
+        if self.n_group < 1 or num_experts % self.n_group or not 1 <= self.topk_group <= self.n_group:
+            raise ValueError(
+                f"n_group {self.n_group} / topk_group {self.topk_group} do not split {num_experts} experts"
+            )
+        group_size = num_experts // self.n_group
+        if self.n_group > 1 and (group_size < 2 or top_k > self.topk_group * group_size):
+            raise ValueError(
+                f"group-limited top-{top_k} of {num_experts} experts in {self.topk_group} of {self.n_group} groups "
+                "cannot choose enough experts"
+            )
+
+
 class SparseMoeBlock(nn.Module):
-    """The sparse MoE block every family shares: `gate` (the router, of router kind "softmax_topk",
-    steps/models/family.py) + `experts.{e}` for the global expert ids this rank holds, each an instance of the
-    family's `expert_class` (a SwiGLUExpert subclass naming its projections).
+    """The sparse MoE block every family shares: `gate` (the router, of a router kind, steps/models/family.py;
+    with a bias for "topk_softmax") + `experts.{e}` for the global expert ids this rank holds, each an instance
+    of the family's `expert_class` (a RoutedExpert: a SwiGLUExpert subclass naming its projections, or another
+    kind's expert), built as expert_class(hidden_size, moe_intermediate_size, **expert_kwargs).
 
     slots: this layer's E global expert ids in slot order (default: the identity); with ep_size ep the block
     holds slots [ep_rank*E/ep, (ep_rank+1)*E/ep), i.e. experts slots[ep_rank*E/ep : (ep_rank+1)*E/ep]. The
     router keeps choosing global ids; `to_slots` maps them before dispatch.
     """
 
-    expert_class: type[SwiGLUExpert]  # set by the family's subclass
+    expert_class: type[RoutedExpert]  # set by the family's subclass
 
     def __init__(
         self,
@@ -403,6 +620,11 @@ class SparseMoeBlock(nn.Module):
         slots: Sequence[int] | None = None,
         ep_rank: int = 0,
         ep_size: int = 1,
+        *,
+        router: RouterSettings | None = None,
+        shared_intermediate_size: int = 0,
+        shared_expert_gate: bool = False,
+        expert_kwargs: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
         slots = tuple(range(num_experts)) if slots is None else tuple(int(e) for e in slots)
@@ -421,28 +643,91 @@ class SparseMoeBlock(nn.Module):
         # global id -> slot id; None for the identity (nothing to map: today's contiguous ranges, same bits)
         identity = slots == tuple(range(num_experts))
         self.expert_slot = None if identity else inverse_permutation(torch.tensor(slots, device="cpu"))
-        self.gate = nn.Linear(hidden_size, num_experts, bias=False)  # the router, replicated on every rank
+        self.router = router or RouterSettings()
+        self.router.check(num_experts, num_experts_per_tok)
+        # the router, replicated on every rank
+        self.gate = nn.Linear(hidden_size, num_experts, bias=self.router.kind == "topk_softmax")
+        if self.router.kind == "sigmoid_group_topk":
+            # Selection-only bias (DeepSeek-V3's aux-loss-free balancing): a buffer, as in transformers, so the
+            # policy gradient never changes it; it is loaded, held and published with the weights unchanged.
+            self.gate.register_buffer("e_score_correction_bias", torch.zeros(num_experts, dtype=torch.float32))
         # ModuleDict in global id order (state_dict order does not depend on the placement)
+        expert_kwargs = expert_kwargs or {}
         self.experts = nn.ModuleDict(
-            {str(e): self.expert_class(hidden_size, moe_intermediate_size) for e in sorted(self.held)}
+            {str(e): self.expert_class(hidden_size, moe_intermediate_size, **expert_kwargs) for e in sorted(self.held)}
         )
+        # Shared experts every token goes through beside its routed ones (DeepSeek-V3, GLM-4.5: summed; Qwen2-MoE:
+        # scaled by sigmoid(shared_expert_gate(x))), replicated on every rank like the router.
+        self.shared_experts = (
+            self.expert_class(hidden_size, shared_intermediate_size) if shared_intermediate_size else None
+        )
+        self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False) if shared_expert_gate else None
+        if shared_expert_gate and self.shared_experts is None:
+            raise ValueError("shared_expert_gate needs shared experts (shared_intermediate_size > 0)")
         self.dispatch: ExpertDispatch = LocalDispatch()
         # per-expert (global id) count of routed (token, expert) rows, accumulated by forward while a tensor
         # (the model's count_routed_rows); None: not counted
         self.routed_rows: torch.Tensor | None = None
 
     def route(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """hidden [T, H] -> (router_logits [T, E], topk_idx [T, k], topk_weight [T, k]).
-
-        Softmax over all experts in fp32, top-k, optional renormalisation of the k weights, then back to the
-        logits' dtype: the same arithmetic as transformers' Qwen3MoeTopKRouter (router kind "softmax_topk").
-        """
+        """hidden [T, H] -> (router_logits [T, E], topk_idx [T, k], topk_weight [T, k] in the logits' dtype), by
+        the router's kind (RouterSettings)."""
+        if self.router.kind == "sigmoid_group_topk":
+            return self._route_sigmoid_group_topk(hidden)
+        if self.router.kind == "topk_softmax":
+            return self._route_topk_softmax(hidden)
+        # Softmax over all experts in fp32, top-k, optional renormalisation of the k weights, then back to the
+        # logits' dtype: the same arithmetic as transformers' Qwen3MoeTopKRouter (router kind "softmax_topk").
         router_logits = self.gate(hidden)
         probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
         topk_weight, topk_idx = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
             topk_weight = topk_weight / topk_weight.sum(dim=-1, keepdim=True)
+        if self.router.routed_scaling_factor != 1.0:
+            topk_weight = topk_weight * self.router.routed_scaling_factor
         return router_logits, topk_idx, topk_weight.to(router_logits.dtype)
+
+    def _route_topk_softmax(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """gpt-oss's router, as transformers' GptOssTopKRouter: logits = gate(hidden) with its bias, in hidden's
+        dtype; the top k logits, then softmax over those k in that dtype (times routed_scaling_factor)."""
+        router_logits = self.gate(hidden)
+        top_value, topk_idx = torch.topk(router_logits, self.top_k, dim=-1)
+        topk_weight = torch.softmax(top_value, dim=1, dtype=top_value.dtype)
+        if self.router.routed_scaling_factor != 1.0:
+            topk_weight = topk_weight * self.router.routed_scaling_factor
+        return router_logits, topk_idx, topk_weight
+
+    def _route_sigmoid_group_topk(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """DeepSeek-V3's router, as transformers' DeepseekV3TopkRouter: fp32 logits, sigmoid scores; the
+        selection adds e_score_correction_bias, keeps the topk_group groups with the best sum of their two best
+        scores and takes the top k experts in them; the weights are the chosen experts' scores *without* the
+        bias, renormalised when norm_topk_prob, times routed_scaling_factor."""
+        settings, num_experts = self.router, self.num_experts
+        router_logits = F.linear(hidden.float(), self.gate.weight.float())
+        scores = router_logits.sigmoid()
+        for_choice = scores + self.gate.e_score_correction_bias
+        if settings.n_group > 1:
+            per_group = for_choice.view(-1, settings.n_group, num_experts // settings.n_group)
+            group_scores = per_group.topk(2, dim=-1)[0].sum(dim=-1)  # [T, n_group]
+            group_idx = torch.topk(group_scores, k=settings.topk_group, dim=-1, sorted=False)[1]
+            group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1.0).bool()
+            expert_mask = group_mask.unsqueeze(-1).expand_as(per_group).reshape(-1, num_experts)
+            for_choice = for_choice.masked_fill(~expert_mask, float("-inf"))
+        topk_idx = torch.topk(for_choice, k=self.top_k, dim=-1, sorted=False)[1]
+        topk_weight = scores.gather(1, topk_idx)
+        if self.norm_topk_prob:
+            topk_weight = topk_weight / (topk_weight.sum(dim=-1, keepdim=True) + 1e-20)
+        topk_weight = topk_weight * settings.routed_scaling_factor
+        return router_logits, topk_idx, topk_weight.to(hidden.dtype)
+
+    def shared_output(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """The shared experts' contribution for hidden [T, H] (None without shared experts)."""
+        if self.shared_experts is None:
+            return None
+        out = self.shared_experts(hidden)
+        if self.shared_expert_gate is not None:
+            out = torch.sigmoid(self.shared_expert_gate(hidden)) * out
+        return out
 
     def to_slots(self, topk_idx: torch.Tensor) -> torch.Tensor:
         """Global expert ids -> this layer's slot ids (what the dispatchers route by)."""
@@ -468,6 +753,9 @@ class SparseMoeBlock(nn.Module):
                 "does not hold the others; use an expert-parallel dispatcher for a partial shard"
             )
         out = self.dispatch(hidden, self.to_slots(topk_idx), topk_weight, self.local_experts())
+        shared = self.shared_output(hidden)
+        if shared is not None:
+            out = out + shared
         return out.reshape(shape)
 
 

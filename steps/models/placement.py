@@ -6,6 +6,7 @@ the split that evens out the ranks' routed rows from the previous iteration's pe
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -156,3 +157,12 @@ def check_placement(cfg: Any, placement: ExpertPlacement | None, ep_rank: int) -
         )
     if not 0 <= ep_rank < placement.ep_size:
         raise ValueError(f"ep_rank {ep_rank} is not in [0, {placement.ep_size})")
+
+
+_EXPERT_PARAM = re.compile(r"(^|\.)experts\.\d+\.")
+
+
+def is_expert_param(name: str) -> bool:
+    """A routed expert's parameter: `<...>.experts.17.<projection>.weight`, the experts of a SparseMoeBlock (or
+    `experts.17...` inside a bare block), whatever the family names the block and the projections."""
+    return _EXPERT_PARAM.search(name) is not None

@@ -14,26 +14,45 @@ from __future__ import annotations
 from typing import Any
 
 from steps.errors import MoerlError
+from steps.models.deepseek_v3.spec import DEEPSEEK_V3
 from steps.models.family import ModelFamily
+from steps.models.glm4_moe.spec import GLM4_MOE
+from steps.models.gpt_oss.spec import GPT_OSS
+from steps.models.mixtral.spec import MIXTRAL
+from steps.models.qwen2_moe.spec import QWEN2_MOE
 from steps.models.qwen3_moe.spec import QWEN3_MOE
 
-FAMILIES: dict[str, ModelFamily] = {family.model_type: family for family in (QWEN3_MOE,)}
+FAMILIES: dict[str, ModelFamily] = {
+    family.model_type: family for family in (QWEN3_MOE, QWEN2_MOE, GLM4_MOE, MIXTRAL, DEEPSEEK_V3, GPT_OSS)
+}
+
+# model_types a family loads beside its own: Kimi-K2 says "kimi_k2" with architectures DeepseekV3ForCausalLM.
+ALIASES: dict[str, str] = {"kimi_k2": DEEPSEEK_V3.model_type}
 
 # MoE families users bring that moerl recognises and refuses by name: model_type -> (name, the nearest supported
 # family's model_type, what it has that moerl does not implement).
 REFUSED: dict[str, tuple[str, str, str]] = {
-    "mixtral": ("Mixtral", "qwen3_moe", "its expert names and attention differ from Qwen3-MoE's"),
-    "qwen2_moe": ("Qwen2-MoE", "qwen3_moe", "its shared expert with a sigmoid gate is not implemented"),
-    "deepseek_v3": ("DeepSeek-V3", "qwen3_moe", "multi-head latent attention, shared experts and sigmoid routing"
-                    " with a correction bias are not implemented"),
-    "deepseek_v2": ("DeepSeek-V2", "qwen3_moe", "multi-head latent attention and shared experts are not implemented"),
+    "deepseek_v2": ("DeepSeek-V2", "deepseek_v3", "its softmax router with greedy or group-limited greedy top-k is"
+                    " not implemented"),
+    "deepseek_v32": ("DeepSeek-V3.2", "deepseek_v3", "DeepSeek sparse attention (the lightning indexer's top-k key"
+                     " selection) is not implemented"),
+    "deepseek_v4": ("DeepSeek-V4", "deepseek_v3", "its attention and routing beyond DeepSeek-V3's are not"
+                    " implemented"),
+    "glm_moe_dsa": ("GLM-5", "glm4_moe", "DeepSeek sparse attention over multi-head latent attention is not"
+                    " implemented"),
+    "kimi_k25": ("Kimi-K2.5", "deepseek_v3", "its vision tower (KimiK25ForConditionalGeneration) is not"
+                 " implemented; its language model is Kimi-K2's"),
+    "minimax_m2": ("MiniMax-M2", "qwen3_moe", "its q/k norms over the whole projection with sigmoid routing are not"
+                   " implemented"),
     "olmoe": ("OLMoE", "qwen3_moe", "its q/k norms over the whole projection are not implemented"),
     "qwen3_next": ("Qwen3-Next", "qwen3_moe", "gated DeltaNet linear attention and a gated shared expert are not"
                    " implemented"),
-    "gpt_oss": ("gpt-oss", "qwen3_moe", "attention sinks, sliding windows and biased clamped-SwiGLU experts are not"
-                " implemented"),
-    "glm4_moe": ("GLM-4-MoE", "qwen3_moe", "shared experts, sigmoid routing with a correction bias and partial"
-                 " rotary embedding are not implemented"),
+    "qwen3_5_moe": ("Qwen3.5-MoE", "qwen3_moe", "gated DeltaNet linear attention and a gated shared expert are not"
+                    " implemented"),
+    "llama4": ("Llama-4", "qwen3_moe", "interleaved dense and MoE layers, chunked attention and its vision tower are"
+               " not implemented"),
+    "llama4_text": ("Llama-4", "qwen3_moe", "interleaved dense and MoE layers and chunked attention are not"
+                    " implemented"),
 }  # fmt: skip
 
 
@@ -46,7 +65,7 @@ def resolve(d: dict[str, Any], source: str = "config.json") -> ModelFamily:
     """The family of a config.json dict (`source` names it in errors), or one MoerlError line: a refused
     model_type names the nearest supported family, an unknown one lists the supported families."""
     model_type = d.get("model_type")
-    family = FAMILIES.get(model_type) if isinstance(model_type, str) else None
+    family = FAMILIES.get(ALIASES.get(model_type, model_type)) if isinstance(model_type, str) else None
     if family is not None:
         refusal = family.config.refusal(d)  # a config of the family's model_type it still cannot take
         if refusal is None:

@@ -191,6 +191,12 @@ class TrainerConfig(_Section):
     clip_high: float = _field(0.28, "PPO ratio clip above 1 (ratio <= 1 + clip_high; DAPO clip-higher)", gt=0)
     loss_agg: Literal["token-mean", "seq-mean"] = _field("token-mean", "loss aggregation: 'token-mean' or 'seq-mean'")
     kl_coef: float = _field(0.0, "weight of the k3 KL penalty to the SFT policy; 0 turns it off", ge=0)
+    router: Literal["freeze", "train"] = _field(
+        "freeze",
+        "the MoE routers during RL: 'freeze' keeps every router weight (and DeepSeek-V3's selection bias, which is "
+        "never trained) at its SFT value, as NeMo-RL's MoE GRPO recipes do (freeze_moe_router: true, against "
+        "log-prob divergence between the engine and the trainer); 'train' lets the policy gradient move them",
+    )
     is_cap: float = _field(2.0, "cap of the truncated importance weight behaviour -> trainer policy", gt=0)
     old_logprobs: Literal["recompute", "behavior"] = _field(
         "recompute",

@@ -159,7 +159,7 @@ LAUNCHERS_PREFIX = "launchers"
 
 def launcher_heartbeat_key(workflow: str) -> str:
     """The heartbeat of `workflow`'s trainer job launcher (steps/pytorchjob_launcher.py rewrites it at every
-    poll of the job; the multi-node trainer ends itself once it stops changing, steps/training/trainer_service.py)."""
+    poll of the job; the multi-node trainer ends itself once it stops changing, steps/training/trainer_server.py)."""
     return f"{LAUNCHERS_PREFIX}/{workflow}/trainer-server.json"
 
 

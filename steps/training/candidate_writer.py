@@ -2,12 +2,22 @@
 the candidate's shards (writer_plan: spread over each EP rank's dp replicas and over the nodes, from the shard byte
 estimates), the shards themselves with their weight deltas (write_shards), then on rank 0 the config, generation
 config, tokenizer files, index and metrics, and CANDIDATE.json last (write_candidate_metadata). The iteration that
-calls them: steps/training/policy_update.py.
+calls them: steps/training/update.py.
+
+EP rank r's weight file holds its experts' tensors (and, on EP rank 0, every replicated one), under the
+checkpoint's names. A family whose checkpoint fuses a MoE layer's experts into one tensor (gpt-oss: the adapter's
+fused_experts, steps/models/family.py FusedExperts) cannot write it from one EP rank's experts: each fused tensor
+is written by one EP rank (the MoE layers dealt round-robin over the EP ranks: _fused_owner), which gathers its
+slices from the EP ranks of its dp replica, one tensor at a time, into global expert order (any placement). Those
+gathers are collectives of the EP group, so every EP rank of one dp row writes its weight file (writer_plan), and
+both callers of _stored (write_shards, stored_bits) run on all of them. Families with one tensor per expert write
+each EP rank's experts on their own, without any collective.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Callable
 from dataclasses import asdict
@@ -18,9 +28,13 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
-from steps.expert_parallel.mesh import Mesh, is_expert_param
+from steps.expert_parallel.mesh import Mesh
+from steps.models.causal_lm import MoeCausalLM
+from steps.models.family import FusedExperts
 from steps.models.hf_checkpoint import CONFIG_NAME, GENERATION_CONFIG_NAME, SAFE_WEIGHTS_INDEX_NAME
-from steps.models.qwen3_moe.model import MoeForCausalLM
+from steps.models.moe import kept_in_float32
+from steps.models.placement import is_expert_param
+from steps.models.registry import family_of
 from steps.run import candidate, checkpoint, weight_delta
 from steps.run.keys import candidate_prefix, update_metrics_key
 from steps.store.object_store import Store
@@ -36,21 +50,85 @@ SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float1
 
 
 def _written(mesh: Mesh, name: str) -> bool:
-    """Whether this rank's EP rank's files hold tensor `name`: its experts, and a replicated tensor only with EP
-    rank 0's experts. Which of the EP rank's dp replicas writes each file: writer_plan."""
+    """Whether this rank's EP rank's files hold tensor `name` (not a fused one: _fused_owner): its experts, and a
+    replicated tensor only with EP rank 0's experts. Which of the EP rank's dp replicas writes each file:
+    writer_plan."""
     return mesh.ep_rank == 0 or is_expert_param(name)
 
 
-def _stored(model: MoeForCausalLM, mesh: Mesh, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """The weights of this rank's EP rank, as they are stored: rounded to the run's checkpoint dtype, on the CPU."""
-    return {n: t.detach().to("cpu", dtype).contiguous() for n, t in model.state_dict().items() if _written(mesh, n)}
+def _fused(model: MoeCausalLM) -> list[FusedExperts]:
+    """The checkpoint tensors of `model`'s family that fuse a layer's experts ([]: one tensor per expert)."""
+    return family_of(model).state_dict_adapter.fused_experts(model.config)
 
 
-def _shard_bytes(model: MoeForCausalLM, mesh: Mesh, dtype: torch.dtype) -> dict[str, int]:
+def _fused_owner(mesh: Mesh, fused: FusedExperts) -> int:
+    """The EP rank whose weight file holds fused tensor `fused`: the MoE layers dealt round-robin over the EP
+    ranks, so that each writes about as many bytes."""
+    return fused.moe_layer % mesh.ep_size
+
+
+def _as_stored(name: str, t: torch.Tensor, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+    return t.detach().to(device, torch.float32 if kept_in_float32(name) else dtype).contiguous()
+
+
+def _gather_fused(
+    model: MoeCausalLM, state: dict[str, torch.Tensor], mesh: Mesh, fused: FusedExperts, dtype: torch.dtype
+) -> torch.Tensor | None:
+    """Fused tensor `fused` as stored (on the CPU) on its owner EP rank (_fused_owner), None on the others: every
+    EP rank of this dp replica sends the slices of the experts it holds (model.placement's), stacked and rounded
+    to the stored dtype, to the owner, which puts each at its global expert index. A collective of the EP group."""
+    placement = model.placement
+    if placement is None and mesh.ep_size > 1:
+        raise ValueError(f"{fused.name}: an EP rank's model without its expert placement")
+
+    def held(ep_rank: int) -> tuple[int, ...]:
+        return placement.held(fused.moe_layer, ep_rank) if placement is not None else tuple(range(len(fused.experts)))
+
+    mine = torch.stack([state[fused.experts[e]].detach() for e in held(mesh.ep_rank)], dim=fused.dim)
+    mine = _as_stored(fused.name, mine, dtype, mine.device)
+    owner = _fused_owner(mesh, fused)
+    parts: list[torch.Tensor] | None = [mine]
+    if mesh.ep_size > 1:
+        parts = [torch.empty_like(mine) for _ in range(mesh.ep_size)] if mesh.ep_rank == owner else None
+        dist.gather(mine, parts, dst=mesh.ep_ranks()[owner], group=mesh.ep_group)
+    if parts is None:
+        return None
+    out = torch.empty(fused.shape, dtype=mine.dtype)
+    for ep_rank, part in enumerate(parts):
+        part = part.cpu()
+        for i, expert in enumerate(held(ep_rank)):
+            out.select(fused.dim, expert).copy_(part.select(fused.dim, i))
+    return out
+
+
+def _stored(model: MoeCausalLM, mesh: Mesh, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The weights of this rank's EP rank, as they are stored: under the checkpoint's tensor names (the family's
+    state-dict adapter), rounded to the run's checkpoint dtype, on the CPU. With fused expert tensors, the ones
+    this EP rank writes, gathered (_gather_fused: every EP rank of the dp replica must call this)."""
+    adapter = family_of(model).state_dict_adapter
+    fused = _fused(model)
+    state = model.state_dict()
+    slices = {name for f in fused for name in f.experts}
+    named = adapter.to_hf({n: t for n, t in state.items() if n not in slices} if fused else state)
+    stored = {n: _as_stored(n, t, dtype) for n, t in named.items() if _written(mesh, n)}
+    for f in fused:  # one tensor at a time, in the same order on every EP rank
+        tensor = _gather_fused(model, state, mesh, f, dtype)
+        if tensor is not None:
+            stored[f.name] = tensor
+    return stored
+
+
+def _shard_bytes(model: MoeCausalLM, mesh: Mesh, dtype: torch.dtype) -> dict[str, int]:
     """About how many bytes this rank's EP rank's weight and optimizer files hold, from the shapes alone (the
-    same before and after training): the weights in `dtype`; per parameter exp_avg, exp_avg_sq, step and,
-    when `dtype` is narrower than the parameter, its master (optimizer_state_tensors)."""
-    weights = sum(t.numel() * dtype.itemsize for n, t in model.state_dict().items() if _written(mesh, n))
+    same before and after training): the weights in `dtype` (the fused expert tensors it writes whole); per
+    parameter exp_avg, exp_avg_sq, step and, when `dtype` is narrower than the parameter, its master
+    (optimizer_state_tensors, by the model's names: one expert's slices each)."""
+    fused = _fused(model)
+    slices = {name for f in fused for name in f.experts}
+    weights = sum(
+        t.numel() * dtype.itemsize for n, t in model.state_dict().items() if n not in slices and _written(mesh, n)
+    )
+    weights += sum(math.prod(f.shape) * dtype.itemsize for f in fused if _fused_owner(mesh, f) == mesh.ep_rank)
     optimizer = sum(
         p.numel() * p.element_size() * (2 + (dtype != p.dtype)) + 4
         for n, p in model.named_parameters()
@@ -59,7 +137,7 @@ def _shard_bytes(model: MoeForCausalLM, mesh: Mesh, dtype: torch.dtype) -> dict[
     return {candidate.WEIGHTS: weights, candidate.OPTIMIZER: optimizer}
 
 
-def writer_plan(model: MoeForCausalLM, mesh: Mesh, dtype: torch.dtype) -> dict[tuple[int, str], int]:
+def writer_plan(model: MoeCausalLM, mesh: Mesh, dtype: torch.dtype) -> dict[tuple[int, str], int]:
     """Which rank writes each file of the candidate's shards (candidate.shard_writers): spread over each EP
     rank's dp replicas, which hold the same bits after the all-reduce, and over the nodes, so that no node
     writes the whole candidate. Every rank's sizes and node size (torchrun's LOCAL_WORLD_SIZE) are gathered
@@ -75,7 +153,22 @@ def writer_plan(model: MoeForCausalLM, mesh: Mesh, dtype: torch.dtype) -> dict[t
         rows = [t.cpu().tolist() for t in gathered]
     per_node = rows[0][2] if rows[0][2] > 0 else mesh.world_size
     ep_sizes = [{candidate.WEIGHTS: w, candidate.OPTIMIZER: o} for w, o, _ in rows[: mesh.ep_size]]
-    return candidate.shard_writers(ep_sizes, mesh.dp_size, per_node)
+    writers = candidate.shard_writers(ep_sizes, mesh.dp_size, per_node)
+    if _fused(model):  # the weight files of every EP rank from one dp row (the gathers of _stored): EP rank 0's
+        row = writers[(0, candidate.WEIGHTS)] // mesh.ep_size
+        writers.update({(r, candidate.WEIGHTS): row * mesh.ep_size + r for r in range(mesh.ep_size)})
+    return writers
+
+
+def _check_fused_writers(model: MoeCausalLM, mesh: Mesh, writers: dict[tuple[int, str], int]) -> None:
+    """With fused expert tensors, every EP rank's weight file must be written from the same dp row (writer_plan):
+    the same check on every rank, before any collective."""
+    rows = {writers[(r, candidate.WEIGHTS)] // mesh.ep_size for r in range(mesh.ep_size)}
+    if _fused(model) and len(rows) > 1:
+        raise ValueError(
+            f"{family_of(model).name} fuses each layer's experts into one checkpoint tensor: every EP rank's "
+            f"weight file must be written from one dp row (writer_plan), not from rows {sorted(rows)}"
+        )
 
 
 def _first_row(mesh: Mesh) -> dict[tuple[int, str], int]:
@@ -88,10 +181,11 @@ def writes(mesh: Mesh, writers: dict[tuple[int, str], int], kind: str) -> bool:
     return writers[(mesh.ep_rank, kind)] == mesh.rank
 
 
-def stored_bits(model: MoeForCausalLM, mesh: Mesh, dtype: torch.dtype) -> weight_delta.StoredTensors:
+def stored_bits(model: MoeCausalLM, mesh: Mesh, dtype: torch.dtype) -> weight_delta.StoredTensors:
     """The bits this rank's weights are stored as now: taken before training, they are v(I-1)'s published
     bits (the model then holds v(I-1)'s weights, or their fp32 masters, which v(I-1) was rounded from), the
-    parent of this rank's delta."""
+    parent of this rank's delta. With fused expert tensors, a collective of the EP group (_stored): called by the
+    writers of the weight files, who are then one dp row's EP ranks (writer_plan)."""
     return weight_delta.StoredTensors(
         {
             name: (SAFETENSORS_DTYPES[t.dtype], tuple(t.shape), t.reshape(-1).view(torch.uint8).numpy().tobytes())
@@ -105,7 +199,7 @@ def write_shards(
     run: Store,
     iteration: int,
     mesh: Mesh,
-    model: MoeForCausalLM,
+    model: MoeCausalLM,
     optimizer: AnyOptimizer,
     workdir: Path,
     dtype: torch.dtype = torch.float32,
@@ -121,6 +215,7 @@ def write_shards(
     this rank wrote (nothing when it wrote nothing)."""
     out: dict[str, Any] = {"files": {}, "weights": {}, "optimizer": {}, "deltas": {}}
     writers = writers or _first_row(mesh)
+    _check_fused_writers(model, mesh, writers)
     prefix = candidate_prefix(iteration)
     for kind, file_name in (
         (candidate.WEIGHTS, candidate.model_shard_name(mesh.ep_rank, mesh.ep_size)),
@@ -150,7 +245,7 @@ def write_candidate_metadata(
     run: Store,
     iteration: int,
     parent_file: Callable[[str], bytes],
-    model: MoeForCausalLM,
+    model: MoeCausalLM,
     shards: list[dict[str, Any]],
     info: dict[str, Any],
     metrics: dict[str, Any],

@@ -4,8 +4,9 @@ and the run store's copy of it that the next update resumes from.
     <run>/optimizer/v000003/optimizer-rank0000r-of-0000n.safetensors   `<param name>.<field>` tensors
     <run>/optimizer/v000003/optimizer.index.json                      written last: tensor name -> file
 
-Tensors are named like the weights, so each expert's state lives with the EP rank that holds the expert and is
-read back by name, whichever rank's file of the previous iteration holds it. Update writes the shards into
+Tensors are named like the model's parameters (the checkpoint's names, but where a family's state-dict adapter
+renames modules), so each expert's state lives with the EP rank that holds the expert and is read back by name,
+whichever rank's file of the previous iteration holds it. Update writes the shards into
 its candidate (steps/run/candidate.py); publish stores them here when it publishes the version.
 """
 

@@ -26,8 +26,8 @@ from torch import nn
 from steps.errors import MoerlError
 from steps.experience.tables import Sample
 from steps.expert_parallel.mesh import Mesh, clip_grad_norm, gather_ranks, sync_gradients
+from steps.models.causal_lm import MoeCausalLM
 from steps.models.kernels import token_logprobs
-from steps.models.qwen3_moe.model import MoeForCausalLM
 from steps.training.optim import AdamW, AnyOptimizer
 from steps.training.rl_loss import LossSettings, aggregate, token_entropy, token_terms
 
@@ -180,7 +180,7 @@ class MicroBatch:
 
     Shared prompts (collate_groups, prompt_ids set): the group's prompts once, left-padded, in prompt_ids;
     input_ids holds each response without its last token, right-padded ([B, T]); targets and the per-token
-    tensors are [B, T + 1] with slot t predicting response token t (see MoeForCausalLM.forward_shared_prompts).
+    tensors are [B, T + 1] with slot t predicting response token t (see MoeCausalLM.forward_shared_prompts).
 
     Either way loss_mask marks the slots whose target is a response token, where behavior_logp holds the
     engine's log-prob of that token.
@@ -343,11 +343,11 @@ class PolicyTrainer:
 
     def __init__(
         self,
-        model: MoeForCausalLM,
+        model: MoeCausalLM,
         mesh: Mesh,
         settings: TrainSettings,
         optimizer: AnyOptimizer | None = None,
-        ref_model: MoeForCausalLM | None = None,
+        ref_model: MoeCausalLM | None = None,
         pad_id: int = 0,
     ) -> None:
         if settings.loss.kl_coef > 0 and ref_model is None:

@@ -1,10 +1,11 @@
 """What the torch engine's decoder (softmax attention over a key/value cache, steps/engines/torch_engine.py) reads
-of a built Qwen3-MoE model: its modules, by their role, and the sizes the decode needs."""
+of a built Qwen3-MoE model: its modules, by their role, and grouped-query projections with q/k norms."""
 
 from __future__ import annotations
 
 from torch import nn
 
+from steps.models.decoding import GqaProjection, RotaryTable
 from steps.models.family import DecodeLayer, DecodeModel
 from steps.models.qwen3_moe.model import MoeForCausalLM
 
@@ -13,27 +14,24 @@ def decode_model(model: nn.Module) -> DecodeModel:
     assert isinstance(model, MoeForCausalLM)
     cfg = model.config
     assert cfg.head_dim is not None
-    layers = [
-        DecodeLayer(
-            attention_norm=layer.input_layernorm,
-            qkv=(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj),
-            query_norm=layer.self_attn.q_norm,
-            key_norm=layer.self_attn.k_norm,
-            scaling=layer.self_attn.scaling,
-            out=layer.self_attn.o_proj,
-            mlp_norm=layer.post_attention_layernorm,
-            mlp=layer.mlp,
-        )
-        for layer in model.model.layers
-    ]
+    layers = []
+    for layer in model.model.layers:
+        attn = layer.self_attn
+        project = GqaProjection(
+            attn.q_proj, attn.k_proj, attn.v_proj, attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scaling,
+            query_norm=attn.q_norm, key_norm=attn.k_norm,
+        )  # fmt: skip
+        norms = layer.input_layernorm, layer.post_attention_layernorm
+        layers.append(DecodeLayer(norms[0], project, attn.o_proj, norms[1], layer.mlp))
     embed = model.model.embed_tokens
     return DecodeModel(
         embed=embed,
         layers=layers,
         norm=model.model.norm,
-        output=embed.weight if model.lm_head is None else model.lm_head.weight,
+        output=model.output_weight(),
+        rotary=RotaryTable.default(cfg.head_dim, cfg.rope_theta, embed.weight.dtype, embed.weight.device),
         num_heads=cfg.num_attention_heads,
         num_kv_heads=cfg.num_key_value_heads,
-        head_dim=cfg.head_dim,
-        rope_theta=cfg.rope_theta,
+        key_dim=cfg.head_dim,
+        value_dim=cfg.head_dim,
     )

@@ -7,7 +7,7 @@ model.py names its modules as the checkpoint names its tensors, so to_hf and fro
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -15,6 +15,7 @@ from steps.models.placement import moe_layer_indices
 from steps.models.qwen3_moe.config import MoeConfig
 
 if TYPE_CHECKING:
+    from steps.models.family import FusedExperts
     from steps.models.placement import ExpertPlacement
 
 EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")  # Qwen3MoeMLP's, in run_experts' order
@@ -31,6 +32,14 @@ def expert_shapes(hidden: int, intermediate: int) -> dict[str, tuple[int, ...]]:
 
 class Qwen3MoeStateDictAdapter:
     """Qwen3-MoE checkpoint names (steps/models/family.py StateDictAdapter)."""
+
+    def fused_experts(self, cfg: Any) -> list[FusedExperts]:
+        """No fused tensor: the checkpoint holds one tensor per expert (steps/models/family.py FusedExperts)."""
+        return []
+
+    def dropped_on_import(self, cfg: Any, name: str) -> str | None:
+        """Why checkpoint tensor `name` (outside expected_shapes) is skipped on import, or None (refused)."""
+        return None  # Qwen3-MoE checkpoints hold nothing the model lacks
 
     def expected_shapes(
         self, cfg: MoeConfig, placement: ExpertPlacement | None = None, ep_rank: int = 0

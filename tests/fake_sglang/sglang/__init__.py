@@ -1,7 +1,9 @@
 """A stand-in for the `sglang` package (0.5.17) with what steps/engines/sglang_engine.py relies on, on CPU:
 
 - Engine(**kwargs) accepts only ServerArgs' field names that moerl passes (and records them to the JSON file
-  named by $FAKE_SGLANG_RECORD), with `dtype` one of ServerArgs' choices, and takes $FAKE_SGLANG_START_S
+  named by $FAKE_SGLANG_RECORD), with `dtype` and `moe_runner_backend` among ServerArgs' choices, and an
+  `attention_backend` under enable_deterministic_inference among DETERMINISTIC_ATTENTION_BACKEND_CHOICES
+  (a ValueError otherwise, as _deterministic_attention_backend raises), and takes $FAKE_SGLANG_START_S
   seconds to start (default 0: SGLang's takes minutes on a large model); its last act is to make a new
   asyncio loop the thread's current one, `Engine.loop` (entrypoints/engine.py Engine.__init__), on which
   generate and update_weights_from_disk then run (`self.loop.run_until_complete(...)`);
@@ -59,8 +61,17 @@ SERVER_ARGS = {
     "log_level",
     "moe_a2a_backend",
     "deepep_mode",
+    "attention_backend",
+    "moe_runner_backend",
 }
 DTYPE_CHOICES = {"auto", "half", "float16", "bfloat16", "float", "float32"}
+# srt/server_args.py:220 DETERMINISTIC_ATTENTION_BACKEND_CHOICES: an attention_backend set outside it with
+# enable_deterministic_inference is a ValueError (arg_groups/overrides.py _deterministic_attention_backend).
+DETERMINISTIC_ATTENTION_BACKEND_CHOICES = {"ascend", "fa3", "fa4", "flashinfer", "triton"}
+MOE_RUNNER_BACKEND_CHOICES = {"auto", "deep_gemm", "triton", "triton_kernel", "flashinfer_trtllm",
+                              "experimental_sgl_trtllm", "flashinfer_trtllm_routed", "flashinfer_cutlass",
+                              "flashinfer_mxfp4", "flashinfer_cutedsl", "cutlass", "aiter", "marlin", "humming",
+                              "experimental_sgl_marlin", "hpc_ops"}  # fmt: skip  # server_args.py:248
 STEP_S = 0.05  # one "decode step" of the fake
 
 
@@ -177,6 +188,14 @@ class Engine:
         unknown = set(kwargs) - SERVER_ARGS
         assert not unknown, f"not ServerArgs fields: {unknown}"
         assert kwargs.get("dtype", "auto") in DTYPE_CHOICES, kwargs.get("dtype")
+        assert kwargs.get("moe_runner_backend", "auto") in MOE_RUNNER_BACKEND_CHOICES, kwargs.get("moe_runner_backend")
+        backend = kwargs.get("attention_backend")
+        deterministic = kwargs.get("enable_deterministic_inference")
+        if deterministic and backend is not None and backend not in DETERMINISTIC_ATTENTION_BACKEND_CHOICES:
+            raise ValueError(
+                f"Currently only {sorted(DETERMINISTIC_ATTENTION_BACKEND_CHOICES)} attention backends are supported "
+                f"for deterministic inference, but you explicitly specified '{backend}'."
+            )
         if os.environ.get("FAKE_SGLANG_RECORD"):
             with open(os.environ["FAKE_SGLANG_RECORD"], "w") as f:
                 json.dump(kwargs, f)

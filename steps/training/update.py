@@ -1,7 +1,7 @@
 """The policy update of one iteration, shared by the update step (steps/update.py: one torchrun per
 iteration) and the trainer that stays up (steps/trainer_server.py): read the iteration's inputs, bring each
 rank's model and AdamW state to v(I-1) (from the store, or from what a trainer that stays up holds:
-steps/training/trainer_state.py), train, and write the candidate (steps/training/candidate_writer.py).
+steps/training/held_state.py), train, and write the candidate (steps/training/candidate_writer.py).
 steps/update.py's docstring describes the inputs, the outputs, the precision and the expert placement.
 """
 
@@ -25,9 +25,9 @@ from steps.experience.tables import Sample, read_scored_experience
 from steps.expert_parallel.dispatch import HeldDispatch, make_dispatch
 from steps.expert_parallel.mesh import Mesh, all_reduce_sum, build_mesh, resolve_ep_size
 from steps.expert_parallel.timing import CommTimer
+from steps.models.family import FamilyConfig
 from steps.models.hf_checkpoint import checkpoint_dtype, load_config, load_pretrained, model_from_state
 from steps.models.placement import ExpertPlacement, balanced_placement, moe_layer_indices
-from steps.models.qwen3_moe.config import MoeConfig
 from steps.run import candidate, checkpoint, weight_delta
 from steps.run.config import RunConfig, load_run_config
 from steps.run.keys import (
@@ -47,6 +47,7 @@ from steps.training.candidate_writer import (
     writer_plan,
     writes,
 )
+from steps.training.held_state import HeldReference, HeldState, move_experts
 from steps.training.optimizer_state import (
     load_optimizer_state,
     optimizer_state_names,
@@ -55,7 +56,6 @@ from steps.training.optimizer_state import (
     restore_optimizer_state,
 )
 from steps.training.trainer import PolicyTrainer, TrainSettings, new_adamw, prompt_groups
-from steps.training.trainer_state import HeldReference, HeldState, move_experts
 
 T = TypeVar("T")
 COLLECTIVE_TIMEOUT_SECONDS = 60 * 60
@@ -94,7 +94,7 @@ def agreed(mesh: Mesh, fn: Callable[[], T]) -> T:
         if error is None and failed_rank >= 0:
             error = MoerlError(f"trainer rank {failed_rank} failed (its error is above); rank {mesh.rank} stops too")
     if error is not None:
-        error.moerl_agreed = True  # type: ignore[attr-defined]  # every rank raises here: trainer_service reads it
+        error.moerl_agreed = True  # type: ignore[attr-defined]  # every rank raises here: trainer_server reads it
         raise error
     return result
 
@@ -135,7 +135,7 @@ def previous_expert_rows(run: Store, iteration: int, num_layers: int, num_expert
 
 
 def choose_placement(
-    run: Store, iteration: int, mode: str, model_config: MoeConfig, ep_size: int
+    run: Store, iteration: int, mode: str, model_config: FamilyConfig, ep_size: int
 ) -> tuple[ExpertPlacement, str]:
     """The expert placement of update `iteration` and why (see the module docstring): balanced from the row
     counts of update iteration-1, or contiguous. Never fails on the counts: absent or malformed ones give
@@ -164,7 +164,7 @@ def choose_placement(
 
 
 def agreed_placement(
-    run: Store, iteration: int, mode: str, model_config: MoeConfig, mesh: Mesh
+    run: Store, iteration: int, mode: str, model_config: FamilyConfig, mesh: Mesh
 ) -> tuple[ExpertPlacement, str]:
     """choose_placement on rank 0 (one read), its slots broadcast as a tensor (nothing pickled) so that every
     rank holds the same experts; the reason is rank 0's (it writes the metrics and the log)."""
@@ -286,7 +286,7 @@ def train_iteration(
     work: IterationWork,
     mesh: Mesh,
     local_rank: int,
-    model_config: MoeConfig,
+    model_config: FamilyConfig,
     held: HeldState | None = None,
     parent_dir: Path | None = None,
     timer: CommTimer | None = None,
@@ -320,6 +320,9 @@ def train_iteration(
         dtype = checkpoint_dtype(parent_dir)
         model = load_pretrained(parent_dir, torch.float32, device, placement, mesh.ep_rank)
     model.count_routed_rows()
+    if cfg.trainer.router == "freeze":  # no gradient, no AdamW state: the routers keep v000000's values
+        for p in model.router_parameters():
+            p.requires_grad_(False)
     ref_model, ref_state = None, None
     if settings.loss.kl_coef > 0:
         ref_state = reference.take(mesh) if reference is not None else None

@@ -1,14 +1,14 @@
 """A trainer that stays up: the ranks of one torchrun keep the EP group and, between two updates, the state
-of the version they trained (steps/training/trainer_state.py), and train iteration after iteration on request.
+of the version they trained (steps/training/held_state.py), and train iteration after iteration on request.
 
 Rank 0 serves steps/run/serving.py's JsonServer, whose operations run on rank 0's main thread; its `update`
 operation {run, iteration[, force, ep_size]} is broadcast from there to every rank as JSON (a gloo group of
 its own, so that an idle wait is never an NCCL collective; a heartbeat every HEARTBEAT_S keeps that wait
-under the group's timeout). Every rank then runs steps/training/policy_update.py's train_iteration, the update step's
+under the group's timeout). Every rank then runs steps/training/update.py's train_iteration, the update step's
 own code,
 and rank 0 answers once the candidate is complete.
 
-Rank 0 alone decides whether there is anything to train (policy_update.pending_iteration: v(I) published or
+Rank 0 alone decides whether there is anything to train (update.pending_iteration: v(I) published or
 its candidate complete, a retried client, is answered at once without the other ranks) and checks the
 iteration's inputs; only then does it broadcast the update, and every rank trains: no rank decides on its own
 view of the store. Which state an update starts from is decided by rank 0 and broadcast with the request, so
@@ -16,9 +16,9 @@ every rank takes the same path: the state held in memory when it is v(I-1) exact
 (HeldState.matches), else v(I-1) and optimizer/v(I-1) from the store, as a fresh update step would (a trainer
 just started, restarted after a crash, or holding another version). The expert dispatcher (with DeepEP, its
 buffer) is made by the first update and kept (dispatch.HeldDispatch), and so is the KL reference
-(trainer_state.HeldReference).
+(held_state.HeldReference).
 
-A failed update: when it failed in a step the ranks agreed on (policy_update.agreed: every rank raises there,
+A failed update: when it failed in a step the ranks agreed on (update.agreed: every rank raises there,
 no collective left half-entered), each rank drops its held state (the next update reloads) and listens on.
 Any other failure (an OOM in training, a moved expert, the DeepEP buffer: collectives that run without an
 agreement) ends the failing rank's process at once (`abort`): its peers may be waiting in an NCCL collective
@@ -53,18 +53,18 @@ from steps.run.config import load_run_config
 from steps.run.keys import behaviour_version, scored_key
 from steps.run.serving import JsonServer, Unavailable
 from steps.store.object_store import Store
-from steps.training.policy_update import IterationWork, agreed, check_token_ids, pending_iteration, train_iteration
+from steps.training.held_state import HeldReference, HeldState
 from steps.training.trainer import TrainSettings
-from steps.training.trainer_state import HeldReference, HeldState
+from steps.training.update import IterationWork, agreed, check_token_ids, pending_iteration, train_iteration
 
 # Rank 0 broadcasts a no-op this often while idle: the other ranks wait in a broadcast, whose group timeout
-# (policy_update.COLLECTIVE_TIMEOUT_SECONDS) must never run out between two updates.
+# (update.COLLECTIVE_TIMEOUT_SECONDS) must never run out between two updates.
 HEARTBEAT_S = 60.0
 EXIT_RANK_FAILED = 1  # a rank that failed outside an agreed step: torchrun's exit code for a failed worker
 
 
 def agreed_everywhere(err: BaseException) -> bool:
-    """Whether every rank raised `err`'s failure at the same policy_update.agreed step (which marks what it
+    """Whether every rank raised `err`'s failure at the same update.agreed step (which marks what it
     raises), so that no rank waits in a collective this one will not join."""
     return bool(getattr(err, "moerl_agreed", False))
 
@@ -81,7 +81,7 @@ def end_now(code: int) -> NoReturn:
 
 
 def iteration_inputs(run: Store, iteration: int) -> IterationWork:
-    """Update `iteration`'s inputs (what policy_update.pending_iteration reads once it found work to do), for
+    """Update `iteration`'s inputs (what update.pending_iteration reads once it found work to do), for
     the ranks that follow rank 0's decision."""
     cfg = load_run_config(run)
     version = behaviour_version(iteration, cfg.staleness)

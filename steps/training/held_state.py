@@ -2,7 +2,7 @@
 trained would give that rank, so that training on from memory and training after a restart are the same
 arithmetic on the same bits.
 
-A reload of v(I) (steps/training/policy_update.py) gives each rank: its parameters in fp32 (the published weights
+A reload of v(I) (steps/training/update.py) gives each rank: its parameters in fp32 (the published weights
 upcast, replaced by the fp32 masters of the optimizer state when the published dtype is narrower), and
 AdamW's state of those parameters (exp_avg, exp_avg_sq, step), for the experts that update I+1's placement
 gives it. HeldState keeps the same tensors, by their global names, as the trainer left them after writing
@@ -56,7 +56,7 @@ class HeldState:
 class HeldReference:
     """The KL reference (v000000) that a trainer that stays up keeps from one update to the next: this rank's
     share of its weights, fp32 on the CPU, under the placement of the update that last used it. The next
-    update moves its experts to its own placement (trainer_state.move_experts, with no AdamW state) instead
+    update moves its experts to its own placement (held_state.move_experts, with no AdamW state) instead
     of reading v000000 again: the same tensors a load under that placement gives. An update takes it out
     and gives it back only once its candidate is written, so a failed one leaves none (the next reloads),
     and the ranks use it only if every rank holds one."""

@@ -1,0 +1,258 @@
+"""The causal LM every family shares: embeddings, a stack of pre-norm decoder layers (attention, then an MLP that
+is a SparseMoeBlock or a dense expert), a final norm and the output projection; the training forward and the
+GRPO forward that runs each prompt once for its group.
+
+A family (steps/models/<family>/model.py) subclasses MoeCausalLM and DecoderLayer's parts: it builds `self.model`
+(embed_tokens, layers, norm: the names of the checkpoint's `model.` prefix) and `self.lm_head`, gives its rotary
+tables (`rotary`), and its attention modules implement the Attention protocol below. Everything else here (the
+masks, the positions, the shared-prompt forward, the expert-parallel hooks) is written once.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from steps.models.layers import AttentionMasks, RMSNorm
+from steps.models.moe import SparseMoeBlock
+from steps.models.placement import check_placement
+
+if TYPE_CHECKING:
+    from steps.models.placement import ExpertPlacement
+
+
+class Attention(Protocol):
+    """A family's attention module, as the decoder layer calls it.
+
+    project: x [B, T, H] and the family's rotary tables for those tokens (MoeCausalLM.rotary) -> q [B, heads, T,
+             Dk], k [B, kv_heads, T, Dk], v [B, kv_heads, T, Dv], normed and rotated as the family does.
+    attend:  q over k/v [B, kv_heads, S, *] under a boolean mask [B, 1, T, S] -> [B, T, H] (scores, softmax,
+             values, output projection).
+    sliding_window: None, or the number of keys a query sees (its own and the window - 1 before it).
+    """
+
+    sliding_window: int | None
+
+    def project(self, x: torch.Tensor, rope: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor: ...
+
+
+class DecoderLayer(nn.Module):
+    """x + self_attn(input_layernorm(x)), then + mlp(post_attention_layernorm(x)). The attribute names are the
+    checkpoint's (model.layers.N.self_attn / mlp / input_layernorm / post_attention_layernorm)."""
+
+    def __init__(
+        self, self_attn: nn.Module, mlp: nn.Module, input_layernorm: nn.Module, post_attention_layernorm: nn.Module
+    ) -> None:
+        super().__init__()
+        self.self_attn = self_attn
+        self.mlp = mlp
+        self.input_layernorm = input_layernorm
+        self.post_attention_layernorm = post_attention_layernorm
+
+    def forward(self, x: torch.Tensor, rope: Any, masks: AttentionMasks) -> torch.Tensor:
+        attn = self.self_attn
+        q, k, v = attn.project(self.input_layernorm(x), rope)
+        x = x + attn.attend(q, k, v, masks.get(attn.sliding_window))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_shared_prompts(
+        self,
+        prompt_x: torch.Tensor,
+        response_x: torch.Tensor,
+        prompt_rope: Any,
+        response_rope: Any,
+        prompt_masks: AttentionMasks,
+        response_masks: AttentionMasks,
+        prompt_index: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer on prompts [G, P, H] and responses [R, T, H]: prompts attend among themselves; responses
+        attend to the k/v of their prompt (row prompt_index[r]) followed by their own."""
+        attn = self.self_attn
+        qp, kp, vp = attn.project(self.input_layernorm(prompt_x), prompt_rope)
+        qr, kr, vr = attn.project(self.input_layernorm(response_x), response_rope)
+        # index_select: each response reads its prompt's k/v; the backward sums the responses' gradients
+        k = torch.cat([kp.index_select(0, prompt_index), kr], dim=2)
+        v = torch.cat([vp.index_select(0, prompt_index), vr], dim=2)
+        window = attn.sliding_window
+        prompt_x = prompt_x + attn.attend(qp, kp, vp, prompt_masks.get(window))
+        response_x = response_x + attn.attend(qr, k, v, response_masks.get(window))
+        # One MLP call over the prompt and the response tokens: an MoE layer routes and exchanges them in a
+        # single dispatch, exactly once per layer as in forward (every EP rank must make the same calls).
+        hidden = prompt_x.shape[-1]
+        tokens = torch.cat([prompt_x.reshape(-1, hidden), response_x.reshape(-1, hidden)])
+        out = self.mlp(self.post_attention_layernorm(tokens))
+        num_prompt = prompt_x.shape[0] * prompt_x.shape[1]
+        return prompt_x + out[:num_prompt].view_as(prompt_x), response_x + out[num_prompt:].view_as(response_x)
+
+
+class DecoderStack(nn.Module):
+    """The decoder stack; its attribute names give the `model.` prefix of the checkpoint tensor names."""
+
+    def __init__(self, embed_tokens: nn.Embedding, layers: list[nn.Module], norm: nn.Module) -> None:
+        super().__init__()
+        self.embed_tokens = embed_tokens
+        self.layers = nn.ModuleList(layers)
+        self.norm = norm
+
+
+class MoeCausalLM(nn.Module):
+    """A family's causal LM. state_dict() keys are the family's module names (its state-dict adapter maps them to
+    the checkpoint's).
+
+    placement (steps.models.placement.ExpertPlacement) and ep_rank build the model of one expert-parallel rank:
+    in every MoE layer only the experts the placement gives that rank; their names keep the global index, so its
+    state_dict is a subset of the full one. Without a placement the model holds every expert.
+
+    A subclass's __init__ calls super().__init__, builds self.model (embed_tokens, layers, norm) and
+    self.lm_head (None when tied to the embeddings), then self.init_weights().
+    """
+
+    model: nn.Module
+    lm_head: nn.Linear | None
+
+    def __init__(self, config: Any, placement: ExpertPlacement | None = None, ep_rank: int = 0) -> None:
+        super().__init__()
+        config.validate()
+        check_placement(config, placement, ep_rank)
+        self.config = config
+        self.placement = placement
+        self.ep_rank = ep_rank
+
+    def rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> Any:
+        """The rotary tables of tokens at positions [B, T], in the form the family's attention reads them."""
+        raise NotImplementedError(f"{type(self).__name__} must give its rotary tables")
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """As transformers: normal(0, initializer_range) for linear/embedding/router, zero biases, ones for
+        norms; a family adds its own parameters' rule in init_extra."""
+        if self.model.norm.weight.is_meta:
+            return  # built on the meta device to receive loaded weights: nothing to initialise
+        std = self.config.initializer_range
+        for module in self.modules():
+            if isinstance(module, nn.Linear | nn.Embedding):
+                module.weight.normal_(0.0, std)
+                if isinstance(module, nn.Linear) and module.bias is not None:
+                    module.bias.zero_()
+                if isinstance(module, nn.Embedding) and module.padding_idx is not None:
+                    module.weight[module.padding_idx].zero_()
+            elif isinstance(module, RMSNorm):
+                module.weight.fill_(1.0)
+            self.init_extra(module)
+
+    def init_extra(self, module: nn.Module) -> None:
+        """A family's initialisation of parameters init_weights does not know (none by default)."""
+
+    def output_weight(self) -> torch.Tensor:
+        """The output projection's weight [V, H]: the embedding's when they are tied."""
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def moe_blocks(self) -> list[SparseMoeBlock]:
+        return [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, SparseMoeBlock)]
+
+    def router_parameters(self) -> list[nn.Parameter]:
+        """The routers' parameters (trainer.router: freeze keeps them at their SFT values)."""
+        return [p for block in self.moe_blocks() for p in block.gate.parameters()]
+
+    def set_dispatch(self, dispatch: object) -> None:
+        """Use `dispatch` (an ExpertDispatch) for the experts of every MoE layer."""
+        for block in self.moe_blocks():
+            block.dispatch = dispatch  # type: ignore[assignment]
+
+    def count_routed_rows(self) -> None:
+        """Start (or restart) counting, per MoE layer and global expert id, the (token, expert) rows this
+        process's forward passes route (see routed_rows)."""
+        for block in self.moe_blocks():
+            block.routed_rows = torch.zeros(block.num_experts, dtype=torch.int64, device=block.gate.weight.device)
+
+    def routed_rows(self) -> torch.Tensor:
+        """[num MoE layers, num_experts] int64: the rows counted since count_routed_rows (this process's
+        tokens only: sum over the ranks for the global loads)."""
+        counts = [block.routed_rows for block in self.moe_blocks()]
+        if any(c is None for c in counts):
+            raise RuntimeError("routed_rows: call count_routed_rows() before the forward passes")
+        return torch.stack(counts)  # type: ignore[arg-type]
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids [B, T] -> logits [B, T, V] in float32 (training and scoring: the rollout engine decodes
+        with its own prefill and key/value tree, steps/engines/torch_engine.py).
+
+        attention_mask [B, T] marks the real tokens (1) and the padding (0); prompts are left-padded, and
+        positions count real tokens only.
+        """
+        batch, seq = input_ids.shape
+        if attention_mask is None:
+            valid = torch.ones(batch, seq, dtype=torch.bool, device=input_ids.device)
+        else:
+            if attention_mask.shape != input_ids.shape:
+                raise ValueError(
+                    f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape {(batch, seq)}"
+                )
+            valid = attention_mask.to(torch.bool)
+        # Left padding: a row's first real token gets position 0; padding gets 0 too (it is masked anyway).
+        positions = (valid.long().cumsum(dim=1) - 1).clamp(min=0)
+        masks = AttentionMasks.causal(valid, positions)
+        x = self.model.embed_tokens(input_ids)
+        rope = self.rotary(positions, x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, rope, masks)
+        return F.linear(self.model.norm(x), self.output_weight()).float()
+
+    def forward_shared_prompts(
+        self,
+        prompt_ids: torch.Tensor,
+        prompt_mask: torch.Tensor,
+        response_ids: torch.Tensor,
+        response_mask: torch.Tensor,
+        prompt_index: torch.Tensor,
+    ) -> torch.Tensor:
+        """Training forward for GRPO groups: each prompt runs once, its responses attend to its keys/values.
+
+        prompt_ids, prompt_mask [G, P]: the distinct prompts, LEFT-padded (every row's last column is its last
+        real token). response_ids, response_mask [R, T]: the tokens fed after the prompt, RIGHT-padded; for
+        training these are each response without its last token (T may be 0). prompt_index [R]: the prompt
+        row of each response.
+
+        Returns logits [R, T + 1, V] (float32): slot 0 is the prompt's last position (it predicts the
+        response's first token), slot t >= 1 is response position t - 1. For the same token sequences every
+        logit, hence every log-prob and gradient, is the one `forward` computes over prompt + response: the
+        same positions (a response continues after its prompt's real tokens), the same keys (the prompt's,
+        then the response's own, causally), the same per-token norms, MLPs and experts. Prompt and response
+        tokens go through each MoE layer in one call, so the expert dispatch is the same as forward's.
+        """
+        if prompt_ids.shape != prompt_mask.shape or response_ids.shape != response_mask.shape:
+            raise ValueError("prompt_mask/response_mask must have the shapes of prompt_ids/response_ids")
+        if prompt_index.shape != response_ids.shape[:1]:
+            raise ValueError(f"prompt_index has shape {tuple(prompt_index.shape)}, expected ({response_ids.shape[0]},)")
+        prompt_valid, response_valid = prompt_mask.to(torch.bool), response_mask.to(torch.bool)
+        if not bool(prompt_valid[:, -1].all()):
+            raise ValueError("forward_shared_prompts needs left-padded prompts (a real last token in every row)")
+        prompt_index = prompt_index.to(device=prompt_ids.device, dtype=torch.long)
+
+        # Positions as forward counts them: real tokens from 0; a response continues after its prompt.
+        prompt_positions = (prompt_valid.long().cumsum(dim=1) - 1).clamp(min=0)
+        prompt_lengths = prompt_valid.long().sum(dim=1).index_select(0, prompt_index)
+        response_positions = prompt_lengths[:, None] + (response_valid.long().cumsum(dim=1) - 1).clamp(min=0)
+        prompt_masks = AttentionMasks.causal(prompt_valid, prompt_positions)
+        response_masks = AttentionMasks.after_prompt(
+            prompt_valid.index_select(0, prompt_index), prompt_positions.index_select(0, prompt_index),
+            response_valid, response_positions,
+        )  # fmt: skip
+
+        prompt_x = self.model.embed_tokens(prompt_ids)
+        response_x = self.model.embed_tokens(response_ids)
+        prompt_rope = self.rotary(prompt_positions, prompt_x.dtype)
+        response_rope = self.rotary(response_positions, response_x.dtype)
+        for layer in self.model.layers:
+            prompt_x, response_x = layer.forward_shared_prompts(
+                prompt_x, response_x, prompt_rope, response_rope, prompt_masks, response_masks, prompt_index
+            )
+        # Only the prompts' last positions are needed from the prompts: norm and lm_head run per token.
+        last = prompt_x[:, -1:].index_select(0, prompt_index)  # [R, 1, H]
+        x = self.model.norm(torch.cat([last, response_x], dim=1))
+        return F.linear(x, self.output_weight()).float()

@@ -1,0 +1,100 @@
+"""Qwen2-MoE's Hugging Face tensor names: the one place in moerl they are written (torchtitan's StateDictAdapter).
+
+A checkpoint is what transformers' `Qwen2MoeForCausalLM.save_pretrained` writes, with per-expert tensor names
+(transformers fuses the routed experts in memory and splits them back on save, conversion_mapping.py's
+"qwen2_moe"). model.py names its modules as the checkpoint names its tensors except the shared expert, which the
+shared MoE block (steps/models/moe.py) calls `shared_experts` and the checkpoint `shared_expert`: to_hf and
+from_hf rename that one module and keep every other name.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from steps.models.placement import moe_layer_indices
+from steps.models.qwen2_moe.config import Qwen2MoeConfig
+
+if TYPE_CHECKING:
+    from steps.models.family import FusedExperts
+    from steps.models.placement import ExpertPlacement
+
+EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")  # Qwen2MoeMLP's, in run_experts' order
+SHARED_MODEL = ".mlp.shared_experts."  # the shared block's module name (model state_dict)
+SHARED_HF = ".mlp.shared_expert."  # Qwen2MoeSparseMoeBlock's (checkpoint)
+
+
+def expert_prefix(cfg: Qwen2MoeConfig, moe_layer: int, expert: int) -> str:
+    return f"model.layers.{moe_layer_indices(cfg)[moe_layer]}.mlp.experts.{expert}."
+
+
+def expert_shapes(hidden: int, intermediate: int) -> dict[str, tuple[int, ...]]:
+    """A SwiGLU MLP's projection -> weight shape."""
+    return {"gate_proj": (intermediate, hidden), "up_proj": (intermediate, hidden), "down_proj": (hidden, intermediate)}
+
+
+def _renamed(state: dict[str, torch.Tensor], old: str, new: str) -> dict[str, torch.Tensor]:
+    return {name.replace(old, new, 1): tensor for name, tensor in state.items()}
+
+
+class Qwen2MoeStateDictAdapter:
+    """Qwen2-MoE checkpoint names (steps/models/family.py StateDictAdapter)."""
+
+    def fused_experts(self, cfg: Any) -> list[FusedExperts]:
+        """No fused tensor: the checkpoint holds one tensor per expert (steps/models/family.py FusedExperts)."""
+        return []
+
+    def dropped_on_import(self, cfg: Any, name: str) -> str | None:
+        """Why checkpoint tensor `name` (outside expected_shapes) is skipped on import, or None (refused)."""
+        return None  # Qwen2-MoE checkpoints hold nothing the model lacks
+
+    def expected_shapes(
+        self, cfg: Qwen2MoeConfig, placement: ExpertPlacement | None = None, ep_rank: int = 0
+    ) -> dict[str, tuple[int, ...]]:
+        """Every tensor name a checkpoint of `cfg` holds -> shape; with a placement, only the experts EP rank
+        ep_rank holds (the router, the shared expert and its gate are on every rank)."""
+        assert cfg.head_dim is not None
+        h, d = cfg.hidden_size, cfg.head_dim
+        moe_layers = moe_layer_indices(cfg)
+        shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, h)}
+        for layer in range(cfg.num_hidden_layers):
+            p = f"model.layers.{layer}."
+            shapes[p + "input_layernorm.weight"] = (h,)
+            shapes[p + "post_attention_layernorm.weight"] = (h,)
+            for proj, out_dim in (("q", cfg.num_attention_heads * d), ("k", cfg.num_key_value_heads * d),
+                                  ("v", cfg.num_key_value_heads * d)):  # fmt: skip
+                shapes[p + f"self_attn.{proj}_proj.weight"] = (out_dim, h)
+                if cfg.qkv_bias:
+                    shapes[p + f"self_attn.{proj}_proj.bias"] = (out_dim,)
+            shapes[p + "self_attn.o_proj.weight"] = (h, cfg.num_attention_heads * d)
+            if cfg.is_moe_layer(layer):
+                shapes[p + "mlp.gate.weight"] = (cfg.num_experts, h)
+                moe_layer = moe_layers.index(layer)
+                held = range(cfg.num_experts) if placement is None else placement.held(moe_layer, ep_rank)
+                for e in sorted(held):
+                    shapes.update(self.expert_params(cfg, moe_layer, e))
+                for proj, shape in expert_shapes(h, cfg.shared_expert_intermediate_size).items():
+                    shapes[p + f"mlp.shared_expert.{proj}.weight"] = shape
+                shapes[p + "mlp.shared_expert_gate.weight"] = (1, h)
+            else:
+                for proj, shape in expert_shapes(h, cfg.intermediate_size).items():
+                    shapes[p + f"mlp.{proj}.weight"] = shape
+        shapes["model.norm.weight"] = (h,)
+        if not cfg.tie_word_embeddings:
+            shapes["lm_head.weight"] = (cfg.vocab_size, h)
+        return shapes
+
+    def expert_params(self, cfg: Qwen2MoeConfig, moe_layer: int, expert: int) -> list[tuple[str, tuple[int, ...]]]:
+        """(name, shape) of one routed expert's parameters; `moe_layer` counts the MoE layers."""
+        prefix = expert_prefix(cfg, moe_layer, expert)
+        shapes = expert_shapes(cfg.hidden_size, cfg.moe_intermediate_size)
+        return [(f"{prefix}{proj}.weight", shapes[proj]) for proj in EXPERT_PROJECTIONS]
+
+    def to_hf(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Model state_dict names -> checkpoint names: `mlp.shared_experts.` -> `mlp.shared_expert.`."""
+        return _renamed(state, SHARED_MODEL, SHARED_HF)
+
+    def from_hf(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Checkpoint names -> model state_dict names: `mlp.shared_expert.` -> `mlp.shared_experts.`."""
+        return _renamed(state, SHARED_HF, SHARED_MODEL)

@@ -1,0 +1,97 @@
+"""Each model family through the whole workflow, as a user's checkpoint: a tiny random instance built by
+transformers' own config class and saved with save_pretrained, with the demo's tokenizer beside it, imported,
+rolled out by the torch engine, scored, updated on two expert-parallel ranks (alltoall over gloo) for two
+iterations and published. The published version loads in transformers with moerl's logits; and a trainer that
+stays up (trainer.server: its experts move between the EP ranks in memory when the balanced placement changes)
+publishes the same bits as updates that reload every version from the store."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from faults_helpers import run_local, tiny_config
+
+from steps.data.tokenizer import CheckpointTokenizer
+from steps.demo import char_tokenizer
+from steps.models.hf_checkpoint import load_pretrained
+from steps.run.config import RunConfig
+from steps.store.object_store import Store
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+SMALL = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 48,
+         "max_position_embeddings": 64}  # fmt: skip
+FAMILIES = {
+    "qwen2_moe": ("Qwen2MoeConfig", {
+        **SMALL, "num_key_value_heads": 2, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+        "shared_expert_intermediate_size": 24, "norm_topk_prob": True}),
+    "mixtral": ("MixtralConfig", {
+        **SMALL, "num_key_value_heads": 2, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None}),
+    "deepseek_v3": ("DeepseekV3Config", {
+        **SMALL, "num_key_value_heads": 4, "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+        "n_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 2, "topk_group": 1, "q_lora_rank": 16,
+        "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 8,
+        "routed_scaling_factor": 1.0}),
+    "glm4_moe": ("Glm4MoeConfig", {
+        **SMALL, "num_key_value_heads": 2, "head_dim": 8, "n_routed_experts": 4, "num_experts_per_tok": 2,
+        "moe_intermediate_size": 16, "n_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1,
+        "routed_scaling_factor": 1.0}),
+    # its checkpoint fuses a layer's experts into one tensor: each EP rank reads its rows, the candidate writer
+    # gathers them (tests/test_fused_experts_ep.py)
+    "gpt_oss": ("GptOssConfig", {
+        **SMALL, "num_key_value_heads": 2, "head_dim": 8, "num_local_experts": 4, "num_experts_per_tok": 2,
+        "sliding_window": 4, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}),
+}  # fmt: skip
+
+
+def user_checkpoint(directory: Path, model_type: str) -> Path:
+    """A tiny random checkpoint of the family, written by transformers, with the demo's tokenizer."""
+    char_tokenizer.save_tokenizer(directory)
+    tok = CheckpointTokenizer.load(directory)
+    class_name, kwargs = FAMILIES[model_type]
+    ids = {"bos_token_id": tok.token_id("bos_token"), "eos_token_id": tok.stop_ids[0], "pad_token_id": tok.pad_id}
+    config = getattr(transformers, class_name)(vocab_size=tok.vocab_size, **kwargs, **ids)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(directory)
+    return directory
+
+
+def run_two_iterations(tmp_path: Path, sft: Path, name: str, server: bool) -> Store:
+    run_dir = tmp_path / name
+    trainer = {"ep_backend": "alltoall", "nproc_per_node": 2, "ep_size": 2, "micro_batch_size": 8,
+               "steps_per_epoch": 2, "lr": 1e-2, "expert_placement": "balanced", "router": "train", "server": server}
+    cfg = RunConfig.model_validate(tiny_config(sft.as_uri(), run_dir.as_uri(), iterations=2, trainer=trainer,
+                                               sampling={"max_new_tokens": 4, "temperature": 1.0}))  # fmt: skip
+    result = run_local(cfg, tmp_path / f"{name}-work")
+    assert result.succeeded, result.message
+    return Store.open(run_dir.as_uri())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+def test_a_family_trains_through_the_workflow_and_publishes_what_transformers_loads(tmp_path, model_type):
+    sft = user_checkpoint(tmp_path / "sft", model_type)
+    plain = run_two_iterations(tmp_path, sft, "plain", server=False)
+    served = run_two_iterations(tmp_path, sft, "served", server=True)
+    published = {}
+    for name, run in (("plain", plain), ("served", served)):
+        local = tmp_path / f"{name}-v2"
+        run.download_dir("checkpoints/v000002", local)
+        published[name] = local
+    plain_files = sorted(p.name for p in published["plain"].glob("*.safetensors"))
+    for file in plain_files:  # the same bits, whoever trained them
+        assert (published["plain"] / file).read_bytes() == (published["served"] / file).read_bytes(), file
+
+    ours = load_pretrained(published["plain"]).eval()
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(published["plain"], dtype=torch.float32).eval()
+    before = load_pretrained(sft)
+    trained = zip(ours.state_dict().values(), before.state_dict().values(), strict=True)
+    assert any(not torch.equal(a, b) for a, b in trained)
+    ids = torch.randint(0, ours.config.vocab_size, (3, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids), theirs(input_ids=ids).logits.float(), atol=1e-4, rtol=0)

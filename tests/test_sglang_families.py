@@ -1,0 +1,170 @@
+"""The sglang.Engine kwargs each model family needs for deterministic inference (steps/engines/sglang_engine.py
+family_server_args), held to SGLang 0.5.17 (python/sglang/srt/, cited there): off Hopper, DeepSeek-V3/Kimi-K2
+and gpt-oss must be given a deterministic attention backend (SGLang's own pick, trtllm_mla / trtllm_mha, fails
+_deterministic_attention_backend), and the MoE runner stays triton where sm100 would pick flashinfer_trtllm;
+Mixtral and gpt-oss have no DeepEP path in SGLang. The names passed are ServerArgs fields (the fake holds
+them, tests/fake_sglang), and the fake refuses what upstream refuses."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from transformers import DeepseekV3Config, Glm4MoeConfig, GptOssConfig, MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
+
+from steps.engines import sglang_engine
+from steps.engines.sglang_engine import (
+    DETERMINISTIC_ATTENTION_BACKENDS,
+    GPT_OSS_ATTENTION_BACKENDS,
+    MLA_DETERMINISTIC_ATTENTION_BACKENDS,
+    SGLangEngine,
+    SGLangSettings,
+    family_server_args,
+    sglang_architecture,
+)
+from steps.errors import MoerlError
+
+FAKE_SGLANG = Path(__file__).parent / "fake_sglang" / "sglang" / "__init__.py"
+TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "vocab_size": 128}  # fmt: skip
+HOPPER, BLACKWELL = 90, 100
+
+
+def tiny(config_class, **extra) -> dict:
+    """A small config.json dict of the family, as transformers writes it (no `architectures`: by model_type)."""
+    return config_class(**TINY, **extra).to_dict()
+
+
+CONFIGS = {
+    "qwen3_moe": tiny(Qwen3MoeConfig, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32),
+    "qwen2_moe": tiny(Qwen2MoeConfig, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32),
+    "deepseek_v3": tiny(DeepseekV3Config, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32),
+    "glm4_moe": tiny(Glm4MoeConfig, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32),
+    "mixtral": tiny(MixtralConfig, num_local_experts=8, num_experts_per_tok=2),
+    "gpt_oss": tiny(GptOssConfig, num_local_experts=8, num_experts_per_tok=2),
+}
+# Kimi-K2's config.json: model_type kimi_k2, served by SGLang as DeepseekV3ForCausalLM.
+KIMI_K2 = {**CONFIGS["deepseek_v3"], "model_type": "kimi_k2", "architectures": ["DeepseekV3ForCausalLM"]}
+
+# family -> (kwargs off Hopper with moe_a2a_backend none, the same on Hopper)
+EXPECTED = {
+    "qwen3_moe": ({"moe_runner_backend": "triton"}, {}),
+    "qwen2_moe": ({}, {}),
+    "deepseek_v3": ({"attention_backend": "triton", "moe_runner_backend": "triton"}, {}),
+    "glm4_moe": ({"moe_runner_backend": "triton"}, {}),
+    "mixtral": ({}, {}),
+    "gpt_oss": ({"attention_backend": "triton"}, {}),
+}
+
+
+def load_fake_sglang(monkeypatch):
+    """The fake, as `sglang` in sys.modules for this test only (its dataclasses look their module up there)."""
+    spec = importlib.util.spec_from_file_location("sglang", FAKE_SGLANG)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "sglang", module)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("family", sorted(CONFIGS))
+def test_each_familys_kwargs_off_hopper_on_hopper_and_unknown(family):
+    config = CONFIGS[family]
+    off_hopper, on_hopper = EXPECTED[family]
+    assert family_server_args(config, sm=BLACKWELL) == off_hopper
+    assert family_server_args(config, sm=120) == off_hopper
+    assert family_server_args(config) == off_hopper  # unknown GPU: the arch-independent choice
+    assert family_server_args(config, sm=HOPPER) == on_hopper  # SGLang's own fa3 is deterministic there
+    # the same with the architecture named, as a published checkpoint's config.json names it
+    named = {**config, "architectures": [sglang_engine.SGLANG_ARCHITECTURES[family]]}
+    assert family_server_args(named, sm=BLACKWELL) == off_hopper
+
+
+def test_kimi_k2_is_served_as_deepseek_v3():
+    assert sglang_architecture(KIMI_K2) == "DeepseekV3ForCausalLM"
+    assert family_server_args(KIMI_K2, sm=BLACKWELL) == EXPECTED["deepseek_v3"][0]
+    assert family_server_args({"model_type": "kimi_k2"}, sm=BLACKWELL) == EXPECTED["deepseek_v3"][0]
+
+
+def test_the_attention_backends_given_are_ones_upstream_accepts_for_the_family():
+    """triton is in DETERMINISTIC_ATTENTION_BACKEND_CHOICES (server_args.py:220), in the MLA list that
+    DeepSeek models need under deterministic inference (:228, :7849-7855), and among gpt-oss's sink backends
+    (:5334); the backends SGLang would pick on sm100 for them are not deterministic."""
+    assert family_server_args(CONFIGS["deepseek_v3"])["attention_backend"] in MLA_DETERMINISTIC_ATTENTION_BACKENDS
+    gpt_oss = family_server_args(CONFIGS["gpt_oss"])["attention_backend"]
+    assert gpt_oss in GPT_OSS_ATTENTION_BACKENDS and gpt_oss in DETERMINISTIC_ATTENTION_BACKENDS
+    assert set(MLA_DETERMINISTIC_ATTENTION_BACKENDS) <= set(DETERMINISTIC_ATTENTION_BACKENDS)
+    for sm100_default in ("trtllm_mla", "trtllm_mha"):  # overrides.py:639, :880
+        assert sm100_default not in DETERMINISTIC_ATTENTION_BACKENDS
+
+
+def test_under_deepep_the_moe_runner_is_left_to_sglang():
+    for family in ("qwen3_moe", "deepseek_v3", "glm4_moe", "qwen2_moe"):
+        kwargs = family_server_args(CONFIGS[family], moe_a2a_backend="deepep", sm=BLACKWELL)
+        assert "moe_runner_backend" not in kwargs
+    assert family_server_args(CONFIGS["deepseek_v3"], moe_a2a_backend="deepep") == {"attention_backend": "triton"}
+
+
+@pytest.mark.parametrize("family, arch", [("mixtral", "MixtralForCausalLM"), ("gpt_oss", "GptOssForCausalLM")])
+def test_deepep_is_refused_for_the_families_sglang_has_no_deepep_path_for(family, arch):
+    with pytest.raises(MoerlError, match=rf"cannot serve {arch} \(model_type '{family}'\) over DeepEP") as err:
+        family_server_args(CONFIGS[family], moe_a2a_backend="deepep", sm=HOPPER)
+    assert "moe_a2a_backend: none" in str(err.value)
+    assert family_server_args(CONFIGS[family], moe_a2a_backend="none", sm=HOPPER) == {}
+
+
+def test_an_architecture_moerl_does_not_know_gets_nothing_extra():
+    assert family_server_args({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}) == {}
+    assert family_server_args({}) == {}
+
+
+def test_the_names_are_server_args_fields_and_the_fake_refuses_what_upstream_refuses(monkeypatch):
+    fake = load_fake_sglang(monkeypatch)
+    for config in (*CONFIGS.values(), KIMI_K2):
+        for sm in (None, HOPPER, BLACKWELL):
+            assert set(family_server_args(config, sm=sm)) <= fake.SERVER_ARGS
+    assert set(DETERMINISTIC_ATTENTION_BACKENDS) == fake.DETERMINISTIC_ATTENTION_BACKEND_CHOICES
+    with pytest.raises(ValueError, match="supported for deterministic inference"):
+        fake.Engine(model_path="/nonexistent", enable_deterministic_inference=True, attention_backend="trtllm_mla")
+
+
+def test_the_engine_passes_the_familys_kwargs(tmp_path, monkeypatch):
+    """SGLangEngine adds family_server_args to the kwargs it starts sglang.Engine with (the fake records them)."""
+    load_fake_sglang(monkeypatch)
+    monkeypatch.setattr(sglang_engine, "sglang_unavailable_reason", lambda: None)
+    monkeypatch.setattr(sglang_engine, "_device_sm", lambda: BLACKWELL)
+    monkeypatch.setenv("SGLANG_RETURN_ORIGINAL_LOGPROB", "0")  # restored afterwards; the engine sets it
+    record = tmp_path / "kwargs.json"
+    monkeypatch.setenv("FAKE_SGLANG_RECORD", str(record))
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({**CONFIGS["deepseek_v3"], "dtype": "bfloat16"}))
+    engine = SGLangEngine(model, SGLangSettings())
+    try:
+        kwargs = json.loads(record.read_text())
+        assert kwargs["attention_backend"] == "triton" and kwargs["moe_runner_backend"] == "triton"
+        assert kwargs["enable_deterministic_inference"] is True
+    finally:
+        engine.close()
+        engine.engine.loop.close()
+        asyncio.set_event_loop(None)
+    (model / "config.json").write_text(json.dumps({**CONFIGS["mixtral"], "dtype": "bfloat16"}))
+    with pytest.raises(MoerlError, match="MixtralForCausalLM"):
+        SGLangEngine(model, SGLangSettings(tp_size=2, ep_size=2, moe_a2a_backend="deepep"))
+
+
+@pytest.mark.parametrize(
+    ("extra", "why"),
+    [({"mlp_only_layers": [0]}, "every layer sparse"), ({"decoder_sparse_step": 2}, "every layer sparse"),
+     ({"head_dim": 32}, "hidden_size // num_attention_heads"),
+     ({"tie_word_embeddings": True}, "output projection of its own")],
+)  # fmt: skip
+def test_qwen2_moe_configs_sglang_would_serve_as_another_model_are_refused(extra, why):
+    """SGLang 0.5.17's qwen2_moe.py loads these and computes another model: refused before it starts."""
+    config = tiny(Qwen2MoeConfig, **extra)
+    with pytest.raises(MoerlError, match=rf"SGLang 0.5.17 would serve another model .*{why}.*rollout.engine: torch"):
+        family_server_args(config, sm=HOPPER)
+    assert family_server_args(tiny(Qwen2MoeConfig), sm=HOPPER) == {}  # the published Qwen2-MoE layouts serve
