@@ -76,6 +76,7 @@ TRAINER_NOT_MAPPED = {
 TRAINER_MAPPED = {
     "micro_batch_size", "epochs", "steps_per_epoch", "lr", "weight_decay", "betas", "grad_clip", "clip_low",
     "clip_high", "loss_agg", "kl_coef", "warmup_steps", "warmup_iterations", "lr_schedule", "router",
+    "router_aux_loss_coef",
 }  # fmt: skip
 LR_SCHEDULES = {"constant": "constant", "linear": "linear", "cosine": "cosine"}
 
@@ -155,7 +156,7 @@ def grpo_settings(cfg: RunConfig, iterations: int, output_dir: str) -> dict[str,
         loss_type={"token-mean": "dapo", "seq-mean": "grpo"}[t.loss_agg],
         beta=t.kl_coef,
         scale_rewards="group" if cfg.rewards.normalize_std else "none",
-        router_aux_loss_coef=0.0,  # moerl's update has no load-balancing loss
+        router_aux_loss_coef=t.router_aux_loss_coef,  # the routers' load-balancing loss (0: none, as moerl's default)
         seed=cfg.seed,
         # plain fp32 CPU training, as moerl's; TRL's defaults are bf16 and gradient checkpointing
         use_cpu=True,

@@ -27,7 +27,8 @@ from pipelines.config import load_config, parse_overrides
 from pipelines.workflow import argo_objects, cron_workflow, workflow, workflow_from_template, workflow_templates
 from pipelines.workflow.wait import wait_for_run
 from steps.errors import MoerlError
-from steps.run.config import RunConfig, cron_problem
+from steps.run.config import RunConfig
+from steps.run.config_checks import cron_problem
 
 WORKFLOW_TEMPLATE = "workflow-template.yaml"
 WORKFLOW = "workflow.yaml"

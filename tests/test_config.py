@@ -9,7 +9,8 @@ import pytest
 
 from pipelines.config import load_config
 from steps.errors import MoerlError
-from steps.run.config import OPERATIONAL_FIELDS, RunConfig, cron_problem, training_view, validate_config
+from steps.run.config import OPERATIONAL_FIELDS, RunConfig, training_view, validate_config
+from steps.run.config_checks import cron_problem
 
 REPO = Path(__file__).resolve().parents[1]
 BASE = {"sft_checkpoint": "file:///tmp/sft", "run_store": "file:///tmp/run"}

@@ -27,7 +27,8 @@ from steps.expert_parallel.mesh import (
     resolve_ep_size,
     sync_gradients,
 )
-from steps.models.moe import LocalDispatch, group_by_expert, run_experts
+from steps.models.experts import run_experts
+from steps.models.moe import LocalDispatch, group_by_expert
 from steps.models.qwen3_moe.model import MoeBlock
 
 HIDDEN, INTER, EXPERTS, TOP_K, TOKENS = 8, 6, 4, 2, 12

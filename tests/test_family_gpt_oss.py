@@ -27,6 +27,7 @@ from steps.engines.torch_engine import TorchEngine
 from steps.errors import MoerlError
 from steps.expert_parallel.dispatch import make_dispatch
 from steps.expert_parallel.mesh import build_mesh
+from steps.models.experts import ClampedSwiGLU, run_experts
 from steps.models.gpt_oss.config import GptOssConfig
 from steps.models.gpt_oss.model import Expert, GptOssCausalLM, moe_block
 from steps.models.gpt_oss.spec import GPT_OSS
@@ -38,7 +39,6 @@ from steps.models.hf_checkpoint import (
     save_pretrained,
 )
 from steps.models.kernels import token_logprobs
-from steps.models.moe import ClampedSwiGLU, run_experts
 from steps.models.placement import ExpertPlacement, is_expert_param
 from steps.models.registry import config_from_hf, family_of, resolve
 

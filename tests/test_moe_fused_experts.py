@@ -15,7 +15,7 @@ from test_expert_parallel import run_gloo
 
 from steps.expert_parallel.dispatch import make_dispatch
 from steps.expert_parallel.mesh import build_mesh, sync_gradients
-from steps.models.moe import run_experts
+from steps.models.experts import run_experts
 from steps.models.qwen3_moe.model import Expert, MoeBlock
 
 HIDDEN, INTER, EXPERTS, TOP_K, TOKENS = 16, 12, 4, 2, 24

@@ -40,10 +40,11 @@ from steps.engines.interface import (
     SamplingParams,
 )
 from steps.errors import MoerlError
+from steps.models.experts import SWIGLU, expert_spans
 from steps.models.family import dtype_name
 from steps.models.hf_checkpoint import check_checkpoint, checkpoint_dtype, load_pretrained, load_state_dict_from_dir
 from steps.models.kernels import token_logprobs
-from steps.models.moe import SWIGLU, SparseMoeBlock, expert_spans, group_by_expert
+from steps.models.moe import SparseMoeBlock, group_by_expert
 from steps.models.registry import family_of
 
 # PyTorch's CPU bmm runs matrices of fewer multiply-adds than this with a plain loop, several times slower

@@ -19,7 +19,8 @@ import torch.distributed as dist
 from torch import nn
 
 from steps.expert_parallel.timing import CommTimer
-from steps.models.moe import ExpertArithmetic, SlotOrder, expert_arithmetic, expert_spans
+from steps.models.experts import ExpertArithmetic, expert_arithmetic, expert_spans
+from steps.models.moe import SlotOrder
 
 
 class AllToAllDispatch:

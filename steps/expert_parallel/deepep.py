@@ -20,7 +20,8 @@ from torch import nn
 
 from steps.errors import MoerlError
 from steps.expert_parallel.timing import CommTimer
-from steps.models.moe import group_by_expert, run_experts
+from steps.models.experts import run_experts
+from steps.models.moe import group_by_expert
 
 
 def import_deep_ep() -> object:

@@ -122,6 +122,10 @@ class MoeCausalLM(nn.Module):
         self.config = config
         self.placement = placement
         self.ep_rank = ep_rank
+        # trainer.router_aux_loss_coef: > 0 makes each forward also compute `aux_loss`, the coefficient times the
+        # MoE layers' mean load-balancing loss over the real tokens (steps/models/router_loss.py)
+        self.router_aux_loss_coef = 0.0
+        self.aux_loss: torch.Tensor | None = None
 
     def rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> Any:
         """The rotary tables of tokens at positions [B, T], in the form the family's attention reads them."""
@@ -178,6 +182,23 @@ class MoeCausalLM(nn.Module):
             raise RuntimeError("routed_rows: call count_routed_rows() before the forward passes")
         return torch.stack(counts)  # type: ignore[arg-type]
 
+    def _balance(self, real_tokens: torch.Tensor | None) -> None:
+        """Before a forward (real_tokens [T], in the order the MoE layers see the tokens): have every MoE layer
+        compute its load-balancing loss when router_aux_loss_coef > 0. After it (None): aux_loss = the coefficient
+        times their mean."""
+        if self.router_aux_loss_coef <= 0:
+            self.aux_loss = None
+            return
+        blocks = self.moe_blocks()
+        if real_tokens is not None:
+            for block in blocks:
+                block.balance_mask, block.balance_loss = real_tokens, None
+            return
+        losses = [block.balance_loss for block in blocks if block.balance_loss is not None]
+        for block in blocks:
+            block.balance_mask = block.balance_loss = None
+        self.aux_loss = self.router_aux_loss_coef * torch.stack(losses).mean() if losses else None
+
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids [B, T] -> logits [B, T, V] in float32 (training and scoring: the rollout engine decodes
         with its own prefill and key/value tree, steps/engines/torch_engine.py).
@@ -199,8 +220,10 @@ class MoeCausalLM(nn.Module):
         masks = AttentionMasks.causal(valid, positions)
         x = self.model.embed_tokens(input_ids)
         rope = self.rotary(positions, x.dtype)
+        self._balance(valid.reshape(-1))
         for layer in self.model.layers:
             x = layer(x, rope, masks)
+        self._balance(None)
         return F.linear(self.model.norm(x), self.output_weight()).float()
 
     def forward_shared_prompts(
@@ -248,10 +271,12 @@ class MoeCausalLM(nn.Module):
         response_x = self.model.embed_tokens(response_ids)
         prompt_rope = self.rotary(prompt_positions, prompt_x.dtype)
         response_rope = self.rotary(response_positions, response_x.dtype)
+        self._balance(torch.cat([prompt_valid.reshape(-1), response_valid.reshape(-1)]))  # the MLPs' token order
         for layer in self.model.layers:
             prompt_x, response_x = layer.forward_shared_prompts(
                 prompt_x, response_x, prompt_rope, response_rope, prompt_masks, response_masks, prompt_index
             )
+        self._balance(None)
         # Only the prompts' last positions are needed from the prompts: norm and lm_head run per token.
         last = prompt_x[:, -1:].index_select(0, prompt_index)  # [R, 1, H]
         x = self.model.norm(torch.cat([last, response_x], dim=1))

@@ -314,7 +314,7 @@ def collate_groups(
 
 # Statistics summed over micro-batches and ranks each step, in this order (one all-reduce per step).
 _SUMS = ("loss", "pg_loss", "kl_sum", "clip_count", "is_weight_sum", "is_capped_count", "entropy_sum",
-         "response_tokens", "real_tokens", "sequences")  # fmt: skip
+         "response_tokens", "real_tokens", "sequences", "aux_loss", "micro_batches")  # fmt: skip
 
 
 @dataclass
@@ -332,6 +332,7 @@ class StepResult:
     response_tokens: int
     real_tokens: int
     sequences: int
+    router_aux_loss: float = 0.0  # the routers' load-balancing term, mean over the micro-batches (0: off)
 
 
 class PolicyTrainer:
@@ -394,7 +395,13 @@ class PolicyTrainer:
             ref = self.reference_logprobs(self.ref_model, mb) if s.kl_coef > 0 else None
             terms = token_terms(logp, old, mb.behavior_logp, mb.advantages, mb.loss_mask, s, ref)
             loss = aggregate(terms.loss, terms.mask, s.loss_agg, normalizer)
-            (loss * self.mesh.world_size).backward()
+            # The load-balancing term is a mean over this rank's micro-batches; the gradient sync averages the
+            # ranks' (the policy loss, normalised by the global count, is scaled by the world size instead).
+            aux = getattr(self.model, "aux_loss", None)
+            total = loss * self.mesh.world_size
+            if aux is not None:
+                total = total + aux / len(micro_batches)
+            total.backward()
             with torch.no_grad():
                 mask = terms.mask
                 entropy = torch.where(mask, token_entropy(logits.detach()), torch.zeros_like(logp))
@@ -410,6 +417,8 @@ class PolicyTrainer:
                     mask.sum().double(),
                     torch.tensor(float(mb.num_real_tokens if mb.sample_ids else 0), dtype=torch.float64),
                     torch.tensor(float(len(mb.sample_ids)), dtype=torch.float64),
+                    (aux.detach().double() if aux is not None else torch.zeros((), dtype=torch.float64)).cpu(),
+                    torch.tensor(1.0, dtype=torch.float64),
                 ]).cpu()  # fmt: skip
                 if weights.numel():
                     is_max = torch.maximum(is_max, weights.max().cpu())
@@ -452,6 +461,7 @@ class PolicyTrainer:
             is_capped_fraction=stats["is_capped_count"] / tokens, entropy=stats["entropy_sum"] / tokens,
             grad_norm=grad_norm, response_tokens=int(stats["response_tokens"]),
             real_tokens=int(stats["real_tokens"]), sequences=int(stats["sequences"]),
+            router_aux_loss=stats["aux_loss"] / max(stats["micro_batches"], 1.0),
         )  # fmt: skip
 
     # -- a whole iteration ---------------------------------------------------------------------------
@@ -543,6 +553,7 @@ def iteration_metrics(results: list[StepResult], seconds: float) -> dict[str, An
             "max": max((r.is_weight_max for r in results if r.is_weight_max is not None), default=None),
             "capped_fraction": mean("is_capped_fraction"),
         },
+        "router_aux_loss": sum(r.router_aux_loss for r in results) / len(results),
         "grad_norm": results[-1].grad_norm,
         "grad_norms": [r.grad_norm for r in results],
         "steps": len(results),

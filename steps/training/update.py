@@ -323,6 +323,7 @@ def train_iteration(
     if cfg.trainer.router == "freeze":  # no gradient, no AdamW state: the routers keep v000000's values
         for p in model.router_parameters():
             p.requires_grad_(False)
+    model.router_aux_loss_coef = cfg.trainer.router_aux_loss_coef
     ref_model, ref_state = None, None
     if settings.loss.kl_coef > 0:
         ref_state = reference.take(mesh) if reference is not None else None

@@ -20,8 +20,9 @@ from torch import nn
 from steps.models.causal_lm import DecoderLayer, DecoderStack, MoeCausalLM
 from steps.models.deepseek_v3 import rope
 from steps.models.deepseek_v3.config import DeepseekConfig
+from steps.models.experts import SwiGLUExpert
 from steps.models.layers import RMSNorm, softmax_attention
-from steps.models.moe import RouterSettings, SparseMoeBlock, SwiGLUExpert
+from steps.models.moe import RouterSettings, SparseMoeBlock
 from steps.models.placement import moe_layer_indices
 
 if TYPE_CHECKING:

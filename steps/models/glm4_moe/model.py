@@ -18,9 +18,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from steps.models.causal_lm import DecoderLayer, DecoderStack, MoeCausalLM
+from steps.models.experts import SwiGLUExpert
 from steps.models.glm4_moe.config import Glm4MoeConfig
 from steps.models.layers import RMSNorm, rotary_cos_sin, softmax_attention
-from steps.models.moe import RouterSettings, SparseMoeBlock, SwiGLUExpert
+from steps.models.moe import RouterSettings, SparseMoeBlock
 from steps.models.placement import moe_layer_indices
 
 if TYPE_CHECKING:

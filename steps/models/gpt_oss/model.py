@@ -22,10 +22,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from steps.models.causal_lm import DecoderLayer, DecoderStack, MoeCausalLM
+from steps.models.experts import ClampedSwiGLU, RoutedExpert
 from steps.models.gpt_oss.config import GptOssConfig
 from steps.models.gpt_oss.rope import rotary_cos_sin
 from steps.models.layers import RMSNorm
-from steps.models.moe import ClampedSwiGLU, RoutedExpert, RouterSettings, SparseMoeBlock
+from steps.models.moe import RouterSettings, SparseMoeBlock
 
 if TYPE_CHECKING:
     from steps.models.placement import ExpertPlacement

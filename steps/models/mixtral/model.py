@@ -27,9 +27,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from steps.models.causal_lm import DecoderLayer, DecoderStack, MoeCausalLM
+from steps.models.experts import SwiGLUExpert
 from steps.models.layers import RMSNorm, rotary_cos_sin, softmax_attention
 from steps.models.mixtral.config import MixtralConfig
-from steps.models.moe import RouterSettings, SparseMoeBlock, SwiGLUExpert
+from steps.models.moe import RouterSettings, SparseMoeBlock
 
 if TYPE_CHECKING:
     from steps.models.placement import ExpertPlacement

@@ -20,8 +20,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from steps.models.causal_lm import DecoderLayer, DecoderStack, MoeCausalLM
+from steps.models.experts import SwiGLUExpert
 from steps.models.layers import RMSNorm, rotary_cos_sin, softmax_attention
-from steps.models.moe import RouterSettings, SparseMoeBlock, SwiGLUExpert
+from steps.models.moe import RouterSettings, SparseMoeBlock
 from steps.models.placement import moe_layer_indices
 from steps.models.qwen2_moe.config import Qwen2MoeConfig
 

@@ -18,9 +18,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from steps.models.causal_lm import DecoderLayer, DecoderStack, MoeCausalLM
+from steps.models.experts import SwiGLUExpert
 from steps.models.kernels import QKVHeads
 from steps.models.layers import RMSNorm, rotary_cos_sin, softmax_attention
-from steps.models.moe import SparseMoeBlock, SwiGLUExpert
+from steps.models.moe import SparseMoeBlock
 from steps.models.placement import moe_layer_indices
 from steps.models.qwen3_moe.config import MoeConfig
 
