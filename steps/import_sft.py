@@ -6,6 +6,11 @@ The weights' dtype (float32, bfloat16 or float16, one for every tensor) is the r
 published in it. config.json must agree with the weights; when it declares no dtype, v000000's config.json
 gets it (steps.models.checkpoint_validation.declare_dtype).
 
+A checkpoint its family's publisher stores in a form moerl does not train is first rewritten, in the temporary
+copy, as a plain float one (the family's convert_on_import, steps/models/family.py): gpt-oss's MXFP4 experts (the
+Hub's gpt-oss-20b and -120b) are dequantized to bf16 with transformers' own arithmetic, which the step says in one
+line; such a run then trains and publishes bf16.
+
 Idempotent: a second call with the same checkpoint changes nothing.
 """
 
@@ -14,12 +19,14 @@ from __future__ import annotations
 import argparse
 import json
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from steps import progress
 from steps.errors import MoerlError, run_cli
 from steps.models.checkpoint_validation import declare_dtype, refuse_pickled, validate_checkpoint_dir
-from steps.models.hf_checkpoint import PICKLE_WEIGHT_SUFFIXES
+from steps.models.hf_checkpoint import CONFIG_NAME, PICKLE_WEIGHT_SUFFIXES, read_config_json
+from steps.models.registry import resolve
 from steps.run import checkpoint
 from steps.run.keys import RUN_CONFIG, version_name
 from steps.store.object_store import Store
@@ -37,6 +44,14 @@ def fetch_checkpoint(src: Store, local_dir: Path) -> None:
         if Path(name).suffix not in PICKLE_WEIGHT_SUFFIXES:
             (local_dir / name).parent.mkdir(parents=True, exist_ok=True)
             src.get_file(name, local_dir / name)
+
+
+def convert_on_import(local_dir: Path, say: Callable[[str], None]) -> None:
+    """Rewrite the copied checkpoint in place as a plain float one where its family stores it otherwise (gpt-oss's
+    MXFP4 experts -> bf16: ModelFamily.convert_on_import); nothing for the other families."""
+    family = resolve(read_config_json(local_dir), source=str(local_dir / CONFIG_NAME))
+    if family.convert_on_import is not None:
+        family.convert_on_import(local_dir, say)
 
 
 def write_run_config(run: Store, config_json: str) -> None:
@@ -64,8 +79,12 @@ def import_sft(src_uri: str, run_uri: str, run_config_json: str | None = None) -
     with tempfile.TemporaryDirectory(prefix="moerl-import-") as tmp:
         local = Path(tmp)
         fetch_checkpoint(src, local)
+        def say(line: str) -> None:
+            print(line.replace(str(local), src.uri))
+
         try:
-            validate_checkpoint_dir(local, say=lambda line: print(line.replace(str(local), src.uri)))
+            convert_on_import(local, say)
+            validate_checkpoint_dir(local, say=say)
             declare_dtype(local)
         except MoerlError as err:  # name the user's --src, not the temporary copy
             raise MoerlError(str(err).replace(str(local), src.uri)) from None

@@ -14,7 +14,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from steps.models.causal_lm import DecoderLayer, DecoderStack, MoeCausalLM
@@ -50,17 +49,6 @@ class MoeBlock(SparseMoeBlock):
     `gate.e_score_correction_bias`, never trained), routed experts `experts.{e}` and `shared_experts`."""
 
     expert_class = Expert
-
-
-def mla_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scaling: float
-) -> torch.Tensor:
-    """softmax_attention (steps/models/layers.py) for keys wider than values. Its CPU kernel
-    (kernels.GroupedAttention) assumes one head size for k and v, so with MLA's (kv heads == heads: nothing to
-    group) the CPU path is SDPA's, which takes v's size; on CUDA softmax_attention is SDPA too."""
-    if q.shape[-1] == v.shape[-1] or q.device.type != "cpu":
-        return softmax_attention(q, k, v, mask, scaling)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)
 
 
 class Attention(nn.Module):
@@ -132,7 +120,7 @@ class Attention(nn.Module):
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Masked attention of q [B, heads, T, qk_head_dim] over k/v [B, heads, S, *], then o_proj -> [B, T, H]."""
         batch, _, seq, _ = q.shape
-        out = mla_attention(q, k, v, mask, self.scaling)
+        out = softmax_attention(q, k, v, mask, self.scaling)  # keys wider than values: the kernels take both
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, self.num_heads * self.v_dim))
 
 

@@ -3,7 +3,8 @@ from and written to config.json, and checked.
 
 Refused here with one line naming the field and the fix: attention dropout, a rope type other than default or
 yarn, layer_types other than "sliding_attention"/"full_attention", and quantized weights (the Hub's MXFP4
-checkpoints: the error names transformers' dequantizing export, QUANTIZED_FIX). transformers ignores
+checkpoints, which import-sft dequantizes to bf16 before it reads them, mxfp4.py: the error names that and
+transformers' dequantizing export, QUANTIZED_FIX; any other quantization: QUANTIZATION_FIX). transformers ignores
 `hidden_act` (the experts' clamped SwiGLU is fixed), and so does moerl.
 """
 
@@ -19,11 +20,16 @@ from steps.errors import MoerlError
 from steps.models.family import dtype_name
 
 MODEL_TYPE = "gpt_oss"
-# The Hub's gpt-oss checkpoints store the experts as MXFP4 (*_blocks, *_scales); moerl reads float weights only.
+# The Hub's gpt-oss checkpoints store the experts as MXFP4 (*_blocks, *_scales); moerl reads float weights only,
+# and its import dequantizes them (mxfp4.py).
 QUANTIZED_FIX = (
-    "moerl reads float weights; dequantize the MXFP4 experts with transformers first: GptOssForCausalLM."
-    "from_pretrained(DIR, quantization_config=Mxfp4Config(dequantize=True), dtype=torch.bfloat16)"
-    ".save_pretrained(OUT_DIR), then use OUT_DIR"
+    "moerl reads float weights; dequantize the MXFP4 experts: `python -m steps.import_sft --src DIR --run RUN` "
+    "does it (to bf16), or with transformers: GptOssForCausalLM.from_pretrained(DIR, quantization_config="
+    "Mxfp4Config(dequantize=True), dtype=torch.bfloat16).save_pretrained(OUT_DIR), then use OUT_DIR"
+)
+QUANTIZATION_FIX = (
+    "moerl reads float weights and dequantizes MXFP4 only; save the model unquantized in bf16 "
+    "(model.to(torch.bfloat16).save_pretrained(OUT_DIR)), then use OUT_DIR"
 )
 ARCHITECTURE = "GptOssForCausalLM"
 DEFAULT_ROPE_THETA = 150_000.0  # GptOssConfig.default_theta
@@ -132,8 +138,10 @@ class GptOssConfig:
         def unsupported(name: str, why: str) -> MoerlError:
             return MoerlError(f"{source}: {name} = {d.get(name)!r} is not supported by moerl ({why})")
 
-        if d.get("quantization_config"):
-            raise unsupported("quantization_config", QUANTIZED_FIX)
+        quantization = d.get("quantization_config")
+        if quantization:
+            method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+            raise unsupported("quantization_config", QUANTIZED_FIX if method == "mxfp4" else QUANTIZATION_FIX)
         if d.get("attention_dropout", 0.0):
             raise unsupported("attention_dropout", "set it to 0.0")
         rope_theta, rope_scaling = _rope(d, source)
