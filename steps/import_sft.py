@@ -7,7 +7,7 @@ published in it. config.json must agree with the weights; when it declares no dt
 gets it (steps.models.checkpoint_validation.declare_dtype).
 
 A checkpoint its family's publisher stores in a form moerl does not train is first rewritten, in the temporary
-copy, as a plain float one (the family's convert_on_import, steps/models/family.py): gpt-oss's MXFP4 experts (the
+copy, as a plain float one (steps/models/import_conversions.py): gpt-oss's MXFP4 experts (the
 Hub's gpt-oss-20b and -120b) are dequantized to bf16 with transformers' own arithmetic, which the step says in one
 line; such a run then trains and publishes bf16.
 
@@ -25,33 +25,32 @@ from pathlib import Path
 from steps import progress
 from steps.errors import MoerlError, run_cli
 from steps.models.checkpoint_validation import declare_dtype, refuse_pickled, validate_checkpoint_dir
-from steps.models.hf_checkpoint import CONFIG_NAME, PICKLE_WEIGHT_SUFFIXES, read_config_json
-from steps.models.registry import resolve
+from steps.models.hf_checkpoint import PICKLE_WEIGHT_SUFFIXES
+from steps.models.import_conversions import convert_on_import
 from steps.run import checkpoint
 from steps.run.keys import RUN_CONFIG, version_name
 from steps.store.object_store import Store
 
 
-def fetch_checkpoint(src: Store, local_dir: Path) -> None:
-    """Copy an HF checkpoint from any store URI, leaving pickled weight files behind."""
+def fetch_checkpoint(src: Store, local_dir: Path, say: Callable[[str], None] = print) -> None:
+    """Copy an HF checkpoint from any store URI: its top-level files, leaving pickled weight files and subfolders
+    behind (a Hub repository's `original/` or `metal/` hold the same weights in another format)."""
     names = src.list()
     if not names:
         raise MoerlError(f"{src.uri}: no files there; point --src at an HF-format checkpoint directory")
     if "config.json" not in names:
         raise MoerlError(f"{src.uri}: missing config.json; an HF-format checkpoint directory is required")
+    nested = sorted(name for name in names if "/" in name)
+    if nested:
+        folders = sorted({name.split("/")[0] + "/" for name in nested})
+        say(f"{src.uri}: {len(nested)} files in subfolders ({', '.join(folders)}) not imported: a checkpoint's files "
+            "are its top-level ones")  # fmt: skip
+    names = [name for name in names if "/" not in name]
     refuse_pickled(names, src.uri)
     for name in names:
         if Path(name).suffix not in PICKLE_WEIGHT_SUFFIXES:
             (local_dir / name).parent.mkdir(parents=True, exist_ok=True)
             src.get_file(name, local_dir / name)
-
-
-def convert_on_import(local_dir: Path, say: Callable[[str], None]) -> None:
-    """Rewrite the copied checkpoint in place as a plain float one where its family stores it otherwise (gpt-oss's
-    MXFP4 experts -> bf16: ModelFamily.convert_on_import); nothing for the other families."""
-    family = resolve(read_config_json(local_dir), source=str(local_dir / CONFIG_NAME))
-    if family.convert_on_import is not None:
-        family.convert_on_import(local_dir, say)
 
 
 def write_run_config(run: Store, config_json: str) -> None:

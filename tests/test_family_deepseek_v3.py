@@ -10,6 +10,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
 import torch
+from family_helpers import assert_same_logits, edit_config, left_padded_batch, rewrite_weights
 from model_helpers import randomize_, response_logprobs
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
@@ -81,23 +82,6 @@ def randomize(model: torch.nn.Module, seed: int) -> None:
 
 def moerl_config(name: str) -> DeepseekConfig:
     return DeepseekConfig.from_hf_dict(json.loads(HFConfig(**CONFIGS[name]).to_json_string()))
-
-
-def left_padded_batch(vocab: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, vocab, (3, 11), generator=gen)
-    mask = torch.ones(3, 11, dtype=torch.long)
-    mask[1, :4] = 0
-    mask[2, :7] = 0
-    positions = (mask.cumsum(1) - 1).clamp(min=0)  # what HF generate passes for left-padded prompts
-    return ids, mask, positions
-
-
-def assert_same_logits(ours: torch.Tensor, theirs: torch.Tensor, mask: torch.Tensor, atol: float = 1e-4) -> None:
-    real = mask.bool()
-    assert ours.dtype == torch.float32 and not torch.isnan(ours).any()
-    torch.testing.assert_close(ours[real], theirs[real], atol=atol, rtol=0)
-    assert ours[real].abs().mean() > 0.1  # a real comparison, not two near-zero tensors
 
 
 @pytest.fixture(params=sorted(CONFIGS))
@@ -313,24 +297,6 @@ def good_checkpoint(tmp_path):
     model = DeepseekV3ForCausalLM(moerl_config("q_lora_yarn_interleave"))
     save_pretrained(model, tmp_path / "ckpt")
     return tmp_path / "ckpt"
-
-
-def edit_config(directory, **changes):
-    path = directory / "config.json"
-    d = json.loads(path.read_text())
-    for key, value in changes.items():
-        if value is None:
-            d.pop(key, None)
-        else:
-            d[key] = value
-    path.write_text(json.dumps(d))
-
-
-def rewrite_weights(directory, change):
-    path = directory / "model.safetensors"
-    tensors = load_file(path)
-    change(tensors)
-    save_file(tensors, path, metadata={"format": "pt"})
 
 
 @pytest.mark.parametrize(

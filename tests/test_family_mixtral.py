@@ -11,9 +11,18 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
 import torch
+from family_helpers import (
+    assert_same_logits,
+    edit_config,
+    expert_grads,
+    left_padded_batch,
+    probe_batch,
+    rewrite_weights,
+    save_rows_and_expert_grads,
+)
 from model_helpers import randomize_, response_logits, response_logprobs
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from test_expert_parallel import run_gloo
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers import MixtralConfig as HfMixtralConfig
@@ -55,23 +64,6 @@ CONFIGS = {
     ),
 }  # fmt: skip
 ATOL = 5e-5  # fp32 logits, both ways round (observed up to 1.0e-5; the brief allows 1e-4)
-
-
-def left_padded_batch(vocab: int, seed: int = 0, length: int = 11) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, vocab, (3, length), generator=gen)
-    mask = torch.ones(3, length, dtype=torch.long)
-    mask[1, :4] = 0
-    mask[2, :7] = 0
-    positions = (mask.cumsum(1) - 1).clamp(min=0)  # what HF generate passes for left-padded prompts
-    return ids, mask, positions
-
-
-def assert_same_logits(ours: torch.Tensor, theirs: torch.Tensor, mask: torch.Tensor) -> None:
-    real = mask.bool()
-    assert ours.dtype == torch.float32 and not torch.isnan(ours).any()
-    torch.testing.assert_close(ours[real], theirs[real], atol=ATOL, rtol=0)
-    assert ours[real].abs().mean() > 0.1  # a real comparison, not two near-zero tensors
 
 
 def hf_model(kwargs: dict, seed: int) -> HfMixtralForCausalLM:
@@ -172,8 +164,8 @@ def test_transformers_checkpoint_loads_in_ours_with_equal_logits(tmp_path, confi
         for sub in ("single", "sharded"):
             model = load_pretrained(tmp_path / sub)
             assert isinstance(model, MixtralCausalLM)
-            assert_same_logits(model(ids, mask), theirs, mask)
-        assert_same_logits(model(ids), hf(input_ids=ids).logits, torch.ones_like(mask))
+            assert_same_logits(model(ids, mask), theirs, mask, atol=ATOL)
+        assert_same_logits(model(ids), hf(input_ids=ids).logits, torch.ones_like(mask), atol=ATOL)
 
 
 def test_our_checkpoint_loads_in_transformers_with_equal_logits(tmp_path, config_kwargs):
@@ -190,7 +182,7 @@ def test_our_checkpoint_loads_in_transformers_with_equal_logits(tmp_path, config
     ids, mask, positions = left_padded_batch(config_kwargs["vocab_size"])
     with torch.no_grad():
         assert_same_logits(model(ids, mask), hf(input_ids=ids, attention_mask=mask, position_ids=positions).logits,
-                           mask)  # fmt: skip
+                           mask, atol=ATOL)  # fmt: skip
 
 
 def shared_prompt_logits_against_transformers(model: MixtralCausalLM, hf: HfMixtralForCausalLM, vocab: int) -> None:
@@ -268,7 +260,7 @@ def test_bf16_checkpoints_round_trip_with_transformers(tmp_path):
     hf32 = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
     with torch.no_grad():
         theirs = hf32(input_ids=ids, attention_mask=mask, position_ids=positions).logits
-        assert_same_logits(load_pretrained(tmp_path / "hf")(ids, mask), theirs, mask)
+        assert_same_logits(load_pretrained(tmp_path / "hf")(ids, mask), theirs, mask, atol=ATOL)
 
 
 # --- the router --------------------------------------------------------------------------------------------
@@ -333,7 +325,7 @@ def test_a_binding_window_tied_head_and_explicit_head_dim_match_transformers_whe
     ids, mask, positions = left_padded_batch(kwargs["vocab_size"], seed=14)
     with torch.no_grad():
         theirs = hf(input_ids=ids, attention_mask=mask, position_ids=positions).logits
-        assert_same_logits(ours(ids, mask), theirs, mask)
+        assert_same_logits(ours(ids, mask), theirs, mask, atol=ATOL)
         no_window = hf_model({**kwargs, "sliding_window": None}, seed=13)
         unwindowed = no_window(input_ids=ids, attention_mask=mask, position_ids=positions).logits
         assert (unwindowed - theirs)[0, -1].abs().max() > 1e-3  # the window binds
@@ -360,9 +352,7 @@ def ep_full_model() -> MixtralCausalLM:
 
 
 def ep_batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    ids, mask, _ = left_padded_batch(EP_CONFIG["vocab_size"], seed=16)
-    probe = torch.randn(*ids.shape, EP_CONFIG["vocab_size"], generator=torch.Generator().manual_seed(17))
-    return ids, mask, probe
+    return probe_batch(EP_CONFIG["vocab_size"], seed=16)
 
 
 def ep_worker(rank: int, world: int, out_dir) -> None:
@@ -375,12 +365,7 @@ def ep_worker(rank: int, world: int, out_dir) -> None:
     assert mine == MIXTRAL.state_dict_adapter.expected_shapes(full.config, EP_PLACEMENT, mesh.ep_rank)
     model.load_state_dict({name: full.state_dict()[name] for name in mine})
     model.set_dispatch(make_dispatch("alltoall", mesh, full.config.num_local_experts))
-    ids, mask, probe = ep_batch()
-    rows = EP_ROWS[rank]
-    logits = model(ids[rows], mask[rows])
-    (logits * probe[rows]).sum().backward()
-    out = {f"grad.{n}": p.grad for n, p in model.named_parameters() if is_expert_param(n)}
-    save_file({"logits": logits.detach(), **out}, str(out_dir / f"rank{rank}.safetensors"))
+    save_rows_and_expert_grads(model, rank, EP_ROWS[rank], ep_batch(), out_dir)
 
 
 def test_ep2_forward_over_gloo_equals_the_full_model(tmp_path):
@@ -391,8 +376,8 @@ def test_ep2_forward_over_gloo_equals_the_full_model(tmp_path):
     run_gloo(ep_worker, 2, tmp_path)
     for rank, rows in enumerate(EP_ROWS):
         got = load_file(tmp_path / f"rank{rank}.safetensors")
-        assert_same_logits(got["logits"], logits[rows].detach(), mask[rows])
-        grads = {k.removeprefix("grad."): v for k, v in got.items() if k.startswith("grad.")}
+        assert_same_logits(got["logits"], logits[rows].detach(), mask[rows], atol=ATOL)
+        grads = expert_grads(got)
         held = EP_PLACEMENT.held(0, rank)
         assert {n.split(".experts.")[1].split(".")[0] for n in grads if ".layers.0." in n} == {str(e) for e in held}
         for name, grad in grads.items():
@@ -406,24 +391,6 @@ def test_ep2_forward_over_gloo_equals_the_full_model(tmp_path):
 def good_checkpoint(tmp_path):
     hf_model(CONFIGS["top2_untied"], seed=18).save_pretrained(tmp_path / "ckpt")
     return tmp_path / "ckpt"
-
-
-def edit_config(directory, **changes):
-    path = directory / "config.json"
-    d = json.loads(path.read_text())
-    for key, value in changes.items():
-        if value is None:
-            d.pop(key, None)
-        else:
-            d[key] = value
-    path.write_text(json.dumps(d))
-
-
-def rewrite_weights(directory, change):
-    path = directory / "model.safetensors"
-    tensors = load_file(path)
-    change(tensors)
-    save_file(tensors, path, metadata={"format": "pt"})
 
 
 def test_missing_tensor_is_named(good_checkpoint):

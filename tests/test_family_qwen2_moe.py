@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers as hf
+from family_helpers import assert_same_logits, edit_config, left_padded_batch, rewrite_weights
 from model_helpers import randomize_, response_logprobs
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
@@ -68,23 +69,6 @@ def hf_model(kwargs: dict, seed: int) -> hf.Qwen2MoeForCausalLM:
     return model.eval()
 
 
-def left_padded_batch(vocab: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, vocab, (3, 11), generator=gen)
-    mask = torch.ones(3, 11, dtype=torch.long)
-    mask[1, :4] = 0
-    mask[2, :7] = 0
-    positions = (mask.cumsum(1) - 1).clamp(min=0)  # what HF generate passes for left-padded prompts
-    return ids, mask, positions
-
-
-def assert_same_logits(ours: torch.Tensor, theirs: torch.Tensor, mask: torch.Tensor) -> None:
-    real = mask.bool()
-    assert ours.dtype == torch.float32 and not torch.isnan(ours).any()
-    torch.testing.assert_close(ours[real], theirs[real], atol=ATOL, rtol=0)
-    assert ours[real].abs().mean() > 0.1  # a real comparison, not two near-zero tensors
-
-
 def first_moe_layer(cfg: Qwen2MoeConfig) -> int:
     return next(layer for layer in range(cfg.num_hidden_layers) if cfg.is_moe_layer(layer))
 
@@ -117,8 +101,8 @@ def test_transformers_checkpoint_loads_with_equal_logits(hf_checkpoint, tmp_path
         for source in (directory, tmp_path):  # one file, and shards
             model = load_pretrained(source)
             assert isinstance(model, Qwen2MoeForCausalLM) and family_of(model) is QWEN2_MOE
-            assert_same_logits(model(ids, mask), theirs, mask)
-        assert_same_logits(model(ids), theirs_model(input_ids=ids).logits, torch.ones_like(mask))
+            assert_same_logits(model(ids, mask), theirs, mask, atol=ATOL)
+        assert_same_logits(model(ids), theirs_model(input_ids=ids).logits, torch.ones_like(mask), atol=ATOL)
 
 
 def test_forward_shared_prompts_equals_transformers(hf_checkpoint):
@@ -165,7 +149,7 @@ def test_our_checkpoint_loads_in_transformers_with_equal_logits(tmp_path, hf_che
     ids, mask, positions = left_padded_batch(kwargs["vocab_size"])
     with torch.no_grad():
         theirs = theirs_model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
-        assert_same_logits(model(ids, mask), theirs, mask)
+        assert_same_logits(model(ids, mask), theirs, mask, atol=ATOL)
     assert Qwen2MoeConfig.from_hf_dict(json.loads((tmp_path / "config.json").read_text())) == model.config
 
 
@@ -204,7 +188,7 @@ def test_bf16_checkpoints_round_trip_with_transformers(tmp_path, hf_checkpoint):
     hf32 = hf.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
     with torch.no_grad():
         want = hf32(input_ids=ids, attention_mask=mask, position_ids=positions).logits
-        assert_same_logits(load_pretrained(tmp_path / "hf")(ids, mask), want, mask)
+        assert_same_logits(load_pretrained(tmp_path / "hf")(ids, mask), want, mask, atol=ATOL)
 
 
 def test_gradients_match_transformers(hf_checkpoint):
@@ -312,7 +296,7 @@ def test_ep2_forward_over_gloo_equals_the_full_model(tmp_path):
     with torch.no_grad():
         want = full(ids, mask)
     got = torch.cat([load_file(tmp_path / f"rank{r}.safetensors")["logits"] for r in range(2)])
-    assert_same_logits(got, want, mask)
+    assert_same_logits(got, want, mask, atol=ATOL)
 
 
 # --- config, registry, refusals --------------------------------------------------------------------------------
@@ -361,17 +345,6 @@ def good_checkpoint(tmp_path):
     return tmp_path / "ckpt"
 
 
-def edit_config(directory: Path, **changes) -> None:
-    path = directory / "config.json"
-    d = json.loads(path.read_text())
-    for key, value in changes.items():
-        if value is None:
-            d.pop(key, None)
-        else:
-            d[key] = value
-    path.write_text(json.dumps(d))
-
-
 @pytest.mark.parametrize(
     "changes, message",
     [
@@ -398,13 +371,6 @@ def test_unsupported_config_is_refused_in_one_line(good_checkpoint, changes, mes
     with pytest.raises(MoerlError, match=message) as err:
         load_pretrained(good_checkpoint)
     assert str(err.value).startswith(str(good_checkpoint)) and "\n" not in str(err.value)
-
-
-def rewrite_weights(directory: Path, change) -> None:
-    path = directory / "model.safetensors"
-    tensors = load_file(path)
-    change(tensors)
-    save_file(tensors, path, metadata={"format": "pt"})
 
 
 def test_missing_tensor_is_named(good_checkpoint):

@@ -32,9 +32,9 @@ from steps.models.hf_checkpoint import checkpoint_dtype, load_pretrained, read_c
 from steps.run import checkpoint
 from steps.store.object_store import Store
 
-E, H, I, LAYERS = 4, 64, 32, 2  # MXFP4 blocks are 32 values along hidden_size and intermediate_size
+E, H, INTER, LAYERS = 4, 64, 32, 2  # MXFP4 blocks are 32 values along hidden_size and intermediate_size
 CONFIG = dict(
-    vocab_size=VOCAB_SIZE, hidden_size=H, intermediate_size=I, num_hidden_layers=LAYERS, num_attention_heads=4,
+    vocab_size=VOCAB_SIZE, hidden_size=H, intermediate_size=INTER, num_hidden_layers=LAYERS, num_attention_heads=4,
     num_key_value_heads=2, head_dim=16, num_local_experts=E, num_experts_per_tok=2, sliding_window=4,
     max_position_embeddings=64, swiglu_limit=3.0,
     rope_parameters={"rope_type": "yarn", "rope_theta": 1000.0, "factor": 4.0, "beta_fast": 32.0,
@@ -48,7 +48,7 @@ QUANTIZATION = {
 }  # fmt: skip
 FP4 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]  # E2M1 by code
 SHARDS = ("model-00000-of-00002.safetensors", "model-00001-of-00002.safetensors")  # the Hub's names
-PROJ_SHAPES = {"gate_up_proj": (2 * I, H), "down_proj": (H, I)}  # (rows N, values per row K) as stored
+PROJ_SHAPES = {"gate_up_proj": (2 * INTER, H), "down_proj": (H, INTER)}  # (rows N, values per row K) as stored
 
 
 def packed(proj: str, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -129,8 +129,8 @@ def test_import_dequantizes_mxfp4_experts_to_bf16(tmp_path, capsys):
     out = capsys.readouterr().out
     lines = [line for line in out.splitlines() if "MXFP4" in line]
     assert lines == [
-        f"{Store.open(str(src)).uri}: dequantized {2 * LAYERS} MXFP4 expert tensors to bf16 with transformers' convert_moe_packed_tensors; "
-        "the run trains and publishes bfloat16 (every version keeps v000000's dtype)"
+        f"{Store.open(str(src)).uri}: dequantized {2 * LAYERS} MXFP4 expert tensors to bf16 with transformers' "
+        "convert_moe_packed_tensors; the run trains and publishes bfloat16 (every version keeps v000000's dtype)"
     ]
 
     published = v0(run_dir)

@@ -72,6 +72,17 @@ def test_import_publishes_v0_and_is_idempotent(tmp_path):
     assert {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")} == before
 
 
+def test_subfolders_of_a_hub_repository_stay_behind(tmp_path, capsys):
+    """gpt-oss's Hub repository holds original/ and metal/ (the same weights in other formats): not imported."""
+    src = tiny_checkpoint(tmp_path / "sft")
+    (src / "original").mkdir()
+    (src / "original" / "model.safetensors").write_bytes(b"other format")
+    import_sft(str(src), str(tmp_path / "run"))
+    assert "1 files in subfolders (original/) not imported" in capsys.readouterr().out
+    manifest = checkpoint.require_manifest(Store.open(str(tmp_path / "run")), 0)
+    assert not [name for name in manifest.files if "/" in name]
+
+
 def test_imported_checkpoint_loads_with_transformers(tmp_path):
     from transformers import AutoModelForCausalLM
 

@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from steps.models.rope import default_frequencies
+
 
 class RotaryTable:
     """cos and sign-folded sin [T, 1, D] at token positions [T], from a table grown by doubling.
@@ -29,8 +31,7 @@ class RotaryTable:
     @classmethod
     def default(cls, dim: int, theta: float, dtype: torch.dtype, device: torch.device | str = "cpu") -> RotaryTable:
         """Default RoPE over `dim` dims (layers.rotary_cos_sin's frequencies)."""
-        exponents = torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim
-        return cls(1.0 / (theta**exponents), dtype)
+        return cls(default_frequencies(dim, theta, device), dtype)
 
     def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         needed = int(positions.max()) + 1 if positions.numel() else 0

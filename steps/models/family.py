@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import torch
@@ -173,7 +172,3 @@ class ModelFamily:
     decode: Callable[[nn.Module], DecodeModel]  # a built model -> what the torch engine's decoder reads
     attention: AttentionKind
     router: RouterKind
-    # (checkpoint directory, say) -> None: rewrites in place, before the import validates it, a checkpoint the
-    # family's publisher stores in a form moerl does not train (gpt-oss's MXFP4 experts) as a plain float one,
-    # saying what it did in one line; does nothing to one that needs nothing. None: imported as it is.
-    convert_on_import: Callable[[Path, Callable[[str], None]], None] | None = None

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from steps.models.kernels import grouped_attention, rms_norm
+from steps.models.rope import default_frequencies
 
 
 class RMSNorm(nn.Module):
@@ -27,9 +28,7 @@ def rotary_cos_sin(
     positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """positions [B, T] -> cos, sin [B, T, head_dim], computed in fp32 (both halves share the frequencies)."""
-    inv_freq = 1.0 / (
-        theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float() / head_dim)
-    )
+    inv_freq = default_frequencies(head_dim, theta, positions.device)
     freqs = positions[..., None].float() * inv_freq
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)

@@ -18,14 +18,13 @@ DeepSeek-V3's): they load as this family, and the model_type is written back as 
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from steps.errors import MoerlError
-from steps.models.family import dtype_name
+from steps.models import config_checks as checks
 
 MODEL_TYPE = "deepseek_v3"
 MODEL_TYPES = (MODEL_TYPE, "kimi_k2")  # Kimi-K2: DeepSeek-V3's architecture under a model_type of its own
@@ -97,32 +96,21 @@ class DeepseekConfig:
     def to_hf_dict(self, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
         """config.json content that transformers (v4 and v5) and SGLang load as DeepseekV3ForCausalLM, for
         weights stored in `dtype`. No MTP layers (num_nextn_predict_layers 0: the checkpoint holds none)."""
-        name = dtype_name(dtype)
-        d: dict[str, Any] = {"architectures": [ARCHITECTURE]}
-        d.update(dataclasses.asdict(self))  # model_type among them
         rope = {"rope_theta": self.rope_theta, "rope_type": "default"}
         if self.rope_scaling is not None:
             # v4 readers (SGLang) read rope_theta + rope_scaling (type or rope_type); v5 reads rope_scaling first
             rope = {**self.rope_scaling, "rope_theta": self.rope_theta, "rope_type": "yarn", "type": "yarn"}
-        d.update(
-            {
-                "hidden_act": "silu",
-                "attention_dropout": 0.0,
-                "rope_scaling": rope if self.rope_scaling is not None else None,
-                "rope_parameters": rope,
-                "qk_head_dim": self.qk_head_dim,
-                "head_dim": self.qk_rope_head_dim,  # as DeepseekV3Config: the rotary dims
-                "num_nextn_predict_layers": 0,
-                "scoring_func": "sigmoid",  # DeepSeek's own modeling code and SGLang read these three
-                "topk_method": "noaux_tc",
-                "moe_layer_freq": 1,
-                "use_cache": True,
-                "output_router_logits": False,
-                "dtype": name,
-                "torch_dtype": name,
-            }
-        )
-        return d
+        extra = {
+            "rope_scaling": rope if self.rope_scaling is not None else None,
+            "rope_parameters": rope,
+            "qk_head_dim": self.qk_head_dim,
+            "head_dim": self.qk_rope_head_dim,  # as DeepseekV3Config: the rotary dims
+            "num_nextn_predict_layers": 0,
+            "scoring_func": "sigmoid",  # DeepSeek's own modeling code and SGLang read these three
+            "topk_method": "noaux_tc",
+            "moe_layer_freq": 1,
+        }
+        return checks.hf_config_dict(self, ARCHITECTURE, None, dtype, extra)  # model_type: a field
 
     @classmethod
     def refusal(cls, d: dict[str, Any]) -> tuple[str, str] | None:
@@ -137,32 +125,27 @@ class DeepseekConfig:
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any], source: str = "config.json") -> DeepseekConfig:
         """Validate a Hugging Face config.json dict (`source` names it in errors) and build the config."""
-        refusal = cls.refusal(d)
-        if refusal is not None:  # the registry (steps/models/registry.py) refuses these first, naming the families
-            what, why = refusal
-            raise MoerlError(f"{source}: {what}: not supported by the DeepSeek-V3 config ({why})")
-
-        def unsupported(name: str, why: str) -> MoerlError:
-            return MoerlError(f"{source}: {name} = {d.get(name)!r} is not supported by moerl ({why})")
-
-        if d.get("quantization_config"):
-            raise unsupported(
-                "quantization_config",
-                "dequantize the fp8 weights to bf16 first, e.g. DeepSeek's inference/fp8_cast_bf16.py, and drop "
-                "quantization_config",
-            )
-        if d.get("hidden_act", "silu") != "silu":
-            raise unsupported("hidden_act", "DeepSeek-V3's experts use silu")
-        if d.get("attention_dropout", 0.0):
-            raise unsupported("attention_dropout", "set it to 0.0")
+        checks.refuse(cls.refusal(d), "DeepSeek-V3", source)
+        checks.refuse_quantized(
+            d,
+            source,
+            "dequantize the fp8 weights to bf16 first, e.g. DeepSeek's inference/fp8_cast_bf16.py, and drop "
+            "quantization_config",
+        )
+        checks.refuse_other_activation(d, source, "DeepSeek-V3's experts use silu")
+        checks.refuse_attention_dropout(d, source)
         for name, value in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc"), ("moe_layer_freq", 1)):
             if d.get(name, value) != value:
-                raise unsupported(name, f"transformers' DeepseekV3ForCausalLM computes {name} {value!r} only")
+                raise checks.unsupported(
+                    d, name, f"transformers' DeepseekV3ForCausalLM computes {name} {value!r} only", source
+                )
         heads = d.get("num_attention_heads")
         if d.get("num_key_value_heads") not in (None, heads):
-            raise unsupported(
+            raise checks.unsupported(
+                d,
                 "num_key_value_heads",
                 f"multi-head latent attention has one key and value per head; set it to num_attention_heads ({heads})",
+                source,
             )
         rope_theta, rope_scaling = _rope(d, source)
 
@@ -170,12 +153,9 @@ class DeepseekConfig:
             "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_experts_per_tok",
             "moe_intermediate_size", "intermediate_size",
         ]  # fmt: skip
-        missing = [name for name in required if d.get(name) is None]
-        if missing:
-            raise MoerlError(f"{source}: missing required DeepSeek-V3 fields {missing}; fix config.json")
+        checks.require(d, required, "DeepSeek-V3", source)
 
-        names = {f.name for f in dataclasses.fields(cls)}
-        kwargs = {k: v for k, v in d.items() if k in names and v is not None}
+        kwargs = checks.known_fields(cls, d)
         kwargs["n_routed_experts"] = d.get("n_routed_experts", d.get("num_local_experts", 256))
         kwargs["q_lora_rank"] = d.get("q_lora_rank", 1536)  # None is meaningful: q_proj
         kwargs["rope_theta"], kwargs["rope_scaling"] = rope_theta, rope_scaling
@@ -187,10 +167,6 @@ class DeepseekConfig:
 
     def validate(self, source: str = "config.json") -> None:
         """Check that the sizes are consistent; raise MoerlError naming the field otherwise."""
-
-        def bad(msg: str) -> MoerlError:
-            return MoerlError(f"{source}: {msg}; fix config.json")
-
         positive = ["vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "n_routed_experts",
                     "num_experts_per_tok", "moe_intermediate_size", "n_shared_experts", "kv_lora_rank",
                     "qk_rope_head_dim", "v_head_dim", "qk_nope_head_dim", "n_group", "topk_group"]  # fmt: skip
@@ -198,43 +174,36 @@ class DeepseekConfig:
             positive.append("q_lora_rank")
         if self.first_k_dense_replace > 0:
             positive.append("intermediate_size")
-        for name in positive:
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise bad(f"{name} = {value!r} must be a positive integer")
+        checks.check_positive_ints(self, positive, source)
         if self.num_key_value_heads != self.num_attention_heads:
-            raise bad(f"num_key_value_heads = {self.num_key_value_heads} must equal num_attention_heads")
-        if self.num_experts_per_tok > self.n_routed_experts:
-            raise bad(
-                f"num_experts_per_tok = {self.num_experts_per_tok} exceeds n_routed_experts = {self.n_routed_experts}"
+            raise checks.invalid(
+                source, f"num_key_value_heads = {self.num_key_value_heads} must equal num_attention_heads"
             )
-        if self.qk_rope_head_dim % 2:
-            raise bad(f"qk_rope_head_dim = {self.qk_rope_head_dim} must be even for rotary embeddings")
+        checks.check_top_k(self, "n_routed_experts", source)
+        checks.check_rotary_dim(self, "qk_rope_head_dim", source)
         group_size = self.n_routed_experts // self.n_group
         if self.n_routed_experts % self.n_group or not 1 <= self.topk_group <= self.n_group:
-            raise bad(
+            raise checks.invalid(
+                source,
                 f"n_group = {self.n_group} / topk_group = {self.topk_group} do not split n_routed_experts = "
                 f"{self.n_routed_experts} into groups"
             )
         if group_size < 2 or self.num_experts_per_tok > self.topk_group * group_size:
-            raise bad(
+            raise checks.invalid(
+                source,
                 f"group-limited routing of num_experts_per_tok = {self.num_experts_per_tok} from topk_group = "
                 f"{self.topk_group} groups of {group_size} experts (the router scores each group by its best two)"
             )
         first = self.first_k_dense_replace
         if not isinstance(first, int) or isinstance(first, bool) or not 0 <= first < self.num_hidden_layers:
-            raise bad(f"first_k_dense_replace = {first!r} must be in [0, num_hidden_layers) (some MoE layer)")
-        for name in ("rms_norm_eps", "rope_theta", "routed_scaling_factor"):
-            value = getattr(self, name)
-            if not isinstance(value, int | float) or isinstance(value, bool) or not value > 0:
-                raise bad(f"{name} = {value!r} must be a number > 0")
-        for name in ("norm_topk_prob", "tie_word_embeddings", "attention_bias", "rope_interleave"):
-            if not isinstance(getattr(self, name), bool):
-                raise bad(f"{name} = {getattr(self, name)!r} must be true or false")
-        if self.rope_scaling is not None:
-            factor = self.rope_scaling.get("factor")
-            if not isinstance(factor, int | float) or isinstance(factor, bool) or factor < 1:
-                raise bad(f"rope_scaling.factor = {factor!r} must be a number >= 1 for yarn")
+            raise checks.invalid(
+                source, f"first_k_dense_replace = {first!r} must be in [0, num_hidden_layers) (some MoE layer)"
+            )
+        checks.check_positive_numbers(self, ("rms_norm_eps", "rope_theta", "routed_scaling_factor"), source)
+        checks.check_booleans(
+            self, ("norm_topk_prob", "tie_word_embeddings", "attention_bias", "rope_interleave"), source
+        )
+        checks.check_yarn_factor(self.rope_scaling, source)
 
 
 def _rope(d: dict[str, Any], source: str) -> tuple[float, dict[str, Any] | None]:

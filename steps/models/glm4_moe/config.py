@@ -19,14 +19,12 @@ many tensors it dropped.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from steps.errors import MoerlError
-from steps.models.family import dtype_name
+from steps.models import config_checks as checks
 
 MODEL_TYPE = "glm4_moe"
 ARCHITECTURE = "Glm4MoeForCausalLM"
@@ -89,29 +87,18 @@ class Glm4MoeConfig:
     def to_hf_dict(self, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
         """config.json content that transformers (v4 and v5) and SGLang load as Glm4MoeForCausalLM, for weights
         stored in `dtype` (SGLang's and transformers' dtype auto serve the weights in it)."""
-        name = dtype_name(dtype)
-        d: dict[str, Any] = {"architectures": [ARCHITECTURE], "model_type": MODEL_TYPE}
-        d.update(dataclasses.asdict(self))
-        d.update(
-            {
-                "hidden_act": "silu",
-                "attention_dropout": 0.0,
-                "num_nextn_predict_layers": 0,  # moerl's checkpoints hold no multi-token-prediction layer
-                # v4 readers (SGLang) read rope_theta, partial_rotary_factor and rope_scaling at the top level;
-                # v5 readers read rope_parameters
-                "rope_scaling": None,
-                "rope_parameters": {
-                    "rope_theta": self.rope_theta,
-                    "partial_rotary_factor": self.partial_rotary_factor,
-                    "rope_type": "default",
-                },
-                "use_cache": True,
-                "output_router_logits": False,
-                "dtype": name,
-                "torch_dtype": name,
-            }
-        )
-        return d
+        extra = {
+            "num_nextn_predict_layers": 0,  # moerl's checkpoints hold no multi-token-prediction layer
+            # v4 readers (SGLang) read rope_theta, partial_rotary_factor and rope_scaling at the top level;
+            # v5 readers read rope_parameters
+            "rope_scaling": None,
+            "rope_parameters": {
+                "rope_theta": self.rope_theta,
+                "partial_rotary_factor": self.partial_rotary_factor,
+                "rope_type": "default",
+            },
+        }
+        return checks.hf_config_dict(self, ARCHITECTURE, MODEL_TYPE, dtype, extra)
 
     @classmethod
     def refusal(cls, d: dict[str, Any]) -> tuple[str, str] | None:
@@ -126,50 +113,31 @@ class Glm4MoeConfig:
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any], source: str = "config.json") -> Glm4MoeConfig:
         """Validate a Hugging Face config.json dict (`source` names it in errors) and build the config."""
-        refusal = cls.refusal(d)
-        if refusal is not None:  # the registry (steps/models/registry.py) refuses these first, naming the families
-            what, why = refusal
-            raise MoerlError(f"{source}: {what}: not supported by the GLM-4-MoE config ({why})")
-
-        def unsupported(name: str, why: str) -> MoerlError:
-            return MoerlError(f"{source}: {name} = {d.get(name)!r} is not supported by moerl ({why})")
-
-        if d.get("quantization_config"):
-            raise unsupported("quantization_config", "use an unquantized F32/BF16/F16 checkpoint")
-        rope_scaling = d.get("rope_scaling")
-        if rope_scaling and _rope_type(rope_scaling) != "default":
-            raise unsupported("rope_scaling", "only default RoPE; set it to null")
-        rope_parameters = d.get("rope_parameters") or {}
-        if rope_parameters and _rope_type(rope_parameters) != "default":
-            raise MoerlError(
-                f"{source}: rope_parameters.rope_type {_rope_type(rope_parameters)!r} is not supported "
-                "by moerl (only default RoPE)"
-            )
-        if d.get("hidden_act", "silu") != "silu":
-            raise unsupported("hidden_act", "GLM-4-MoE experts use silu")
-        if d.get("attention_dropout", 0.0):
-            raise unsupported("attention_dropout", "set it to 0.0")
+        checks.refuse(cls.refusal(d), "GLM-4-MoE", source)
+        checks.refuse_quantized(d, source)
+        rope_parameters = checks.default_rope_parameters(d, source)
+        checks.refuse_other_activation(d, source, "GLM-4-MoE experts use silu")
+        checks.refuse_attention_dropout(d, source)
         mtp = d.get("num_nextn_predict_layers", d.get("num_mtp_layers", 0))
         if not isinstance(mtp, int) or isinstance(mtp, bool) or mtp < 0:
-            raise unsupported("num_nextn_predict_layers", "a count of multi-token-prediction layers, >= 0")
+            raise checks.unsupported(
+                d, "num_nextn_predict_layers", "a count of multi-token-prediction layers, >= 0", source
+            )
 
         required = [
             "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
             "num_experts_per_tok", "moe_intermediate_size",
         ]  # fmt: skip
-        missing = [name for name in required if d.get(name) is None]
-        if missing:
-            raise MoerlError(f"{source}: missing required GLM-4-MoE fields {missing}; fix config.json")
+        checks.require(d, required, "GLM-4-MoE", source)
 
-        names = {f.name for f in dataclasses.fields(cls)}
-        kwargs = {k: v for k, v in d.items() if k in names and v is not None}
+        kwargs = checks.known_fields(cls, d)
         kwargs["n_routed_experts"] = d.get("n_routed_experts", d.get("num_local_experts", 128))
         # As transformers: rope_parameters wins over the top-level (v4) fields; then the defaults.
         for name, default in (("rope_theta", DEFAULT_ROPE_THETA),
                               ("partial_rotary_factor", DEFAULT_PARTIAL_ROTARY_FACTOR)):  # fmt: skip
             value = rope_parameters.get(name)
             kwargs[name] = value if value is not None else d.get(name) if d.get(name) is not None else default
-        for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        for name in checks.TOKEN_IDS:
             kwargs[name] = d.get(name)
         cfg = cls(**kwargs)
         cfg.validate(source)
@@ -177,58 +145,46 @@ class Glm4MoeConfig:
 
     def validate(self, source: str = "config.json") -> None:
         """Check that the sizes are consistent; raise MoerlError naming the field otherwise."""
-
-        def bad(msg: str) -> MoerlError:
-            return MoerlError(f"{source}: {msg}; fix config.json")
-
-        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                     "num_key_value_heads", "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size",
-                     "head_dim", "n_shared_experts", "n_group", "topk_group"):  # fmt: skip
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise bad(f"{name} = {value!r} must be a positive integer")
-        if self.num_experts_per_tok > self.n_routed_experts:
-            raise bad(
-                f"num_experts_per_tok = {self.num_experts_per_tok} exceeds n_routed_experts = {self.n_routed_experts}"
-            )
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise bad(
-                f"num_attention_heads = {self.num_attention_heads} is not a multiple of "
-                f"num_key_value_heads = {self.num_key_value_heads}"
-            )
+        checks.check_positive_ints(
+            self,
+            ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+             "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size", "head_dim", "n_shared_experts",
+             "n_group", "topk_group"),
+            source,
+        )  # fmt: skip
+        checks.check_top_k(self, "n_routed_experts", source)
+        checks.check_kv_groups(self, source)
         dense = self.first_k_dense_replace
         if not isinstance(dense, int) or isinstance(dense, bool) or not 0 <= dense < self.num_hidden_layers:
-            raise bad(
+            raise checks.invalid(
+                source,
                 f"first_k_dense_replace = {dense!r} must be in [0, num_hidden_layers={self.num_hidden_layers}) "
                 "(at least one MoE layer)"
             )
         if dense and (not isinstance(self.intermediate_size, int) or self.intermediate_size < 1):
-            raise bad(f"the first {dense} layers are dense but intermediate_size = {self.intermediate_size!r}")
-        for name in ("rms_norm_eps", "rope_theta", "routed_scaling_factor", "partial_rotary_factor"):
-            value = getattr(self, name)
-            if not isinstance(value, int | float) or isinstance(value, bool) or not value > 0:
-                raise bad(f"{name} = {value!r} must be a number > 0")
+            raise checks.invalid(
+                source, f"the first {dense} layers are dense but intermediate_size = {self.intermediate_size!r}"
+            )
+        checks.check_positive_numbers(
+            self, ("rms_norm_eps", "rope_theta", "routed_scaling_factor", "partial_rotary_factor"), source
+        )
         if self.partial_rotary_factor > 1:
-            raise bad(f"partial_rotary_factor = {self.partial_rotary_factor} must be at most 1")
+            raise checks.invalid(source, f"partial_rotary_factor = {self.partial_rotary_factor} must be at most 1")
         if self.rotary_dim < 2 or self.rotary_dim % 2:
-            raise bad(
+            raise checks.invalid(
+                source,
                 f"head_dim = {self.head_dim} x partial_rotary_factor = {self.partial_rotary_factor} gives "
                 f"{self.rotary_dim} rotary dims; they must be even and at least 2"
             )
         experts, groups, chosen = self.n_routed_experts, self.n_group, self.topk_group
         if experts % groups or chosen > groups:
-            raise bad(f"n_group = {groups} / topk_group = {chosen} do not split n_routed_experts = {experts}")
+            raise checks.invalid(
+                source, f"n_group = {groups} / topk_group = {chosen} do not split n_routed_experts = {experts}"
+            )
         if groups > 1 and (experts // groups < 2 or self.num_experts_per_tok > chosen * (experts // groups)):
-            raise bad(
+            raise checks.invalid(
+                source,
                 f"top-{self.num_experts_per_tok} of the best topk_group = {chosen} of n_group = {groups} groups of "
                 f"{experts // groups} experts cannot choose enough experts (each group needs at least 2)"
             )
-        for name in ("norm_topk_prob", "tie_word_embeddings", "attention_bias", "use_qk_norm"):
-            if not isinstance(getattr(self, name), bool):
-                raise bad(f"{name} = {getattr(self, name)!r} must be true or false")
-
-
-def _rope_type(rope: object) -> str:
-    if not isinstance(rope, dict):
-        return repr(rope)
-    return rope.get("rope_type", rope.get("type", "default"))
+        checks.check_booleans(self, ("norm_topk_prob", "tie_word_embeddings", "attention_bias", "use_qk_norm"), source)

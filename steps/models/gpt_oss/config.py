@@ -10,14 +10,13 @@ transformers' dequantizing export, QUANTIZED_FIX; any other quantization: QUANTI
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from steps.errors import MoerlError
-from steps.models.family import dtype_name
+from steps.models import config_checks as checks
 
 MODEL_TYPE = "gpt_oss"
 # The Hub's gpt-oss checkpoints store the experts as MXFP4 (*_blocks, *_scales); moerl reads float weights only,
@@ -97,25 +96,14 @@ class GptOssConfig:
     def to_hf_dict(self, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
         """config.json content that transformers (v5, and v4 readers of rope_scaling) loads as GptOssForCausalLM,
         for weights stored in `dtype`."""
-        name = dtype_name(dtype)
-        d: dict[str, Any] = {"architectures": [ARCHITECTURE], "model_type": MODEL_TYPE}
-        d.update(dataclasses.asdict(self))
         rope = {"rope_theta": self.rope_theta, "rope_type": "default"}
         if self.rope_scaling is not None:
             rope = {**self.rope_scaling, "rope_theta": self.rope_theta, "rope_type": "yarn"}
-        d.update(
-            {
-                "hidden_act": "silu",
-                "attention_dropout": 0.0,
-                "rope_scaling": rope if self.rope_scaling is not None else None,  # v4 readers
-                "rope_parameters": rope,  # v5 readers
-                "use_cache": True,
-                "output_router_logits": False,
-                "dtype": name,
-                "torch_dtype": name,
-            }
-        )
-        return d
+        extra = {
+            "rope_scaling": rope if self.rope_scaling is not None else None,  # v4 readers
+            "rope_parameters": rope,  # v5 readers
+        }
+        return checks.hf_config_dict(self, ARCHITECTURE, MODEL_TYPE, dtype, extra)
 
     @classmethod
     def refusal(cls, d: dict[str, Any]) -> tuple[str, str] | None:
@@ -130,33 +118,20 @@ class GptOssConfig:
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any], source: str = "config.json") -> GptOssConfig:
         """Validate a Hugging Face config.json dict (`source` names it in errors) and build the config."""
-        refusal = cls.refusal(d)
-        if refusal is not None:
-            what, why = refusal
-            raise MoerlError(f"{source}: {what}: not supported by the gpt-oss config ({why})")
-
-        def unsupported(name: str, why: str) -> MoerlError:
-            return MoerlError(f"{source}: {name} = {d.get(name)!r} is not supported by moerl ({why})")
-
+        checks.refuse(cls.refusal(d), "gpt-oss", source)
         quantization = d.get("quantization_config")
         if quantization:
             method = quantization.get("quant_method") if isinstance(quantization, dict) else None
-            raise unsupported("quantization_config", QUANTIZED_FIX if method == "mxfp4" else QUANTIZATION_FIX)
-        if d.get("attention_dropout", 0.0):
-            raise unsupported("attention_dropout", "set it to 0.0")
+            checks.refuse_quantized(d, source, QUANTIZED_FIX if method == "mxfp4" else QUANTIZATION_FIX)
+        checks.refuse_attention_dropout(d, source)
         rope_theta, rope_scaling = _rope(d, source)
 
         required = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                     "num_experts_per_tok"]  # fmt: skip
-        missing = [name for name in required if d.get(name) is None]
         num_experts = d.get("num_local_experts", d.get("num_experts"))
-        if num_experts is None:
-            missing.append("num_local_experts")
-        if missing:
-            raise MoerlError(f"{source}: missing required gpt-oss fields {missing}; fix config.json")
+        checks.require(d, required, "gpt-oss", source, ("num_local_experts",) if num_experts is None else ())
 
-        names = {f.name for f in dataclasses.fields(cls)}
-        kwargs = {k: v for k, v in d.items() if k in names and v is not None}
+        kwargs = checks.known_fields(cls, d)
         kwargs["num_local_experts"] = num_experts
         if d.get("num_key_value_heads") is None:  # as GptOssConfig.__post_init__
             kwargs["num_key_value_heads"] = d["num_attention_heads"]
@@ -165,7 +140,7 @@ class GptOssConfig:
         if "sliding_window" in d:
             kwargs["sliding_window"] = d["sliding_window"]
         kwargs["rope_theta"], kwargs["rope_scaling"] = rope_theta, rope_scaling
-        for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        for name in checks.TOKEN_IDS:
             if name in d:
                 kwargs[name] = d[name]
         cfg = cls(**kwargs)
@@ -174,52 +149,32 @@ class GptOssConfig:
 
     def validate(self, source: str = "config.json") -> None:
         """Check that the sizes are consistent; raise MoerlError naming the field otherwise."""
-
-        def bad(msg: str) -> MoerlError:
-            return MoerlError(f"{source}: {msg}; fix config.json")
-
-        def positive_int(value: object) -> bool:
-            return isinstance(value, int) and not isinstance(value, bool) and value >= 1
-
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                     "num_key_value_heads", "num_local_experts", "num_experts_per_tok", "head_dim",
-                     "max_position_embeddings"):  # fmt: skip
-            if not positive_int(getattr(self, name)):
-                raise bad(f"{name} = {getattr(self, name)!r} must be a positive integer")
-        if self.sliding_window is not None and not positive_int(self.sliding_window):
-            raise bad(f"sliding_window = {self.sliding_window!r} must be null or a positive integer")
-        if self.num_experts_per_tok > self.num_local_experts:
-            raise bad(
-                f"num_experts_per_tok = {self.num_experts_per_tok} exceeds num_local_experts = "
-                f"{self.num_local_experts}"
-            )
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise bad(
-                f"num_attention_heads = {self.num_attention_heads} is not a multiple of "
-                f"num_key_value_heads = {self.num_key_value_heads}"
-            )
+        checks.check_positive_ints(
+            self,
+            ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+             "num_key_value_heads", "num_local_experts", "num_experts_per_tok", "head_dim", "max_position_embeddings"),
+            source,
+        )  # fmt: skip
+        checks.check_window(self, source)
+        checks.check_top_k(self, "num_local_experts", source)
+        checks.check_kv_groups(self, source)
         assert self.head_dim is not None
-        if self.head_dim % 2:
-            raise bad(f"head_dim = {self.head_dim} must be even for rotary embeddings")
+        checks.check_rotary_dim(self, "head_dim", source)
         types = self.layer_types
         if not isinstance(types, list) or len(types) != self.num_hidden_layers or not set(types) <= set(LAYER_TYPES):
-            raise bad(
+            raise checks.invalid(
+                source,
                 f"layer_types = {types!r} must list {self.num_hidden_layers} of {list(LAYER_TYPES)} (one per layer)"
             )
-        for name in ("rms_norm_eps", "rope_theta", "swiglu_alpha", "swiglu_limit"):
-            value = getattr(self, name)
-            if not isinstance(value, int | float) or isinstance(value, bool) or not value > 0:
-                raise bad(f"{name} = {value!r} must be a number > 0")
-        for name in ("tie_word_embeddings", "attention_bias"):
-            if not isinstance(getattr(self, name), bool):
-                raise bad(f"{name} = {getattr(self, name)!r} must be true or false")
+        checks.check_positive_numbers(self, ("rms_norm_eps", "rope_theta", "swiglu_alpha", "swiglu_limit"), source)
+        checks.check_booleans(self, ("tie_word_embeddings", "attention_bias"), source)
+        checks.check_yarn_factor(self.rope_scaling, source)
         if self.rope_scaling is not None:
-            factor = self.rope_scaling.get("factor")
-            if not isinstance(factor, int | float) or isinstance(factor, bool) or factor < 1:
-                raise bad(f"rope_scaling.factor = {factor!r} must be a number >= 1 for yarn")
             original = self.rope_scaling.get("original_max_position_embeddings")
-            if not positive_int(original):
-                raise bad(f"rope_scaling.original_max_position_embeddings = {original!r} must be a positive integer")
+            if not checks.is_positive_int(original):
+                raise checks.invalid(
+                    source, f"rope_scaling.original_max_position_embeddings = {original!r} must be a positive integer"
+                )
 
 
 def _rope(d: dict[str, Any], source: str) -> tuple[float, dict[str, Any] | None]:

@@ -1,5 +1,5 @@
-"""gpt-oss's MXFP4 checkpoints (the Hub's openai/gpt-oss-20b and -120b) dequantized to bf16 on import: the
-family's convert_on_import (steps/models/family.py), which steps/import_sft.py runs on its temporary copy before
+"""gpt-oss's MXFP4 checkpoints (the Hub's openai/gpt-oss-20b and -120b) dequantized to bf16 on import: its
+conversion in steps/models/import_conversions.py, which steps/import_sft.py runs on its temporary copy before
 validating it, so that validation, v000000 and training see a plain bf16 checkpoint.
 
 The format, as transformers 5.23 reads it (integrations/mxfp4.py; quantizers/quantizer_mxfp4.py maps the
@@ -26,7 +26,7 @@ import json
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -34,9 +34,15 @@ from safetensors.torch import save_file
 
 from steps.errors import MoerlError
 from steps.models.gpt_oss.config import GptOssConfig
-
-if TYPE_CHECKING:
-    from steps.models.hf_checkpoint import TensorEntry
+from steps.models.hf_checkpoint import (
+    CONFIG_NAME,
+    SAFE_WEIGHTS_INDEX_NAME,
+    SAFE_WEIGHTS_NAME,
+    TensorEntry,
+    read_config_json,
+    tensor_index,
+)
+from steps.models.moe import kept_in_float32
 
 QUANT_METHOD = "mxfp4"
 PROJECTIONS = ("gate_up_proj", "down_proj")  # the expert weights the Hub's checkpoints quantize (not the biases)
@@ -164,7 +170,6 @@ class _ShardWriter:
     def finish(self) -> None:
         """The shards moved to their final names (model.safetensors, or model-0000i-of-0000n.safetensors and
         model.safetensors.index.json), once every input weight file is gone."""
-        from steps.models.hf_checkpoint import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 
         self.flush()
         if not self.shards:
@@ -195,8 +200,6 @@ def dequantize_checkpoint(
     config.json, is one MoerlError line naming the file and the fix, raised before anything is written. Input
     weight files are deleted as they are consumed: a rewrite that fails midway leaves the directory unusable
     (the import's temporary copy)."""
-    from steps.models.hf_checkpoint import CONFIG_NAME, SAFE_WEIGHTS_INDEX_NAME, read_config_json, tensor_index
-    from steps.models.moe import kept_in_float32
 
     directory = Path(directory)
     source = str(directory / CONFIG_NAME)

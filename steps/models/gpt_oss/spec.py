@@ -6,7 +6,6 @@ from steps.models.family import ModelFamily
 from steps.models.gpt_oss.config import ARCHITECTURE, MODEL_TYPE, GptOssConfig
 from steps.models.gpt_oss.decode import decode_model
 from steps.models.gpt_oss.model import GptOssCausalLM
-from steps.models.gpt_oss.mxfp4 import dequantize_checkpoint
 from steps.models.gpt_oss.state_dict_adapter import GptOssStateDictAdapter
 
 GPT_OSS = ModelFamily(
@@ -21,5 +20,4 @@ GPT_OSS = ModelFamily(
     decode=decode_model,
     attention="softmax_kv_cache",
     router="topk_softmax",
-    convert_on_import=dequantize_checkpoint,  # the Hub's MXFP4 experts -> bf16
 )

@@ -11,14 +11,13 @@ built in code may have all three: the model then matches transformers, and the t
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from steps.errors import MoerlError
-from steps.models.family import dtype_name
+from steps.models import config_checks as checks
 
 MODEL_TYPE = "mixtral"
 ARCHITECTURE = "MixtralForCausalLM"
@@ -72,23 +71,12 @@ class MixtralConfig:
     def to_hf_dict(self, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
         """config.json content that transformers (v4 and v5) and SGLang load as MixtralForCausalLM, for weights
         stored in `dtype` (SGLang's and transformers' dtype auto serve the weights in it)."""
-        name = dtype_name(dtype)
-        d: dict[str, Any] = {"architectures": [ARCHITECTURE], "model_type": MODEL_TYPE}
-        d.update(dataclasses.asdict(self))
-        d.update(
-            {
-                "hidden_act": "silu",
-                "attention_dropout": 0.0,
-                "router_jitter_noise": 0.0,
-                "rope_scaling": None,  # v4 readers (SGLang) read rope_theta + rope_scaling
-                "rope_parameters": {"rope_theta": self.rope_theta, "rope_type": "default"},  # v5 readers
-                "use_cache": True,
-                "output_router_logits": False,
-                "dtype": name,
-                "torch_dtype": name,
-            }
-        )
-        return d
+        extra = {
+            "router_jitter_noise": 0.0,
+            "rope_scaling": None,  # v4 readers (SGLang) read rope_theta + rope_scaling
+            "rope_parameters": {"rope_theta": self.rope_theta, "rope_type": "default"},  # v5 readers
+        }
+        return checks.hf_config_dict(self, ARCHITECTURE, MODEL_TYPE, dtype, extra)
 
     @classmethod
     def refusal(cls, d: dict[str, Any]) -> tuple[str, str] | None:
@@ -103,53 +91,35 @@ class MixtralConfig:
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any], source: str = "config.json") -> MixtralConfig:
         """Validate a Hugging Face config.json dict (`source` names it in errors) and build the config."""
-        refusal = cls.refusal(d)
-        if refusal is not None:  # the registry (steps/models/registry.py) refuses these first, naming the families
-            what, why = refusal
-            raise MoerlError(f"{source}: {what}: not supported by the Mixtral config ({why})")
-
-        def unsupported(name: str, why: str) -> MoerlError:
-            return MoerlError(f"{source}: {name} = {d.get(name)!r} is not supported by moerl ({why})")
-
-        if d.get("quantization_config"):
-            raise unsupported("quantization_config", "use an unquantized F32/BF16/F16 checkpoint")
-        rope_scaling = d.get("rope_scaling")
-        if rope_scaling and _rope_type(rope_scaling) != "default":
-            raise unsupported("rope_scaling", "only default RoPE; set it to null")
-        rope_parameters = d.get("rope_parameters") or {}
-        if rope_parameters and _rope_type(rope_parameters) != "default":
-            raise MoerlError(
-                f"{source}: rope_parameters.rope_type {_rope_type(rope_parameters)!r} is not supported "
-                "by moerl (only default RoPE)"
-            )
-        if d.get("hidden_act", "silu") != "silu":
-            raise unsupported("hidden_act", "Mixtral experts use silu")
-        if d.get("attention_dropout", 0.0):
-            raise unsupported("attention_dropout", "set it to 0.0")
+        checks.refuse(cls.refusal(d), "Mixtral", source)
+        checks.refuse_quantized(d, source)
+        rope_parameters = checks.default_rope_parameters(d, source)
+        checks.refuse_other_activation(d, source, "Mixtral experts use silu")
+        checks.refuse_attention_dropout(d, source)
         if d.get("router_jitter_noise", 0.0):
-            raise unsupported("router_jitter_noise", "router jitter is not implemented; set it to 0.0")
+            raise checks.unsupported(
+                d, "router_jitter_noise", "router jitter is not implemented; set it to 0.0", source
+            )
 
         required = [
             "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
             "num_experts_per_tok",
         ]  # fmt: skip
-        missing = [name for name in required if d.get(name) is None]
+        also_missing: list[str] = []
         if "num_key_value_heads" not in d:  # null is allowed: it means num_attention_heads
-            missing.append("num_key_value_heads")
+            also_missing.append("num_key_value_heads")
         num_experts = d.get("num_local_experts", d.get("num_experts"))  # transformers maps num_experts to it
         if num_experts is None:
-            missing.append("num_local_experts")
-        if missing:
-            raise MoerlError(f"{source}: missing required Mixtral fields {missing}; fix config.json")
+            also_missing.append("num_local_experts")
+        checks.require(d, required, "Mixtral", source, tuple(also_missing))
 
-        names = {f.name for f in dataclasses.fields(cls)}
-        kwargs = {k: v for k, v in d.items() if k in names and v is not None}
+        kwargs = checks.known_fields(cls, d)
         kwargs["num_local_experts"] = num_experts
         if d["num_key_value_heads"] is None:  # as MixtralConfig.__post_init__
             kwargs["num_key_value_heads"] = d["num_attention_heads"]
         kwargs["rope_theta"] = d.get("rope_theta") or rope_parameters.get("rope_theta") or DEFAULT_ROPE_THETA
         kwargs["sliding_window"] = d.get("sliding_window")
-        for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        for name in checks.TOKEN_IDS:
             if name in d:  # absent: transformers' defaults (bos 1, eos 2, no pad), the dataclass's
                 kwargs[name] = d[name]
         cfg = cls(**kwargs)
@@ -177,42 +147,16 @@ class MixtralConfig:
 
     def validate(self, source: str = "config.json") -> None:
         """Check that the sizes are consistent; raise MoerlError naming the field otherwise."""
-
-        def bad(msg: str) -> MoerlError:
-            return MoerlError(f"{source}: {msg}; fix config.json")
-
-        def positive_int(value: object) -> bool:
-            return isinstance(value, int) and not isinstance(value, bool) and value >= 1
-
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                     "num_key_value_heads", "num_local_experts", "num_experts_per_tok", "head_dim",
-                     "max_position_embeddings"):  # fmt: skip
-            if not positive_int(getattr(self, name)):
-                raise bad(f"{name} = {getattr(self, name)!r} must be a positive integer")
-        if self.sliding_window is not None and not positive_int(self.sliding_window):
-            raise bad(f"sliding_window = {self.sliding_window!r} must be null or a positive integer")
-        if self.num_experts_per_tok > self.num_local_experts:
-            raise bad(
-                f"num_experts_per_tok = {self.num_experts_per_tok} exceeds num_local_experts = "
-                f"{self.num_local_experts}"
-            )
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise bad(
-                f"num_attention_heads = {self.num_attention_heads} is not a multiple of "
-                f"num_key_value_heads = {self.num_key_value_heads}"
-            )
+        checks.check_positive_ints(
+            self,
+            ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+             "num_key_value_heads", "num_local_experts", "num_experts_per_tok", "head_dim", "max_position_embeddings"),
+            source,
+        )  # fmt: skip
+        checks.check_window(self, source)
+        checks.check_top_k(self, "num_local_experts", source)
+        checks.check_kv_groups(self, source)
         assert self.head_dim is not None
-        if self.head_dim % 2:
-            raise bad(f"head_dim = {self.head_dim} must be even for rotary embeddings")
-        for name in ("rms_norm_eps", "rope_theta"):
-            value = getattr(self, name)
-            if not isinstance(value, int | float) or isinstance(value, bool) or not value > 0:
-                raise bad(f"{name} = {value!r} must be a number > 0")
-        if not isinstance(self.tie_word_embeddings, bool):
-            raise bad(f"tie_word_embeddings = {self.tie_word_embeddings!r} must be true or false")
-
-
-def _rope_type(rope: object) -> str:
-    if not isinstance(rope, dict):
-        return repr(rope)
-    return rope.get("rope_type", rope.get("type", "default"))
+        checks.check_rotary_dim(self, "head_dim", source)
+        checks.check_positive_numbers(self, ("rms_norm_eps", "rope_theta"), source)
+        checks.check_booleans(self, ("tie_word_embeddings",), source)

@@ -3,14 +3,12 @@ from and written to config.json, and checked."""
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from steps.errors import MoerlError
-from steps.models.family import dtype_name
+from steps.models import config_checks as checks
 
 MODEL_TYPE = "qwen3_moe"
 ARCHITECTURE = "Qwen3MoeForCausalLM"
@@ -61,25 +59,14 @@ class MoeConfig:
     def to_hf_dict(self, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
         """config.json content that transformers (v4 and v5) and SGLang load as Qwen3MoeForCausalLM, for
         weights stored in `dtype` (SGLang's and transformers' dtype auto serve the weights in it)."""
-        name = dtype_name(dtype)
-        d: dict[str, Any] = {"architectures": [ARCHITECTURE], "model_type": MODEL_TYPE}
-        d.update(dataclasses.asdict(self))
-        d.update(
-            {
-                "hidden_act": "silu",
-                "attention_dropout": 0.0,
-                "use_sliding_window": False,
-                "sliding_window": None,
-                "max_window_layers": self.num_hidden_layers,
-                "rope_scaling": None,  # v4 readers (SGLang) read rope_theta + rope_scaling
-                "rope_parameters": {"rope_theta": self.rope_theta, "rope_type": "default"},  # v5 readers
-                "use_cache": True,
-                "output_router_logits": False,
-                "dtype": name,
-                "torch_dtype": name,
-            }
-        )
-        return d
+        extra = {
+            "use_sliding_window": False,
+            "sliding_window": None,
+            "max_window_layers": self.num_hidden_layers,
+            "rope_scaling": None,  # v4 readers (SGLang) read rope_theta + rope_scaling
+            "rope_parameters": {"rope_theta": self.rope_theta, "rope_type": "default"},  # v5 readers
+        }
+        return checks.hf_config_dict(self, ARCHITECTURE, MODEL_TYPE, dtype, extra)
 
     @classmethod
     def refusal(cls, d: dict[str, Any]) -> tuple[str, str] | None:
@@ -94,46 +81,25 @@ class MoeConfig:
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any], source: str = "config.json") -> MoeConfig:
         """Validate a Hugging Face config.json dict (`source` names it in errors) and build the config."""
-        refusal = cls.refusal(d)
-        if refusal is not None:  # the registry (steps/models/registry.py) refuses these first, naming the families
-            what, why = refusal
-            raise MoerlError(f"{source}: {what}: not supported by the Qwen3-MoE config ({why})")
+        checks.refuse(cls.refusal(d), "Qwen3-MoE", source)
         num_experts = d.get("num_experts", d.get("num_local_experts"))
-
-        def unsupported(name: str, why: str) -> MoerlError:
-            return MoerlError(f"{source}: {name} = {d.get(name)!r} is not supported by moerl ({why})")
-
-        if d.get("quantization_config"):
-            raise unsupported("quantization_config", "use an unquantized F32/BF16/F16 checkpoint")
-        rope_scaling = d.get("rope_scaling")
-        if rope_scaling and _rope_type(rope_scaling) != "default":
-            raise unsupported("rope_scaling", "only default RoPE; set it to null")
-        rope_parameters = d.get("rope_parameters") or {}
-        if rope_parameters and _rope_type(rope_parameters) != "default":
-            raise MoerlError(
-                f"{source}: rope_parameters.rope_type {_rope_type(rope_parameters)!r} is not supported "
-                "by moerl (only default RoPE)"
-            )
+        checks.refuse_quantized(d, source)
+        rope_parameters = checks.default_rope_parameters(d, source)
         if d.get("use_sliding_window"):
-            raise unsupported("use_sliding_window", "sliding-window attention is not implemented")
-        if d.get("hidden_act", "silu") != "silu":
-            raise unsupported("hidden_act", "Qwen3-MoE experts use silu")
-        if d.get("attention_dropout", 0.0):
-            raise unsupported("attention_dropout", "set it to 0.0")
+            raise checks.unsupported(d, "use_sliding_window", "sliding-window attention is not implemented", source)
+        checks.refuse_other_activation(d, source, "Qwen3-MoE experts use silu")
+        checks.refuse_attention_dropout(d, source)
 
         required = [
             "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
             "num_experts_per_tok", "moe_intermediate_size",
         ]  # fmt: skip
-        missing = [name for name in required if d.get(name) is None]
-        if missing:
-            raise MoerlError(f"{source}: missing required Qwen3-MoE fields {missing}; fix config.json")
+        checks.require(d, required, "Qwen3-MoE", source)
 
-        names = {f.name for f in dataclasses.fields(cls)}
-        kwargs = {k: v for k, v in d.items() if k in names and v is not None}
+        kwargs = checks.known_fields(cls, d)
         kwargs["num_experts"] = num_experts
         kwargs["rope_theta"] = d.get("rope_theta") or rope_parameters.get("rope_theta") or 10000.0
-        for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        for name in checks.TOKEN_IDS:
             kwargs[name] = d.get(name)
         cfg = cls(**kwargs)
         cfg.validate(source)
@@ -141,50 +107,23 @@ class MoeConfig:
 
     def validate(self, source: str = "config.json") -> None:
         """Check that the sizes are consistent; raise MoerlError naming the field otherwise."""
-
-        def bad(msg: str) -> MoerlError:
-            return MoerlError(f"{source}: {msg}; fix config.json")
-
-        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                     "num_key_value_heads", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
-                     "head_dim", "decoder_sparse_step"):  # fmt: skip
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise bad(f"{name} = {value!r} must be a positive integer")
-        if self.num_experts_per_tok > self.num_experts:
-            raise bad(
-                f"num_experts_per_tok = {self.num_experts_per_tok} exceeds num_experts = {self.num_experts}"
-            )
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise bad(
-                f"num_attention_heads = {self.num_attention_heads} is not a multiple of "
-                f"num_key_value_heads = {self.num_key_value_heads}"
-            )
+        checks.check_positive_ints(
+            self,
+            ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+             "num_experts", "num_experts_per_tok", "moe_intermediate_size", "head_dim", "decoder_sparse_step"),
+            source,
+        )  # fmt: skip
+        checks.check_top_k(self, "num_experts", source)
+        checks.check_kv_groups(self, source)
         assert self.head_dim is not None
-        if self.head_dim % 2:
-            raise bad(f"head_dim = {self.head_dim} must be even for rotary embeddings")
-        if not isinstance(self.mlp_only_layers, list):
-            raise bad(f"mlp_only_layers = {self.mlp_only_layers!r} must be a list of layer indices")
-        layers = range(self.num_hidden_layers)
-        bad_layers = [i for i in self.mlp_only_layers if not (isinstance(i, int) and i in layers)]
-        if bad_layers:
-            raise bad(f"mlp_only_layers {bad_layers} outside [0, num_hidden_layers={self.num_hidden_layers})")
+        checks.check_rotary_dim(self, "head_dim", source)
+        checks.check_layer_indices(self, "mlp_only_layers", source)
         dense = [i for i in range(self.num_hidden_layers) if not self.is_moe_layer(i)]
         if dense and self.intermediate_size < 1:
-            raise bad(
+            raise checks.invalid(
+                source,
                 f"layers {dense} are dense (mlp_only_layers / decoder_sparse_step) but "
                 f"intermediate_size = {self.intermediate_size}"
             )
-        for name in ("rms_norm_eps", "rope_theta"):
-            value = getattr(self, name)
-            if not isinstance(value, int | float) or isinstance(value, bool) or not value > 0:
-                raise bad(f"{name} = {value!r} must be a number > 0")
-        for name in ("norm_topk_prob", "tie_word_embeddings", "attention_bias"):
-            if not isinstance(getattr(self, name), bool):
-                raise bad(f"{name} = {getattr(self, name)!r} must be true or false")
-
-
-def _rope_type(rope: object) -> str:
-    if not isinstance(rope, dict):
-        return repr(rope)
-    return rope.get("rope_type", rope.get("type", "default"))
+        checks.check_positive_numbers(self, ("rms_norm_eps", "rope_theta"), source)
+        checks.check_booleans(self, ("norm_topk_prob", "tie_word_embeddings", "attention_bias"), source)

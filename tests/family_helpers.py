@@ -1,0 +1,78 @@
+"""Shared by the family tests (tests/test_family_*.py, tests/test_model_hf_parity.py): a left-padded batch, the
+logits comparison against transformers, the edits that make a bad checkpoint out of a good one, and the pieces of
+the EP=2 gloo workers that run their rows and save their logits and expert gradients."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from steps.models.placement import is_expert_param
+
+
+def left_padded_batch(vocab: int, seed: int = 0, length: int = 11) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ids, attention mask and positions [3, length]: row 0 unpadded, rows 1 and 2 left-padded by 4 and 7."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (3, length), generator=gen)
+    mask = torch.ones(3, length, dtype=torch.long)
+    mask[1, :4] = 0
+    mask[2, :7] = 0
+    positions = (mask.cumsum(1) - 1).clamp(min=0)  # what HF generate passes for left-padded prompts
+    return ids, mask, positions
+
+
+def assert_same_logits(ours: torch.Tensor, theirs: torch.Tensor, mask: torch.Tensor, atol: float = 1e-4) -> None:
+    """fp32 logits equal within `atol` at the real (mask 1) tokens, and not near zero."""
+    real = mask.bool()
+    assert ours.dtype == torch.float32 and not torch.isnan(ours).any()
+    torch.testing.assert_close(ours[real], theirs[real], atol=atol, rtol=0)
+    assert ours[real].abs().mean() > 0.1  # a real comparison, not two near-zero tensors
+
+
+def edit_config(directory: Path, **changes) -> None:
+    """Set entries of directory/config.json (None: remove the entry)."""
+    path = directory / "config.json"
+    d = json.loads(path.read_text())
+    for key, value in changes.items():
+        if value is None:
+            d.pop(key, None)
+        else:
+            d[key] = value
+    path.write_text(json.dumps(d))
+
+
+def rewrite_weights(directory: Path, change: Callable[[dict[str, torch.Tensor]], object]) -> None:
+    """Apply `change` to the tensors of directory/model.safetensors in place and save them back."""
+    path = directory / "model.safetensors"
+    tensors = load_file(path)
+    change(tensors)
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
+def probe_batch(vocab: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A left-padded batch (seed `seed`) and a random probe of its logits' shape (seed `seed + 1`): the loss
+    sum(logits * probe) gives every logit a gradient."""
+    ids, mask, _ = left_padded_batch(vocab, seed=seed)
+    probe = torch.randn(*ids.shape, vocab, generator=torch.Generator().manual_seed(seed + 1))
+    return ids, mask, probe
+
+
+def save_rows_and_expert_grads(
+    model: torch.nn.Module, rank: int, rows: slice, batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor], out_dir
+) -> None:
+    """An EP rank's part: the logits of its `rows` of `batch` (probe_batch), the backward of sum(logits * probe),
+    and out_dir/rank{rank}.safetensors with the logits and its experts' gradients (grad.NAME)."""
+    ids, mask, probe = batch
+    logits = model(ids[rows], mask[rows])
+    (logits * probe[rows]).sum().backward()
+    out = {f"grad.{n}": p.grad for n, p in model.named_parameters() if is_expert_param(n)}
+    save_file({"logits": logits.detach(), **out}, str(out_dir / f"rank{rank}.safetensors"))
+
+
+def expert_grads(saved: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The experts' gradients a rank saved (save_rows_and_expert_grads), under their parameter names."""
+    return {k.removeprefix("grad."): v for k, v in saved.items() if k.startswith("grad.")}
