@@ -35,7 +35,12 @@ response tokens: prompts_per_iteration x group_size x max_new_tokens x response_
 
 Deterministic: one `random.Random(seed)` per simulated run, events ordered by (time, sequence number).
 
-The modules: sizing.py (assumptions, pools, step times), measured.py (step and iteration times of a real
-run's status), model.py (the event simulation), state.py (what it tracks), servers.py (servers and clients),
-tables.py (the printout), timeline.py (the plot), cli.py.
+The model: the checkpoint's config.json (the run config's sft_checkpoint through its store, or `--model-config
+FILE`) gives parameter counts, a version's bytes and training FLOPs a token (model_sizing.py), which move the
+GPU assumptions (written for Qwen3-30B-A3B, what the built-in figures stay when no config.json is readable) to
+that model, and the trainer's memory per GPU under the config's EP and DP, printed with whether it fits.
+
+The modules: sizing.py (assumptions, pools, step times), model_sizing.py (the model's sizes), measured.py
+(step and iteration times of a real run's status), model.py (the event simulation), state.py (what it tracks),
+servers.py (servers and clients), tables.py (the printout), timeline.py (the plot), cli.py.
 """

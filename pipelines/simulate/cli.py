@@ -12,18 +12,30 @@ from pipelines.config import load_config, parse_overrides
 from pipelines.simulate import __doc__ as package_doc
 from pipelines.simulate.measured import load_step_times
 from pipelines.simulate.model import simulate_both
+from pipelines.simulate.model_sizing import (
+    REFERENCE_NAME,
+    ModelSizing,
+    fetch_model_config,
+    model_sizing,
+    read_model_config,
+    reference_sizing,
+)
 from pipelines.simulate.sizing import (
     CPU_ASSUMPTIONS,
     GPU_ASSUMPTIONS,
     Assumptions,
     cluster_for,
     derived_step_model,
+    flops_seq_len,
     is_local,
     measured_step_model,
+    model_assumptions,
+    trainer_memory_table,
 )
 from pipelines.simulate.tables import describe, table
 from pipelines.simulate.timeline import plot_timeline
 from steps.errors import MoerlError
+from steps.run.config import RunConfig
 
 
 def parse_assumptions(pairs: list[str], base: Assumptions) -> Assumptions:
@@ -46,10 +58,35 @@ def parse_assumptions(pairs: list[str], base: Assumptions) -> Assumptions:
     return base.override(values)
 
 
+def model_of(cfg: RunConfig, model_config: Path | None) -> tuple[ModelSizing | None, str]:
+    """The model to size (None: the built-in Qwen3-30B-A3B figures) and the line that says where it comes from:
+    --model-config, else the checkpoint's config.json through the store, else the built-in figures."""
+    if model_config is not None:
+        source = str(model_config)
+        return model_sizing(read_model_config(model_config), source=source), f"model: {source}"
+    uri = cfg.sft_checkpoint
+    try:
+        d = fetch_model_config(uri)
+    except Exception as err:  # noqa: BLE001  # an unreachable store (no credentials, no network) or no config.json
+        reason = str(err).split(" — ")[0].split("\n")[0].removeprefix(f"{uri}/config.json: ")
+        return None, (f"model: {uri}/config.json not readable here ({reason}); the built-in {REFERENCE_NAME} "
+                      "figures (~3B active parameters, ~61 GB of bf16 weights); --model-config FILE to size another")
+    return model_sizing(d, source=f"{uri}/config.json"), f"model: {uri}/config.json"
+
+
 def main(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, parse_overrides(args.set))
     base = CPU_ASSUMPTIONS if is_local(cfg) else GPU_ASSUMPTIONS
     a = parse_assumptions(args.assume, base)
+    model: ModelSizing | None = None
+    if is_local(cfg):
+        model_line = ("model: the demo model's measured figures (a config without GPUs)"
+                      + ("; --model-config is not used" if args.model_config else ""))  # fmt: skip
+    else:
+        model, model_line = model_of(cfg, args.model_config)
+        if model is not None:  # the assumptions moved to the model, then the --assume overrides again on top
+            moved = model_assumptions(base, model, reference_sizing(), flops_seq_len(cfg, a))
+            a = parse_assumptions(args.assume, moved)
     cluster = cluster_for(cfg, a)
     if args.step_times:
         steps = measured_step_model(cfg, a, load_step_times(args.step_times), str(args.step_times))
@@ -67,6 +104,13 @@ def main(args: argparse.Namespace) -> int:
         f"moerl simulate {args.config}: {iterations} iterations, seed {args.seed}, "
         + (f"{rate:g} Spot interruptions per rollout node-hour" if rate else "no Spot interruptions")
     )
+    print(model_line)
+    if not is_local(cfg):
+        sized = model or reference_sizing()
+        print(f"  {sized.summary()}; {sized.flops_per_token(flops_seq_len(cfg, a)):.3g} training FLOPs a token at"
+              f" {flops_seq_len(cfg, a):,.0f} tokens of context")
+        print("  trainer memory per GPU:")
+        print("\n".join(trainer_memory_table(cfg, a, sized).lines()))
     print(describe(cfg, cluster, steps, a))
     print()
     print(table(results, cfg.staleness))
@@ -107,6 +151,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--spot-interruptions-per-hour", type=float, default=0.0, metavar="X",
         help="Spot interruptions per rollout node-hour (Poisson; default 0)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--model-config", type=Path, metavar="FILE",
+        help="the checkpoint's config.json (or its directory) when the run's store cannot be reached from here",
     )  # fmt: skip
     parser.add_argument("--iterations", type=int, metavar="N", help="iterations to simulate (default: the config's)")
     parser.add_argument("--seed", type=int, default=0, metavar="S", help="seed of the interruptions (default 0)")

@@ -7,6 +7,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from pipelines.simulate.model_sizing import GB, INSTANCE_GPUS, MemoryTable, ModelSizing, trainer_memory
 from pipelines.workflow import commands
 from steps.errors import MoerlError
 from steps.run.candidate import OPTIMIZER, WEIGHTS, node_write_loads, shard_writers
@@ -64,12 +65,18 @@ class Assumptions:
     replicated_fraction: float = 0.05
     # The model's routed experts: with trainer.ep_size unset the trainer's EP size is gcd(ranks, num_experts).
     num_experts: int = 128
+    # Tokens of the prompt a trainer row carries beside its response: with max_new_tokens, the sequence length of
+    # the FLOPs' attention term and of the trainer's activations (a micro-batch is padded to its longest row).
+    prompt_tokens: float = 256.0
+    # GB of one trainer GPU; 0: from the trainer's instance type (model_sizing.INSTANCE_GPUS).
+    gpu_memory_gb: float = 0.0
 
     def override(self, pairs: dict[str, float]) -> Assumptions:
         return dataclasses.replace(self, **pairs)
 
 
-# H200 / p5en.48xlarge class, a Qwen3-30B-A3B-class MoE (~3B active parameters, ~61 GB of bf16 weights).
+# H200 / p5en.48xlarge class, a Qwen3-30B-A3B-class MoE (~3B active parameters, ~61 GB of bf16 weights). With a
+# readable config.json, model_assumptions moves them to that model (the same ones for Qwen3-30B-A3B itself).
 GPU_ASSUMPTIONS = Assumptions(
     # SGLang with EP over the node's 8 GPUs at hundreds of concurrent sequences: ~20k output tokens/s a node.
     rollout_tokens_per_gpu_s=2500.0,
@@ -123,6 +130,66 @@ CPU_ASSUMPTIONS = Assumptions(
     replicated_fraction=0.5,  # the demo model's embeddings and attention weigh as much as its experts
     num_experts=8,  # steps/demo/sft.py's demo model
 )
+
+
+# --------------------------------------------------------------------------------------------------- model
+
+
+def flops_seq_len(cfg: RunConfig, a: Assumptions) -> float:
+    """The mean context a trained token attends over, for the FLOPs' attention term."""
+    return a.prompt_tokens + cfg.sampling.max_new_tokens * a.response_fill
+
+
+def padded_seq_len(cfg: RunConfig, a: Assumptions) -> int:
+    """A trainer row as a micro-batch pads it: the prompt and a response at the cap."""
+    return int(a.prompt_tokens + cfg.sampling.max_new_tokens)
+
+
+def model_assumptions(base: Assumptions, m: ModelSizing, reference: ModelSizing, seq_len: float) -> Assumptions:
+    """The GPU assumptions, written for `reference` (Qwen3-30B-A3B), moved to model `m`:
+
+    - decode: rollout_tokens_per_gpu_s / (m's compute parameters / the reference's): a decoded token's FLOPs
+      and weight reads follow the parameters it goes through;
+    - update: trainer_tokens_per_gpu_s / (m's training FLOPs a token / the reference's, model_sizing's formula at
+      seq_len);
+    - bytes: checkpoint_gb (a version in the checkpoint's dtype), optimizer_gb (12 bytes a parameter), the share
+      of the weights outside the routed experts and their count; the steps that move them (a rollout engine's load
+      from S3 at s3_gb_per_s, import-sft, publish) by the extra bytes.
+    The same model as the reference gives the same throughputs."""
+    checkpoint_gb, optimizer_gb = m.version_bytes / GB, m.optimizer_bytes / GB
+    moved = (checkpoint_gb + optimizer_gb) / (base.checkpoint_gb + base.optimizer_gb)
+    return dataclasses.replace(
+        base,
+        rollout_tokens_per_gpu_s=base.rollout_tokens_per_gpu_s * reference.compute / m.compute,
+        trainer_tokens_per_gpu_s=base.trainer_tokens_per_gpu_s
+        * reference.flops_per_token(seq_len) / m.flops_per_token(seq_len),
+        engine_startup_s=max(base.engine_startup_s + (checkpoint_gb - base.checkpoint_gb) / base.s3_gb_per_s, 0.0),
+        import_sft_s=base.import_sft_s * checkpoint_gb / base.checkpoint_gb,
+        publish_s=base.publish_s * moved,
+        checkpoint_gb=checkpoint_gb,
+        optimizer_gb=optimizer_gb,
+        replicated_fraction=m.replicated_fraction,
+        num_experts=m.num_experts,
+    )
+
+
+def trainer_gpu(cfg: RunConfig, a: Assumptions) -> tuple[str, float]:
+    """(name, GB) of one trainer GPU: --assume gpu_memory_gb, else the trainer's instance type's."""
+    instance = cfg.placement["trainer"].node_selector.get("node.kubernetes.io/instance-type", "")
+    name, gb = INSTANCE_GPUS.get(instance, (instance or "no instance type named", 0.0))
+    if a.gpu_memory_gb:
+        return (f"{name}, as assumed" if gb else "GPU, as assumed"), a.gpu_memory_gb
+    return name, gb
+
+
+def trainer_memory_table(cfg: RunConfig, a: Assumptions, m: ModelSizing) -> MemoryTable:
+    """model_sizing.trainer_memory under the config's EP and DP, micro-batch and sequence length."""
+    ep = trainer_ep_size(cfg, a)
+    gpu, capacity = trainer_gpu(cfg, a)
+    return trainer_memory(
+        m, ep, trainer_ranks(cfg) // ep, cfg.trainer.micro_batch_size, padded_seq_len(cfg, a),
+        cfg.trainer.kl_coef > 0, gpu, capacity,
+    )  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------------- cluster

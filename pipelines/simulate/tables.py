@@ -105,7 +105,7 @@ def describe(cfg: RunConfig, cluster: Cluster, steps: StepModel, a: Assumptions)
         f"step times ({steps.source}):",
         f"  {rollout}; score {steps.score_s:.1f} s; {update}; publish {steps.publish_s:.1f} s",
         f"  plan {steps.plan_s:.1f} s; import-sft {steps.import_sft_s:.1f} s; report {steps.report_s:.1f} s",
-        f"  the update writes its candidate ({a.checkpoint_gb:g} GB of weights + {a.optimizer_gb:g} GB of AdamW "
+        f"  the update writes its candidate ({a.checkpoint_gb:,.4g} GB of weights + {a.optimizer_gb:,.4g} GB of AdamW "
         f"state, ep {trainer_ep_size(cfg, a)}: each EP rank's files written by its dp replicas, spread over the "
         f"nodes); the busiest of {cfg.trainer.nodes} node(s) writes {busiest_write_gb(cfg, a):.1f} GB at "
         f"{a.s3_gb_per_s:g} GB/s: {candidate_write_s(cfg, a):.1f} s in the update's figure",
@@ -124,12 +124,12 @@ def served_lines(cfg: RunConfig, steps: StepModel, a: Assumptions) -> list[str]:
     lines = []
     if rollout_served(cfg):
         fetched = f"delta {delta_gb(a):g} GB (delta_fraction {a.delta_fraction:g})" if cfg.checkpoint.deltas else (
-            f"whole checkpoint {a.checkpoint_gb:g} GB (checkpoint.deltas false)")  # fmt: skip
+            f"whole checkpoint {a.checkpoint_gb:,.4g} GB (checkpoint.deltas false)")  # fmt: skip
         lines += [
             f"rollout servers: {cfg.rollout.servers} a segment, start-up {steps.rollout_startup_s:.1f} s once a "
             f"segment and once a replacement; rollout steps are clients ({steps.client_s:.1f} s to start)",
             f"  per new version a server fetches the {fetched} at {a.s3_gb_per_s:g} GB/s and applies it in place "
-            f"({a.checkpoint_gb:g} GB from local disk at {a.nvme_gb_per_s:g} GB/s + {a.engine_update_s:g} s): "
+            f"({a.checkpoint_gb:,.4g} GB from local disk at {a.nvme_gb_per_s:g} GB/s + {a.engine_update_s:g} s): "
             f"{steps.weight_sync_s:.1f} s; any other version {steps.full_sync_s:.1f} s",
         ]
         if deltas_written(cfg):

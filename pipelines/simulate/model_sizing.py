@@ -1,0 +1,328 @@
+"""What the simulator knows of the model: parameter counts, bytes of a version and training FLOPs per token from a
+checkpoint's config.json, for every family moerl loads (steps/models/registry.py), and the trainer's memory per GPU.
+
+Counts are shape-only: the family's state-dict adapter lists every tensor a checkpoint holds (expected_shapes, no
+weights, no model built) and names one routed expert's parameters (expert_params), which splits the routed experts
+from the rest (embeddings, attention, routers, norms, dense layers and shared experts: every token uses those).
+
+    total       every tensor of the checkpoint (no multi-token-prediction layers: moerl drops them on import)
+    expert      the routed experts of every MoE layer
+    non_expert  total - expert
+    active      non_expert + expert x num_experts_per_tok / num_experts: the parameters one token goes through,
+                with the input embedding, as most model cards count "activated parameters"
+    compute     active less the input embedding (a table lookup, no multiply): the N of the FLOPs formula
+
+Training FLOPs per token (forward + backward), the accounting of PaLM (Chowdhery et al. 2022, Appendix B, "model
+FLOPs"), which is Kaplan et al. 2020's / Chinchilla's 6N with the attention term written out as Megatron-LM's
+(Narayanan et al. 2021) does:
+
+    6 x compute  +  6 x sum over layers of heads x (d_qk + d_v) x T_layer
+
+with T_layer the sequence length (min(T, window) on a sliding-window layer). With d_qk = d_v = head_dim it is PaLM's
+6N + 12 x layers x heads x head_dim x T; multi-head latent attention (DeepSeek-V3) has d_qk = qk_nope_head_dim +
+qk_rope_head_dim (192) and d_v = v_head_dim (128). The full (not causal-halved) attention is counted, as PaLM does.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from steps.errors import MoerlError
+
+GB = 1e9  # decimal gigabytes throughout the simulator
+
+# The published config.json of Qwen/Qwen3-30B-A3B (the architecture fields): the model the built-in GPU
+# assumptions (sizing.py GPU_ASSUMPTIONS) were written for, and what another model's figures are scaled against.
+REFERENCE_NAME = "Qwen3-30B-A3B"
+REFERENCE_CONFIG: dict[str, Any] = {
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "model_type": "qwen3_moe",
+    "hidden_size": 2048,
+    "intermediate_size": 6144,
+    "moe_intermediate_size": 768,
+    "num_hidden_layers": 48,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "norm_topk_prob": True,
+    "vocab_size": 151936,
+    "max_position_embeddings": 40960,
+    "rope_theta": 1000000.0,
+    "rms_norm_eps": 1e-06,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+}
+
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True)
+class ModelSizing:
+    """A model's sizes (see the module docstring for each count's definition)."""
+
+    name: str  # what the printout calls it (the config's source)
+    model_type: str
+    total: int
+    expert: int
+    non_expert: int
+    active: int
+    compute: int
+    embedding: int  # the input embedding table
+    unembedding: int  # the output projection (lm_head; 0 when tied to the embedding)
+    num_experts: int
+    experts_per_token: int
+    dtype_bytes: int  # a weight as a version stores it (the checkpoint's dtype)
+    # (heads, d_qk, d_v, window or None) of each layer: the attention term of the FLOPs
+    attention: tuple[tuple[int, int, int, int | None], ...]
+    hidden_size: int
+    vocab_size: int
+    # per layer, per token, the activations a layer keeps for its backward (elements; see activation_elements)
+    layer_activation_elements: tuple[int, ...]
+
+    @property
+    def version_bytes(self) -> float:
+        """One version's weights in the checkpoint's dtype."""
+        return float(self.total * self.dtype_bytes)
+
+    @property
+    def active_non_embedding(self) -> int:
+        """active less the input embedding and the output projection (as some cards count, e.g. GLM-4.5's)."""
+        return self.active - self.embedding - self.unembedding
+
+    @property
+    def optimizer_bytes(self) -> float:
+        """The AdamW state a candidate carries: fp32 masters, exp_avg and exp_avg_sq (12 bytes a parameter)."""
+        return 12.0 * self.total
+
+    @property
+    def replicated_fraction(self) -> float:
+        return self.non_expert / self.total
+
+    def flops_per_token(self, seq_len: float) -> float:
+        """Training (forward + backward) FLOPs of one token at context `seq_len` (module docstring)."""
+        attention = sum(h * (dqk + dv) * (min(seq_len, w) if w else seq_len) for h, dqk, dv, w in self.attention)
+        return 6.0 * self.compute + 6.0 * attention
+
+    def summary(self) -> str:
+        def b(n: float) -> str:
+            return f"{n / 1e9:,.1f}B"
+
+        return (f"{b(self.total)} parameters ({b(self.expert)} in {self.num_experts} routed experts, "
+                f"{b(self.non_expert)} outside them), {b(self.active)} active a token (top-{self.experts_per_token}), "
+                f"{self.version_bytes / GB:,.1f} GB a version")  # fmt: skip
+
+
+def _family_config(d: dict[str, Any], source: str) -> Any:
+    """The family's validated config of a config.json dict, sized as the float checkpoint moerl would hold: a
+    quantization_config (DeepSeek-V3's fp8, gpt-oss's MXFP4, which import dequantizes) is set aside, as are the
+    multi-token-prediction layers (moerl's import drops them)."""
+    from steps.models.registry import config_from_hf
+
+    d = {k: v for k, v in d.items() if k != "quantization_config"}
+    return config_from_hf(d, source=source)
+
+
+def _head_dims(cfg: Any) -> tuple[int, int]:
+    if getattr(cfg, "qk_nope_head_dim", None) is not None:  # multi-head latent attention
+        return cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim
+    head = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return head, head
+
+
+def _dense_intermediate(cfg: Any, layer: int) -> int:
+    """The always-on MLP width of a layer: a dense layer's intermediate_size, a MoE layer's shared experts'."""
+    if not cfg.is_moe_layer(layer):
+        return int(cfg.intermediate_size)
+    shared = getattr(cfg, "n_shared_experts", None)
+    if shared:
+        return int(shared * cfg.moe_intermediate_size)
+    shared_size = getattr(cfg, "shared_expert_intermediate_size", None)  # Qwen2-MoE's shared expert
+    return int(shared_size or 0)
+
+
+def activation_elements(cfg: Any, layer: int, expert_intermediate: int) -> int:
+    """A rough count of the values one layer keeps per token for its backward with every activation kept and a
+    flash-style attention (no T x T matrix): the norms' and residual's inputs and outputs (6h), the queries, keys,
+    values and attention output (heads x (2 d_qk + d_v) with keys and values at the query heads' count for MLA,
+    kv_heads for GQA), the router's logits (E), then per chosen expert its copy of the input and its gate, up and
+    gated products (h + 3I), and the same for the always-on MLP (h + 3I_dense). Korthikanti et al. 2022 ("Reducing
+    Activation Recomputation in Large Transformer Models") count a dense layer so (34 s b h bytes at 16 bits).
+    Against the bytes autograd saves in moerl's own Qwen3-MoE layer (fp32, CPU; tests/test_simulate_model_sizing.py):
+    Qwen3-30B-A3B's layer keeps ~237 KB a token where the formula says 226 KB (the fit's linear term, which also
+    holds the embedding's and a small test vocabulary's share), a small layer 8.6 KB against the formula's 9.8 KB.
+    On the CPU the math attention also keeps heads x T^2 fp32 probabilities; CUDA's memory-efficient kernel, which
+    takes the trainer's masks, keeps none."""
+    h = cfg.hidden_size
+    dqk, dv = _head_dims(cfg)
+    heads = cfg.num_attention_heads
+    kv_heads = heads if getattr(cfg, "qk_nope_head_dim", None) is not None else cfg.num_key_value_heads
+    attention = heads * dqk + kv_heads * (dqk + dv) + heads * dv
+    mlp = 0
+    if cfg.is_moe_layer(layer):
+        mlp += cfg.num_experts + cfg.num_experts_per_tok * (h + 3 * expert_intermediate)
+    dense = _dense_intermediate(cfg, layer)
+    if dense:
+        mlp += h + 3 * dense
+    return 6 * h + attention + mlp
+
+
+def model_sizing(d: dict[str, Any], source: str = "config.json") -> ModelSizing:
+    """The sizes of the model a config.json dict describes (any family moerl loads); one MoerlError otherwise."""
+    from steps.models.hf_checkpoint import declared_dtype, expected_tensor_shapes
+    from steps.models.registry import family_of
+
+    cfg = _family_config(d, source)
+    adapter = family_of(cfg).state_dict_adapter
+    shapes = expected_tensor_shapes(cfg)
+    total = sum(math.prod(s) for s in shapes.values())
+    embedding = sum(math.prod(s) for name, s in shapes.items() if name.endswith("embed_tokens.weight"))
+    unembedding = sum(math.prod(s) for name, s in shapes.items() if name == "lm_head.weight")
+    layers = cfg.num_hidden_layers
+    moe_layers = [layer for layer in range(layers) if cfg.is_moe_layer(layer)]
+    expert_intermediate = 0
+    expert = 0
+    for m in range(len(moe_layers)):
+        one = adapter.expert_params(cfg, m, 0)  # every expert of a layer has the same shapes
+        expert += cfg.num_experts * sum(math.prod(s) for _, s in one)
+    if moe_layers:
+        expert_intermediate = int(getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size)
+    non_expert = total - expert
+    active = non_expert + expert * cfg.num_experts_per_tok // cfg.num_experts
+    dqk, dv = _head_dims(cfg)
+    window = getattr(cfg, "window", None)
+    attention = tuple(
+        (cfg.num_attention_heads, dqk, dv, window(layer) if callable(window) else None) for layer in range(layers)
+    )
+    dtype = declared_dtype(d, source)
+    dtype_bytes = _DTYPE_BYTES[str(dtype).removeprefix("torch.")] if dtype is not None else 2
+    return ModelSizing(
+        name=source,
+        model_type=str(d.get("model_type")),
+        total=total,
+        expert=expert,
+        non_expert=non_expert,
+        active=active,
+        compute=active - embedding,
+        embedding=embedding,
+        unembedding=unembedding,
+        num_experts=cfg.num_experts,
+        experts_per_token=cfg.num_experts_per_tok,
+        dtype_bytes=dtype_bytes,
+        attention=attention,
+        hidden_size=cfg.hidden_size,
+        vocab_size=cfg.vocab_size,
+        layer_activation_elements=tuple(activation_elements(cfg, i, expert_intermediate) for i in range(layers)),
+    )
+
+
+def reference_sizing() -> ModelSizing:
+    return model_sizing(REFERENCE_CONFIG, source=f"{REFERENCE_NAME} (built in)")
+
+
+def read_model_config(path: Path) -> dict[str, Any]:
+    """A config.json file (--model-config): a checkpoint directory or the file itself."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "config.json"
+    try:
+        d = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise MoerlError(f"--model-config {path}: cannot read it as a config.json ({err})") from None
+    if not isinstance(d, dict):
+        raise MoerlError(f"--model-config {path}: not a JSON object")
+    return d
+
+
+def fetch_model_config(uri: str) -> dict[str, Any]:
+    """The config.json of a checkpoint through the run's store (as pipelines/preflight.py reads the small files);
+    raises when the store cannot be reached or holds none."""
+    from steps.store.object_store import Store
+    from steps.store.s3 import RetryPolicy
+
+    store = Store.open(uri, RetryPolicy(max_attempts=1))
+    d = json.loads(store.get_bytes("config.json", verify=False))
+    if not isinstance(d, dict):
+        raise MoerlError(f"{uri}/config.json: not a JSON object")
+    return d
+
+
+# ---------------------------------------------------------------------------------------------- memory
+
+
+# GPU memory of the instance types the configs name (node.kubernetes.io/instance-type), in GB as NVIDIA states it.
+INSTANCE_GPUS: dict[str, tuple[str, float]] = {
+    "p5en.48xlarge": ("H200", 141.0),
+    "p5e.48xlarge": ("H200", 141.0),
+    "p5.48xlarge": ("H100", 80.0),
+    "p5.4xlarge": ("H100", 80.0),
+    "p6-b200.48xlarge": ("B200", 179.0),
+    "p4de.24xlarge": ("A100 80GB", 80.0),
+    "p4d.24xlarge": ("A100 40GB", 40.0),
+}
+
+
+@dataclass(frozen=True)
+class MemoryTable:
+    rows: tuple[tuple[str, float], ...]  # (what, GB a GPU)
+    gpu: str
+    capacity_gb: float  # 0: unknown
+    formula: str
+
+    @property
+    def total_gb(self) -> float:
+        return sum(gb for _, gb in self.rows)
+
+    @property
+    def fits(self) -> bool | None:
+        return None if not self.capacity_gb else self.total_gb <= self.capacity_gb
+
+    def lines(self) -> list[str]:
+        width = max(len(what) for what, _ in self.rows) + 2
+        out = [f"    {what.ljust(width)}{gb:10,.1f} GB" for what, gb in self.rows]
+        out.append(f"    {'total'.ljust(width)}{self.total_gb:10,.1f} GB")
+        if self.capacity_gb:
+            headroom = self.capacity_gb - self.total_gb
+            verdict = "fits" if headroom >= 0 else "does NOT fit"
+            out.append(f"    {verdict} in the {self.gpu}'s {self.capacity_gb:,.0f} GB: headroom {headroom:,.1f} GB"
+                       f" ({headroom / self.capacity_gb:+.0%})")  # fmt: skip
+        else:
+            out.append(f"    the trainer's GPU memory is unknown ({self.gpu}): --assume gpu_memory_gb=N")
+        out.append(f"    ({self.formula})")
+        return out
+
+
+def trainer_memory(
+    m: ModelSizing, ep: int, dp: int, micro_batch: int, seq_len: int, kl_ref: bool, gpu: str, capacity_gb: float
+) -> MemoryTable:
+    """GB a trainer GPU holds, as today's trainer lays a model out: the routed experts split over the EP group's
+    ep ranks, every other parameter (and its optimizer state) replicated on every rank, nothing sharded over the
+    dp replicas; AdamW with fp32 state; every activation of a micro-batch of micro_batch rows of seq_len tokens
+    kept (fp32, as the trainer computes today)."""
+    params = m.non_expert + m.expert / ep
+    rows: list[tuple[str, float]] = [
+        ("weights (bf16)", 2 * params / GB),
+        ("gradients (bf16)", 2 * params / GB),
+        ("fp32 master weights", 4 * params / GB),
+        ("AdamW moments (fp32 exp_avg, exp_avg_sq)", 8 * params / GB),
+    ]
+    if kl_ref:
+        rows.append(("reference policy (kl_coef > 0, fp32)", 4 * params / GB))
+    tokens = micro_batch * seq_len
+    per_token = sum(m.layer_activation_elements)
+    rows.append((f"activations ({micro_batch} x {seq_len:,} tokens, fp32)", 4 * tokens * per_token / GB))
+    rows.append(("logits and log-softmax (fp32)", 2 * 4 * tokens * m.vocab_size / GB))
+    formula = (f"EP {ep} x DP {dp}: {params / 1e9:,.2f}B parameters a GPU = non-expert + expert / EP; 16 bytes each "
+               "(bf16 weights and gradients, fp32 masters, two fp32 AdamW moments; today's trainer keeps fp32 "
+               "weights and gradients instead: the same 16); activations ~ 4 bytes x micro-batch x sequence x "
+               "sum over layers of (6h + attention q/k/v/out + E router logits + k x (h + 3 I_expert) "
+               "+ h + 3 I_dense), every one kept (no checkpointing), flash attention; communication buffers "
+               "(DeepEP, NCCL) not counted")  # fmt: skip
+    return MemoryTable(tuple(rows), gpu, capacity_gb, formula)
