@@ -10,6 +10,7 @@ masks, the positions, the shared-prompt forward, the expert-parallel hooks) is w
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -108,8 +109,7 @@ class MoeCausalLM(nn.Module):
     in every MoE layer only the experts the placement gives that rank; their names keep the global index, so its
     state_dict is a subset of the full one. Without a placement the model holds every expert.
 
-    A subclass's __init__ calls super().__init__, builds self.model (embed_tokens, layers, norm) and
-    self.lm_head (None when tied to the embeddings), then self.init_weights().
+    A subclass's __init__ calls super().__init__, then build() with its decoder layers and final norm.
     """
 
     model: nn.Module
@@ -126,6 +126,16 @@ class MoeCausalLM(nn.Module):
         # MoE layers' mean load-balancing loss over the real tokens (steps/models/router_loss.py)
         self.router_aux_loss_coef = 0.0
         self.aux_loss: torch.Tensor | None = None
+
+    def build(self, layer: Callable[[int], nn.Module], norm: Callable[[], nn.Module]) -> None:
+        """self.model (the embeddings, layer(i) for every decoder layer i, the final norm()) and self.lm_head
+        (None when tied: logits use the embedding matrix and no lm_head.weight exists, as save_pretrained omits
+        it), then init_weights(): the end of a family's __init__."""
+        cfg = self.config
+        embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, padding_idx=cfg.pad_token_id)
+        self.model = DecoderStack(embed_tokens, [layer(i) for i in range(cfg.num_hidden_layers)], norm())
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.init_weights()
 
     def rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> Any:
         """The rotary tables of tokens at positions [B, T], in the form the family's attention reads them."""

@@ -143,6 +143,14 @@ def moe_layer_indices(cfg: Any) -> list[int]:
     return [layer for layer in range(cfg.num_hidden_layers) if cfg.is_moe_layer(layer)]
 
 
+def layer_share(cfg: Any, placement: ExpertPlacement | None, layer: int) -> tuple[tuple[int, ...] | None, int]:
+    """(slots, ep_size) of decoder layer `layer`'s MoE block under `placement`: its MoE layer's slot order and the
+    EP size; (None, 1) without a placement (every expert, in id order)."""
+    if placement is None:
+        return None, 1
+    return placement.slots[moe_layer_indices(cfg).index(layer)], placement.ep_size
+
+
 def check_placement(cfg: Any, placement: ExpertPlacement | None, ep_rank: int) -> None:
     """A placement must describe this config's MoE layers and experts, and ep_rank be one of its ranks."""
     if placement is None:

@@ -16,13 +16,13 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from steps.models.causal_lm import DecoderLayer, DecoderStack, MoeCausalLM
+from steps.models.causal_lm import DecoderLayer, MoeCausalLM
 from steps.models.deepseek_v3 import rope
 from steps.models.deepseek_v3.config import DeepseekConfig
 from steps.models.experts import SwiGLUExpert
 from steps.models.layers import RMSNorm, softmax_attention
 from steps.models.moe import RouterSettings, SparseMoeBlock
-from steps.models.placement import moe_layer_indices
+from steps.models.placement import layer_share
 
 if TYPE_CHECKING:
     from steps.models.placement import ExpertPlacement
@@ -130,9 +130,7 @@ def decoder_layer(
     """DeepseekV3DecoderLayer: attention, then the MoE block (or, in the first layers, the dense MLP)."""
     mlp: nn.Module
     if cfg.is_moe_layer(layer_idx):
-        slots, ep_size = None, 1
-        if placement is not None:
-            slots, ep_size = placement.slots[moe_layer_indices(cfg).index(layer_idx)], placement.ep_size
+        slots, ep_size = layer_share(cfg, placement, layer_idx)
         router = RouterSettings("sigmoid_group_topk", cfg.n_group, cfg.topk_group, cfg.routed_scaling_factor)
         mlp = MoeBlock(
             cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_routed_experts, cfg.num_experts_per_tok,
@@ -154,15 +152,10 @@ class DeepseekV3ForCausalLM(MoeCausalLM):
 
     def __init__(self, config: DeepseekConfig, placement: ExpertPlacement | None = None, ep_rank: int = 0) -> None:
         super().__init__(config, placement, ep_rank)
-        self.model = DecoderStack(
-            nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id),
-            [decoder_layer(config, layer, placement, ep_rank) for layer in range(config.num_hidden_layers)],
-            RMSNorm(config.hidden_size, config.rms_norm_eps),
+        self.build(
+            lambda layer: decoder_layer(config, layer, placement, ep_rank),
+            lambda: RMSNorm(config.hidden_size, config.rms_norm_eps),
         )
-        self.lm_head = (
-            None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        )
-        self.init_weights()
 
     def init_extra(self, module: nn.Module) -> None:
         """As DeepseekV3PreTrainedModel: the correction bias starts at zero (init_weights' normal covers the

@@ -21,12 +21,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from steps.models.causal_lm import DecoderLayer, DecoderStack, MoeCausalLM
+from steps.models.causal_lm import DecoderLayer, MoeCausalLM
 from steps.models.experts import ClampedSwiGLU, RoutedExpert
 from steps.models.gpt_oss.config import GptOssConfig
 from steps.models.gpt_oss.rope import rotary_cos_sin
 from steps.models.layers import RMSNorm
 from steps.models.moe import RouterSettings, SparseMoeBlock
+from steps.models.placement import layer_share
 
 if TYPE_CHECKING:
     from steps.models.placement import ExpertPlacement
@@ -141,9 +142,7 @@ def decoder_layer(
     cfg: GptOssConfig, layer_idx: int, placement: ExpertPlacement | None = None, ep_rank: int = 0
 ) -> DecoderLayer:
     """GptOssDecoderLayer: attention, then the sparse block (every layer is sparse)."""
-    slots, ep_size = None, 1
-    if placement is not None:  # every layer is sparse: MoE layer l is decoder layer l
-        slots, ep_size = placement.slots[layer_idx], placement.ep_size
+    slots, ep_size = layer_share(cfg, placement, layer_idx)
     norms = GptOssRMSNorm(cfg.hidden_size, cfg.rms_norm_eps), GptOssRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
     return DecoderLayer(Attention(cfg, layer_idx), moe_block(cfg, slots, ep_rank, ep_size), *norms)
 
@@ -156,17 +155,10 @@ class GptOssCausalLM(MoeCausalLM):
 
     def __init__(self, config: GptOssConfig, placement: ExpertPlacement | None = None, ep_rank: int = 0) -> None:
         super().__init__(config, placement, ep_rank)
-        self.model = DecoderStack(
-            nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id),
-            [decoder_layer(config, layer, placement, ep_rank) for layer in range(config.num_hidden_layers)],
-            GptOssRMSNorm(config.hidden_size, config.rms_norm_eps),
+        self.build(
+            lambda layer: decoder_layer(config, layer, placement, ep_rank),
+            lambda: GptOssRMSNorm(config.hidden_size, config.rms_norm_eps),
         )
-        self.lm_head = (
-            None
-            if config.tie_word_embeddings
-            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        )
-        self.init_weights()
 
     @torch.no_grad()
     def init_weights(self) -> None:

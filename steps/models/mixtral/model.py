@@ -26,11 +26,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from steps.models.causal_lm import DecoderLayer, DecoderStack, MoeCausalLM
+from steps.models.causal_lm import DecoderLayer, MoeCausalLM
 from steps.models.experts import SwiGLUExpert
 from steps.models.layers import RMSNorm, rotary_cos_sin, softmax_attention
 from steps.models.mixtral.config import MixtralConfig
 from steps.models.moe import RouterSettings, SparseMoeBlock
+from steps.models.placement import layer_share
 
 if TYPE_CHECKING:
     from steps.models.placement import ExpertPlacement
@@ -132,9 +133,7 @@ def decoder_layer(
     cfg: MixtralConfig, layer_idx: int, placement: ExpertPlacement | None = None, ep_rank: int = 0
 ) -> MixtralDecoderLayer:
     """MixtralDecoderLayer: attention, then the sparse block (every layer is sparse)."""
-    slots, ep_size = None, 1
-    if placement is not None:  # every layer is sparse: MoE layer l is decoder layer l
-        slots, ep_size = placement.slots[layer_idx], placement.ep_size
+    slots, ep_size = layer_share(cfg, placement, layer_idx)
     norms = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps), RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
     return MixtralDecoderLayer(Attention(cfg, layer_idx), moe_block(cfg, slots, ep_rank, ep_size), *norms)
 
@@ -147,18 +146,10 @@ class MixtralCausalLM(MoeCausalLM):
 
     def __init__(self, config: MixtralConfig, placement: ExpertPlacement | None = None, ep_rank: int = 0) -> None:
         super().__init__(config, placement, ep_rank)
-        self.model = DecoderStack(
-            nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id),
-            [decoder_layer(config, layer, placement, ep_rank) for layer in range(config.num_hidden_layers)],
-            RMSNorm(config.hidden_size, config.rms_norm_eps),
+        self.build(
+            lambda layer: decoder_layer(config, layer, placement, ep_rank),
+            lambda: RMSNorm(config.hidden_size, config.rms_norm_eps),
         )
-        # Tied: logits use the embedding matrix and no lm_head.weight exists (save_pretrained omits it too).
-        self.lm_head = (
-            None
-            if config.tie_word_embeddings
-            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        )
-        self.init_weights()
 
     def rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         assert self.config.head_dim is not None

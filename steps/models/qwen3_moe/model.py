@@ -17,12 +17,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from steps.models.causal_lm import DecoderLayer, DecoderStack, MoeCausalLM
+from steps.models.causal_lm import DecoderLayer, MoeCausalLM
 from steps.models.experts import SwiGLUExpert
 from steps.models.kernels import QKVHeads
 from steps.models.layers import RMSNorm, rotary_cos_sin, softmax_attention
 from steps.models.moe import SparseMoeBlock
-from steps.models.placement import moe_layer_indices
+from steps.models.placement import layer_share
 from steps.models.qwen3_moe.config import MoeConfig
 
 if TYPE_CHECKING:
@@ -99,9 +99,7 @@ def decoder_layer(
     attention = Attention(cfg, layer_idx)
     mlp: nn.Module
     if cfg.is_moe_layer(layer_idx):
-        slots, ep_size = None, 1
-        if placement is not None:
-            slots, ep_size = placement.slots[moe_layer_indices(cfg).index(layer_idx)], placement.ep_size
+        slots, ep_size = layer_share(cfg, placement, layer_idx)
         mlp = MoeBlock(
             cfg.hidden_size,
             cfg.moe_intermediate_size,
@@ -126,18 +124,10 @@ class MoeForCausalLM(MoeCausalLM):
 
     def __init__(self, config: MoeConfig, placement: ExpertPlacement | None = None, ep_rank: int = 0) -> None:
         super().__init__(config, placement, ep_rank)
-        self.model = DecoderStack(
-            nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id),
-            [decoder_layer(config, layer, placement, ep_rank) for layer in range(config.num_hidden_layers)],
-            RMSNorm(config.hidden_size, config.rms_norm_eps),
+        self.build(
+            lambda layer: decoder_layer(config, layer, placement, ep_rank),
+            lambda: RMSNorm(config.hidden_size, config.rms_norm_eps),
         )
-        # Tied: logits use the embedding matrix and no lm_head.weight exists (save_pretrained omits it too).
-        self.lm_head = (
-            None
-            if config.tie_word_embeddings
-            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        )
-        self.init_weights()
 
     def rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         assert self.config.head_dim is not None
