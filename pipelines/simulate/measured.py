@@ -51,8 +51,9 @@ def step_times_from_status(status_json: dict[str, Any] | str | Path) -> dict[str
     rollout servers or a trainer server, the rollout and update pods are keyed as clients (rollout-client,
     update-client).
 
-    Argo and the local executor stamp pods with whole seconds, so a step shorter than a few seconds is
-    measured to about a second; the median keeps one slow or retried outlier from steering the figure."""
+    Argo stamps pods with whole seconds, so from a cluster's status a step shorter than a few seconds is
+    measured to about a second (the local executor stamps milliseconds); the median keeps one slow or retried
+    outlier from steering the figure."""
     status = _read_json(status_json) if isinstance(status_json, str | Path) else status_json
     templates = {node.template for node in _nodes(status)}
     # With servers, a rollout or update pod is a client: its time is the server's work (sizing.CLIENT_KINDS).

@@ -68,6 +68,18 @@ def timestamp(seconds: float | None) -> str | None:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(int(seconds)))
 
 
+def status_timestamp(seconds: float | None) -> str | None:
+    """A node's or the workflow's startedAt/finishedAt in the status file: RFC 3339 in UTC to the millisecond.
+    Argo stamps whole seconds; a local step often lasts under one, and `moerl simulate --measured` fits step
+    times from these stamps, so the fraction is kept (metav1.Time and every RFC 3339 reader accept it). Template
+    variables ({{steps.X.startedAt}}) keep Argo's whole seconds (timestamp)."""
+    if seconds is None:
+        return None
+    whole = int(seconds)
+    millis = min(999, int(round((seconds - whole) * 1000)))
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(whole)) + f".{millis:03d}Z"
+
+
 def fulfilled(phase: str) -> bool:
     return phase in (SUCCEEDED, FAILED, ERROR, SKIPPED_PHASE, OMITTED)
 
@@ -133,8 +145,8 @@ class Node:
             "phase": self.phase,
             "boundaryID": self.boundary_id,
             "message": self.message,
-            "startedAt": timestamp(self.started_at),
-            "finishedAt": timestamp(self.finished_at),
+            "startedAt": status_timestamp(self.started_at),
+            "finishedAt": status_timestamp(self.finished_at),
             "progress": progress,
             "inputs": self.inputs,
             "outputs": self.outputs,
@@ -316,8 +328,8 @@ class WorkflowStatus:
         progress = nodes.progress()
         out: dict[str, Any] = {
             "phase": self.phase,
-            "startedAt": timestamp(self.started_at),
-            "finishedAt": timestamp(self.finished_at),
+            "startedAt": status_timestamp(self.started_at),
+            "finishedAt": status_timestamp(self.finished_at),
             "progress": progress[None],
             "nodes": {n.id: n.to_argo(nodes.workflow_name, progress[n.id]) for n in nodes},
         }
