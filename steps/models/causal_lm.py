@@ -10,12 +10,14 @@ masks, the positions, the shared-prompt forward, the expert-parallel hooks) is w
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from steps.models.layers import AttentionMasks, RMSNorm
 from steps.models.moe import SparseMoeBlock
@@ -126,6 +128,9 @@ class MoeCausalLM(nn.Module):
         # MoE layers' mean load-balancing loss over the real tokens (steps/models/router_loss.py)
         self.router_aux_loss_coef = 0.0
         self.aux_loss: torch.Tensor | None = None
+        # trainer.activation_checkpointing: a training forward keeps only each decoder layer's input and runs the
+        # layer again in the backward (run_layer)
+        self.activation_checkpointing = False
 
     def build(self, layer: Callable[[int], nn.Module], norm: Callable[[], nn.Module]) -> None:
         """self.model (the embeddings, layer(i) for every decoder layer i, the final norm()) and self.lm_head
@@ -192,6 +197,31 @@ class MoeCausalLM(nn.Module):
             raise RuntimeError("routed_rows: call count_routed_rows() before the forward passes")
         return torch.stack(counts)  # type: ignore[arg-type]
 
+    def run_layer(self, layer: nn.Module, method: Callable[..., Any], *args: Any) -> Any:
+        """layer's `method` on args; with activation_checkpointing in a forward that builds a graph, through
+        torch.utils.checkpoint (non-reentrant): the layer's activations are dropped and the backward runs the
+        layer again. The rerun must repeat the forward exactly (the same routing, the same expert dispatch on
+        every EP rank, the same ops saving tensors), and must not count twice what the forward records: the MoE
+        block's routed rows are not counted again, and its load-balancing loss is computed again (the graph
+        needs it) into a value that is then dropped."""
+        if not (self.activation_checkpointing and torch.is_grad_enabled()):
+            return method(*args)
+        block = layer.mlp if isinstance(getattr(layer, "mlp", None), SparseMoeBlock) else None
+
+        @contextlib.contextmanager
+        def rerun(mask: torch.Tensor | None = block.balance_mask if block else None) -> Iterator[None]:
+            if block is None:
+                yield
+                return
+            kept = block.routed_rows, block.balance_mask, block.balance_loss
+            block.routed_rows, block.balance_mask = None, mask
+            try:
+                yield
+            finally:
+                block.routed_rows, block.balance_mask, block.balance_loss = kept
+
+        return checkpoint(method, *args, use_reentrant=False, context_fn=lambda: (contextlib.nullcontext(), rerun()))
+
     def _balance(self, real_tokens: torch.Tensor | None) -> None:
         """Before a forward (real_tokens [T], in the order the MoE layers see the tokens): have every MoE layer
         compute its load-balancing loss when router_aux_loss_coef > 0. After it (None): aux_loss = the coefficient
@@ -232,7 +262,7 @@ class MoeCausalLM(nn.Module):
         rope = self.rotary(positions, x.dtype)
         self._balance(valid.reshape(-1))
         for layer in self.model.layers:
-            x = layer(x, rope, masks)
+            x = self.run_layer(layer, layer, x, rope, masks)
         self._balance(None)
         return F.linear(self.model.norm(x), self.output_weight()).float()
 
@@ -283,9 +313,10 @@ class MoeCausalLM(nn.Module):
         response_rope = self.rotary(response_positions, response_x.dtype)
         self._balance(torch.cat([prompt_valid.reshape(-1), response_valid.reshape(-1)]))  # the MLPs' token order
         for layer in self.model.layers:
-            prompt_x, response_x = layer.forward_shared_prompts(
-                prompt_x, response_x, prompt_rope, response_rope, prompt_masks, response_masks, prompt_index
-            )
+            prompt_x, response_x = self.run_layer(
+                layer, layer.forward_shared_prompts,
+                prompt_x, response_x, prompt_rope, response_rope, prompt_masks, response_masks, prompt_index,
+            )  # fmt: skip
         self._balance(None)
         # Only the prompts' last positions are needed from the prompts: norm and lm_head run per token.
         last = prompt_x[:, -1:].index_select(0, prompt_index)  # [R, 1, H]

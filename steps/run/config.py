@@ -199,6 +199,18 @@ class TrainerConfig(_Section):
         "moe_router_load_balancing_type none); needs router: train",
         ge=0,
     )
+    activation_checkpointing: bool = _field(
+        False,
+        "recompute each decoder layer in the backward instead of keeping its activations (torch.utils.checkpoint, "
+        "non-reentrant): a training forward then holds one layer's activations at a time plus every layer's "
+        "input, for one more forward's compute; the update is the same bit for bit",
+    )
+    grouped_gemm: bool = _field(
+        True,
+        "run a rank's local experts as one grouped GEMM (torch.nn.functional.grouped_mm) where the device has it "
+        "(the CPU; CUDA in bf16 on sm80+ with dimensions that are multiples of 8), expert by expert elsewhere; "
+        "false: always expert by expert. On the CPU both give the same bits",
+    )
     is_cap: float = _field(2.0, "cap of the truncated importance weight behaviour -> trainer policy", gt=0)
     old_logprobs: Literal["recompute", "behavior"] = _field(
         "recompute",

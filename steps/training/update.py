@@ -25,6 +25,7 @@ from steps.experience.tables import Sample, read_scored_experience
 from steps.expert_parallel.dispatch import HeldDispatch, make_dispatch
 from steps.expert_parallel.mesh import Mesh, all_reduce_sum, build_mesh, resolve_ep_size
 from steps.expert_parallel.timing import CommTimer
+from steps.models.experts import set_grouped_gemm
 from steps.models.family import FamilyConfig
 from steps.models.hf_checkpoint import checkpoint_dtype, load_config, load_pretrained, model_from_state
 from steps.models.placement import ExpertPlacement, balanced_placement, moe_layer_indices
@@ -324,6 +325,8 @@ def train_iteration(
         for p in model.router_parameters():
             p.requires_grad_(False)
     model.router_aux_loss_coef = cfg.trainer.router_aux_loss_coef
+    model.activation_checkpointing = cfg.trainer.activation_checkpointing
+    set_grouped_gemm(cfg.trainer.grouped_gemm)
     ref_model, ref_state = None, None
     if settings.loss.kl_coef > 0:
         ref_state = reference.take(mesh) if reference is not None else None

@@ -1,0 +1,179 @@
+"""The trainer's memory and speed settings give the plain update: activation checkpointing
+(trainer.activation_checkpointing) and the experts as one grouped GEMM (trainer.grouped_gemm), alone and
+together, on 4 CPU ranks over gloo as EP=2 x DP=2 (the all-to-all dispatch, AdamW, the routers trained with
+their load-balancing loss, the routed rows counted once), bit for bit; each family's forward, shared-prompt
+forward and gradients under checkpointing, bit for bit; and checkpointing keeps less of the forward."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from test_expert_parallel import run_gloo
+from test_expert_parallel_training import MICRO_BATCH, old_logprobs, samples, sharded
+from test_family_deepseek_v3 import moerl_config as deepseek_config
+from test_family_gpt_oss import CONFIGS as GPT_OSS_CONFIGS
+from test_family_gpt_oss import our_config as gpt_oss_config
+from test_update_experience import experience_table, make_run, start_ranks, tiny_model, wait_ranks, write_experience
+
+from steps.expert_parallel.dispatch import make_dispatch
+from steps.expert_parallel.mesh import all_reduce_sum, build_mesh, sync_gradients
+from steps.models.experts import set_grouped_gemm
+from steps.models.placement import ExpertPlacement
+from steps.models.registry import family_of
+from steps.run.candidate import MARKER
+from steps.run.keys import candidate_prefix
+from steps.store.object_store import Store
+from steps.training.rl_loss import LossSettings
+from steps.training.trainer import PolicyTrainer, TrainSettings, collate, rank_micro_batches
+
+SETTINGS = {  # name -> (activation_checkpointing, grouped_gemm); "plain" is what the others must equal
+    "plain": (False, False),
+    "checkpointing": (True, False),
+    "grouped": (False, True),
+    "checkpointing+grouped": (True, True),
+}
+
+
+def update_every_setting(rank: int, world: int, out_dir: Path, ep: int) -> None:
+    """Two AdamW steps of the PPO objective on this rank's share, once per setting, from the same weights."""
+    mesh = build_mesh(rank, world, ep, torch.device("cpu"))
+    num_experts, num_layers = tiny_model().config.num_experts, len(tiny_model().moe_blocks())
+    placement = ExpertPlacement.contiguous(num_layers, num_experts, ep)
+    dispatch = make_dispatch("alltoall", mesh, num_experts)
+    batch = samples()
+    everything = list(range(len(batch)))
+    micro = [
+        collate(batch, ids, mesh.device, old_logps=old_logprobs(batch))
+        for ids in rank_micro_batches(everything, mesh, MICRO_BATCH)
+    ]
+    for name, (checkpointing, grouped) in SETTINGS.items():
+        model = sharded(tiny_model(0), placement, mesh.ep_rank)
+        model.set_dispatch(dispatch)
+        model.router_aux_loss_coef = 0.05
+        model.activation_checkpointing = checkpointing
+        model.count_routed_rows()
+        set_grouped_gemm(grouped)
+        settings = TrainSettings(
+            loss=LossSettings(clip_low=0.2, clip_high=0.28, loss_agg="token-mean", kl_coef=0.0, is_cap=2.0),
+            micro_batch_size=MICRO_BATCH, grad_clip=1.0,
+        )  # fmt: skip
+        trainer = PolicyTrainer(model, mesh, settings, torch.optim.AdamW(model.parameters(), lr=1e-2))
+        out = {}
+        for step in range(2):
+            local = trainer.backward_step(micro, trainer.normalizer(batch, everything))
+            out[f"stats{step}"] = all_reduce_sum(local[:10], mesh).float()
+            sync_gradients(model, mesh)
+            out.update({f"grad{step}.{n}": p.grad.clone() for n, p in model.named_parameters()})
+            trainer.optimizer.step()
+            trainer.optimizer.zero_grad(set_to_none=True)
+        out.update({f"weight.{n}": p.detach().clone() for n, p in model.named_parameters()})
+        out["routed_rows"] = model.routed_rows().float()
+        save_file(out, str(out_dir / f"{name}.rank{rank}.safetensors"))
+    set_grouped_gemm(True)
+
+
+def test_every_setting_gives_the_plain_update_on_ep2_by_dp2(tmp_path):
+    run_gloo(update_every_setting, 4, tmp_path, 2, timeout=900)
+    for rank in range(4):
+        plain = load_file(tmp_path / f"plain.rank{rank}.safetensors")
+        assert plain["stats0"][0] != 0 and plain["routed_rows"].sum() > 0
+        for name in SETTINGS:
+            got = load_file(tmp_path / f"{name}.rank{rank}.safetensors")
+            assert got.keys() == plain.keys()
+            for key in plain:
+                assert torch.equal(got[key], plain[key]), f"{name}, rank {rank}: {key} differs from the plain update"
+    grads = load_file(tmp_path / "plain.rank0.safetensors")
+    assert any(".gate." in k and v.abs().sum() > 0 for k, v in grads.items() if k.startswith("grad0."))  # routers
+
+
+def _families() -> dict[str, torch.nn.Module]:
+    out = {"qwen3_moe": tiny_model(0)}
+    for name, cfg in (("deepseek_v3", deepseek_config("q_lora_yarn_interleave")),
+                      ("gpt_oss", gpt_oss_config(GPT_OSS_CONFIGS["yarn_window4"]))):  # fmt: skip
+        torch.manual_seed(3)
+        out[name] = family_of(cfg).build(cfg)
+    return out
+
+
+def _grads_of(model: torch.nn.Module, run) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    logits = run()
+    (logits.square().mean() + (model.aux_loss if model.aux_loss is not None else 0)).backward()
+    return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "gpt_oss"])
+def test_checkpointing_gives_each_familys_logits_and_gradients_bit_for_bit(family):
+    model = _families()[family]
+    model.router_aux_loss_coef = 0.1
+    vocab = model.config.vocab_size
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.randint(1, vocab, (3, 9), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0  # left padding
+    prompt_ids, prompt_mask = ids[:2, :5], torch.ones(2, 5, dtype=torch.long)
+    response_ids, response_mask = ids[:, 5:], torch.ones(3, 4, dtype=torch.long)
+    response_mask[2, 2:] = 0
+    prompt_index = torch.tensor([0, 0, 1])
+    runs = {
+        "forward": lambda: model(ids, mask),
+        "forward_shared_prompts": lambda: model.forward_shared_prompts(
+            prompt_ids, prompt_mask, response_ids, response_mask, prompt_index
+        ),
+    }
+    for what, run in runs.items():
+        results = {}
+        for checkpointing in (False, True):
+            model.activation_checkpointing = checkpointing
+            model.count_routed_rows()
+            logits, grads = _grads_of(model, run)
+            results[checkpointing] = (logits, grads, model.routed_rows().clone(), model.aux_loss.detach())
+        (logits, grads, rows, aux), (logits_ac, grads_ac, rows_ac, aux_ac) = results[False], results[True]
+        assert torch.equal(logits, logits_ac) and torch.equal(aux, aux_ac), what
+        assert torch.equal(rows, rows_ac), f"{what}: checkpointing counted the routed rows again"
+        assert grads.keys() == grads_ac.keys() and any(".gate." in k or "router" in k for k in grads)
+        for name in grads:
+            assert torch.equal(grads[name], grads_ac[name]), f"{what}: {name}"
+
+
+def test_checkpointing_keeps_less_of_the_forward_for_the_backward():
+    model = tiny_model(0, num_hidden_layers=4)
+    ids = torch.randint(1, model.config.vocab_size, (4, 16), generator=torch.Generator().manual_seed(0))
+
+    def saved_bytes(checkpointing: bool) -> int:
+        model.activation_checkpointing = checkpointing
+        total = [0]
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            total[0] += t.numel() * t.element_size()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(ids).sum()
+        return total[0]
+
+    plain, checkpointed = saved_bytes(False), saved_bytes(True)
+    assert checkpointed < plain / 2, (checkpointed, plain)
+    with torch.no_grad():  # a forward without a graph (log-probs, scoring) is never checkpointed
+        model.activation_checkpointing = True
+        assert torch.equal(model(ids), model(ids))
+
+
+def test_the_update_step_with_both_settings_writes_the_plain_candidate(tmp_path):
+    """The real update step (two ranks, EP=2) from the run config: the candidate's weight and optimizer files
+    with checkpointing and the grouped GEMM on are the plain update's, byte for byte."""
+    files = {}
+    for name, trainer in (("plain", {"activation_checkpointing": False, "grouped_gemm": False}),
+                          ("both", {"activation_checkpointing": True, "grouped_gemm": True})):  # fmt: skip
+        (tmp_path / name).mkdir()
+        run_uri = make_run(tmp_path / name, trainer=trainer)
+        write_experience(run_uri, 1, experience_table(policy_version=0, prompts=4, group=4))
+        results = wait_ranks(start_ranks(run_uri, 1, 2))
+        assert [code for code, _, _ in results] == [0, 0], results[0][2][-3000:]
+        marker = Store.open(run_uri).get_json(f"{candidate_prefix(1)}/{MARKER}")
+        files[name] = {f: d["sha256"] for f, d in marker["files"].items() if f.endswith(".safetensors")}
+    assert {f.split("-")[0] for f in files["plain"]} >= {"model", "optimizer"}
+    assert files["both"] == files["plain"]
