@@ -4,7 +4,9 @@ They read what the steps will read, before anything starts: the SFT checkpoint's
 architecture is named, with what is supported) and its tokenizer (readable, stop tokens, a chat template for
 prompt_format chat), the prompt and held-out files (every record, encoded by that tokenizer in the run's
 prompt format, each answer readable by the run's verifier), whether max_new_tokens holds a built-in task's
-answers, the reward model (loaded) and the reward function (imported in a worker, as score does). Every
+answers, the reward model (loaded) and the reward function (imported in a worker, as score does), and
+whether the trainer's plan and the rollout engine fit their GPUs' memory for that checkpoint's model
+(pipelines/simulate/memory_check.py, where a pool's instance type names its GPU). Every
 problem is reported at once; an input whose store cannot be reached from here (an s3:// URI without
 credentials) is noted as not checked, and so is a reward function that is not installed here when the run is
 for a cluster (render, submit).
@@ -74,6 +76,7 @@ def preflight(cfg: RunConfig, for_cluster: bool = False) -> tuple[list[str], lis
             else:
                 try:
                     model_cfg = load_config(local)
+                    problems += _memory_problems(cfg, local)
                     if cfg.rollout.engine == "sglang":
                         from steps.engines.sglang_engine import family_server_args
                         from steps.models.hf_checkpoint import read_config_json
@@ -107,6 +110,16 @@ def preflight(cfg: RunConfig, for_cluster: bool = False) -> tuple[list[str], lis
     problems += _prompt_problems(cfg, tok, fmt, model_cfg, notes)
     problems += _reward_problems(cfg, for_cluster, notes)
     return problems, notes
+
+
+def _memory_problems(cfg: RunConfig, local: Path) -> list[str]:
+    """The trainer's plan and the rollout engine against their GPUs' memory, for the checkpoint's own model."""
+    from pipelines.simulate.memory_check import rollout_memory_problem, trainer_memory_problem
+    from pipelines.simulate.model_sizing import model_sizing
+    from steps.models.hf_checkpoint import read_config_json
+
+    m = model_sizing(read_config_json(local), source=f"{cfg.sft_checkpoint}")
+    return [p for p in (trainer_memory_problem(cfg, m), rollout_memory_problem(cfg, m)) if p]
 
 
 def _prompt_problems(

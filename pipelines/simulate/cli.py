@@ -11,6 +11,7 @@ from pathlib import Path
 from pipelines.config import load_config, parse_overrides
 from pipelines.simulate import __doc__ as package_doc
 from pipelines.simulate.measured import load_step_times
+from pipelines.simulate.memory_check import rollout_memory_problem, trainer_memory_problem
 from pipelines.simulate.model import simulate_both
 from pipelines.simulate.model_sizing import (
     REFERENCE_NAME,
@@ -30,6 +31,7 @@ from pipelines.simulate.sizing import (
     is_local,
     measured_step_model,
     model_assumptions,
+    rollout_memory_table,
     trainer_memory_table,
 )
 from pipelines.simulate.tables import describe, table
@@ -111,6 +113,18 @@ def main(args: argparse.Namespace) -> int:
               f" {flops_seq_len(cfg, a):,.0f} tokens of context")
         print("  trainer memory per GPU:")
         print("\n".join(trainer_memory_table(cfg, a, sized).lines()))
+        problem = trainer_memory_problem(cfg, sized, a)
+        if problem:
+            print(f"  warning: {problem}; `moerl check` refuses this plan")
+        engine, held = rollout_memory_table(cfg, a, sized)
+        print("  rollout engine memory per GPU:")
+        print("\n".join(engine.lines()))
+        problem = rollout_memory_problem(cfg, sized, a)
+        if problem:
+            print(f"  warning: {problem}; `moerl check` refuses this plan")
+        elif held < 1:
+            print(f"  note: the engine's KV pool holds {held:.0%} of a chunk's sequences at full length at once: "
+                  "the rest wait (lower rollout.chunk_size or group_size, or raise rollout.sglang.tp_size)")
     print(describe(cfg, cluster, steps, a))
     print()
     print(table(results, cfg.staleness))

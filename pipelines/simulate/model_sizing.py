@@ -86,6 +86,10 @@ class ModelSizing:
     vocab_size: int
     # per layer, per token, the activations a layer keeps for its backward (elements; see activation_elements)
     layer_activation_elements: tuple[int, ...]
+    # the rollout engine's KV cache: a token keeps kv_elements_per_head values (keys and values, every layer) for
+    # each of kv_heads heads; multi-head latent attention keeps one latent "head" (kv_lora_rank + rope dims)
+    kv_heads: int = 0
+    kv_elements_per_head: int = 0
 
     @property
     def version_bytes(self) -> float:
@@ -220,7 +224,19 @@ def model_sizing(d: dict[str, Any], source: str = "config.json") -> ModelSizing:
         hidden_size=cfg.hidden_size,
         vocab_size=cfg.vocab_size,
         layer_activation_elements=tuple(activation_elements(cfg, i, expert_intermediate) for i in range(layers)),
+        **_kv_cache_shape(cfg),
     )
+
+
+def _kv_cache_shape(cfg: Any) -> dict[str, int]:
+    """What a token keeps in SGLang's KV cache (v0.5.17, mem_cache/pool_configurator.py _compute_cell_size): for
+    MLA one latent of kv_lora_rank + qk_rope_head_dim a layer, not split by TP; otherwise keys and values of each
+    KV head a layer (head_dim each), the heads split by TP."""
+    layers = cfg.num_hidden_layers
+    if getattr(cfg, "kv_lora_rank", None):
+        return {"kv_heads": 1, "kv_elements_per_head": (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * layers}
+    dqk, dv = _head_dims(cfg)
+    return {"kv_heads": int(cfg.num_key_value_heads), "kv_elements_per_head": (dqk + dv) * layers}
 
 
 def reference_sizing() -> ModelSizing:
@@ -275,6 +291,7 @@ class MemoryTable:
     gpu: str
     capacity_gb: float  # 0: unknown
     formula: str
+    budget: str = ""  # what capacity_gb is, when not the whole GPU ("SGLang's mem_fraction 0.85 of the H200")
 
     @property
     def total_gb(self) -> float:
@@ -291,21 +308,33 @@ class MemoryTable:
         if self.capacity_gb:
             headroom = self.capacity_gb - self.total_gb
             verdict = "fits" if headroom >= 0 else "does NOT fit"
-            out.append(f"    {verdict} in the {self.gpu}'s {self.capacity_gb:,.0f} GB: headroom {headroom:,.1f} GB"
+            where = self.budget or f"the {self.gpu}'s"
+            out.append(f"    {verdict} in {where} {self.capacity_gb:,.0f} GB: headroom {headroom:,.1f} GB"
                        f" ({headroom / self.capacity_gb:+.0%})")  # fmt: skip
         else:
-            out.append(f"    the trainer's GPU memory is unknown ({self.gpu}): --assume gpu_memory_gb=N")
+            out.append(f"    the GPU's memory is unknown ({self.gpu}): name its instance type in the placement")
         out.append(f"    ({self.formula})")
         return out
 
 
 def trainer_memory(
-    m: ModelSizing, ep: int, dp: int, micro_batch: int, seq_len: int, kl_ref: bool, gpu: str, capacity_gb: float
+    m: ModelSizing,
+    ep: int,
+    dp: int,
+    micro_batch: int,
+    seq_len: int,
+    kl_ref: bool,
+    gpu: str,
+    capacity_gb: float,
+    activation_checkpointing: bool = False,
+    deepep_ranks: tuple[int, int] | None = None,
 ) -> MemoryTable:
     """GB a trainer GPU holds, as today's trainer lays a model out: the routed experts split over the EP group's
     ep ranks, every other parameter (and its optimizer state) replicated on every rank, nothing sharded over the
-    dp replicas; AdamW with fp32 state; every activation of a micro-batch of micro_batch rows of seq_len tokens
-    kept (fp32, as the trainer computes today)."""
+    dp replicas; AdamW with fp32 state; the activations of a micro-batch of micro_batch rows of seq_len tokens
+    (fp32, as the trainer computes today): every one kept, or with activation_checkpointing each layer's input
+    (h a token) plus one layer's activations at a time (the layer the backward is running again). deepep_ranks:
+    (EP ranks, of them in one NVLink domain) when the experts exchange through DeepEP: its buffer."""
     params = m.non_expert + m.expert / ep
     rows: list[tuple[str, float]] = [
         ("weights (bf16)", 2 * params / GB),
@@ -316,13 +345,82 @@ def trainer_memory(
     if kl_ref:
         rows.append(("reference policy (kl_coef > 0, fp32)", 4 * params / GB))
     tokens = micro_batch * seq_len
-    per_token = sum(m.layer_activation_elements)
-    rows.append((f"activations ({micro_batch} x {seq_len:,} tokens, fp32)", 4 * tokens * per_token / GB))
+    if activation_checkpointing:
+        layers = len(m.layer_activation_elements)
+        rows.append((f"layer inputs kept ({micro_batch} x {seq_len:,} tokens x {layers} layers, fp32)",
+                     4 * tokens * m.hidden_size * layers / GB))  # fmt: skip
+        one_layer = 4 * tokens * max(m.layer_activation_elements) / GB
+        rows.append(("one layer's activations, run again in the backward", one_layer))
+    else:
+        per_token = sum(m.layer_activation_elements)
+        rows.append((f"activations ({micro_batch} x {seq_len:,} tokens, fp32)", 4 * tokens * per_token / GB))
     rows.append(("logits and log-softmax (fp32)", 2 * 4 * tokens * m.vocab_size / GB))
+    if deepep_ranks is not None:
+        ranks, nvl = deepep_ranks
+        rows.append((f"DeepEP buffer ({ranks} EP ranks, {tokens:,} tokens a rank)",
+                     deepep_buffer_bytes(ranks, nvl, tokens, m.hidden_size, m.experts_per_token) / GB))  # fmt: skip
     formula = (f"EP {ep} x DP {dp}: {params / 1e9:,.2f}B parameters a GPU = non-expert + expert / EP; 16 bytes each "
                "(bf16 weights and gradients, fp32 masters, two fp32 AdamW moments; today's trainer keeps fp32 "
                "weights and gradients instead: the same 16); activations ~ 4 bytes x micro-batch x sequence x "
                "sum over layers of (6h + attention q/k/v/out + E router logits + k x (h + 3 I_expert) "
-               "+ h + 3 I_dense), every one kept (no checkpointing), flash attention; communication buffers "
-               "(DeepEP, NCCL) not counted")  # fmt: skip
+               "+ h + 3 I_dense), "
+               + ("each layer's input kept and one layer at a time run again (trainer.activation_checkpointing)"
+                  if activation_checkpointing else "every one kept (trainer.activation_checkpointing: false)")
+               + ", flash attention; DeepEP's buffer as dd758ca sizes it; NCCL's own buffers not counted")  # fmt: skip
     return MemoryTable(tuple(rows), gpu, capacity_gb, formula)
+
+
+def deepep_buffer_bytes(ranks: int, nvl_ranks: int, tokens: int, hidden: int, top_k: int) -> float:
+    """GPU bytes of the DeepEP ElasticBuffer a trainer rank makes (steps/expert_parallel/deepep.py: bf16 dispatch,
+    hybrid mode and multiple reduction on, DeepEP's defaults), as DeepEP dd758ca sizes it: csrc/elastic/buffer.hpp
+    calculate_buffer_size, the larger of the dispatch and combine buffers aligned to 2 MiB, plus the 14 MiB
+    workspace. A token's slot is its bf16 hidden row and its top-k metadata, each 32-byte aligned
+    (layout.cuh TokenLayout); within one NVLink domain the dispatch buffer holds every rank's tokens and the
+    combine buffer min(ranks, k) copies; across nodes (hybrid: scale-out S = ranks / nvl_ranks, scale-up nvl_ranks)
+    both add scale-out send and receive space."""
+
+    def a32(n: int) -> int:
+        return -(-n // 32) * 32
+
+    k = top_k or 32
+    dispatch_token = a32(2 * hidden) + a32(12 * k + 4)
+    combine_token = a32(2 * hidden) + a32(8 * k)
+    if ranks <= nvl_ranks:
+        dispatch = dispatch_token * tokens * ranks
+        combine = combine_token * tokens * min(ranks, k)
+    else:
+        scale_out = ranks // nvl_ranks
+        dispatch = dispatch_token * ((ranks + 1) * tokens + scale_out * (tokens + 1280))
+        combine = combine_token * (min(nvl_ranks, k) * scale_out * tokens + min(scale_out, k) * tokens
+                                   + scale_out * (tokens + 1280))  # fmt: skip
+    align = 2 * 1024 * 1024
+    return float(-(-max(dispatch, combine) // align) * align + 14 * 1024 * 1024)
+
+
+def rollout_memory(
+    m: ModelSizing,
+    tp: int,
+    ep: int,
+    sequences: int,
+    seq_len: int,
+    mem_fraction: float,
+    gpu: str,
+    capacity_gb: float,
+) -> tuple[MemoryTable, float]:
+    """GB an SGLang engine's GPU holds for a chunk of `sequences` sequences of up to seq_len tokens, and the share of
+    them its KV pool holds at full length at once. SGLang (v0.5.17, kv_cache_configurator.py) sizes its KV pool as
+    the memory left under mem_fraction_static once the weights are in: about mem_fraction x GPU - weights; a KV
+    token takes kv_heads / tp (at least 1) heads of kv_elements_per_head bf16 values (MLA: one latent, every TP
+    rank). Weights in bf16: the non-expert ones split over tp, the experts over ep."""
+    weights = 2 * (m.non_expert / tp + m.expert / ep) / GB
+    per_token = max(1, m.kv_heads // tp) * m.kv_elements_per_head * 2
+    needed = sequences * seq_len * per_token / GB
+    pool = mem_fraction * capacity_gb - weights if capacity_gb else 0.0
+    rows = ((f"weights (bf16; non-expert / TP {tp}, experts / EP {ep})", weights),
+            (f"KV cache for the chunk ({sequences:,} sequences x {seq_len:,} tokens)", needed))  # fmt: skip
+    held = min(1.0, pool / needed) if capacity_gb and needed else 1.0
+    formula = (f"SGLang's KV pool ~ mem_fraction {mem_fraction:g} x GPU - weights"
+               + (f" = {pool:,.1f} GB: holds {max(held, 0):.0%} of the chunk's sequences at full length at once"
+                  if capacity_gb else "") + f"; {per_token:,} bytes a token")  # fmt: skip
+    budget = f"SGLang's mem_fraction {mem_fraction:g} of the {gpu}'s {capacity_gb:,.0f} GB:"
+    return MemoryTable(rows, gpu, mem_fraction * capacity_gb, formula, budget), max(held, 0.0)

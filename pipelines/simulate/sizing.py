@@ -7,7 +7,14 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from pipelines.simulate.model_sizing import GB, INSTANCE_GPUS, MemoryTable, ModelSizing, trainer_memory
+from pipelines.simulate.model_sizing import (
+    GB,
+    INSTANCE_GPUS,
+    MemoryTable,
+    ModelSizing,
+    rollout_memory,
+    trainer_memory,
+)
 from pipelines.workflow import commands
 from steps.errors import MoerlError
 from steps.run.candidate import OPTIMIZER, WEIGHTS, node_write_loads, shard_writers
@@ -183,13 +190,30 @@ def trainer_gpu(cfg: RunConfig, a: Assumptions) -> tuple[str, float]:
 
 
 def trainer_memory_table(cfg: RunConfig, a: Assumptions, m: ModelSizing) -> MemoryTable:
-    """model_sizing.trainer_memory under the config's EP and DP, micro-batch and sequence length."""
+    """model_sizing.trainer_memory under the config's EP and DP, micro-batch, sequence length and settings."""
     ep = trainer_ep_size(cfg, a)
     gpu, capacity = trainer_gpu(cfg, a)
+    per_node = _gpus(cfg, "trainer") or cfg.trainer.nproc_per_node
     return trainer_memory(
         m, ep, trainer_ranks(cfg) // ep, cfg.trainer.micro_batch_size, padded_seq_len(cfg, a),
-        cfg.trainer.kl_coef > 0, gpu, capacity,
+        cfg.trainer.kl_coef > 0, gpu, capacity, activation_checkpointing=cfg.trainer.activation_checkpointing,
+        deepep_ranks=(ep, per_node) if cfg.trainer.ep_backend == "deepep" else None,
     )  # fmt: skip
+
+
+def rollout_gpu(cfg: RunConfig) -> tuple[str, float]:
+    """(name, GB) of one rollout GPU, from the rollout pool's instance type (0: unknown)."""
+    instance = cfg.placement["rollout"].node_selector.get("node.kubernetes.io/instance-type", "")
+    return INSTANCE_GPUS.get(instance, (instance or "no instance type named", 0.0))
+
+
+def rollout_memory_table(cfg: RunConfig, a: Assumptions, m: ModelSizing) -> tuple[MemoryTable, float]:
+    """model_sizing.rollout_memory for one engine of the config: its TP and EP, a chunk's sequences (chunk_size x
+    group_size, all at once), each a prompt and a response at the cap."""
+    gpu, capacity = rollout_gpu(cfg)
+    sg = cfg.rollout.sglang
+    return rollout_memory(m, sg.tp_size, sg.ep_size, cfg.rollout.chunk_size * cfg.group_size,
+                          padded_seq_len(cfg, a), sg.mem_fraction, gpu, capacity)  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------------- cluster
@@ -324,6 +348,8 @@ def derived_step_model(cfg: RunConfig, a: Assumptions) -> StepModel:
     chunk_tokens = cfg.rollout.chunk_size * cfg.group_size * cfg.sampling.max_new_tokens * a.response_fill
     samples = cfg.prompts_per_iteration * cfg.group_size
     train_s = cfg.trainer.epochs * tokens_per_iteration(cfg, a) / (a.trainer_tokens_per_gpu_s * trainer_devices)
+    if cfg.trainer.activation_checkpointing:  # one more forward (1/3 of forward + backward's FLOPs) per step
+        train_s *= 4 / 3
     python_step = a.pod_start_s + a.step_startup_s
     heldout_s = 0.0
     if is_local(cfg) and cfg.heldout_size:
