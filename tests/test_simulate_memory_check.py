@@ -44,10 +44,18 @@ def test_every_fix_offered_fits_and_the_plan_it_fixes_does_not():
         assert trainer_memory_table(with_trainer(cfg, **change), GPU_ASSUMPTIONS, m).fits is True, change
 
 
-def test_a_model_no_setting_fits_says_so():
-    # Qwen3-235B-A22B keeps its 8B non-expert parameters (16 bytes each) on every GPU whatever the EP size
+def test_qwen3_235b_fits_the_reference_cluster_with_fsdp_and_a_wider_ep_group():
+    # EP 8 keeps 227B / 8 expert parameters a GPU, and without FSDP every GPU keeps the 8B non-expert ones
     problem = trainer_memory_problem(load_config(EKS, {}), model_sizing(QWEN3_235B, source="Qwen3-235B-A22B"))
     assert problem is not None and "Qwen3-235B-A22B (235.1B parameters)" in problem
+    assert "set trainer.fsdp: true and trainer.ep_size: 64; or trainer.fsdp: true and trainer.ep_size: 128" in problem
+
+
+def test_a_gpu_no_setting_fits_is_said_so():
+    cfg = load_config(EKS, {})
+    small = GPU_ASSUMPTIONS.override({"gpu_memory_gb": 4.0})
+    problem = trainer_memory_problem(cfg, reference_sizing(), small)
+    assert problem is not None and "needs" in problem
     assert "no trainer setting moerl has makes it fit on these GPUs" in problem
 
 
@@ -170,3 +178,18 @@ def test_moerl_check_refuses_an_engine_its_weights_fill():
     assert problem is not None and "leaving no KV cache" in problem
     assert "set rollout.sglang.tp_size and ep_size to 16" in problem
     assert rollout_memory_problem(cfg, reference_sizing()) is None
+
+
+def test_fsdp_splits_the_non_expert_state_over_every_rank():
+    from pipelines.simulate.model_sizing import trainer_memory
+
+    m = model_sizing(QWEN3_235B)
+    kw = {"micro_batch": 1, "seq_len": 1024, "kl_ref": False, "gpu": "H200", "capacity_gb": 141}
+    plain = trainer_memory(m, ep=128, dp=1, **kw)
+    sharded = trainer_memory(m, ep=128, dp=1, fsdp=True, **kw)
+    states = {what: gb for what, gb in sharded.rows}
+    per_gpu = m.non_expert / 128 + m.expert / 128
+    assert sum(states[w] for w in states if w.startswith(("weights", "gradients", "fp32", "AdamW"))) == (
+        pytest.approx(16 * per_gpu / 1e9))
+    assert any(w.startswith("FSDP: two layers") for w in states)
+    assert plain.fits is False and sharded.fits is True

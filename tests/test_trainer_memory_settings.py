@@ -18,23 +18,35 @@ from test_family_gpt_oss import CONFIGS as GPT_OSS_CONFIGS
 from test_family_gpt_oss import our_config as gpt_oss_config
 from test_update_experience import experience_table, make_run, start_ranks, tiny_model, wait_ranks, write_experience
 
+from steps.demo.char_tokenizer import save_tokenizer
 from steps.expert_parallel.dispatch import make_dispatch
 from steps.expert_parallel.mesh import all_reduce_sum, build_mesh, sync_gradients
+from steps.import_sft import import_sft
 from steps.models.experts import set_grouped_gemm
+from steps.models.hf_checkpoint import save_pretrained
 from steps.models.placement import ExpertPlacement
 from steps.models.registry import family_of
+from steps.publish import publish
 from steps.run.candidate import MARKER
+from steps.run.config import RunConfig
 from steps.run.keys import candidate_prefix
 from steps.store.object_store import Store
+from steps.training.optimizer_state import optimizer_state_tensors
 from steps.training.rl_loss import LossSettings
+from steps.training.sharding import full_tensor, shard_non_experts
 from steps.training.trainer import PolicyTrainer, TrainSettings, collate, rank_micro_batches
 
-SETTINGS = {  # name -> (activation_checkpointing, grouped_gemm); "plain" is what the others must equal
-    "plain": (False, False),
-    "checkpointing": (True, False),
-    "grouped": (False, True),
-    "checkpointing+grouped": (True, True),
+SETTINGS = {  # name -> (activation_checkpointing, grouped_gemm, fsdp); "plain" is what the others must equal
+    "plain": (False, False, False),
+    "checkpointing": (True, False, False),
+    "grouped": (False, True, False),
+    "checkpointing+grouped": (True, True, False),
+    "fsdp": (False, False, True),
+    "fsdp+checkpointing+grouped": (True, True, True),
 }
+# FSDP2 reduce-scatters the replicated gradients where the plain update all-reduces them: the same sums in
+# another order, so its figures agree to float32 rounding, not bit for bit.
+FSDP_TOLERANCE = {"atol": 2e-6, "rtol": 1e-5}
 
 
 def update_every_setting(rank: int, world: int, out_dir: Path, ep: int) -> None:
@@ -49,9 +61,11 @@ def update_every_setting(rank: int, world: int, out_dir: Path, ep: int) -> None:
         collate(batch, ids, mesh.device, old_logps=old_logprobs(batch))
         for ids in rank_micro_batches(everything, mesh, MICRO_BATCH)
     ]
-    for name, (checkpointing, grouped) in SETTINGS.items():
+    for name, (checkpointing, grouped, fsdp) in SETTINGS.items():
         model = sharded(tiny_model(0), placement, mesh.ep_rank)
         model.set_dispatch(dispatch)
+        if fsdp:
+            assert shard_non_experts(model, mesh)
         model.router_aux_loss_coef = 0.05
         model.activation_checkpointing = checkpointing
         model.count_routed_rows()
@@ -66,10 +80,11 @@ def update_every_setting(rank: int, world: int, out_dir: Path, ep: int) -> None:
             local = trainer.backward_step(micro, trainer.normalizer(batch, everything))
             out[f"stats{step}"] = all_reduce_sum(local[:10], mesh).float()
             sync_gradients(model, mesh)
-            out.update({f"grad{step}.{n}": p.grad.clone() for n, p in model.named_parameters()})
+            out.update({f"grad{step}.{n}": full_tensor(p.grad).clone() for n, p in model.named_parameters()})
             trainer.optimizer.step()
             trainer.optimizer.zero_grad(set_to_none=True)
-        out.update({f"weight.{n}": p.detach().clone() for n, p in model.named_parameters()})
+        out.update({f"weight.{n}": full_tensor(p.detach()).clone() for n, p in model.named_parameters()})
+        out.update({f"state.{n}": t for n, t in optimizer_state_tensors(model, trainer.optimizer).items()})
         out["routed_rows"] = model.routed_rows().float()
         save_file(out, str(out_dir / f"{name}.rank{rank}.safetensors"))
     set_grouped_gemm(True)
@@ -84,7 +99,11 @@ def test_every_setting_gives_the_plain_update_on_ep2_by_dp2(tmp_path):
             got = load_file(tmp_path / f"{name}.rank{rank}.safetensors")
             assert got.keys() == plain.keys()
             for key in plain:
-                assert torch.equal(got[key], plain[key]), f"{name}, rank {rank}: {key} differs from the plain update"
+                where = f"{name}, rank {rank}: {key}"
+                if SETTINGS[name][2]:
+                    torch.testing.assert_close(got[key], plain[key], **FSDP_TOLERANCE, msg=where)
+                else:
+                    assert torch.equal(got[key], plain[key]), f"{where} differs from the plain update"
     grads = load_file(tmp_path / "plain.rank0.safetensors")
     assert any(".gate." in k and v.abs().sum() > 0 for k, v in grads.items() if k.startswith("grad0."))  # routers
 
@@ -177,3 +196,81 @@ def test_the_update_step_with_both_settings_writes_the_plain_candidate(tmp_path)
         files[name] = {f: d["sha256"] for f, d in marker["files"].items() if f.endswith(".safetensors")}
     assert {f.split("-")[0] for f in files["plain"]} >= {"model", "optimizer"}
     assert files["both"] == files["plain"]
+
+
+def _candidate_tensors(run: Store, iteration: int, workdir: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of candidate `iteration`'s weight and optimizer files, by file and name."""
+    marker = run.get_json(f"{candidate_prefix(iteration)}/{MARKER}")
+    out = {}
+    for name in sorted(f for f in marker["files"] if f.endswith(".safetensors")):
+        run.get_file(f"{candidate_prefix(iteration)}/{name}", workdir / name)
+        out.update({f"{name}:{k}": v for k, v in load_file(workdir / name).items()})
+    return out
+
+
+def bf16_run(tmp_path: Path, trainer: dict) -> str:
+    """make_run's run, its v000000 in bf16 (so the fp32 masters travel with the AdamW state)."""
+    sft = tmp_path / "sft"
+    save_pretrained(tiny_model().to(torch.bfloat16), sft)
+    save_tokenizer(sft)
+    run_uri = (tmp_path / "run").as_uri()
+    cfg = RunConfig(sft_checkpoint=sft.as_uri(), run_store=run_uri,
+                    trainer={"ep_backend": "alltoall", "micro_batch_size": 4, "lr": 1e-2, **trainer})  # fmt: skip
+    import_sft(sft.as_uri(), run_uri, cfg.model_dump_json())
+    return run_uri
+
+
+def test_the_update_step_with_fsdp_trains_two_iterations_as_the_plain_one(tmp_path):
+    """trainer.fsdp in the real update step (two ranks, EP=2, two iterations): the second restores the first's
+    AdamW state and masters (bf16 weights) into the sharded parameters; the candidates' tensors are the plain
+    update's to float32 rounding, the same files and names."""
+    tensors = {}
+    for name, trainer in (("plain", {}), ("fsdp", {"fsdp": True, "activation_checkpointing": True})):
+        (tmp_path / name).mkdir()
+        run_uri = bf16_run(tmp_path / name, trainer)
+        run = Store.open(run_uri)
+        for iteration in (1, 2):
+            write_experience(run_uri, iteration, experience_table(policy_version=iteration - 1, prompts=4, group=4))
+            results = wait_ranks(start_ranks(run_uri, iteration, 2))
+            assert [code for code, _, _ in results] == [0, 0], results[0][2][-3000:]
+            assert ("sharded over 2 ranks" in results[0][1]) == (name == "fsdp"), results[0][1]
+            if iteration == 1:
+                publish(run_uri, 1)
+        tensors[name] = _candidate_tensors(run, 2, tmp_path / name)
+    assert tensors["fsdp"].keys() == tensors["plain"].keys()
+    assert any(".master" in k for k in tensors["plain"])  # bf16 weights: the fp32 masters travel with the state
+    for key, value in tensors["plain"].items():
+        torch.testing.assert_close(tensors["fsdp"][key].float(), value.float(), atol=1e-5, rtol=1e-2, msg=key)
+
+
+def test_a_trainer_that_stays_up_with_fsdp_trains_the_bytes_of_plain_fsdp_updates(tmp_path):
+    """trainer.fsdp with trainer.server: update 1 from the store, update 2 from what the trainer holds (whole
+    tensors gathered from the shards, cut again for the next update) write the bytes the update step writes."""
+    from test_trainer_server import TRAINER, candidate_files, client, kill_tree, new_run, plain_update, start_trainer
+
+    settings = {**TRAINER, "fsdp": True, "server_wait_s": 300}
+    runs = {name: new_run(tmp_path / name, "bf16", settings) for name in ("plain", "served")}
+    for run_uri in runs.values():
+        for i in (1, 2):
+            write_experience(run_uri, i, experience_table(policy_version=i - 1, prompts=4, group=4, seed=i))
+    files = {"plain": {}, "served": {}}
+    for i in (1, 2):
+        done = plain_update(runs["plain"], i)
+        assert done.returncode == 0 and "sharded over 2 ranks" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
+        files["plain"][i] = candidate_files(runs["plain"], i)
+        publish(runs["plain"], i)
+    log = tmp_path / "trainer.log"
+    trainer = start_trainer(runs["served"], log)
+    try:
+        for i, source in ((1, "store"), (2, "memory")):
+            done = client(runs["served"], i)
+            assert done.returncode == 0, done.stdout[-3000:] + log.read_text()[-3000:]
+            assert f"update {i}: trained by trainer ({source})" in done.stdout
+            files["served"][i] = candidate_files(runs["served"], i)
+            publish(runs["served"], i)
+    finally:
+        kill_tree(trainer)
+    assert "sharded over 2 ranks" in log.read_text()
+    for i in (1, 2):
+        assert {n: f["sha256"] for n, f in files["served"][i].items()} == {
+            n: f["sha256"] for n, f in files["plain"][i].items()}, i

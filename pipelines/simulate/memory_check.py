@@ -7,6 +7,7 @@ executor's CPU has no such limit."""
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterator
 from typing import Any
@@ -31,11 +32,14 @@ def with_trainer(cfg: RunConfig, **changes: Any) -> RunConfig:
 
 
 def _single_changes(cfg: RunConfig, m: ModelSizing) -> Iterator[dict[str, Any]]:
-    """One setting at a time, the cheapest in time first: checkpointing (one more forward), a larger EP group
-    (more all-to-all, no more GPUs), a smaller micro-batch (more steps of less work), more trainer nodes."""
+    """One setting at a time, the cheapest in time first: checkpointing (one more forward), FSDP of the non-expert
+    parameters (their gathers and reduce-scatters), a larger EP group (more all-to-all, no more GPUs), a smaller
+    micro-batch (more steps of less work), more trainer nodes."""
     t = cfg.trainer
     if not t.activation_checkpointing:
         yield {"activation_checkpointing": True}
+    if not t.fsdp:
+        yield {"fsdp": True}
     ranks = trainer_ranks(cfg)
     current_ep = t.ep_size or math.gcd(ranks, m.num_experts)
     for ep in sorted(d for d in range(current_ep + 1, ranks + 1) if ranks % d == 0 and m.num_experts % d == 0):
@@ -44,31 +48,38 @@ def _single_changes(cfg: RunConfig, m: ModelSizing) -> Iterator[dict[str, Any]]:
     while size >= 1:
         yield {"micro_batch_size": size}
         size //= 2
-    for factor in (2, 4, 8):
-        nodes = t.nodes * factor
-        ep = math.gcd(nodes * (ranks // t.nodes), m.num_experts)
+    # More nodes, each count the fewest that gives an EP group over every rank of a larger divisor of the experts
+    per_node = ranks // t.nodes
+    larger = sorted(d for d in range(1, m.num_experts + 1) if m.num_experts % d == 0 and d > current_ep)
+    options = {}
+    for ep in larger:
+        nodes = -(-ep // per_node)
+        while (nodes * per_node) % ep:
+            nodes += 1
+        if nodes > t.nodes and nodes <= 8 * max(t.nodes, ep // per_node):
+            options.setdefault(nodes, ep)
+    for nodes, ep in sorted(options.items()):
         yield {"nodes": nodes, "ep_size": ep}
 
 
 def fitting_changes(cfg: RunConfig, m: ModelSizing, a: Assumptions = GPU_ASSUMPTIONS, limit: int = 3) -> list[dict]:
-    """Up to `limit` changes of the trainer's settings that make the plan fit, single ones first, then pairs."""
+    """Up to `limit` changes of the trainer's settings that make the plan fit: single ones first, then two, then
+    three together (the first that fit of each size, cheapest first)."""
     singles = list(_single_changes(cfg, m))
-    found: list[dict[str, Any]] = []
-    for change in singles:
-        if trainer_memory_table(with_trainer(cfg, **change), a, m).fits:
-            found.append(change)
-    if not found:
-        for i, first in enumerate(singles):
-            for second in singles[i + 1 :]:
-                if first.keys() & second.keys():
-                    continue
-                change = {**first, **second}
-                if trainer_memory_table(with_trainer(cfg, **change), a, m).fits:
-                    found.append(change)
+    for size in (1, 2, 3):
+        found: list[dict[str, Any]] = []
+        for combo in itertools.combinations(singles, size):
+            keys = [k for change in combo for k in change]
+            if len(keys) != len(set(keys)):
+                continue
+            change = {k: v for c in combo for k, v in c.items()}
+            if trainer_memory_table(with_trainer(cfg, **change), a, m).fits:
+                found.append(change)
+                if len(found) >= limit:
                     break
-            if len(found) >= limit:
-                break
-    return found[:limit]
+        if found:
+            return found
+    return []
 
 
 def describe(change: dict[str, Any]) -> str:

@@ -328,22 +328,33 @@ def trainer_memory(
     capacity_gb: float,
     activation_checkpointing: bool = False,
     deepep_ranks: tuple[int, int] | None = None,
+    fsdp: bool = False,
 ) -> MemoryTable:
     """GB a trainer GPU holds, as today's trainer lays a model out: the routed experts split over the EP group's
     ep ranks, every other parameter (and its optimizer state) replicated on every rank, nothing sharded over the
     dp replicas; AdamW with fp32 state; the activations of a micro-batch of micro_batch rows of seq_len tokens
     (fp32, as the trainer computes today): every one kept, or with activation_checkpointing each layer's input
     (h a token) plus one layer's activations at a time (the layer the backward is running again). deepep_ranks:
-    (EP ranks, of them in one NVLink domain) when the experts exchange through DeepEP: its buffer."""
-    params = m.non_expert + m.expert / ep
+    (EP ranks, of them in one NVLink domain) when the experts exchange through DeepEP: its buffer. fsdp: the
+    non-expert parameters and their state split over all ep x dp ranks (trainer.fsdp), each layer's gathered whole
+    around its forward and backward (the next one's already coming: two layers' worth)."""
+    ranks = ep * dp
+    non_expert = m.non_expert / ranks if fsdp else m.non_expert
+    params = non_expert + m.expert / ep
     rows: list[tuple[str, float]] = [
         ("weights (bf16)", 2 * params / GB),
         ("gradients (bf16)", 2 * params / GB),
         ("fp32 master weights", 4 * params / GB),
         ("AdamW moments (fp32 exp_avg, exp_avg_sq)", 8 * params / GB),
     ]
+    if fsdp:
+        layers = max(1, len(m.layer_activation_elements))
+        per_layer = (m.non_expert - m.embedding - m.unembedding) / layers
+        rows.append(("FSDP: two layers' non-expert parameters gathered whole (fp32)", 2 * 4 * per_layer / GB))
+        rows.append(("FSDP: embeddings and output projection gathered whole (fp32)",
+                     4 * (m.embedding + m.unembedding) / GB))  # fmt: skip
     if kl_ref:
-        rows.append(("reference policy (kl_coef > 0, fp32)", 4 * params / GB))
+        rows.append(("reference policy (kl_coef > 0, fp32)", 4 * (m.non_expert + m.expert / ep) / GB))
     tokens = micro_batch * seq_len
     if activation_checkpointing:
         layers = len(m.layer_activation_elements)
@@ -359,7 +370,8 @@ def trainer_memory(
         ranks, nvl = deepep_ranks
         rows.append((f"DeepEP buffer ({ranks} EP ranks, {tokens:,} tokens a rank)",
                      deepep_buffer_bytes(ranks, nvl, tokens, m.hidden_size, m.experts_per_token) / GB))  # fmt: skip
-    formula = (f"EP {ep} x DP {dp}: {params / 1e9:,.2f}B parameters a GPU = non-expert + expert / EP; 16 bytes each "
+    held = "non-expert / (EP x DP) (trainer.fsdp)" if fsdp else "non-expert"
+    formula = (f"EP {ep} x DP {dp}: {params / 1e9:,.2f}B parameters a GPU = {held} + expert / EP; 16 bytes each "
                "(bf16 weights and gradients, fp32 masters, two fp32 AdamW moments; today's trainer keeps fp32 "
                "weights and gradients instead: the same 16); activations ~ 4 bytes x micro-batch x sequence x "
                "sum over layers of (6h + attention q/k/v/out + E router logits + k x (h + 3 I_expert) "

@@ -197,7 +197,7 @@ def trainer_memory_table(cfg: RunConfig, a: Assumptions, m: ModelSizing) -> Memo
     return trainer_memory(
         m, ep, trainer_ranks(cfg) // ep, cfg.trainer.micro_batch_size, padded_seq_len(cfg, a),
         cfg.trainer.kl_coef > 0, gpu, capacity, activation_checkpointing=cfg.trainer.activation_checkpointing,
-        deepep_ranks=(ep, per_node) if cfg.trainer.ep_backend == "deepep" else None,
+        deepep_ranks=(ep, per_node) if cfg.trainer.ep_backend == "deepep" else None, fsdp=cfg.trainer.fsdp,
     )  # fmt: skip
 
 

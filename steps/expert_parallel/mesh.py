@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from steps.errors import MoerlError
 from steps.models.placement import is_expert_param
@@ -113,6 +114,12 @@ def _split_params(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Paramet
     return shared, experts
 
 
+def _sharded(p: torch.Tensor) -> bool:
+    """A parameter FSDP2 shards over the ranks (trainer.fsdp, steps/training/sharding.py): a DTensor whose
+    gradient the backward has already averaged over the world and whose shards together count it once."""
+    return isinstance(p, DTensor)
+
+
 def _grads(params: list[nn.Parameter]) -> Iterator[torch.Tensor]:
     for p in params:
         if p.grad is None:  # e.g. an expert no token chose: it still takes part in the reductions
@@ -137,7 +144,7 @@ def _all_reduce_mean(params: list[nn.Parameter], group: dist.ProcessGroup | None
 def sync_gradients(model: nn.Module, mesh: Mesh) -> None:
     """Make every rank's gradients those of the global objective (module docstring, "Gradients")."""
     shared, experts = _split_params(model)
-    _all_reduce_mean(shared, mesh.world_group, mesh.world_size)
+    _all_reduce_mean([p for p in shared if not _sharded(p)], mesh.world_group, mesh.world_size)
     _all_reduce_mean(experts, mesh.replica_group, mesh.dp_size)
     if mesh.ep_size > 1:
         for g in _grads(experts):
@@ -148,8 +155,18 @@ def global_grad_norm(model: nn.Module, mesh: Mesh) -> torch.Tensor:
     """L2 norm of the whole model's gradient (after sync_gradients), each parameter counted once."""
     shared, experts = _split_params(model)
     zero = torch.zeros((), device=mesh.device)
-    shared_sq = torch.stack([g.float().pow(2).sum() for g in _grads(shared)]).sum() if shared else zero
-    expert_sq = torch.stack([g.float().pow(2).sum() for g in _grads(experts)]).sum() if experts else zero
+
+    def squares(params: list[nn.Parameter]) -> torch.Tensor:
+        return torch.stack([g.float().pow(2).sum() for g in _grads(params)]).sum() if params else zero
+
+    whole = [p for p in shared if not _sharded(p)]
+    shared_sq = squares(whole)
+    sharded = [p for p in shared if _sharded(p)]
+    if sharded:  # each rank's shards, summed over the world: every element once
+        local = torch.stack([g.to_local().float().pow(2).sum() for g in _grads(sharded)]).sum()
+        dist.all_reduce(local, op=dist.ReduceOp.SUM, group=mesh.world_group)
+        shared_sq = shared_sq + local
+    expert_sq = squares(experts)
     if mesh.ep_group is not None:
         expert_sq = expert_sq.clone()
         dist.all_reduce(expert_sq, op=dist.ReduceOp.SUM, group=mesh.ep_group)
@@ -164,7 +181,7 @@ def clip_grad_norm(model: nn.Module, mesh: Mesh, max_norm: float) -> float:
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for p in model.parameters():
             if p.grad is not None:
-                p.grad.mul_(coef.to(p.grad.dtype))
+                (p.grad.to_local() if _sharded(p.grad) else p.grad).mul_(coef.to(p.grad.dtype))
     return float(total)
 
 

@@ -205,6 +205,14 @@ class TrainerConfig(_Section):
         "non-reentrant): a training forward then holds one layer's activations at a time plus every layer's "
         "input, for one more forward's compute; the update is the same bit for bit",
     )
+    fsdp: bool = _field(
+        False,
+        "shard the non-expert parameters (attention, norms, routers, shared experts, dense layers, embeddings, "
+        "output projection), their gradients and AdamW state over all trainer ranks with FSDP2 (fully_shard per "
+        "decoder layer; torchtitan's layout): a GPU holds 1/ranks of them instead of all, for an all-gather of "
+        "each layer's in the forward and the backward and a reduce-scatter of its gradients; the routed experts "
+        "stay split by trainer.ep_size. The same update up to the order of the gradient sums",
+    )
     grouped_gemm: bool = _field(
         True,
         "run a rank's local experts as one grouped GEMM (torch.nn.functional.grouped_mm) where the device has it "

@@ -40,6 +40,7 @@ from steps.run.keys import candidate_prefix, update_metrics_key
 from steps.store.object_store import Store
 from steps.training.optim import AnyOptimizer
 from steps.training.optimizer_state import optimizer_state_tensors
+from steps.training.sharding import any_sharded, full_state_dict
 
 
 def _save(tensors: dict[str, torch.Tensor], path: Path) -> None:
@@ -101,13 +102,17 @@ def _gather_fused(
     return out
 
 
-def _stored(model: MoeCausalLM, mesh: Mesh, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def _stored(model: MoeCausalLM, mesh: Mesh, dtype: torch.dtype, keep: bool = True) -> dict[str, torch.Tensor]:
     """The weights of this rank's EP rank, as they are stored: under the checkpoint's tensor names (the family's
     state-dict adapter), rounded to the run's checkpoint dtype, on the CPU. With fused expert tensors, the ones
-    this EP rank writes, gathered (_gather_fused: every EP rank of the dp replica must call this)."""
+    this EP rank writes, gathered (_gather_fused: every EP rank of the dp replica must call this). With
+    trainer.fsdp every rank must call it (the sharded tensors are gathered whole: sharding.full_state_dict);
+    keep=False: a rank that writes no weight file takes part and keeps nothing."""
     adapter = family_of(model).state_dict_adapter
     fused = _fused(model)
-    state = model.state_dict()
+    state = full_state_dict(model, keep) if any_sharded(model) else model.state_dict()
+    if not keep:
+        return {}
     slices = {name for f in fused for name in f.experts}
     named = adapter.to_hf({n: t for n, t in state.items() if n not in slices} if fused else state)
     stored = {n: _as_stored(n, t, dtype) for n, t in named.items() if _written(mesh, n)}
@@ -181,15 +186,21 @@ def writes(mesh: Mesh, writers: dict[tuple[int, str], int], kind: str) -> bool:
     return writers[(mesh.ep_rank, kind)] == mesh.rank
 
 
-def stored_bits(model: MoeCausalLM, mesh: Mesh, dtype: torch.dtype) -> weight_delta.StoredTensors:
+def stored_bits(
+    model: MoeCausalLM, mesh: Mesh, dtype: torch.dtype, keep: bool = True
+) -> weight_delta.StoredTensors | None:
     """The bits this rank's weights are stored as now: taken before training, they are v(I-1)'s published
     bits (the model then holds v(I-1)'s weights, or their fp32 masters, which v(I-1) was rounded from), the
     parent of this rank's delta. With fused expert tensors, a collective of the EP group (_stored): called by the
-    writers of the weight files, who are then one dp row's EP ranks (writer_plan)."""
+    writers of the weight files, who are then one dp row's EP ranks (writer_plan). With trainer.fsdp every rank
+    calls it; keep=False (a rank that writes no weight file) takes part in the gathers and returns None."""
+    stored = _stored(model, mesh, dtype, keep)
+    if not keep:
+        return None
     return weight_delta.StoredTensors(
         {
             name: (SAFETENSORS_DTYPES[t.dtype], tuple(t.shape), t.reshape(-1).view(torch.uint8).numpy().tobytes())
-            for name, t in _stored(model, mesh, dtype).items()
+            for name, t in stored.items()
             if t.dtype in SAFETENSORS_DTYPES
         }
     )
@@ -222,6 +233,9 @@ def write_shards(
         (candidate.OPTIMIZER, candidate.optimizer_shard_name(mesh.ep_rank, mesh.ep_size)),
     ):
         if not writes(mesh, writers, kind):
+            if any_sharded(model):  # the whole sharded tensors are gathered by every rank (sharding.py)
+                _ = _stored(model, mesh, dtype, keep=False) if kind == candidate.WEIGHTS else (
+                    optimizer_state_tensors(model, optimizer, dtype))  # fmt: skip
             continue
         if kind == candidate.WEIGHTS:
             tensors = _stored(model, mesh, dtype)

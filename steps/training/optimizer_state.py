@@ -23,6 +23,7 @@ from steps.models.family import dtype_name
 from steps.run.keys import OPTIMIZER_INDEX, optimizer_prefix, version_name
 from steps.store.object_store import Store
 from steps.training.optim import AnyOptimizer
+from steps.training.sharding import full_tensor, like_param
 
 ADAMW_FIELDS = ("exp_avg", "exp_avg_sq", "step")
 # The fp32 weights themselves, when the published ones are narrower (bf16, fp16): what the next update
@@ -43,16 +44,17 @@ def optimizer_state_tensors(
     """AdamW state of this rank's parameters as flat tensors: `<param name>.<field>` (named like the
     weights, so that each expert's state lives with the rank that holds the expert), and when the weights
     are published in a narrower dtype than they are trained in, every parameter's `<param name>.master`:
-    its exact trained value (fp32)."""
+    its exact trained value (fp32). Parameters sharded by trainer.fsdp give their whole tensors: a collective,
+    which every rank calls (steps/training/sharding.py)."""
     out = {}
     for name, p in model.named_parameters():
         state = optimizer.state.get(p, {})
         for f in ADAMW_FIELDS:
             if f in state:
                 t = state[f] if torch.is_tensor(state[f]) else torch.tensor(float(state[f]))
-                out[f"{name}.{f}"] = t.detach().to("cpu").contiguous()
+                out[f"{name}.{f}"] = full_tensor(t).detach().to("cpu").contiguous()
         if published_dtype != p.dtype:
-            out[f"{name}.{MASTER_FIELD}"] = p.detach().to("cpu").contiguous()
+            out[f"{name}.{MASTER_FIELD}"] = full_tensor(p).detach().to("cpu").contiguous()
     return out
 
 
@@ -61,7 +63,8 @@ def load_optimizer_state(
 ) -> int:
     """Restore AdamW state written by optimizer_state_tensors (for this rank's parameters), and each
     parameter's master weights where the state holds them (they replace the published, rounded weights
-    the model was loaded from). needs_master: the published weights are narrower than the parameters, so
+    the model was loaded from); a parameter sharded by trainer.fsdp takes its shard of each (no communication).
+    needs_master: the published weights are narrower than the parameters, so
     every parameter must have its master. Returns how many parameters got AdamW state."""
     restored = 0
     for name, p in model.named_parameters():
@@ -74,7 +77,7 @@ def load_optimizer_state(
                     "state belongs to another model"
                 )
             with torch.no_grad():
-                p.copy_(master)
+                p.copy_(like_param(p, master))
         elif needs_master:
             raise MoerlError(
                 f"no fp32 master weights for {name} ({name}.{MASTER_FIELD}), whose published weights are narrower "
@@ -92,8 +95,8 @@ def load_optimizer_state(
             )
         optimizer.state[p] = {
             "step": step.to(torch.float32).reshape(()).clone(),
-            "exp_avg": exp_avg.to(device=p.device, dtype=p.dtype).clone(),
-            "exp_avg_sq": exp_avg_sq.to(device=p.device, dtype=p.dtype).clone(),
+            "exp_avg": like_param(p, exp_avg).clone(),
+            "exp_avg_sq": like_param(p, exp_avg_sq).clone(),
         }
         restored += 1
     return restored

@@ -56,6 +56,7 @@ from steps.training.optimizer_state import (
     read_optimizer_state,
     restore_optimizer_state,
 )
+from steps.training.sharding import any_sharded, full_state_dict, shard_non_experts
 from steps.training.trainer import PolicyTrainer, TrainSettings, new_adamw, prompt_groups
 
 T = TypeVar("T")
@@ -351,6 +352,8 @@ def train_iteration(
     model.set_dispatch(dispatch)
     if ref_model is not None:
         ref_model.set_dispatch(dispatch)
+    if cfg.trainer.fsdp and shard_non_experts(model, mesh):  # before the optimizer: its state takes their layout
+        _say(rank, f"fsdp: the non-expert parameters, their gradients and AdamW state sharded over {world} ranks")
 
     torch.manual_seed(cfg.seed * 1_000_003 + iteration)
     optimizer = new_adamw(model, settings)
@@ -372,7 +375,9 @@ def train_iteration(
         # v(I-1)'s bits, the parent of the delta of this rank's weight file if it writes that file (its weights
         # now are those v(I-1) was stored from)
         wants_delta = weight_delta.wanted(cfg) and writes(mesh, writers, candidate.WEIGHTS)
-        delta_parent = stored_bits(model, mesh, dtype) if wants_delta else None
+        delta_parent = None
+        if wants_delta or (weight_delta.wanted(cfg) and any_sharded(model)):  # sharded: every rank gathers
+            delta_parent = stored_bits(model, mesh, dtype, keep=wants_delta)
         trainer = PolicyTrainer(model, mesh, settings, optimizer, ref_model, pad_id=cfg_model.pad_token_id or 0)
         # progress: the optimizer steps, then the candidate's write as one more unit
         metrics = trainer.train(samples, iteration, on_step=lambda done, steps: progress.report(done, steps + 1))
@@ -417,7 +422,7 @@ def train_iteration(
         version=iteration,
         dtype=dtype,
         placement=placement,
-        weights={name: t.detach().to("cpu") for name, t in model.state_dict().items()},
+        weights=full_state_dict(model),  # whole tensors, the sharded ones gathered (every rank)
         optimizer=optimizer_state_tensors(model, optimizer),
         weight_digests=weight_digests(shards),
     )
