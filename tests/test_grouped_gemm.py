@@ -147,3 +147,17 @@ def test_grouped_mms_cuda_rules_refuse_what_grouped_gemm_usable_keeps_on_the_loo
         meta_run(64, 32, torch.float32)  # the trainer's float32 weights on CUDA run expert by expert
     with pytest.raises(RuntimeError, match="16 bytes"):
         meta_run(60, 32, torch.bfloat16)  # a hidden size not a multiple of 8
+
+
+def test_weights_whose_strides_grouped_mm_refuses_keep_the_loop():
+    """grouped_mm wants 16-byte strides on the CPU too: a hidden or intermediate size of 6 float32 values (24
+    bytes) runs expert by expert, with the same results."""
+    assert not grouped_gemm_usable([torch.zeros(4, 6) for _ in range(3)])
+    assert not grouped_gemm_usable([torch.zeros(6, 8) for _ in range(3)])
+    assert grouped_gemm_usable([torch.zeros(4, 8) for _ in range(3)])
+    torch.manual_seed(0)
+    experts = [_Swi(6, 5) for _ in range(3)]
+    counts = [2, 0, 3]
+    rows = torch.randn(5, 6)
+    loop, grouped = _run(experts, rows, counts, False), _run(experts, rows, counts, True)
+    assert torch.equal(loop[0], grouped[0])

@@ -122,17 +122,21 @@ def set_grouped_gemm(enabled: bool) -> None:
 
 def grouped_gemm_usable(weights: Sequence[torch.Tensor]) -> bool:
     """Whether torch.nn.functional.grouped_mm can run these experts' weights (all of one device and dtype):
-    the CPU in float32 or bf16; CUDA in bf16 on sm80+ with every dimension a multiple of 8 (16-byte strides)."""
+    the CPU in float32 or bf16, CUDA in bf16 on sm80+; on both, every stride a multiple of 16 bytes, so every
+    dimension of the weights (hidden and intermediate sizes, which are the rows' strides too) a multiple of
+    16 bytes' worth of elements (4 in float32, 8 in bf16)."""
     if not _GROUPED_GEMM["enabled"] or not weights or not hasattr(F, "grouped_mm"):
         return False
     first = weights[0]
     if first.device.type == "cpu":
-        return first.dtype in (torch.float32, torch.bfloat16)
-    if first.device.type != "cuda" or first.dtype != torch.bfloat16:
+        if first.dtype not in (torch.float32, torch.bfloat16):
+            return False
+    elif first.device.type != "cuda" or first.dtype != torch.bfloat16:
         return False
-    if torch.cuda.get_device_capability(first.device) < (8, 0):
+    elif torch.cuda.get_device_capability(first.device) < (8, 0):
         return False
-    return all(size % 8 == 0 for w in weights if w.dim() == 2 for size in w.shape)
+    aligned = 16 // first.element_size()
+    return all(size % aligned == 0 for w in weights if w.dim() == 2 for size in w.shape)
 
 
 def group_offsets(spans: list[tuple[int, int, int]], num_experts: int, device: torch.device) -> torch.Tensor:
