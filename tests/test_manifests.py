@@ -704,13 +704,15 @@ def test_eks_reference_config_fits_these_manifests():
         assert image.rpartition("/")[2].startswith(f"moerl-{role}:"), f"{role}: {image} (make images names)"
 
 
-def test_rendered_eks_workflow_fits_these_manifests(tmp_path):
-    """When `moerl render` exists, the WorkflowTemplate and CronWorkflow it renders from the EKS reference
+@pytest.mark.parametrize("config", ["eks-p5en.yaml", "eks-p5en-235b.yaml"])
+def test_rendered_eks_workflow_fits_these_manifests(tmp_path, config):
+    """When `moerl render` exists, the WorkflowTemplate and CronWorkflow it renders from each EKS reference
     config validate against Argo's schema and refer only to what these manifests create."""
-    if not EKS_CONFIG.exists():
-        pytest.skip("configs/eks-p5en.yaml does not exist yet")
+    path = REPO / "configs" / config
+    if not path.exists():
+        pytest.skip(f"configs/{config} does not exist yet")
     result = subprocess.run(
-        [sys.executable, "-c", "from pipelines.cli import main; main()", "render", str(EKS_CONFIG),
+        [sys.executable, "-c", "from pipelines.cli import main; main()", "render", str(path),
          "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=300, cwd=REPO,
     )

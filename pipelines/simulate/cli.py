@@ -10,6 +10,7 @@ from pathlib import Path
 
 from pipelines.config import load_config, parse_overrides
 from pipelines.simulate import __doc__ as package_doc
+from pipelines.simulate.floor import physical_floor
 from pipelines.simulate.measured import load_step_times
 from pipelines.simulate.memory_check import rollout_memory_problem, trainer_memory_problem
 from pipelines.simulate.model import simulate_both
@@ -128,6 +129,11 @@ def main(args: argparse.Namespace) -> int:
     print(describe(cfg, cluster, steps, a))
     print()
     print(table(results, cfg.staleness))
+    if not is_local(cfg):
+        floor = physical_floor(cfg, model or reference_sizing(), a)
+        if floor is not None:
+            print("physical floor of an iteration (pipelines/simulate/floor.py):")
+            print("\n".join(floor.lines(results[0].mean_iteration_s, results[1].mean_iteration_s)))
     if any(r.retries_exhausted - r.servers_out_of_retries for r in results.values()):
         print(
             f"warning: some rollout shards ran out of retries (retries.rollout limit {cfg.retries['rollout'].limit}):"
