@@ -13,12 +13,17 @@
              comes from an installed deep_ep, or is built here from a checkout at images/versions.env's
              DEEPEP_COMMIT in the ignored folder .gpu/ (`pip install --no-build-isolation --no-deps --target`;
              no registry)
+    sharded  the trainer's memory settings on CUDA: one PolicyTrainer step with trainer.fsdp (FSDP2 over a
+             1-rank NCCL world: its gathers, reduce-scatters and DTensor AdamW) and activation checkpointing,
+             against the plain step (weights to TRAINER_FP32_ATOL, TF32 off); and the experts as one grouped
+             GEMM in bf16 (torch.nn.functional.grouped_mm's CUDA kernel) against expert by expert, forward
+             and backward, to GROUPED_BF16_RTOL. The same function runs on the CPU in the tests
     weights  a rollout server's in-place version change on CUDA: the torch engine opened on v0 and brought
              to v1 with update_weights generates, fp32 and bf16, exactly what an engine opened on v1 does;
              the seconds of the update against opening the new engine
 
-    python bench/gpu_smoke.py [--only engine,trainer,deepep,weights] [--prompts 256] [--samples 8] [--new-tokens 32]
-                              [--deepep-src .gpu/DeepEP] [--out FILE]
+    python bench/gpu_smoke.py [--only engine,trainer,deepep,sharded,weights] [--prompts 256] [--samples 8]
+                              [--new-tokens 32] [--deepep-src .gpu/DeepEP] [--out FILE]
 
 Every section prints one JSON line (with "ok" when it has a pass/fail, "skipped" with the reason otherwise);
 the last line is a summary. Exit 0 when no section failed (skips are not failures), 1 otherwise. Without
@@ -43,7 +48,7 @@ REPO = Path(__file__).resolve().parents[1]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(REPO))
 
-SECTIONS = ("engine", "trainer", "deepep", "weights")
+SECTIONS = ("engine", "trainer", "deepep", "sharded", "weights")
 GPU_DIR = REPO / ".gpu"  # ignored by git: DeepEP's checkout and what is built from it
 DEFAULT_DEEPEP_SRC = GPU_DIR / "DeepEP"
 DEEPEP_SITE = GPU_DIR / "deepep-site"
@@ -53,6 +58,7 @@ LOGPROB_BF16_ATOL = 0.1
 TRAINER_FP32_ATOL = 1e-5
 TRAINER_BF16_RTOL = 0.1
 DEEPEP_ATOL, DEEPEP_RTOL = 3e-2, 2e-2  # DeepEP moves activations and gradients in bf16
+GROUPED_BF16_RTOL = 2e-2  # a grouped GEMM kernel against cuBLAS per expert, both bf16 with fp32 accumulation
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -327,6 +333,114 @@ def deepep_section(args: argparse.Namespace) -> dict:
     }  # fmt: skip
 
 
+# --------------------------------------------------------------------------------------------- sharded
+
+
+def _one_rank_world(device: str) -> bool:
+    """A 1-rank process group (NCCL on CUDA, gloo on the CPU) unless one exists; returns whether it made it."""
+    import torch
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return False
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29534")
+    if device == "cuda":
+        dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
+    else:
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    return True
+
+
+def sharded_step(directory: Path, device: str, fsdp: bool) -> dict:
+    """The weights after one PolicyTrainer step on `device`, plain or with FSDP2 (forced over the 1-rank world)
+    and activation checkpointing."""
+    import torch
+    import torch.distributed as dist
+
+    from bench.update import synthetic_samples
+    from steps.expert_parallel.mesh import Mesh
+    from steps.models.hf_checkpoint import load_pretrained
+    from steps.training.sharding import full_tensor, shard_non_experts
+    from steps.training.trainer import PolicyTrainer, TrainSettings, collate
+
+    torch.manual_seed(0)
+    model = load_pretrained(directory, dtype=torch.float32, device=device)
+    mesh = Mesh(device=torch.device(device), world_group=dist.group.WORLD)
+    if fsdp:
+        assert shard_non_experts(model, mesh, force=True)
+        model.activation_checkpointing = True
+    trainer = PolicyTrainer(model, mesh, TrainSettings(micro_batch_size=16, lr=1e-4))
+    samples = synthetic_samples(64)
+    everything = list(range(len(samples)))
+    micro = [collate(samples, everything[i : i + 16], mesh.device) for i in range(0, len(samples), 16)]
+    trainer.step(micro, trainer.normalizer(samples, everything))
+    return {n: full_tensor(p.detach()).float().cpu() for n, p in model.named_parameters()}
+
+
+def grouped_gemm_check(device: str) -> dict:
+    """run_experts over bf16 experts whose sizes grouped_mm takes, grouped against expert by expert."""
+    import torch
+
+    from steps.models.experts import grouped_gemm_usable, run_experts, set_grouped_gemm
+    from steps.models.qwen3_moe.model import Expert
+
+    torch.manual_seed(0)
+    experts = [Expert(256, 512).to(device=device, dtype=torch.bfloat16) for _ in range(8)]
+    counts = [64, 0, 128, 32, 0, 96, 16, 176]
+    rows = torch.randn(sum(counts), 256, device=device, dtype=torch.bfloat16)
+    usable = grouped_gemm_usable([w for e in experts for w in e.expert_weights()])
+    results = {}
+    for grouped in (False, True):
+        set_grouped_gemm(grouped)
+        for e in experts:
+            e.zero_grad(set_to_none=True)
+        x = rows.clone().requires_grad_(True)
+        out = run_experts(experts, x, counts)
+        out.float().square().sum().backward()
+        grads = [p.grad.detach().float() for e in experts for p in e.parameters() if p.grad is not None]
+        results[grouped] = (out.detach().float(), x.grad.detach().float(), grads)
+    set_grouped_gemm(True)
+
+    def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+        return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+    (out, gx, grads), (gout, ggx, ggrads) = results[False], results[True]
+    worst = max([rel(gout, out), rel(ggx, gx), *(rel(a, b) for a, b in zip(ggrads, grads, strict=True))])
+    return {"grouped_mm_used": usable, "max_rel_diff": worst, "rtol": GROUPED_BF16_RTOL,
+            "ok": usable and worst <= GROUPED_BF16_RTOL}  # fmt: skip
+
+
+def sharded_check(device: str) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    made = _one_rank_world(device)
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            directory = demo_checkpoint(Path(tmp))
+            plain = sharded_step(directory, device, fsdp=False)
+            sharded = sharded_step(directory, device, fsdp=True)
+        diff = max(float((sharded[n] - plain[n]).abs().max()) for n in plain)
+        grouped = grouped_gemm_check(device)
+    finally:
+        if made:
+            dist.destroy_process_group()
+    step_ok = diff <= TRAINER_FP32_ATOL
+    return {"fsdp_checkpointing_step": {"weights_max_abs_diff_vs_plain": diff, "atol": TRAINER_FP32_ATOL,
+                                        "ok": step_ok},
+            "grouped_gemm_bf16": grouped, "ok": step_ok and grouped["ok"],
+            "torch": torch.__version__}  # fmt: skip
+
+
+def sharded_section(args: argparse.Namespace) -> dict:
+    import torch
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    return sharded_check("cuda")
+
+
 # --------------------------------------------------------------------------------------------- weights
 
 
@@ -384,7 +498,8 @@ def weights_check(prompt_count: int, samples: int, new_tokens: int, device: str)
     return out
 
 
-RUNNERS = {"engine": engine_section, "trainer": trainer_section, "deepep": deepep_section, "weights": weights_section}
+RUNNERS = {"engine": engine_section, "trainer": trainer_section, "deepep": deepep_section, "sharded": sharded_section,
+           "weights": weights_section}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

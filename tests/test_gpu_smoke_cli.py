@@ -33,7 +33,7 @@ def test_sections_are_chosen_by_name(capsys):
     with pytest.raises(SystemExit) as stop:
         gpu_smoke.parse_args(["--only", "engine,sglang"])
     assert stop.value.code == 2
-    assert "unknown section(s) sglang; choose from engine, trainer, deepep, weights" in capsys.readouterr().err
+    assert "unknown section(s) sglang; choose from engine, trainer, deepep, sharded, weights" in capsys.readouterr().err
 
 
 def test_deepep_is_built_offline_into_the_ignored_folder(tmp_path):
@@ -61,3 +61,16 @@ def test_the_in_place_update_it_checks_runs_on_cpu():
     engine opened on v1 does (fp32 and bf16)."""
     result = gpu_smoke.weights_check(prompt_count=4, samples=2, new_tokens=4, device="cpu")
     assert result["ok"] and result["float32"]["identical"] and result["bfloat16"]["identical"]
+
+
+def test_the_sharded_section_runs_its_check_on_the_cpu():
+    """The sharded section's own function on the CPU (gloo, a 1-rank world): FSDP2 forced over it with activation
+    checkpointing gives the plain step's weights, and the grouped GEMM is used and agrees in bf16; on a GPU the
+    same code runs on CUDA (NCCL, grouped_mm's CUDA kernel)."""
+    import torch.distributed as dist
+
+    result = gpu_smoke.sharded_check("cpu")
+    assert not dist.is_initialized()  # the world it made is gone
+    assert result["fsdp_checkpointing_step"]["ok"], result
+    assert result["grouped_gemm_bf16"]["grouped_mm_used"] and result["grouped_gemm_bf16"]["ok"], result
+    assert result["ok"]

@@ -30,11 +30,12 @@ from steps.models.placement import is_expert_param
 FORWARD_METHODS = ("forward_shared_prompts",)
 
 
-def shard_non_experts(model: nn.Module, mesh: Mesh) -> bool:
+def shard_non_experts(model: nn.Module, mesh: Mesh, force: bool = False) -> bool:
     """Apply FSDP2 to `model` (a MoeCausalLM with its weights loaded, its expert dispatch set) over all of mesh's
     ranks: each decoder layer a unit, the root the rest; the routed experts ignored. Returns whether it sharded
-    (a world of one rank has nothing to shard over)."""
-    if mesh.world_size == 1 or mesh.world_group is None:
+    (a world of one rank has nothing to shard over; force: shard over it all the same, as bench/gpu_smoke.py does
+    to run FSDP2's code on one GPU)."""
+    if mesh.world_group is None or (mesh.world_size == 1 and not force):
         return False
     device_mesh = DeviceMesh.from_group(mesh.world_group, mesh.device.type)
     experts = {p for name, p in model.named_parameters() if is_expert_param(name)}
