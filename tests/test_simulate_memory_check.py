@@ -176,8 +176,19 @@ def test_moerl_check_refuses_an_engine_its_weights_fill():
     v3 = model_sizing(DEEPSEEK_V3, source="DeepSeek-V3")
     problem = rollout_memory_problem(cfg, v3)  # 671B in bf16 over 8 GPUs: 168 GB each
     assert problem is not None and "leaving no KV cache" in problem
-    assert "set rollout.sglang.tp_size and ep_size to 16" in problem
+    assert "no engine of at most one rollout pod's 8 GPUs holds its bf16 weights" in problem
     assert rollout_memory_problem(cfg, reference_sizing()) is None
+    # a smaller engine than the pod allows: the fix is the pod's size
+    narrow = load_config(EKS, {"rollout.sglang.tp_size": 2, "rollout.sglang.ep_size": 2})
+    problem = rollout_memory_problem(narrow, model_sizing(QWEN3_235B, source="Qwen3-235B-A22B"))
+    assert problem is not None and "set rollout.sglang.tp_size and ep_size to 8" in problem
+
+
+def test_an_engine_larger_than_a_rollout_pod_is_refused_when_the_config_is_read():
+    from steps.errors import MoerlError
+
+    with pytest.raises(MoerlError, match=r"rollout.sglang.tp_size: 16 GPUs for one engine, but a rollout pod has 8"):
+        load_config(EKS, {"rollout.sglang.tp_size": 16})
 
 
 def test_fsdp_splits_the_non_expert_state_over_every_rank():

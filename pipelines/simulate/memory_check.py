@@ -90,6 +90,12 @@ def _moved(cfg: RunConfig, m: ModelSizing) -> Assumptions:
     return model_assumptions(GPU_ASSUMPTIONS, m, reference_sizing(), flops_seq_len(cfg, GPU_ASSUMPTIONS))
 
 
+def rollout_pod_gpus(cfg: RunConfig) -> int:
+    """The GPUs of one rollout pod (placement.rollout.resources.limits nvidia.com/gpu; 0 when none)."""
+    value = str(cfg.placement["rollout"].resources.limits.get("nvidia.com/gpu", "0"))
+    return int(value) if value.isdigit() else 0
+
+
 def rollout_memory_problem(cfg: RunConfig, m: ModelSizing, a: Assumptions | None = None) -> str | None:
     """None when the rollout engine's weights leave room for a KV cache under rollout.sglang.mem_fraction (or
     the GPU is unknown); else one message with the engine sizes that would. A KV pool smaller than a chunk is no
@@ -100,13 +106,16 @@ def rollout_memory_problem(cfg: RunConfig, m: ModelSizing, a: Assumptions | None
     if not table.capacity_gb or weights < table.capacity_gb:
         return None
     sg = cfg.rollout.sglang
-    sizes = [n for n in (2, 4, 8, 16, 32, 64) if n > max(sg.tp_size, sg.ep_size) and m.num_experts % n == 0]
+    pod_gpus = rollout_pod_gpus(cfg)  # an engine runs in one rollout pod (run config check)
+    sizes = [n for n in (2, 4, 8, 16, 32, 64)
+             if max(sg.tp_size, sg.ep_size) < n <= pod_gpus and m.num_experts % n == 0]  # fmt: skip
     fits = [n for n in sizes
             if rollout_memory_table(cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={
                 "sglang": sg.model_copy(update={"tp_size": n, "ep_size": n})})}), a, m)[0].rows[0][1]
             < table.capacity_gb * 0.8]  # fmt: skip
-    fix = (f"set rollout.sglang.tp_size and ep_size to {fits[0]} (its KV cache then has "
-           f"room)" if fits else "no engine size up to 64 GPUs holds it")
+    fix = (f"set rollout.sglang.tp_size and ep_size to {fits[0]} (its KV cache then has room)" if fits
+           else f"no engine of at most one rollout pod's {pod_gpus} GPUs holds its bf16 weights with room for a KV "
+                "cache: a rollout node with more GPU memory, or a smaller model")  # fmt: skip
     return (f"rollout engine memory: {m.name} ({m.total / 1e9:,.1f}B parameters) takes {weights:,.1f} GB of bf16 "
             f"weights a GPU at TP {sg.tp_size} / EP {sg.ep_size}, no less than {table.budget} "
             f"{table.capacity_gb:,.0f} GB, leaving no KV cache; {fix}")  # fmt: skip

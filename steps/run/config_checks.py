@@ -119,11 +119,23 @@ def semantic_problems(cfg: Any) -> list[tuple[str, str]]:
             "rollout.sglang.ep_size",
             "moe_a2a_backend 'deepep' needs ep_size >= 2; raise ep_size or use 'none'",
         )
-    if cfg.rollout.engine == "sglang" and "nvidia.com/gpu" not in cfg.placement["rollout"].resources.limits:
+    rollout_limits = cfg.placement["rollout"].resources.limits
+    if cfg.rollout.engine == "sglang" and "nvidia.com/gpu" not in rollout_limits:
         bad(
             "placement.rollout.resources.limits",
             "rollout.engine 'sglang' needs GPUs; add 'nvidia.com/gpu: N'",
         )
+    elif cfg.rollout.engine == "sglang" and str(rollout_limits["nvidia.com/gpu"]).isdigit():
+        gpus = int(rollout_limits["nvidia.com/gpu"])
+        for field in ("tp_size", "ep_size"):
+            size = getattr(sg, field)
+            if size > gpus:  # an engine is one SGLang server in one rollout pod: no engine spans two pods
+                bad(
+                    f"rollout.sglang.{field}",
+                    f"{size} GPUs for one engine, but a rollout pod has {gpus} "
+                    "(placement.rollout.resources.limits nvidia.com/gpu) and an engine runs inside one pod; use "
+                    f"at most {gpus}, or a model whose weights fit {gpus} GPUs",
+                )
     if cfg.trainer.ep_backend == "deepep" and "nvidia.com/gpu" not in cfg.placement["trainer"].resources.limits:
         bad(
             "placement.trainer.resources.limits",
