@@ -69,3 +69,17 @@ def test_the_floor_is_the_stated_arithmetic():
 def test_no_floor_without_a_known_gpu():
     cfg = load_config(REPO / "configs" / "demo.yaml", {"sft_checkpoint": "file:///x", "run_store": "file:///y"})
     assert physical_floor(cfg, reference_sizing(), GPU_ASSUMPTIONS) is None
+
+
+def test_the_peers_figures_sit_beside_the_configs_own():
+    from pipelines.simulate import published
+
+    m = _sized("qwen3-235b-a22b.json")
+    assert [p.peer for p in published.published_for(m)] == ["NeMo-RL", "NeMo-RL"]
+    assert published.published_for(reference_sizing())[0].tokens_per_gpu_s == 1102
+    out = published.lines(m, tokens_per_iteration=1_000_000, gpus=100, sync_s=1000.0, async_s=500.0)
+    assert out[0].endswith("10.0 sync, 20.0 async")
+    on_policy, off_policy = out[1], out[2]
+    assert f"(this config: {10 / 58.9:.2f}x, sync)" in on_policy and "performance-summary.md" in on_policy
+    assert f"(this config: {20 / 58.7:.2f}x, async)" in off_policy
+    assert published.published_for(model_sizing(KIMI_K2)) == []  # nobody publishes Kimi-K2's

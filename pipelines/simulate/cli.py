@@ -10,6 +10,7 @@ from pathlib import Path
 
 from pipelines.config import load_config, parse_overrides
 from pipelines.simulate import __doc__ as package_doc
+from pipelines.simulate import published
 from pipelines.simulate.floor import physical_floor
 from pipelines.simulate.measured import load_step_times
 from pipelines.simulate.memory_check import rollout_memory_problem, trainer_memory_problem
@@ -33,6 +34,7 @@ from pipelines.simulate.sizing import (
     measured_step_model,
     model_assumptions,
     rollout_memory_table,
+    tokens_per_iteration,
     trainer_memory_table,
 )
 from pipelines.simulate.tables import describe, table
@@ -130,10 +132,14 @@ def main(args: argparse.Namespace) -> int:
     print()
     print(table(results, cfg.staleness))
     if not is_local(cfg):
-        floor = physical_floor(cfg, model or reference_sizing(), a)
+        sized = model or reference_sizing()
+        floor = physical_floor(cfg, sized, a)
         if floor is not None:
             print("physical floor of an iteration (pipelines/simulate/floor.py):")
             print("\n".join(floor.lines(results[0].mean_iteration_s, results[1].mean_iteration_s)))
+        gpus = cluster.rollout.nodes * cluster.rollout.gpus_per_node + cluster.trainer.gpus_per_node
+        print("\n".join(published.lines(sized, tokens_per_iteration(cfg, a), gpus, results[0].mean_iteration_s,
+                                        results[1].mean_iteration_s)))  # fmt: skip
     if any(r.retries_exhausted - r.servers_out_of_retries for r in results.values()):
         print(
             f"warning: some rollout shards ran out of retries (retries.rollout limit {cfg.retries['rollout'].limit}):"
