@@ -239,12 +239,19 @@ class MoeCausalLM(nn.Module):
             block.balance_mask = block.balance_loss = None
         self.aux_loss = self.router_aux_loss_coef * torch.stack(losses).mean() if losses else None
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        segment_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """input_ids [B, T] -> logits [B, T, V] in float32 (training and scoring: the rollout engine decodes
         with its own prefill and key/value tree, steps/engines/torch_engine.py).
 
         attention_mask [B, T] marks the real tokens (1) and the padding (0); prompts are left-padded, and
-        positions count real tokens only.
+        positions count real tokens only. segment_ids [B, T] (trainer.sequence_packing): sequences packed into a
+        row one after another, each a run of one id; a token attends within its own sequence only and positions
+        start again at each sequence's first token, so every sequence gets the logits it would get alone.
         """
         batch, seq = input_ids.shape
         if attention_mask is None:
@@ -255,9 +262,18 @@ class MoeCausalLM(nn.Module):
                     f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape {(batch, seq)}"
                 )
             valid = attention_mask.to(torch.bool)
-        # Left padding: a row's first real token gets position 0; padding gets 0 too (it is masked anyway).
-        positions = (valid.long().cumsum(dim=1) - 1).clamp(min=0)
-        masks = AttentionMasks.causal(valid, positions)
+        if segment_ids is not None:
+            if segment_ids.shape != input_ids.shape:
+                raise ValueError(f"segment_ids shape {tuple(segment_ids.shape)} != input_ids shape {(batch, seq)}")
+            index = torch.arange(seq, device=input_ids.device).expand(batch, seq)
+            first = torch.ones_like(segment_ids, dtype=torch.bool)
+            first[:, 1:] = segment_ids[:, 1:] != segment_ids[:, :-1]
+            positions = index - torch.where(first, index, torch.zeros_like(index)).cummax(dim=1).values
+            masks = AttentionMasks.packed(valid, segment_ids, positions)
+        else:
+            # Left padding: a row's first real token gets position 0; padding gets 0 too (it is masked anyway).
+            positions = (valid.long().cumsum(dim=1) - 1).clamp(min=0)
+            masks = AttentionMasks.causal(valid, positions)
         x = self.model.embed_tokens(input_ids)
         rope = self.rotary(positions, x.dtype)
         self._balance(valid.reshape(-1))

@@ -90,6 +90,15 @@ class AttentionMasks:
         base = torch.cat([sees_prompt, attention_mask_for(valid, 0, valid.shape[1])], dim=-1)
         return cls(base, positions, torch.cat([prompt_positions, positions], dim=1))
 
+    @classmethod
+    def packed(cls, valid: torch.Tensor, segments: torch.Tensor, positions: torch.Tensor) -> AttentionMasks:
+        """Sequences packed into rows without padding (trainer.sequence_packing): tokens valid [B, T] of segments
+        [B, T] (each sequence its own id, contiguous) attend causally within their own segment only; positions
+        [B, T] count from each segment's start. The same mask per sequence as causal() gives it alone."""
+        base = attention_mask_for(valid, 0, valid.shape[1])
+        same = segments[:, None, :, None] == segments[:, None, None, :]
+        return cls(base & same, positions, positions)
+
     def get(self, window: int | None) -> torch.Tensor:
         if window is None:
             return self.base

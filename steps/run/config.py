@@ -213,6 +213,13 @@ class TrainerConfig(_Section):
         "each layer's in the forward and the backward and a reduce-scatter of its gradients; the routed experts "
         "stay split by trainer.ep_size. The same update up to the order of the gradient sums",
     )
+    sequence_packing: bool = _field(
+        False,
+        "run a micro-batch's sequences as one row without padding: each token attends within its own sequence, "
+        "positions start again at each sequence, so the log-probs and gradients are the padded ones' (to float "
+        "rounding) for the real tokens only; the experts, norms and output projection then see no padding. "
+        "Attention runs under a block-diagonal mask over the packed row. Not with shared_prompts",
+    )
     grouped_gemm: bool = _field(
         True,
         "run a rank's local experts as one grouped GEMM (torch.nn.functional.grouped_mm) where the device has it "

@@ -113,6 +113,11 @@ def semantic_problems(cfg: Any) -> list[tuple[str, str]]:
             f"{cfg.rollout.chunk_size} prompts per iteration; use at most {chunks} shards "
             "or a smaller rollout.chunk_size",
         )
+    if cfg.trainer.sequence_packing and cfg.trainer.shared_prompts:
+        bad(
+            "trainer.sequence_packing",
+            "packs whole sequences, while shared_prompts runs each prompt once for its group; keep one of them",
+        )
     sg = cfg.rollout.sglang
     if sg.moe_a2a_backend == "deepep" and sg.ep_size < 2:
         bad(

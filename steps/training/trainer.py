@@ -52,6 +52,7 @@ class TrainSettings:
     grad_clip: float = 1.0
     old_logprobs: str = "recompute"  # or "behavior": see steps.run.config.TrainerConfig.old_logprobs
     shared_prompts: bool = False  # run each GRPO group's prompt once: see plan_group_steps, collate_groups
+    sequence_packing: bool = False  # a micro-batch's sequences in one row without padding: see collate
     # Leave samples with advantage exactly 0 out of the forward/backward when they cannot move the weights
     # (kl_coef 0): see trained_steps. False runs them anyway (same gradients; the tests' reference).
     skip_zero_advantage: bool = True
@@ -174,6 +175,24 @@ def rank_group_micro_batches(
 
 
 @dataclass
+class PackedRow:
+    """A micro-batch's sequences in one row [1, N] without padding: input_ids and targets of every real token,
+    segment_ids the row of [B, L] each came from, and index each one's flat slot in [B, L] (row-major), so
+    per-token values of the packed forward go back to the [B, L] layout (unpack)."""
+
+    input_ids: torch.Tensor  # [1, N] long
+    segment_ids: torch.Tensor  # [1, N] long
+    targets: torch.Tensor  # [1, N] long
+    index: torch.Tensor  # [N] long
+    shape: tuple[int, int]  # (B, L)
+
+    def unpack(self, values: torch.Tensor) -> torch.Tensor:
+        """values [N] (one per packed token) -> [B, L], zero at the padding slots (differentiable)."""
+        rows, length = self.shape
+        return values.new_zeros(rows * length).index_put((self.index,), values).view(rows, length)
+
+
+@dataclass
 class MicroBatch:
     """One row per sample. Plain (collate): right-padded sequences prompt + response, shifted for next-token
     targets; position p predicts targets[p] = token p+1.
@@ -184,6 +203,10 @@ class MicroBatch:
 
     Either way loss_mask marks the slots whose target is a response token, where behavior_logp holds the
     engine's log-prob of that token.
+
+    Packed (collate with packed=True, trainer.sequence_packing): the per-token tensors keep the [B, L] layout
+    the loss reads, and `packed` holds what the forward runs instead: the rows' real tokens one sequence after
+    another in one row, without padding.
     """
 
     sample_ids: list[int]
@@ -197,6 +220,7 @@ class MicroBatch:
     prompt_ids: torch.Tensor | None = None  # [G, P] long, shared prompts only
     prompt_mask: torch.Tensor | None = None  # [G, P] long
     prompt_index: torch.Tensor | None = None  # [B] long: each row's prompt row
+    packed: PackedRow | None = None  # sequence packing only
 
     @property
     def num_response_tokens(self) -> int:
@@ -215,7 +239,10 @@ def collate(
     device: torch.device,
     pad_id: int = 0,
     old_logps: dict[int, torch.Tensor] | None = None,
+    packed: bool = False,
 ) -> MicroBatch:
+    """The plain micro-batch (MicroBatch) of samples `ids`; packed=True also packs its real tokens into one row
+    for the forward (PackedRow)."""
     if not ids:  # see rank_micro_batches: one padding token, no loss, still takes part in the exchanges
         zero_long = torch.full((1, 1), pad_id, dtype=torch.long, device=device)
         zero = torch.zeros((1, 1), device=device)
@@ -245,11 +272,20 @@ def collate(
     input_ids = np.where(attention, tokens[:, :-1], pad_id)
     advantages = np.array([s.advantage for s in rows], dtype=np.float32)
     to = {"device": device}
+    row = None
+    if packed:  # the real slots in row-major order: each sequence whole, one after another
+        index = np.flatnonzero(attention)
+        segments = np.repeat(np.arange(len(rows)), attention.sum(axis=1))
+        row = PackedRow(
+            torch.from_numpy(input_ids.reshape(-1)[index][None]).to(**to), torch.from_numpy(segments[None]).to(**to),
+            torch.from_numpy(np.ascontiguousarray(tokens[:, 1:]).reshape(-1)[index][None]).to(**to),
+            torch.from_numpy(index).to(**to), attention.shape,
+        )  # fmt: skip
     return MicroBatch(
         list(ids), torch.from_numpy(input_ids).to(**to), torch.from_numpy(attention.astype(np.int64)).to(**to),
         torch.from_numpy(np.ascontiguousarray(tokens[:, 1:])).to(**to), torch.from_numpy(loss_mask).to(**to),
         torch.from_numpy(behavior).to(**to), torch.from_numpy(advantages).to(**to),
-        None if old is None else old.to(**to),
+        None if old is None else old.to(**to), packed=row,
     )  # fmt: skip
 
 
@@ -363,7 +399,12 @@ class PolicyTrainer:
     # -- forward pieces ------------------------------------------------------------------------------
 
     def forward_logprobs(self, model: nn.Module, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """(log p(target) [B, L], logits [B, L, V]) of `model` on the micro-batch."""
+        """(log p(target) [B, L], logits) of `model` on the micro-batch: logits [B, L, V], or [1, N, V] of the
+        packed row (token_entropies reads either)."""
+        if mb.packed is not None:
+            p = mb.packed
+            logits = model(p.input_ids, None, p.segment_ids)
+            return p.unpack(token_logprobs(logits, p.targets)[0]), logits
         if mb.prompt_ids is not None:
             logits = model.forward_shared_prompts(  # type: ignore[operator]
                 mb.prompt_ids, mb.prompt_mask, mb.input_ids, mb.attention_mask, mb.prompt_index
@@ -371,6 +412,12 @@ class PolicyTrainer:
         else:
             logits = model(mb.input_ids, mb.attention_mask)
         return token_logprobs(logits, mb.targets), logits
+
+    @staticmethod
+    def token_entropies(mb: MicroBatch, logits: torch.Tensor) -> torch.Tensor:
+        """The next-token entropy [B, L] at every slot, from forward_logprobs' logits."""
+        entropy = token_entropy(logits)
+        return mb.packed.unpack(entropy[0]) if mb.packed is not None else entropy
 
     @torch.no_grad()
     def reference_logprobs(self, model: nn.Module, mb: MicroBatch) -> torch.Tensor:
@@ -404,7 +451,7 @@ class PolicyTrainer:
             total.backward()
             with torch.no_grad():
                 mask = terms.mask
-                entropy = torch.where(mask, token_entropy(logits.detach()), torch.zeros_like(logp))
+                entropy = torch.where(mask, self.token_entropies(mb, logits.detach()), torch.zeros_like(logp))
                 weights = terms.is_weight[mask].double()
                 sums += torch.stack([
                     loss.detach().double(),
@@ -502,7 +549,7 @@ class PolicyTrainer:
                 for ids in rank_group_micro_batches(step_indices, samples, self.mesh, size)
             ]
         return [
-            collate(samples, ids, device, self.pad_id, old)
+            collate(samples, ids, device, self.pad_id, old, packed=self.settings.sequence_packing)
             for ids in rank_micro_batches(step_indices, self.mesh, size)
         ]
 
