@@ -1,6 +1,7 @@
 """Shared by the family tests (tests/test_family_*.py, tests/test_model_hf_parity.py): a left-padded batch, the
 logits comparison against transformers, the edits that make a bad checkpoint out of a good one, and the pieces of
-the EP=2 gloo workers that run their rows and save their logits and expert gradients."""
+the EP=2 gloo workers that run their rows and save their logits and expert gradients; and the bytes a forward
+keeps for its backward (the memory tables' activation terms are checked against it)."""
 
 from __future__ import annotations
 
@@ -76,3 +77,19 @@ def save_rows_and_expert_grads(
 def expert_grads(saved: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The experts' gradients a rank saved (save_rows_and_expert_grads), under their parameter names."""
     return {k.removeprefix("grad."): v for k, v in saved.items() if k.startswith("grad.")}
+
+
+def saved_activation_bytes(model: torch.nn.Module, input_ids: torch.Tensor) -> int:
+    """Bytes of what model(input_ids)'s graph keeps for the backward, each storage once, the parameters left out."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(input_ids)
+    return sum(saved.values())

@@ -38,7 +38,8 @@ def test_the_packed_mask_is_each_sequences_causal_mask_on_the_diagonal():
         assert not got[~block].any()  # nothing across sequences
 
 
-def _models() -> dict[str, torch.nn.Module]:
+def tiny_models() -> dict[str, torch.nn.Module]:
+    """A tiny Qwen3-MoE, DeepSeek-V3 (MLA, dense first layer) and gpt-oss (sliding windows, sinks)."""
     out = {"qwen3_moe": tiny_model(0)}
     for name, cfg in (("deepseek_v3", deepseek_config("q_lora_yarn_interleave")),
                       ("gpt_oss", gpt_oss_config(GPT_OSS_CONFIGS["yarn_window4"]))):  # fmt: skip
@@ -49,7 +50,7 @@ def _models() -> dict[str, torch.nn.Module]:
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "gpt_oss"])
 def test_a_packed_row_gives_each_sequence_its_own_logits(family):
-    model = _models()[family].eval()
+    model = tiny_models()[family].eval()
     gen = torch.Generator().manual_seed(1)
     lengths = (7, 3, 9)  # gpt-oss's window of 4 is shorter than two of them
     seqs = [torch.randint(1, model.config.vocab_size, (1, n), generator=gen) for n in lengths]

@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
-from test_simulate_model_sizing import QWEN3_235B
+from test_simulate_model_sizing import QWEN3_235B, SMALL_QWEN3, kept_bytes
 
 from pipelines.cli import main
 from pipelines.config import load_config
@@ -96,35 +96,9 @@ def test_moerl_check_refuses_a_plan_that_does_not_fit_and_passes_the_one_that_do
 def test_the_checkpointing_term_follows_what_autograd_keeps():
     """With checkpointing, a layer more keeps its input (h values a token) and nothing else: autograd's saved
     bytes per added layer against the table's 4 h bytes a token."""
-    import torch
-
-    from steps.models.registry import config_from_hf, family_of
-
-    base = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 64,
-            "intermediate_size": 128, "moe_intermediate_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2,
-            "head_dim": 16, "num_experts": 8, "num_experts_per_tok": 2, "vocab_size": 64,
-            "tie_word_embeddings": False, "torch_dtype": "float32"}  # fmt: skip
-
-    def kept(layers: int, tokens: int) -> int:
-        torch.manual_seed(0)
-        cfg = config_from_hf({**base, "num_hidden_layers": layers})
-        model = family_of(cfg).build(cfg).float()
-        model.activation_checkpointing = True
-        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-        saved: dict[int, int] = {}
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            if t.untyped_storage().data_ptr() not in params:
-                saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            model(torch.randint(0, 64, (1, tokens)))
-        return sum(saved.values())
-
     for tokens in (32, 128):
-        per_layer = kept(3, tokens) - kept(2, tokens)
-        assert per_layer == 4 * base["hidden_size"] * tokens, (tokens, per_layer)
+        per_layer = kept_bytes(3, tokens, checkpointing=True) - kept_bytes(2, tokens, checkpointing=True)
+        assert per_layer == 4 * SMALL_QWEN3["hidden_size"] * tokens, (tokens, per_layer)
 
 
 def test_deepeps_buffer_is_sized_as_deepep_dd758ca_sizes_it():

@@ -15,6 +15,7 @@ import re
 from pathlib import Path
 
 import pytest
+from family_helpers import saved_activation_bytes
 
 from pipelines.config import load_config
 from pipelines.simulate.cli import register
@@ -226,37 +227,33 @@ def test_a_qwen3_30b_config_prices_as_the_built_in_figures(tmp_path, capsys):
     assert mean_iteration(capsys.readouterr().out) == pytest.approx(builtin, rel=0.01)
 
 
+SMALL_QWEN3 = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 128,
+               "intermediate_size": 256, "moe_intermediate_size": 64, "num_attention_heads": 4,
+               "num_key_value_heads": 2, "head_dim": 32, "num_experts": 16, "num_experts_per_tok": 4,
+               "vocab_size": 64, "tie_word_embeddings": False, "torch_dtype": "float32"}  # fmt: skip
+
+
+def kept_bytes(layers: int, tokens: int, checkpointing: bool = False) -> int:
+    """What moerl's own small Qwen3-MoE of `layers` layers keeps for its backward on one row of `tokens`."""
+    import torch
+
+    from steps.models.registry import config_from_hf, family_of
+
+    torch.manual_seed(0)
+    cfg = config_from_hf({**SMALL_QWEN3, "num_hidden_layers": layers})
+    model = family_of(cfg).build(cfg).float()
+    model.activation_checkpointing = checkpointing
+    return saved_activation_bytes(model, torch.randint(0, 64, (1, tokens)))
+
+
 def test_the_activation_formula_follows_what_autograd_keeps():
     """The formula's per-token, per-layer count against the bytes autograd saves in moerl's own Qwen3-MoE layer
     (a small one, fp32, on this CPU): what a layer adds, fitted as const + b T + c T^2 over three lengths; c is the
     CPU attention's heads x T^2 probabilities (CUDA's memory-efficient kernel keeps none), b is the formula's."""
     import numpy as np
-    import torch
 
-    from steps.models.registry import config_from_hf, family_of
-
-    base = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 128,
-            "intermediate_size": 256, "moe_intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
-            "head_dim": 32, "num_experts": 16, "num_experts_per_tok": 4, "vocab_size": 64,
-            "tie_word_embeddings": False, "torch_dtype": "float32"}  # fmt: skip
-
-    def kept(layers: int, tokens: int) -> int:
-        torch.manual_seed(0)
-        cfg = config_from_hf({**base, "num_hidden_layers": layers})
-        model = family_of(cfg).build(cfg).float()
-        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-        saved: dict[int, int] = {}
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            storage = t.untyped_storage()
-            if storage.data_ptr() not in params:
-                saved[storage.data_ptr()] = storage.nbytes()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            model(torch.randint(0, 64, (1, tokens)))
-        return sum(saved.values())
-
+    base = SMALL_QWEN3
+    kept = kept_bytes
     lengths = [64, 128, 256]
     per_layer = [kept(3, t) - kept(2, t) for t in lengths]
     _, per_token, per_token_squared = np.linalg.solve(np.array([[1, t, t * t] for t in lengths], float), per_layer)

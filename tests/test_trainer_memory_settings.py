@@ -13,9 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from test_expert_parallel import run_gloo
 from test_expert_parallel_training import MICRO_BATCH, old_logprobs, samples, sharded
-from test_family_deepseek_v3 import moerl_config as deepseek_config
-from test_family_gpt_oss import CONFIGS as GPT_OSS_CONFIGS
-from test_family_gpt_oss import our_config as gpt_oss_config
+from test_sequence_packing import tiny_models
 from test_update_experience import experience_table, make_run, start_ranks, tiny_model, wait_ranks, write_experience
 
 from steps.demo.char_tokenizer import save_tokenizer
@@ -25,7 +23,6 @@ from steps.import_sft import import_sft
 from steps.models.experts import set_grouped_gemm
 from steps.models.hf_checkpoint import save_pretrained
 from steps.models.placement import ExpertPlacement
-from steps.models.registry import family_of
 from steps.publish import publish
 from steps.run.candidate import MARKER
 from steps.run.config import RunConfig
@@ -121,15 +118,6 @@ def test_every_setting_gives_the_plain_update_on_ep2_by_dp2(tmp_path):
     assert any(".gate." in k and v.abs().sum() > 0 for k, v in grads.items() if k.startswith("grad0."))  # routers
 
 
-def _families() -> dict[str, torch.nn.Module]:
-    out = {"qwen3_moe": tiny_model(0)}
-    for name, cfg in (("deepseek_v3", deepseek_config("q_lora_yarn_interleave")),
-                      ("gpt_oss", gpt_oss_config(GPT_OSS_CONFIGS["yarn_window4"]))):  # fmt: skip
-        torch.manual_seed(3)
-        out[name] = family_of(cfg).build(cfg)
-    return out
-
-
 def _grads_of(model: torch.nn.Module, run) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     model.zero_grad(set_to_none=True)
     logits = run()
@@ -139,7 +127,7 @@ def _grads_of(model: torch.nn.Module, run) -> tuple[torch.Tensor, dict[str, torc
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "gpt_oss"])
 def test_checkpointing_gives_each_familys_logits_and_gradients_bit_for_bit(family):
-    model = _families()[family]
+    model = tiny_models()[family]
     model.router_aux_loss_coef = 0.1
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(5)
