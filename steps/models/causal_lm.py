@@ -171,6 +171,10 @@ class MoeCausalLM(nn.Module):
         """The output projection's weight [V, H]: the embedding's when they are tied."""
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
+    def decoder_layers(self) -> list[nn.Module]:
+        """The decoder layers, first to last (FSDP2's units: steps/training/sharding.py)."""
+        return list(self.model.layers)
+
     def moe_blocks(self) -> list[SparseMoeBlock]:
         return [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, SparseMoeBlock)]
 

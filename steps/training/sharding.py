@@ -39,7 +39,7 @@ def shard_non_experts(model: nn.Module, mesh: Mesh, force: bool = False) -> bool
         return False
     device_mesh = DeviceMesh.from_group(mesh.world_group, mesh.device.type)
     experts = {p for name, p in model.named_parameters() if is_expert_param(name)}
-    for layer in model.model.layers:
+    for layer in model.decoder_layers():
         fully_shard(layer, mesh=device_mesh, ignored_params=experts & set(layer.parameters()))
         for method in FORWARD_METHODS:
             if hasattr(layer, method):
