@@ -74,6 +74,7 @@ TRAINER_NOT_MAPPED = {
     "activation_checkpointing": "memory, not arithmetic: the same update bit for bit (TRL: gradient_checkpointing)",
     "grouped_gemm": "how the experts' matmuls run, not what they compute (the same bits on the CPU)",
     "fsdp": "one process, nothing to shard over",
+    "shard_experts": "one process, no replicas to shard the experts over",
     "sequence_packing": "how the forward lays the tokens out, not what it computes (the same log-probs to rounding)",
 }
 # Trainer fields mapped by grpo_settings.

@@ -48,7 +48,8 @@ def test_qwen3_235b_fits_the_reference_cluster_with_fsdp_and_a_wider_ep_group():
     # EP 8 keeps 227B / 8 expert parameters a GPU, and without FSDP every GPU keeps the 8B non-expert ones
     problem = trainer_memory_problem(load_config(EKS, {}), model_sizing(QWEN3_235B, source="Qwen3-235B-A22B"))
     assert problem is not None and "Qwen3-235B-A22B (235.1B parameters)" in problem
-    assert "set trainer.fsdp: true and trainer.ep_size: 64; or trainer.fsdp: true and trainer.ep_size: 128" in problem
+    assert ("set trainer.fsdp: true and trainer.shard_experts: true; or trainer.fsdp: true and trainer.ep_size: 64; "
+            "or trainer.fsdp: true and trainer.ep_size: 128") in problem  # fmt: skip
 
 
 def test_a_gpu_no_setting_fits_is_said_so():
@@ -178,3 +179,17 @@ def test_fsdp_splits_the_non_expert_state_over_every_rank():
         pytest.approx(16 * per_gpu / 1e9))
     assert any(w.startswith("FSDP: two layers") for w in states)
     assert plain.fits is False and sharded.fits is True
+
+
+def test_shard_experts_splits_each_ep_ranks_experts_over_its_replicas():
+    from pipelines.simulate.model_sizing import trainer_memory
+
+    m = model_sizing(QWEN3_235B)
+    kw = {"micro_batch": 1, "seq_len": 1024, "kl_ref": False, "gpu": "H200", "capacity_gb": 141, "fsdp": True}
+    sharded = trainer_memory(m, ep=8, dp=16, shard_experts=True, **kw)
+    states = {what: gb for what, gb in sharded.rows}
+    per_gpu = m.non_expert / 128 + m.expert / 8 / 16
+    assert sum(states[w] for w in states if w.startswith(("weights", "gradients", "fp32", "AdamW"))) == (
+        pytest.approx(16 * per_gpu / 1e9))
+    assert any(w.startswith("shard_experts: two layers") for w in states)
+    assert trainer_memory(m, ep=8, dp=16, **kw).fits is False and sharded.fits is True

@@ -30,21 +30,22 @@ from steps.run.keys import candidate_prefix
 from steps.store.object_store import Store
 from steps.training.optimizer_state import optimizer_state_tensors
 from steps.training.rl_loss import LossSettings
-from steps.training.sharding import full_tensor, shard_non_experts
+from steps.training.sharding import full_tensor, shard_experts, shard_non_experts
 from steps.training.trainer import PolicyTrainer, TrainSettings, collate, rank_micro_batches
 
-# name -> (activation_checkpointing, grouped_gemm, fsdp, sequence_packing); "plain" is what the others must equal
-SETTINGS = {
-    "plain": (False, False, False, False),
-    "checkpointing": (True, False, False, False),
-    "grouped": (False, True, False, False),
-    "checkpointing+grouped": (True, True, False, False),
-    "fsdp": (False, False, True, False),
-    "fsdp+checkpointing+grouped": (True, True, True, False),
-    "packing": (False, False, False, True),
-    "everything": (True, True, True, True),
+# name -> the settings on; "plain" (none) is what the others must equal
+SETTINGS: dict[str, set[str]] = {
+    "plain": set(),
+    "checkpointing": {"activation_checkpointing"},
+    "grouped": {"grouped_gemm"},
+    "checkpointing+grouped": {"activation_checkpointing", "grouped_gemm"},
+    "fsdp": {"fsdp"},
+    "fsdp+checkpointing+grouped": {"fsdp", "activation_checkpointing", "grouped_gemm"},
+    "shard_experts": {"shard_experts"},
+    "packing": {"sequence_packing"},
+    "everything": {"activation_checkpointing", "grouped_gemm", "fsdp", "shard_experts", "sequence_packing"},
 }
-# FSDP2 reduce-scatters the replicated gradients where the plain update all-reduces them, and a packed row runs
+# FSDP2 reduce-scatters the gradients where the plain update all-reduces them, and a packed row runs
 # its matmuls over other shapes than the padded rows: the same sums in another order, so those agree to float32
 # rounding, not bit for bit.
 FSDP_TOLERANCE = {"atol": 2e-6, "rtol": 1e-5}
@@ -59,7 +60,8 @@ def update_every_setting(rank: int, world: int, out_dir: Path, ep: int) -> None:
     dispatch = make_dispatch("alltoall", mesh, num_experts)
     batch = samples()
     everything = list(range(len(batch)))
-    for name, (checkpointing, grouped, fsdp, packing) in SETTINGS.items():
+    for name, on in SETTINGS.items():
+        packing = "sequence_packing" in on
         micro = [
             collate(batch, ids, mesh.device, old_logps=old_logprobs(batch), packed=packing)
             for ids in rank_micro_batches(everything, mesh, MICRO_BATCH)
@@ -67,8 +69,11 @@ def update_every_setting(rank: int, world: int, out_dir: Path, ep: int) -> None:
         assert all((mb.packed is not None) == packing for mb in micro if mb.sample_ids)
         model = sharded(tiny_model(0), placement, mesh.ep_rank)
         model.set_dispatch(dispatch)
-        if fsdp:
+        if "shard_experts" in on:
+            assert shard_experts(model, mesh)
+        if "fsdp" in on:
             assert shard_non_experts(model, mesh)
+        checkpointing, grouped = "activation_checkpointing" in on, "grouped_gemm" in on
         model.router_aux_loss_coef = 0.05
         model.activation_checkpointing = checkpointing
         model.count_routed_rows()
@@ -103,13 +108,13 @@ def test_every_setting_gives_the_plain_update_on_ep2_by_dp2(tmp_path):
             got = load_file(tmp_path / f"{name}.rank{rank}.safetensors")
             assert got.keys() == plain.keys()
             for key in plain:
-                where = f"{name}, rank {rank}: {key}"
-                if SETTINGS[name][3] and key == "routed_rows":  # the padded rows route their padding too
+                where, on = f"{name}, rank {rank}: {key}", SETTINGS[name]
+                if "sequence_packing" in on and key == "routed_rows":  # the padded rows route their padding too
                     assert 0 < got[key].sum() <= plain[key].sum(), where
                     padding_routed[name] = padding_routed.get(name, 0) + float(plain[key].sum() - got[key].sum())
-                elif SETTINGS[name][3]:
+                elif "sequence_packing" in on:
                     torch.testing.assert_close(got[key], plain[key], **PACKING_TOLERANCE, msg=where)
-                elif SETTINGS[name][2]:
+                elif on & {"fsdp", "shard_experts"}:
                     torch.testing.assert_close(got[key], plain[key], **FSDP_TOLERANCE, msg=where)
                 else:
                     assert torch.equal(got[key], plain[key]), f"{where} differs from the plain update"
@@ -221,12 +226,23 @@ def bf16_run(tmp_path: Path, trainer: dict) -> str:
     return run_uri
 
 
-def test_the_update_step_with_fsdp_trains_two_iterations_as_the_plain_one(tmp_path):
-    """trainer.fsdp in the real update step (two ranks, EP=2, two iterations): the second restores the first's
-    AdamW state and masters (bf16 weights) into the sharded parameters; the candidates' tensors are the plain
-    update's to float32 rounding, the same files and names."""
+# run -> (its trainer settings, the plain run it must equal, what its update says it sharded)
+UPDATE_RUNS = {
+    "plain": ({}, None, None),
+    "fsdp": ({"fsdp": True, "activation_checkpointing": True}, "plain", "sharded over 2 ranks"),
+    "plain-dp2": ({"ep_size": 1}, None, None),
+    "experts": ({"ep_size": 1, "shard_experts": True, "fsdp": True, "sequence_packing": True}, "plain-dp2",
+                "experts sharded over its 2 dp replicas"),
+}
+
+
+def test_the_update_step_with_sharding_trains_two_iterations_as_the_plain_one(tmp_path):
+    """trainer.fsdp (EP=2) and trainer.shard_experts with fsdp and packing (EP=1 x DP=2) in the real update step,
+    two ranks, two iterations: the second restores the first's AdamW state and masters (bf16 weights) into the
+    sharded parameters; the candidates' tensors are the plain update's to float32 rounding, the same files and
+    names."""
     tensors = {}
-    for name, trainer in (("plain", {}), ("fsdp", {"fsdp": True, "activation_checkpointing": True})):
+    for name, (trainer, _, says) in UPDATE_RUNS.items():
         (tmp_path / name).mkdir()
         run_uri = bf16_run(tmp_path / name, trainer)
         run = Store.open(run_uri)
@@ -234,14 +250,18 @@ def test_the_update_step_with_fsdp_trains_two_iterations_as_the_plain_one(tmp_pa
             write_experience(run_uri, iteration, experience_table(policy_version=iteration - 1, prompts=4, group=4))
             results = wait_ranks(start_ranks(run_uri, iteration, 2))
             assert [code for code, _, _ in results] == [0, 0], results[0][2][-3000:]
-            assert ("sharded over 2 ranks" in results[0][1]) == (name == "fsdp"), results[0][1]
+            assert says is None or says in results[0][1], results[0][1]
             if iteration == 1:
                 publish(run_uri, 1)
         tensors[name] = _candidate_tensors(run, 2, tmp_path / name)
-    assert tensors["fsdp"].keys() == tensors["plain"].keys()
     assert any(".master" in k for k in tensors["plain"])  # bf16 weights: the fp32 masters travel with the state
-    for key, value in tensors["plain"].items():
-        torch.testing.assert_close(tensors["fsdp"][key].float(), value.float(), atol=1e-5, rtol=1e-2, msg=key)
+    for name, (_, plain, _) in UPDATE_RUNS.items():
+        if plain is None:
+            continue
+        assert tensors[name].keys() == tensors[plain].keys(), name
+        for key, value in tensors[plain].items():
+            torch.testing.assert_close(tensors[name][key].float(), value.float(), atol=1e-5, rtol=1e-2,
+                                       msg=f"{name}: {key}")  # fmt: skip
 
 
 def test_a_trainer_that_stays_up_with_fsdp_trains_the_bytes_of_plain_fsdp_updates(tmp_path):

@@ -33,13 +33,15 @@ def with_trainer(cfg: RunConfig, **changes: Any) -> RunConfig:
 
 def _single_changes(cfg: RunConfig, m: ModelSizing) -> Iterator[dict[str, Any]]:
     """One setting at a time, the cheapest in time first: checkpointing (one more forward), FSDP of the non-expert
-    parameters (their gathers and reduce-scatters), a larger EP group (more all-to-all, no more GPUs), a smaller
-    micro-batch (more steps of less work), more trainer nodes."""
+    parameters (their gathers and reduce-scatters), the experts' over their dp replicas, a larger EP group (more
+    all-to-all, no more GPUs), a smaller micro-batch (more steps of less work), more trainer nodes."""
     t = cfg.trainer
     if not t.activation_checkpointing:
         yield {"activation_checkpointing": True}
     if not t.fsdp:
         yield {"fsdp": True}
+    if not t.shard_experts:
+        yield {"shard_experts": True}
     ranks = trainer_ranks(cfg)
     current_ep = t.ep_size or math.gcd(ranks, m.num_experts)
     for ep in sorted(d for d in range(current_ep + 1, ranks + 1) if ranks % d == 0 and m.num_experts % d == 0):

@@ -329,6 +329,7 @@ def trainer_memory(
     activation_checkpointing: bool = False,
     deepep_ranks: tuple[int, int] | None = None,
     fsdp: bool = False,
+    shard_experts: bool = False,
 ) -> MemoryTable:
     """GB a trainer GPU holds, as today's trainer lays a model out: the routed experts split over the EP group's
     ep ranks, every other parameter (and its optimizer state) replicated on every rank, nothing sharded over the
@@ -337,10 +338,13 @@ def trainer_memory(
     (h a token) plus one layer's activations at a time (the layer the backward is running again). deepep_ranks:
     (EP ranks, of them in one NVLink domain) when the experts exchange through DeepEP: its buffer. fsdp: the
     non-expert parameters and their state split over all ep x dp ranks (trainer.fsdp), each layer's gathered whole
-    around its forward and backward (the next one's already coming: two layers' worth)."""
+    around its forward and backward (the next one's already coming: two layers' worth). shard_experts: each EP
+    rank's experts and their state split over its dp replicas (trainer.shard_experts), a layer's gathered the
+    same way."""
     ranks = ep * dp
     non_expert = m.non_expert / ranks if fsdp else m.non_expert
-    params = non_expert + m.expert / ep
+    expert = m.expert / ep / (dp if shard_experts else 1)
+    params = non_expert + expert
     rows: list[tuple[str, float]] = [
         ("weights (bf16)", 2 * params / GB),
         ("gradients (bf16)", 2 * params / GB),
@@ -353,6 +357,10 @@ def trainer_memory(
         rows.append(("FSDP: two layers' non-expert parameters gathered whole (fp32)", 2 * 4 * per_layer / GB))
         rows.append(("FSDP: embeddings and output projection gathered whole (fp32)",
                      4 * (m.embedding + m.unembedding) / GB))  # fmt: skip
+    if shard_experts and dp > 1:
+        moe_layers = max(1, sum(1 for _ in m.attention))  # every layer may be a MoE layer: the bound
+        rows.append(("shard_experts: two layers' local experts gathered whole (fp32)",
+                     2 * 4 * m.expert / ep / moe_layers / GB))  # fmt: skip
     if kl_ref:
         rows.append(("reference policy (kl_coef > 0, fp32)", 4 * (m.non_expert + m.expert / ep) / GB))
     tokens = micro_batch * seq_len
@@ -371,7 +379,8 @@ def trainer_memory(
         rows.append((f"DeepEP buffer ({ranks} EP ranks, {tokens:,} tokens a rank)",
                      deepep_buffer_bytes(ranks, nvl, tokens, m.hidden_size, m.experts_per_token) / GB))  # fmt: skip
     held = "non-expert / (EP x DP) (trainer.fsdp)" if fsdp else "non-expert"
-    formula = (f"EP {ep} x DP {dp}: {params / 1e9:,.2f}B parameters a GPU = {held} + expert / EP; 16 bytes each "
+    held_experts = "expert / (EP x DP) (trainer.shard_experts)" if shard_experts else "expert / EP"
+    formula = (f"EP {ep} x DP {dp}: {params / 1e9:,.2f}B parameters a GPU = {held} + {held_experts}; 16 bytes each "
                "(bf16 weights and gradients, fp32 masters, two fp32 AdamW moments; today's trainer keeps fp32 "
                "weights and gradients instead: the same 16); activations ~ 4 bytes x micro-batch x sequence x "
                "sum over layers of (6h + attention q/k/v/out + E router logits + k x (h + 3 I_expert) "

@@ -198,6 +198,7 @@ def trainer_memory_table(cfg: RunConfig, a: Assumptions, m: ModelSizing) -> Memo
         m, ep, trainer_ranks(cfg) // ep, cfg.trainer.micro_batch_size, padded_seq_len(cfg, a),
         cfg.trainer.kl_coef > 0, gpu, capacity, activation_checkpointing=cfg.trainer.activation_checkpointing,
         deepep_ranks=(ep, per_node) if cfg.trainer.ep_backend == "deepep" else None, fsdp=cfg.trainer.fsdp,
+        shard_experts=cfg.trainer.shard_experts,
     )  # fmt: skip
 
 

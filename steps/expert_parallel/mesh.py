@@ -145,10 +145,11 @@ def sync_gradients(model: nn.Module, mesh: Mesh) -> None:
     """Make every rank's gradients those of the global objective (module docstring, "Gradients")."""
     shared, experts = _split_params(model)
     _all_reduce_mean([p for p in shared if not _sharded(p)], mesh.world_group, mesh.world_size)
-    _all_reduce_mean(experts, mesh.replica_group, mesh.dp_size)
+    # sharded experts (trainer.shard_experts) were averaged over their replicas by the backward's reduce-scatter
+    _all_reduce_mean([p for p in experts if not _sharded(p)], mesh.replica_group, mesh.dp_size)
     if mesh.ep_size > 1:
         for g in _grads(experts):
-            g /= mesh.ep_size
+            (g.to_local() if _sharded(g) else g).div_(mesh.ep_size)
 
 
 def global_grad_norm(model: nn.Module, mesh: Mesh) -> torch.Tensor:
@@ -166,7 +167,12 @@ def global_grad_norm(model: nn.Module, mesh: Mesh) -> torch.Tensor:
         local = torch.stack([g.to_local().float().pow(2).sum() for g in _grads(sharded)]).sum()
         dist.all_reduce(local, op=dist.ReduceOp.SUM, group=mesh.world_group)
         shared_sq = shared_sq + local
-    expert_sq = squares(experts)
+    expert_sq = squares([p for p in experts if not _sharded(p)])
+    sharded_experts = [p for p in experts if _sharded(p)]
+    if sharded_experts:  # each replica holds a shard of its EP rank's experts: summed over the replicas first
+        local = torch.stack([g.to_local().float().pow(2).sum() for g in _grads(sharded_experts)]).sum()
+        dist.all_reduce(local, op=dist.ReduceOp.SUM, group=mesh.replica_group)
+        expert_sq = expert_sq + local
     if mesh.ep_group is not None:
         expert_sq = expert_sq.clone()
         dist.all_reduce(expert_sq, op=dist.ReduceOp.SUM, group=mesh.ep_group)

@@ -264,6 +264,32 @@ class RouterSettings:
             )
 
 
+class RoutedExperts(nn.ModuleDict):
+    """A block's routed experts, by global id (their state-dict names), and the one call that runs them: the
+    dispatcher over the experts in slot order. Being a module call, it is where trainer.shard_experts' FSDP2
+    gathers the experts' weights before and reduce-scatters their gradients after (steps/training/sharding.py).
+
+    gradient_for_every_expert (set by that sharding): an expert no row reached gets an exact zero gradient rather
+    than none, since FSDP2 reduce-scatters the gradients a rank has and every replica must give the same ones."""
+
+    gradient_for_every_expert = False
+
+    def forward(
+        self,
+        dispatch: ExpertDispatch,
+        hidden: torch.Tensor,
+        slots: torch.Tensor,
+        topk_weight: torch.Tensor,
+        held: Sequence[int],
+    ) -> torch.Tensor:
+        experts = [self[str(e)] for e in held]
+        out = dispatch(hidden, slots, topk_weight, experts)
+        if self.gradient_for_every_expert:  # + 0 x one element of each weight: the same values, a zero gradient
+            weights = [p for expert in experts for p in expert.parameters() if p.requires_grad]
+            out = out + torch.stack([w.reshape(-1)[0] for w in weights]).sum() * 0.0
+        return out
+
+
 class SparseMoeBlock(nn.Module):
     """The sparse MoE block every family shares: `gate` (the router, of a router kind, steps/models/family.py;
     with a bias for "topk_softmax") + `experts.{e}` for the global expert ids this rank holds, each an instance
@@ -320,7 +346,7 @@ class SparseMoeBlock(nn.Module):
             self.gate.register_buffer("e_score_correction_bias", torch.zeros(num_experts, dtype=torch.float32))
         # ModuleDict in global id order (state_dict order does not depend on the placement)
         expert_kwargs = expert_kwargs or {}
-        self.experts = nn.ModuleDict(
+        self.experts = RoutedExperts(
             {str(e): self.expert_class(hidden_size, moe_intermediate_size, **expert_kwargs) for e in sorted(self.held)}
         )
         # Shared experts every token goes through beside its routed ones (DeepSeek-V3, GLM-4.5: summed; Qwen2-MoE:
@@ -425,7 +451,7 @@ class SparseMoeBlock(nn.Module):
                 f"LocalDispatch: this block holds {self.num_local_experts} of {self.num_experts} experts and "
                 "does not hold the others; use an expert-parallel dispatcher for a partial shard"
             )
-        out = self.dispatch(hidden, self.to_slots(topk_idx), topk_weight, self.local_experts())
+        out = self.experts(self.dispatch, hidden, self.to_slots(topk_idx), topk_weight, self.held)
         shared = self.shared_output(hidden)
         if shared is not None:
             out = out + shared

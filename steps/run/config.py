@@ -213,6 +213,14 @@ class TrainerConfig(_Section):
         "each layer's in the forward and the backward and a reduce-scatter of its gradients; the routed experts "
         "stay split by trainer.ep_size. The same update up to the order of the gradient sums",
     )
+    shard_experts: bool = _field(
+        False,
+        "shard each EP rank's routed experts, their gradients and AdamW state over the dp replicas that hold the "
+        "same experts (FSDP2 over the replica group, one unit per MoE layer): a GPU keeps 1/dp of its experts, "
+        "for an all-gather of each layer's in the forward and the backward and a reduce-scatter of their "
+        "gradients; what fits when EP inside a node leaves too many experts a GPU. The same update up to the "
+        "order of the gradient sums",
+    )
     sequence_packing: bool = _field(
         False,
         "run a micro-batch's sequences as one row without padding: each token attends within its own sequence, "

@@ -4,6 +4,8 @@ the output projection), their gradients and their AdamW state sharded over all t
 MoE's dense part. The routed experts stay out of it (ignored_params): expert parallelism already splits them, and
 their gradients are reduced over their dp replicas by steps/expert_parallel/mesh.py.
 
+trainer.shard_experts shards the routed experts too, over the dp replicas of their EP rank (shard_experts).
+
 Every replicated parameter becomes a DTensor sharded on dim 0 over the world (Shard(0)), its gradient reduce-
 scattered (averaged over the ranks, as sync_gradients averages a replicated gradient) in the backward and its
 AdamW state made by the optimizer in the same layout. What reads or writes a parameter by name (the candidate's
@@ -38,7 +40,8 @@ def shard_non_experts(model: nn.Module, mesh: Mesh, force: bool = False) -> bool
     if mesh.world_group is None or (mesh.world_size == 1 and not force):
         return False
     device_mesh = DeviceMesh.from_group(mesh.world_group, mesh.device.type)
-    experts = {p for name, p in model.named_parameters() if is_expert_param(name)}
+    # the routed experts, unless shard_experts already made them its own units (FSDP2 leaves those alone)
+    experts = {p for name, p in model.named_parameters() if is_expert_param(name) and not isinstance(p, DTensor)}
     for layer in model.decoder_layers():
         fully_shard(layer, mesh=device_mesh, ignored_params=experts & set(layer.parameters()))
         for method in FORWARD_METHODS:
@@ -49,6 +52,21 @@ def shard_non_experts(model: nn.Module, mesh: Mesh, force: bool = False) -> bool
     fully_shard(model, mesh=device_mesh, ignored_params=experts, reshard_after_forward=False)
     for method in FORWARD_METHODS:
         register_fsdp_forward_method(model, method)
+    return True
+
+
+def shard_experts(model: nn.Module, mesh: Mesh) -> bool:
+    """trainer.shard_experts: each MoE layer's routed experts of this rank (its EP share) sharded over the dp
+    replicas that hold the same experts (mesh.replica_group) with FSDP2, one unit per layer (RoutedExperts, the
+    module whose call runs the dispatch): a GPU keeps 1/dp of its experts' weights, gradients and AdamW state, and
+    gathers one layer's around its forward and backward. Call before shard_non_experts. Returns whether it
+    sharded (a single replica has nothing to shard over)."""
+    if mesh.dp_size == 1 or mesh.replica_group is None:
+        return False
+    replicas = DeviceMesh.from_group(mesh.replica_group, mesh.device.type)
+    for block in model.moe_blocks():
+        block.experts.gradient_for_every_expert = True  # every replica reduce-scatters every expert's gradient
+        fully_shard(block.experts, mesh=replicas, reshard_after_forward=True)
     return True
 
 

@@ -56,7 +56,7 @@ from steps.training.optimizer_state import (
     read_optimizer_state,
     restore_optimizer_state,
 )
-from steps.training.sharding import any_sharded, full_state_dict, shard_non_experts
+from steps.training.sharding import any_sharded, full_state_dict, shard_experts, shard_non_experts
 from steps.training.trainer import PolicyTrainer, TrainSettings, new_adamw, prompt_groups
 
 T = TypeVar("T")
@@ -352,7 +352,10 @@ def train_iteration(
     model.set_dispatch(dispatch)
     if ref_model is not None:
         ref_model.set_dispatch(dispatch)
-    if cfg.trainer.fsdp and shard_non_experts(model, mesh):  # before the optimizer: its state takes their layout
+    # before the optimizer (its state takes the parameters' layout); the experts first (their own FSDP2 units)
+    if cfg.trainer.shard_experts and shard_experts(model, mesh):
+        _say(rank, f"shard_experts: each EP rank's experts sharded over its {mesh.dp_size} dp replicas")
+    if cfg.trainer.fsdp and shard_non_experts(model, mesh):
         _say(rank, f"fsdp: the non-expert parameters, their gradients and AdamW state sharded over {world} ranks")
 
     torch.manual_seed(cfg.seed * 1_000_003 + iteration)
