@@ -295,3 +295,40 @@ def test_a_trainer_that_stays_up_with_fsdp_trains_the_bytes_of_plain_fsdp_update
     for i in (1, 2):
         assert {n: f["sha256"] for n, f in files["served"][i].items()} == {
             n: f["sha256"] for n, f in files["plain"][i].items()}, i
+
+
+def shared_prompt_step(rank: int, world: int, out_dir: Path, ep: int) -> None:
+    """One trainer step on GRPO groups (forward_shared_prompts), plain and with fsdp + checkpointing."""
+    from steps.training.trainer import collate_groups, rank_group_micro_batches
+
+    mesh = build_mesh(rank, world, ep, torch.device("cpu"))
+    num_experts, num_layers = tiny_model().config.num_experts, len(tiny_model().moe_blocks())
+    placement = ExpertPlacement.contiguous(num_layers, num_experts, ep)
+    dispatch = make_dispatch("alltoall", mesh, num_experts)
+    batch = samples()
+    everything = list(range(len(batch)))
+    micro = [collate_groups(batch, ids, mesh.device) for ids in rank_group_micro_batches(everything, batch, mesh, 6)]
+    for name, sharded_run in (("plain", False), ("fsdp", True)):
+        model = sharded(tiny_model(0), placement, mesh.ep_rank)
+        model.set_dispatch(dispatch)
+        if sharded_run:
+            assert shard_non_experts(model, mesh)
+            model.activation_checkpointing = True
+        settings = TrainSettings(loss=LossSettings(kl_coef=0.0), micro_batch_size=6, shared_prompts=True)
+        trainer = PolicyTrainer(model, mesh, settings, torch.optim.SGD(model.parameters(), lr=0.5))
+        trainer.step(micro, trainer.normalizer(batch, everything))
+        out = {f"weight.{n}": full_tensor(p.detach()).clone() for n, p in model.named_parameters()}
+        save_file(out, str(out_dir / f"{name}.rank{rank}.safetensors"))
+
+
+def test_shared_prompts_run_through_fsdp_and_checkpointing(tmp_path):
+    """forward_shared_prompts is a forward FSDP2 is told of (register_fsdp_forward_method), on the model and on
+    each layer, and runs under checkpointing: the step's weights are the plain one's."""
+    run_gloo(shared_prompt_step, 2, tmp_path, 2, timeout=600)
+    for rank in range(2):
+        plain = load_file(tmp_path / f"plain.rank{rank}.safetensors")
+        got = load_file(tmp_path / f"fsdp.rank{rank}.safetensors")
+        assert got.keys() == plain.keys()
+        for key in plain:
+            torch.testing.assert_close(got[key], plain[key], **FSDP_TOLERANCE, msg=key)
+        assert any(not torch.equal(plain[k], tiny_model(0).state_dict()[k[7:]]) for k in plain)  # it trained
