@@ -80,7 +80,7 @@ TRAINER_NOT_MAPPED = {
 # Trainer fields mapped by grpo_settings.
 TRAINER_MAPPED = {
     "micro_batch_size", "epochs", "steps_per_epoch", "lr", "weight_decay", "betas", "grad_clip", "clip_low",
-    "clip_high", "loss_agg", "kl_coef", "warmup_steps", "warmup_iterations", "lr_schedule", "router",
+    "clip_high", "loss_agg", "kl_coef", "warmup_steps", "warmup_iterations", "lr_schedule", "lr_final_ratio", "router",
     "router_aux_loss_coef",
 }  # fmt: skip
 LR_SCHEDULES = {"constant": "constant", "linear": "linear", "cosine": "cosine"}
@@ -132,6 +132,13 @@ def grpo_settings(cfg: RunConfig, iterations: int, output_dir: str) -> dict[str,
         raise MoerlError(f"trainer.lr_schedule {t.lr_schedule!r} has no TRL counterpart in bench/learning.py")
     if schedule == "constant" and warmup:
         schedule = "constant_with_warmup"
+    scheduler_kwargs: dict[str, float] = {}
+    final = float(getattr(t, "lr_final_ratio", 0.0) or 0.0)
+    if schedule == "cosine" and final > 0:  # transformers' cosine down to a floor: min_lr_rate
+        schedule, scheduler_kwargs = "cosine_with_min_lr", {"min_lr_rate": final}
+    elif schedule == "linear" and final > 0:
+        raise MoerlError("trainer.lr_schedule linear with lr_final_ratio > 0 has no TRL counterpart (its linear "
+                         "schedule ends at 0); use cosine, or lr_final_ratio 0")  # fmt: skip
     s = cfg.sampling
     return dict(
         output_dir=output_dir,
@@ -150,6 +157,7 @@ def grpo_settings(cfg: RunConfig, iterations: int, output_dir: str) -> dict[str,
         max_steps=iterations * steps_per_iteration,
         learning_rate=t.lr,
         lr_scheduler_type=schedule,
+        lr_scheduler_kwargs=scheduler_kwargs,
         warmup_steps=warmup,
         optim="adamw_torch",
         adam_beta1=t.betas[0],

@@ -179,6 +179,14 @@ class TrainerConfig(_Section):
     warmup_steps: int = _field(
         0, "optimizer steps of the run over which the learning rate ramps linearly up to lr (0: none)", ge=0
     )
+    lr_schedule: Literal["constant", "cosine", "linear"] = _field(
+        "constant",
+        "the learning rate after the warmup, over the run's optimizer steps (iterations x epochs x steps_per_epoch): "
+        "'constant' (lr), 'cosine' or 'linear' down to lr x lr_final_ratio at the run's last step",
+    )
+    lr_final_ratio: float = _field(
+        0.0, "with lr_schedule cosine or linear: the learning rate of the run's last step, as a share of lr", ge=0, le=1
+    )
     weight_decay: float = _field(0.0, "AdamW weight decay", ge=0)
     betas: tuple[float, float] = _field((0.9, 0.999), "AdamW betas, two numbers in [0, 1)")
     grad_clip: float = _field(1.0, "clip the global gradient norm to this; 0 turns clipping off", ge=0)

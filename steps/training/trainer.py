@@ -47,6 +47,9 @@ class TrainSettings:
     steps_per_epoch: int = 1
     lr: float = 2e-4
     warmup_steps: int = 0
+    lr_schedule: str = "constant"  # after the warmup: "constant", "cosine" or "linear" to lr * lr_final_ratio
+    lr_final_ratio: float = 0.0
+    run_steps: int = 0  # the run's optimizer steps (iterations x epochs x steps_per_epoch): where a decay ends
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
     grad_clip: float = 1.0
@@ -64,7 +67,9 @@ class TrainSettings:
         it has; the rest of it places the ranks: steps/update.py) and the run's seed."""
         section = dict(cfg.trainer)
         loss = LossSettings(**{f.name: section[f.name] for f in fields(LossSettings)})
-        return cls(loss=loss, **{f.name: section[f.name] for f in fields(cls) if f.name in section}, seed=cfg.seed)
+        run_steps = cfg.iterations * cfg.trainer.epochs * cfg.trainer.steps_per_epoch
+        return cls(loss=loss, **{f.name: section[f.name] for f in fields(cls) if f.name in section}, seed=cfg.seed,
+                   run_steps=run_steps)  # fmt: skip
 
     @property
     def total_steps(self) -> int:
@@ -633,17 +638,37 @@ def completed_steps(optimizer: AnyOptimizer) -> int:
 
 
 def warmup_lr(settings: TrainSettings, completed: int) -> float:
-    """The learning rate of the run's optimizer step number completed + 1: a linear ramp over warmup_steps.
+    """The learning rate of the run's optimizer step number completed + 1: a linear ramp over warmup_steps, then
+    the schedule (scheduled_lr).
 
     A fresh Adam's first updates are lr * sign(gradient) on every weight (its second moments hold one noisy
     sample): at lr 4e-4 that cost an addition3 SFT policy 15 points of held-out accuracy in one iteration."""
-    if settings.warmup_steps <= 0:
+    step = completed + 1
+    if settings.warmup_steps > 0 and step <= settings.warmup_steps:
+        return settings.lr * step / settings.warmup_steps
+    return scheduled_lr(settings, step)
+
+
+def scheduled_lr(settings: TrainSettings, step: int) -> float:
+    """trainer.lr_schedule after the warmup, for optimizer step `step` (1-based) of the run's run_steps: progress
+    p = (step - warmup - 1) / (run_steps - warmup - 1) in [0, 1] (the first step after the warmup takes lr, the
+    run's last lr * f); cosine lr * (f + (1 - f) (1 + cos(pi p)) / 2) (Loshchilov
+    and Hutter 2017, SGDR, without restarts; transformers' cosine_with_min_lr with min_lr_rate f), linear
+    lr * (1 - (1 - f) p), f = lr_final_ratio; the last step of the run takes lr * f. constant: lr."""
+    if settings.lr_schedule == "constant" or settings.run_steps <= settings.warmup_steps:
         return settings.lr
-    return settings.lr * min(1.0, (completed + 1) / settings.warmup_steps)
+    span = max(settings.run_steps - settings.warmup_steps - 1, 1)
+    progress = min(max((step - settings.warmup_steps - 1) / span, 0.0), 1.0)
+    final = settings.lr_final_ratio
+    if settings.lr_schedule == "cosine":
+        return settings.lr * (final + (1.0 - final) * 0.5 * (1.0 + math.cos(math.pi * progress)))
+    if settings.lr_schedule == "linear":
+        return settings.lr * (1.0 - (1.0 - final) * progress)
+    raise ValueError(f"lr_schedule {settings.lr_schedule!r}: use 'constant', 'cosine' or 'linear'")
 
 
 def set_learning_rate(optimizer: AnyOptimizer, settings: TrainSettings) -> float:
-    """Set the rate of the optimizer's next step (see warmup_lr) and return it."""
+    """Set the rate of the optimizer's next step (warmup_lr: the warmup, then the schedule) and return it."""
     lr = warmup_lr(settings, completed_steps(optimizer))
     for group in optimizer.param_groups:
         group["lr"] = lr
