@@ -46,6 +46,9 @@ COLUMNS: dict[str, tuple[str, ...]] = {
     "accuracy": ("heldout_accuracy", "held_out_accuracy", "eval_accuracy"),
     "kl": ("kl_mean", "kl", "kl_ref"),
     "sample_accuracy": ("accuracy",),
+    # the train-inference mismatch (steps/training/mismatch.py): k3 KL(behaviour || trainer), the ratio's 99th pct
+    "mismatch_k3": ("mismatch.k3",),
+    "mismatch_ratio_p99": ("mismatch.ratio.p99",),
 }
 # Step times: any numeric field whose name says it is a duration.
 _TIME_FIELD = re.compile(r"(seconds|_secs?|_s|_time|duration)$")

@@ -28,6 +28,7 @@ from steps.experience.tables import Sample
 from steps.expert_parallel.mesh import Mesh, clip_grad_norm, gather_ranks, sync_gradients
 from steps.models.causal_lm import MoeCausalLM
 from steps.models.kernels import token_logprobs
+from steps.training.mismatch import MismatchStats
 from steps.training.optim import AdamW, AnyOptimizer
 from steps.training.rl_loss import LossSettings, aggregate, token_entropy, token_terms
 
@@ -430,7 +431,9 @@ class PolicyTrainer:
 
     # -- one optimizer step --------------------------------------------------------------------------
 
-    def backward_step(self, micro_batches: list[MicroBatch], normalizer: float) -> torch.Tensor:
+    def backward_step(
+        self, micro_batches: list[MicroBatch], normalizer: float, mismatch: MismatchStats | None = None
+    ) -> torch.Tensor:
         """Forward + backward of every micro-batch (gradients accumulate); returns the local sums of _SUMS.
 
         normalizer: the global count the loss is averaged over (response tokens for token-mean, sequences
@@ -444,6 +447,8 @@ class PolicyTrainer:
         for mb in micro_batches:
             logp, logits = self.forward_logprobs(self.model, mb)
             old = mb.old_logp if mb.old_logp is not None else logp.detach()
+            if mismatch is not None:  # the weights the samples were drawn for: before the first optimizer step
+                mismatch.add(logp, mb.behavior_logp, mb.loss_mask)
             ref = self.reference_logprobs(self.ref_model, mb) if s.kl_coef > 0 else None
             terms = token_terms(logp, old, mb.behavior_logp, mb.advantages, mb.loss_mask, s, ref)
             loss = aggregate(terms.loss, terms.mask, s.loss_agg, normalizer)
@@ -477,10 +482,12 @@ class PolicyTrainer:
                     is_min = torch.minimum(is_min, weights.min().cpu())
         return torch.cat([sums, is_max.view(1), -is_min.view(1)])
 
-    def step(self, micro_batches: list[MicroBatch], normalizer: float) -> StepResult:
+    def step(
+        self, micro_batches: list[MicroBatch], normalizer: float, mismatch: MismatchStats | None = None
+    ) -> StepResult:
         """One optimizer step: accumulate, reduce the statistics, stop on a non-finite loss, sync and clip
-        the gradients, update the weights."""
-        local = self.backward_step(micro_batches, normalizer)
+        the gradients, update the weights. mismatch: add the step's tokens to it (before the step's update)."""
+        local = self.backward_step(micro_batches, normalizer, mismatch)
         n = len(_SUMS)
         # one collective for the sums and the maxima: every rank's vector, reduced here in rank order
         per_rank = gather_ranks(local.to(self.mesh.device), self.mesh).cpu()
@@ -567,20 +574,27 @@ class PolicyTrainer:
         plan = self.plan(samples, iteration)
         trained = trained_steps(samples, plan, self.settings)
         old = None  # one step: the ratio's old policy is the current one, detached (see step)
+        # The mismatch (steps/training/mismatch.py): over every trained sample when the update recomputes the old
+        # log-probs, else over the first step's, whose forward runs before any update
+        mismatch, recomputed = MismatchStats(), False
         if len(plan) > 1 and self.settings.old_logprobs == "behavior":  # the engine's: no extra forward pass
             old = {i: torch.tensor(s.behavior_logprobs, dtype=torch.float32) for i, s in enumerate(samples)}
         elif len(plan) > 1:
-            old = self.old_logprobs(samples, trained)
+            old, recomputed = self.old_logprobs(samples, trained), True
+            for i in (i for step in trained for i in step):
+                mismatch.add(old[i], torch.tensor(samples[i].behavior_logprobs), torch.ones(len(old[i])))
         results = []
         if on_step is not None:
             on_step(0, len(plan))
         for step_indices, trained_indices in zip(plan, trained, strict=True):
             micro = self.micro_batches(samples, trained_indices, old)
-            results.append(self.step(micro, self.normalizer(samples, step_indices)))
+            first = not results and not recomputed
+            results.append(self.step(micro, self.normalizer(samples, step_indices), mismatch if first else None))
             if on_step is not None:
                 on_step(len(results), len(plan))
         seconds = time.perf_counter() - start
         metrics = iteration_metrics(results, seconds)
+        metrics["mismatch"] = mismatch.reduce(self.mesh)
         metrics["zero_advantage_skipped"] = sum(len(p) - len(t) for p, t in zip(plan, trained, strict=True))
         return metrics
 
