@@ -66,6 +66,9 @@ TRAINER_NOT_MAPPED = {
     "nproc_per_node": "one process (2 torch threads)",
     "nodes": "one process",
     "is_cap": "no importance correction without vLLM (both sides on-policy at staleness 0)",
+    "is_correction": "no importance correction without vLLM (both sides on-policy at staleness 0)",
+    "is_level": "no importance correction without vLLM (both sides on-policy at staleness 0)",
+    "is_lower": "no importance correction without vLLM (both sides on-policy at staleness 0)",
     "old_logprobs": "recomputes them in an extra forward pass (steps_per_generation > 1): it has no engine log-probs",
     "shared_prompts": "runs each sample's prompt itself, and shuffles samples, not whole groups, into steps",
     "server": "one process that trains in place (a trainer that stays up changes where moerl trains, not what)",
@@ -81,7 +84,7 @@ TRAINER_NOT_MAPPED = {
 TRAINER_MAPPED = {
     "micro_batch_size", "epochs", "steps_per_epoch", "lr", "weight_decay", "betas", "grad_clip", "clip_low",
     "clip_high", "loss_agg", "kl_coef", "warmup_steps", "warmup_iterations", "lr_schedule", "lr_final_ratio", "router",
-    "router_aux_loss_coef",
+    "router_aux_loss_coef", "loss",
 }  # fmt: skip
 LR_SCHEDULES = {"constant": "constant", "linear": "linear", "cosine": "cosine"}
 
@@ -132,6 +135,9 @@ def grpo_settings(cfg: RunConfig, iterations: int, output_dir: str) -> dict[str,
         raise MoerlError(f"trainer.lr_schedule {t.lr_schedule!r} has no TRL counterpart in bench/learning.py")
     if schedule == "constant" and warmup:
         schedule = "constant_with_warmup"
+    if getattr(t, "loss", "ppo") != "ppo":
+        raise MoerlError(f"trainer.loss {t.loss!r}: the learning bench compares PPO-clip only (TRL's GRPOTrainer "
+                         "loss); set trainer.loss: ppo")  # fmt: skip
     scheduler_kwargs: dict[str, float] = {}
     final = float(getattr(t, "lr_final_ratio", 0.0) or 0.0)
     if schedule == "cosine" and final > 0:  # transformers' cosine down to a floor: min_lr_rate

@@ -12,8 +12,8 @@ from steps.training.rl_loss import (
     ppo_clip_objective,
     token_entropy,
     token_terms,
-    truncated_is_weight,
 )
+from steps.training.rl_loss import importance_correction as correction
 
 
 def t(*values: float) -> torch.Tensor:
@@ -21,11 +21,13 @@ def t(*values: float) -> torch.Tensor:
 
 
 def test_truncated_importance_weight():
-    w = truncated_is_weight(old_logp=t(-1.0, -2.0, -1.0), behavior_logp=t(-2.0, -1.0, -1.0), cap=2.0)
+    tis = LossSettings(is_cap=2.0)
+    w, capped = correction(t(-1.0, -2.0, -1.0), t(-2.0, -1.0, -1.0), torch.ones(3), tis)
     # exp(1) = 2.718 is capped at 2; exp(-1) = 0.3679; equal log-probs give 1
     torch.testing.assert_close(w, t(2.0, math.exp(-1.0), 1.0))
+    assert capped.tolist() == [True, False, False]
     old = torch.tensor([-1.0], requires_grad=True)
-    assert not truncated_is_weight(old, t(-2.0), cap=5.0).requires_grad  # a weight, not a gradient path
+    assert not correction(old, t(-2.0), torch.ones(1), LossSettings(is_cap=5.0))[0].requires_grad  # a weight
 
 
 def test_ppo_clip_with_separate_low_and_high_bounds():

@@ -27,10 +27,11 @@ def changed(section: Any, **values: Any) -> dict[str, Any]:
 
 def test_every_trainer_loop_and_loss_setting_reaches_the_trainer():
     default = validate_config(URIS).trainer
-    loss = changed(default, clip_low=0.1, clip_high=0.5, loss_agg="seq-mean", kl_coef=0.3, is_cap=3.0)
+    loss = changed(default, clip_low=0.1, clip_high=0.5, loss_agg="seq-mean", kl_coef=0.3, is_cap=3.0,
+                   loss="gspo", is_correction="mis", is_level="sequence", is_lower=0.25)  # fmt: skip
     loop = changed(default, micro_batch_size=7, epochs=3, steps_per_epoch=5, lr=1e-3, warmup_steps=9,
                    weight_decay=0.01, betas=(0.8, 0.95), grad_clip=0.5, old_logprobs="behavior",
-                   shared_prompts=True)  # fmt: skip
+                   shared_prompts=True, lr_schedule="cosine", lr_final_ratio=0.1)  # fmt: skip
     cfg = validate_config({**URIS, "seed": 11, "trainer": {**loss, **loop}})
     settings = TrainSettings.from_run_config(cfg)
     assert dataclasses.asdict(settings.loss) == loss

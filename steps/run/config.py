@@ -242,7 +242,29 @@ class TrainerConfig(_Section):
         "(the CPU; CUDA in bf16 on sm80+ with dimensions that are multiples of 8), expert by expert elsewhere; "
         "false: always expert by expert. On the CPU both give the same bits",
     )
-    is_cap: float = _field(2.0, "cap of the truncated importance weight behaviour -> trainer policy", gt=0)
+    is_cap: float = _field(
+        2.0, "upper bound of the importance weight behaviour -> trainer (tis truncates to it, mis masks above it)", gt=0
+    )
+    is_correction: Literal["none", "tis", "mis"] = _field(
+        "tis",
+        "the engine -> trainer importance correction (steps/training/rl_loss.py): 'tis' truncates the weight at "
+        "is_cap, 'mis' masks the tokens (or sequences) whose weight is outside [is_lower, is_cap] out of the "
+        "gradient, 'none' uses weight 1",
+    )
+    is_level: Literal["token", "sequence"] = _field(
+        "token",
+        "the importance weight per token, or per sequence (the geometric mean of its tokens' ratios, for every "
+        "token of it)",
+    )
+    is_lower: float | None = _field(
+        None, "with is_correction mis: the band's lower bound (null: 1 / is_cap)", gt=0
+    )
+    loss: Literal["ppo", "gspo", "cispo"] = _field(
+        "ppo",
+        "the policy-gradient loss: 'ppo' (PPO-clip with clip_low/clip_high), 'gspo' (a sequence-level ratio and "
+        "clipping; use clip ranges of order 3e-4 / 4e-4 and loss_agg seq-mean) or 'cispo' (the clipped ratio as a "
+        "weight, the gradient through every token's log-prob)",
+    )
     old_logprobs: Literal["recompute", "behavior"] = _field(
         "recompute",
         "the PPO ratio's old policy, for updates of more than one step: 'recompute' (one extra forward pass "

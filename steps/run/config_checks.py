@@ -113,6 +113,18 @@ def semantic_problems(cfg: Any) -> list[tuple[str, str]]:
             f"{cfg.rollout.chunk_size} prompts per iteration; use at most {chunks} shards "
             "or a smaller rollout.chunk_size",
         )
+    if cfg.trainer.loss == "gspo" and cfg.trainer.loss_agg != "seq-mean":
+        bad(
+            "trainer.loss",
+            "gspo's ratio is a sequence's and its loss a mean over sequences (Zheng et al. 2025); set "
+            "trainer.loss_agg: seq-mean",
+        )
+    if cfg.trainer.is_lower is not None and cfg.trainer.is_lower >= cfg.trainer.is_cap:
+        bad(
+            "trainer.is_lower",
+            f"{cfg.trainer.is_lower} is not below is_cap {cfg.trainer.is_cap}; the band [is_lower, is_cap] would be "
+            "empty",
+        )
     if cfg.trainer.sequence_packing and cfg.trainer.shared_prompts:
         bad(
             "trainer.sequence_packing",

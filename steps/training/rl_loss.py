@@ -1,12 +1,29 @@
-"""The RL objective: PPO-clip with clip-higher, truncated importance sampling and a k3 KL penalty.
+"""The RL objective: a policy-gradient loss (PPO-clip with clip-higher, GSPO or CISPO), an importance correction of
+the engine -> trainer mismatch (truncated or masked, per token or per sequence) and a k3 KL penalty.
 
-Per response token t of a sample with advantage A (all log-probs are of the sampled token):
+Per response token t of sample i with advantage A (all log-probs are of the sampled token):
 
-    ratio_t = exp(logp_t - old_logp_t)                       old: the trainer's policy before this update
-    w_t     = min(exp(old_logp_t - behavior_logp_t), is_cap)  truncated importance weight, no gradient:
-                                                             corrects staleness (samples from an older
-                                                             version) and engine mismatch (SGLang vs torch)
-    pg_t    = -w_t * min(ratio_t * A, clip(ratio_t, 1 - clip_low, 1 + clip_high) * A)   (DAPO clip-higher)
+    r_t     = exp(logp_t - old_logp_t)                        old: the trainer's policy before this update
+    rho_t   = exp(old_logp_t - behavior_logp_t)               behaviour (the engine) -> trainer, no gradient
+    w_t     the importance correction (trainer.is_correction, at trainer.is_level):
+              tis   min(rho, is_cap)                          truncated IS (Yao et al. 2025, "Your efficient RL
+                                                              framework secretly brings you off-policy RL training";
+                                                              verl rollout_corr_helper.py, slime tis_clip)
+              mis   rho where is_lower <= rho <= is_cap, else 0: masked IS (Liu, Li et al. 2025, "When Speed Kills
+                                                              Stability"; verl's mask mode, slime's IcePop): a token
+                                                              outside the band leaves the gradient
+              none  1
+              at the sequence level rho is the sequence's geometric mean exp(mean_t log rho_t), the same for each
+              of its tokens (verl's geometric / seq_mean_k1)
+    pg_t    trainer.loss:
+              ppo   -w * min(r A, clip(r, 1 - clip_low, 1 + clip_high) A)          (DAPO clip-higher)
+              gspo  -w * min(s A, clip(s, 1 - clip_low, 1 + clip_high) A), s_t = sg(s_i) r_t / sg(r_t), s_i =
+                    exp(mean_t log r_t): the sequence's ratio, its gradient through each token (GSPO-token; Zheng et
+                    al. 2025, arXiv 2507.18071, eq. 10-11; verl compute_policy_loss_gspo); clip ranges of order
+                    3e-4 / 4e-4 (the paper's section 5.1), aggregated per sequence (seq-mean)
+              cispo -w * sg(clip(r, 1 - clip_low, 1 + clip_high)) A logp: the clipped ratio as a weight, the gradient
+                    through every token's log-prob (MiniMax-M1, arXiv 2506.13585, eq. 4-5; verl
+                    compute_policy_loss_cispo, slime compute_cispo_loss)
     kl_t    = exp(ref_t - logp_t) - (ref_t - logp_t) - 1      k3 estimator of KL(policy || reference)
     loss_t  = pg_t + kl_coef * kl_t
 
@@ -15,7 +32,8 @@ Aggregation over the global batch:
     seq-mean    mean over sequences of (sum of loss_t in the sequence / its response tokens)
 
 The global count (tokens or sequences) is passed in as `normalizer`, so that each rank (and each
-micro-batch) adds its share and the shares sum to the global mean however the batch is split.
+micro-batch) adds its share and the shares sum to the global mean however the batch is split. A token mis
+masks out still counts in it (its loss is 0).
 """
 
 from __future__ import annotations
@@ -26,6 +44,9 @@ from typing import Literal
 import torch
 
 LossAgg = Literal["token-mean", "seq-mean"]
+PolicyLoss = Literal["ppo", "gspo", "cispo"]
+IsCorrection = Literal["none", "tis", "mis"]
+IsLevel = Literal["token", "sequence"]
 
 
 @dataclass(frozen=True)
@@ -35,11 +56,34 @@ class LossSettings:
     loss_agg: LossAgg = "token-mean"
     kl_coef: float = 0.0
     is_cap: float = 2.0
+    loss: PolicyLoss = "ppo"
+    is_correction: IsCorrection = "tis"
+    is_level: IsLevel = "token"
+    is_lower: float | None = None  # mis's lower bound; None: 1 / is_cap
 
 
-def truncated_is_weight(old_logp: torch.Tensor, behavior_logp: torch.Tensor, cap: float) -> torch.Tensor:
-    """min(exp(old - behavior), cap), detached: a weight on the loss, never a path for gradients."""
-    return torch.exp(old_logp.detach() - behavior_logp.detach()).clamp(max=cap)
+def sequence_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Each row's mean over its masked positions [B, T] -> [B, 1] (0 for a row without any)."""
+    return ((values * mask).sum(-1) / mask.sum(-1).clamp(min=1)).unsqueeze(-1)
+
+
+def importance_correction(
+    old_logp: torch.Tensor, behavior_logp: torch.Tensor, mask: torch.Tensor, settings: LossSettings
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(w [B, T], where the correction acted [B, T]: capped by tis, masked by mis), detached (module docstring)."""
+    log_rho = (old_logp.detach() - behavior_logp.detach()).clamp(-20.0, 20.0)
+    if settings.is_level == "sequence":
+        log_rho = sequence_mean(log_rho, mask.to(log_rho.dtype)).expand_as(log_rho)
+    rho = torch.exp(log_rho)
+    if settings.is_correction == "none":
+        return torch.ones_like(rho), torch.zeros_like(rho, dtype=torch.bool)
+    if settings.is_correction == "tis":
+        return rho.clamp(max=settings.is_cap), rho >= settings.is_cap
+    if settings.is_correction == "mis":
+        lower = settings.is_lower if settings.is_lower is not None else 1.0 / settings.is_cap
+        outside = (rho < lower) | (rho > settings.is_cap)
+        return torch.where(outside, torch.zeros_like(rho), rho), outside
+    raise ValueError(f"is_correction {settings.is_correction!r}: use 'none', 'tis' or 'mis'")
 
 
 def ppo_clip_objective(
@@ -56,6 +100,36 @@ def ppo_clip_objective(
     clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * advantages
     clip_active = clipped < unclipped  # min picks the clipped value: r beyond the bound on A's side
     return -torch.minimum(unclipped, clipped), ratio, clip_active
+
+
+def gspo_objective(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_low: float,
+    clip_high: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GSPO-token (module docstring): per token (-min(s A, clip(s) A), s, whether the clipped branch is taken)."""
+    if advantages.dim() == logp.dim() - 1:
+        advantages = advantages.unsqueeze(-1)
+    log_r = logp - old_logp.detach()
+    sequence = sequence_mean(log_r.detach(), mask.to(log_r.dtype))
+    ratio = torch.exp((logp - logp.detach() + sequence).clamp(max=10.0))
+    unclipped = ratio * advantages
+    clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * advantages
+    return -torch.minimum(unclipped, clipped), ratio, clipped < unclipped
+
+
+def cispo_objective(
+    logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, clip_low: float, clip_high: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """CISPO (module docstring): per token (-sg(clip(r)) A logp, r, whether the clip changed r)."""
+    if advantages.dim() == logp.dim() - 1:
+        advantages = advantages.unsqueeze(-1)
+    ratio = torch.exp((logp - old_logp.detach()).clamp(-20.0, 20.0))
+    weight = ratio.detach().clamp(1.0 - clip_low, 1.0 + clip_high)
+    return -weight * advantages * logp, ratio, weight != ratio.detach()
 
 
 def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
@@ -75,6 +149,7 @@ class TokenTerms:
     is_weight: torch.Tensor
     clip_active: torch.Tensor
     mask: torch.Tensor
+    is_corrected: torch.Tensor | None = None  # where the correction capped (tis) or masked (mis) the weight
 
 
 def token_terms(
@@ -93,10 +168,20 @@ def token_terms(
     logp = torch.where(mask, logp, zero)
     old_logp = torch.where(mask, old_logp, zero)
     behavior_logp = torch.where(mask, behavior_logp, zero)
-    is_weight = torch.where(mask, truncated_is_weight(old_logp, behavior_logp, settings.is_cap), zero)
-    surrogate, ratio, clip_active = ppo_clip_objective(
-        logp, old_logp, advantages, settings.clip_low, settings.clip_high
-    )
+    weight, corrected = importance_correction(old_logp, behavior_logp, mask, settings)
+    is_weight = torch.where(mask, weight, zero)
+    if settings.loss == "gspo":
+        surrogate, ratio, clip_active = gspo_objective(
+            logp, old_logp, advantages, mask, settings.clip_low, settings.clip_high
+        )
+    elif settings.loss == "cispo":
+        surrogate, ratio, clip_active = cispo_objective(
+            logp, old_logp, advantages, settings.clip_low, settings.clip_high
+        )
+    else:
+        surrogate, ratio, clip_active = ppo_clip_objective(
+            logp, old_logp, advantages, settings.clip_low, settings.clip_high
+        )
     pg = torch.where(mask, is_weight * surrogate, zero)
     if ref_logp is not None and settings.kl_coef > 0:
         kl = torch.where(mask, k3_kl(logp, torch.where(mask, ref_logp, zero)), zero)
@@ -106,7 +191,7 @@ def token_terms(
         loss = pg
     return TokenTerms(
         loss=loss, pg=pg, kl=kl, ratio=torch.where(mask, ratio, zero), is_weight=is_weight,
-        clip_active=clip_active & mask, mask=mask,
+        clip_active=clip_active & mask, mask=mask, is_corrected=corrected & mask,
     )  # fmt: skip
 
 

@@ -69,8 +69,9 @@ class TrainSettings:
         section = dict(cfg.trainer)
         loss = LossSettings(**{f.name: section[f.name] for f in fields(LossSettings)})
         run_steps = cfg.iterations * cfg.trainer.epochs * cfg.trainer.steps_per_epoch
-        return cls(loss=loss, **{f.name: section[f.name] for f in fields(cls) if f.name in section}, seed=cfg.seed,
-                   run_steps=run_steps)  # fmt: skip
+        # trainer.loss names the policy loss (LossSettings.loss), not TrainSettings.loss
+        own = {f.name: section[f.name] for f in fields(cls) if f.name in section and f.name != "loss"}
+        return cls(loss=loss, **own, seed=cfg.seed, run_steps=run_steps)
 
     @property
     def total_steps(self) -> int:
@@ -469,7 +470,7 @@ class PolicyTrainer:
                     terms.kl.sum().double(),
                     terms.clip_active.sum().double(),
                     weights.sum(),
-                    (weights >= s.is_cap).sum().double(),
+                    terms.is_corrected.sum().double(),  # capped (tis) or masked (mis)
                     entropy.sum().double(),
                     mask.sum().double(),
                     torch.tensor(float(mb.num_real_tokens if mb.sample_ids else 0), dtype=torch.float64),
