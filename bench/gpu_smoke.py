@@ -289,7 +289,7 @@ def deepep_section(args: argparse.Namespace) -> dict:
     hidden, inter, experts, top_k, tokens = 256, 512, 8, 2, 512
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29533")
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
         dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
     torch.manual_seed(0)
     block = MoeBlock(hidden, inter, experts, top_k, norm_topk_prob=False).cuda()
@@ -336,6 +336,15 @@ def deepep_section(args: argparse.Namespace) -> dict:
 # --------------------------------------------------------------------------------------------- sharded
 
 
+def free_port() -> int:
+    """A TCP port nothing listens on now, for a process group's store (a fixed one may be taken)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
 def _one_rank_world(device: str) -> bool:
     """A 1-rank process group (NCCL on CUDA, gloo on the CPU) unless one exists; returns whether it made it."""
     import torch
@@ -344,7 +353,7 @@ def _one_rank_world(device: str) -> bool:
     if dist.is_initialized():
         return False
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29534")
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
     if device == "cuda":
         dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
     else:

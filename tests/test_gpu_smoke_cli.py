@@ -63,12 +63,14 @@ def test_the_in_place_update_it_checks_runs_on_cpu():
     assert result["ok"] and result["float32"]["identical"] and result["bfloat16"]["identical"]
 
 
-def test_the_sharded_section_runs_its_check_on_the_cpu():
+def test_the_sharded_section_runs_its_check_on_the_cpu(monkeypatch):
     """The sharded section's own function on the CPU (gloo, a 1-rank world): FSDP2 forced over it with activation
     checkpointing gives the plain step's weights, and the grouped GEMM is used and agrees in bf16; on a GPU the
     same code runs on CUDA (NCCL, grouped_mm's CUDA kernel)."""
     import torch.distributed as dist
 
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")  # the process group's store on a free port, gone after the test
+    monkeypatch.setenv("MASTER_PORT", str(gpu_smoke.free_port()))
     result = gpu_smoke.sharded_check("cpu")
     assert not dist.is_initialized()  # the world it made is gone
     assert result["fsdp_checkpointing_step"]["ok"], result
