@@ -52,14 +52,18 @@ FSDP_TOLERANCE = {"atol": 2e-6, "rtol": 1e-5}
 PACKING_TOLERANCE = {"atol": 2e-5, "rtol": 1e-4}
 
 
-def update_every_setting(rank: int, world: int, out_dir: Path, ep: int) -> None:
-    """Two AdamW steps of the PPO objective on this rank's share, once per setting, from the same weights."""
+def ep_rank_setup(rank: int, world: int, ep: int) -> tuple:
+    """This gloo rank's mesh, the contiguous expert placement, the all-to-all dispatch, the samples and their ids."""
     mesh = build_mesh(rank, world, ep, torch.device("cpu"))
     num_experts, num_layers = tiny_model().config.num_experts, len(tiny_model().moe_blocks())
     placement = ExpertPlacement.contiguous(num_layers, num_experts, ep)
-    dispatch = make_dispatch("alltoall", mesh, num_experts)
     batch = samples()
-    everything = list(range(len(batch)))
+    return mesh, placement, make_dispatch("alltoall", mesh, num_experts), batch, list(range(len(batch)))
+
+
+def update_every_setting(rank: int, world: int, out_dir: Path, ep: int) -> None:
+    """Two AdamW steps of the PPO objective on this rank's share, once per setting, from the same weights."""
+    mesh, placement, dispatch, batch, everything = ep_rank_setup(rank, world, ep)
     for name, on in SETTINGS.items():
         packing = "sequence_packing" in on
         micro = [
@@ -301,12 +305,7 @@ def shared_prompt_step(rank: int, world: int, out_dir: Path, ep: int) -> None:
     """One trainer step on GRPO groups (forward_shared_prompts), plain and with fsdp + checkpointing."""
     from steps.training.trainer import collate_groups, rank_group_micro_batches
 
-    mesh = build_mesh(rank, world, ep, torch.device("cpu"))
-    num_experts, num_layers = tiny_model().config.num_experts, len(tiny_model().moe_blocks())
-    placement = ExpertPlacement.contiguous(num_layers, num_experts, ep)
-    dispatch = make_dispatch("alltoall", mesh, num_experts)
-    batch = samples()
-    everything = list(range(len(batch)))
+    mesh, placement, dispatch, batch, everything = ep_rank_setup(rank, world, ep)
     micro = [collate_groups(batch, ids, mesh.device) for ids in rank_group_micro_batches(everything, batch, mesh, 6)]
     for name, sharded_run in (("plain", False), ("fsdp", True)):
         model = sharded(tiny_model(0), placement, mesh.ep_rank)
