@@ -82,3 +82,26 @@ def test_the_report_shows_them():
     flat = flatten({"update": {"mismatch": {"k3": 0.01, "ratio": {"p99": 1.2}}}})
     assert find_field(flat, COLUMNS["mismatch_k3"]) == 0.01
     assert find_field(flat, COLUMNS["mismatch_ratio_p99"]) == 1.2
+
+
+@pytest.mark.parametrize("steps", [1, 2])
+def test_the_update_step_reports_every_ranks_tokens(tmp_path, steps):
+    """Two ranks (EP=2), one step or two (old log-probs recomputed, each rank over its own samples): the mismatch
+    counts every trained response token once; the torch engine's behaviour log-probs here are synthetic, so the
+    ratio is far from 1 and k3 well above 0."""
+    from test_update_experience import experience_table, make_run, start_ranks, wait_ranks, write_experience
+
+    from steps.run.keys import update_metrics_key
+    from steps.store.object_store import Store
+
+    run_uri = make_run(tmp_path, trainer={"steps_per_epoch": steps})
+    table = experience_table(policy_version=0, prompts=4, group=4)
+    write_experience(run_uri, 1, table)
+    results = wait_ranks(start_ranks(run_uri, 1, 2))
+    assert [code for code, _, _ in results] == [0, 0], results[0][2][-3000:]
+    got = Store.open(run_uri).get_json(update_metrics_key(1))["update"]["mismatch"]
+    trained = [len(r) for r, a in zip(table.column("response_ids").to_pylist(), table.column("advantage").to_pylist(),
+                                      strict=True) if a != 0]  # fmt: skip
+    assert got["tokens"] == sum(trained) and got["k3"] > 0
+    ratio = got["ratio"]
+    assert ratio["min"] <= ratio["p01"] <= ratio["p50"] <= ratio["p99"] <= ratio["max"]

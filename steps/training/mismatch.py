@@ -65,5 +65,6 @@ class MismatchStats:
         ratio = {"max": math.exp(float(every[:, 2].max())), "min": math.exp(-float(every[:, 3].max()))}
         for name, q in QUANTILES.items():
             bin_index = int(torch.searchsorted(cumulative, torch.tensor(q, dtype=torch.float64)))
-            ratio[name] = math.exp(-LOG_RANGE + (min(bin_index, BINS - 1) + 0.5) * width)
+            center = math.exp(-LOG_RANGE + (min(bin_index, BINS - 1) + 0.5) * width)
+            ratio[name] = min(max(center, ratio["min"]), ratio["max"])  # a bin's center may lie past the extremes
         return {"k3": k3 / tokens, "ratio": ratio, "tokens": int(tokens)}

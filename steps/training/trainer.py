@@ -582,8 +582,8 @@ class PolicyTrainer:
             old = {i: torch.tensor(s.behavior_logprobs, dtype=torch.float32) for i, s in enumerate(samples)}
         elif len(plan) > 1:
             old, recomputed = self.old_logprobs(samples, trained), True
-            for i in (i for step in trained for i in step):
-                mismatch.add(old[i], torch.tensor(samples[i].behavior_logprobs), torch.ones(len(old[i])))
+            for i, logp in old.items():  # this rank's trained samples (every rank adds its own)
+                mismatch.add(logp, torch.tensor(samples[i].behavior_logprobs), torch.ones(len(logp)))
         results = []
         if on_step is not None:
             on_step(0, len(plan))
