@@ -29,8 +29,9 @@ def test_the_figures_by_hand():
     stats = MismatchStats()
     stats.add(log_r, torch.zeros_like(log_r), torch.ones_like(log_r))
     stats.add(torch.tensor([9.0]), torch.zeros(1), torch.zeros(1))  # masked out: not counted
+    stats.add(torch.tensor([float("nan"), -float("inf")]), torch.zeros(2), torch.ones(2))  # counted apart
     got = stats.reduce(Mesh())
-    assert got["tokens"] == 10
+    assert got["tokens"] == 10 and got["nonfinite_tokens"] == 2
     assert got["k3"] == pytest.approx(float((log_r.exp() - 1 - log_r).mean()))
     assert got["ratio"]["max"] == pytest.approx(math.exp(2.0)) and got["ratio"]["min"] == pytest.approx(math.exp(-1))
     ordered = sorted(log_r.tolist())

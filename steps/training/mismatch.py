@@ -11,7 +11,8 @@ Per response token, with r = exp(trainer - behaviour) (the importance ratio beha
               extremes exactly, the percentiles from a histogram of log r (BINS bins over [-LOG_RANGE, LOG_RANGE],
               so to within half a bin, 0.25%; tokens beyond the range fall in the end bins)
 
-A rank adds its tokens (add), reduce() sums every rank's in one gather.
+A rank adds its tokens (add), reduce() sums every rank's in one gather. A token whose log-probs are not finite is
+counted (nonfinite_tokens) and left out of the figures: the update's own check stops on a non-finite loss.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ class MismatchStats:
 
     def __init__(self) -> None:
         self.tokens = 0.0
+        self.nonfinite = 0.0
         self.k3 = 0.0
         self.hist = torch.zeros(BINS, dtype=torch.float64)
         self.log_max = -math.inf
@@ -42,6 +44,9 @@ class MismatchStats:
         """Tokens where mask is set, their trainer and behaviour log-probs (any matching shapes)."""
         mask = mask.bool()
         log_r = (trainer_logp.detach().double() - behavior_logp.detach().double())[mask].cpu()
+        finite = torch.isfinite(log_r)
+        self.nonfinite += float((~finite).sum())  # the step's own check names a non-finite loss: counted only
+        log_r = log_r[finite]
         if not log_r.numel():
             return
         self.tokens += float(log_r.numel())
@@ -53,13 +58,13 @@ class MismatchStats:
 
     def reduce(self, mesh: Mesh) -> dict[str, Any] | None:
         """Every rank's sums (one collective, every rank calls it): the iteration's figures, None without tokens."""
-        mine = torch.cat([torch.tensor([self.tokens, self.k3, self.log_max, -self.log_min], dtype=torch.float64),
-                          self.hist])  # fmt: skip
+        head = [self.tokens, self.k3, self.log_max, -self.log_min, self.nonfinite]
+        mine = torch.cat([torch.tensor(head, dtype=torch.float64), self.hist])
         every = gather_ranks(mine.to(mesh.device), mesh).cpu()
-        tokens, k3 = float(every[:, 0].sum()), float(every[:, 1].sum())
+        tokens, k3, nonfinite = float(every[:, 0].sum()), float(every[:, 1].sum()), int(every[:, 4].sum())
         if tokens == 0:
             return None
-        hist = every[:, 4:].sum(0)
+        hist = every[:, len(head) :].sum(0)
         cumulative = hist.cumsum(0) / tokens
         width = 2 * LOG_RANGE / BINS
         ratio = {"max": math.exp(float(every[:, 2].max())), "min": math.exp(-float(every[:, 3].max()))}
@@ -67,4 +72,4 @@ class MismatchStats:
             bin_index = int(torch.searchsorted(cumulative, torch.tensor(q, dtype=torch.float64)))
             center = math.exp(-LOG_RANGE + (min(bin_index, BINS - 1) + 0.5) * width)
             ratio[name] = min(max(center, ratio["min"]), ratio["max"])  # a bin's center may lie past the extremes
-        return {"k3": k3 / tokens, "ratio": ratio, "tokens": int(tokens)}
+        return {"k3": k3 / tokens, "ratio": ratio, "tokens": int(tokens), "nonfinite_tokens": nonfinite}
