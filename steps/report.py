@@ -35,6 +35,7 @@ from steps.run.keys import (
     REPORT_PREFIX,
     RUN_CONFIG,
     parse_version,
+    update_metrics_key,
 )
 from steps.store.object_store import Store
 from steps.tracking import trackers as tracking
@@ -139,7 +140,8 @@ def collect(run: Store) -> Report:
     rows: list[dict[str, float | None]] = []
     notes: list[str] = []
     time_columns: list[str] = []
-    for key in run.list(METRICS_PREFIX):
+    keys = run.list(METRICS_PREFIX)
+    for key in keys:
         match = METRICS_KEY_PATTERN.match(key)
         if match is None:
             continue
@@ -148,10 +150,19 @@ def collect(run: Store) -> Report:
         except MoerlError as err:
             notes.append(f"{key}: left out ({err})")
             continue
+        # the update's metrics of the iteration (the mismatch, its KL) fill the columns the score's lack
+        update_key = update_metrics_key(int(match.group(1)))
+        update_flat: dict[str, Any] = {}
+        if update_key in keys:
+            try:
+                update_flat = flatten(run.get_json(update_key))
+            except MoerlError as err:
+                notes.append(f"{update_key}: left out ({err})")
         row: dict[str, float | None] = {"iteration": float(int(match.group(1)))}
         row["policy_version"] = find_field(flat, ("policy_version",))
         for column, names in COLUMNS.items():
-            row[column] = find_field(flat, names)
+            value = find_field(flat, names)
+            row[column] = value if value is not None else find_field(update_flat, names)
         for name, seconds in time_fields(flat).items():
             row[name] = seconds
             if name not in time_columns:

@@ -106,3 +106,17 @@ def test_the_update_step_reports_every_ranks_tokens(tmp_path, steps):
     assert got["tokens"] == sum(trained) and got["k3"] > 0
     ratio = got["ratio"]
     assert ratio["min"] <= ratio["p01"] <= ratio["p50"] <= ratio["p99"] <= ratio["max"]
+
+
+def test_the_report_reads_them_from_the_iterations_update_metrics(tmp_path):
+    from steps.report import collect
+    from steps.run.keys import metrics_key, update_metrics_key
+    from steps.store.object_store import Store
+
+    run = Store.open(tmp_path.as_uri())
+    run.put_json(metrics_key(1), {"score": {"reward_mean": 0.5}})
+    run.put_json(update_metrics_key(1), {"update": {"mismatch": {"k3": 0.02, "ratio": {"p99": 1.5}}, "kl": 0.1}})
+    run.put_json(metrics_key(2), {"score": {"reward_mean": 0.6}})  # its update has not written yet
+    rows = collect(run).rows
+    assert (rows[0]["mismatch_k3"], rows[0]["mismatch_ratio_p99"], rows[0]["kl"]) == (0.02, 1.5, 0.1)
+    assert rows[1]["mismatch_k3"] is None and rows[1]["reward"] == 0.6
