@@ -233,9 +233,10 @@ def write_shards(
         (candidate.OPTIMIZER, candidate.optimizer_shard_name(mesh.ep_rank, mesh.ep_size)),
     ):
         if not writes(mesh, writers, kind):
-            if any_sharded(model):  # the whole sharded tensors are gathered by every rank (sharding.py)
-                _ = _stored(model, mesh, dtype, keep=False) if kind == candidate.WEIGHTS else (
-                    optimizer_state_tensors(model, optimizer, dtype))  # fmt: skip
+            if any_sharded(model) and kind == candidate.WEIGHTS:  # every rank takes part in the gathers
+                _stored(model, mesh, dtype, keep=False)
+            elif any_sharded(model):
+                optimizer_state_tensors(model, optimizer, dtype)
             continue
         if kind == candidate.WEIGHTS:
             tensors = _stored(model, mesh, dtype)

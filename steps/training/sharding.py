@@ -16,8 +16,6 @@ tensor into this rank's shard without any communication."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -68,10 +66,6 @@ def shard_experts(model: nn.Module, mesh: Mesh) -> bool:
         block.experts.gradient_for_every_expert = True  # every replica reduce-scatters every expert's gradient
         fully_shard(block.experts, mesh=replicas, reshard_after_forward=True)
     return True
-
-
-def is_sharded(t: Any) -> bool:
-    return isinstance(t, DTensor)
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
