@@ -103,8 +103,8 @@ def physical_floor(cfg: RunConfig, m: ModelSizing, a: Assumptions) -> Floor | No
     per_engine = -(-samples // engines)
     response = cfg.sampling.max_new_tokens * a.response_fill
     mean_context = a.prompt_tokens + response / 2
-    weights_gb = 2 * (m.non_expert / sg.tp_size + m.expert / sg.ep_size) / GB
-    kv_token_gb = max(1, m.kv_heads // sg.tp_size) * m.kv_elements_per_head * 2 / GB
+    weights_gb = m.engine_weight_bytes(sg.tp_size, sg.ep_size) / GB
+    kv_token_gb = m.kv_bytes_per_token(sg.tp_size) / GB
     pool_gb = max(sg.mem_fraction * rollout_capacity - weights_gb, 0.0)
     full_seq_gb = kv_token_gb * padded_seq_len(cfg, a)
     batch = max(1, min(per_engine, int(pool_gb / full_seq_gb))) if full_seq_gb else per_engine

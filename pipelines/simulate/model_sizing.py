@@ -96,6 +96,16 @@ class ModelSizing:
         """One version's weights in the checkpoint's dtype."""
         return float(self.total * self.dtype_bytes)
 
+    def engine_weight_bytes(self, tp: int, ep: int) -> float:
+        """One GPU's bf16 weights in an engine of TP tp and EP ep: the non-expert ones split over tp, the experts
+        over ep."""
+        return 2.0 * (self.non_expert / tp + self.expert / ep)
+
+    def kv_bytes_per_token(self, tp: int) -> int:
+        """One GPU's bf16 KV cache of a token in an engine of TP tp: kv_heads / tp heads (at least one; MLA's
+        single latent on every rank) of kv_elements_per_head values (SGLang's cell size, _kv_cache_shape)."""
+        return max(1, self.kv_heads // tp) * self.kv_elements_per_head * 2
+
     @property
     def active_non_embedding(self) -> int:
         """active less the input embedding and the output projection (as some cards count, e.g. GLM-4.5's)."""
@@ -433,8 +443,8 @@ def rollout_memory(
     the memory left under mem_fraction_static once the weights are in: about mem_fraction x GPU - weights; a KV
     token takes kv_heads / tp (at least 1) heads of kv_elements_per_head bf16 values (MLA: one latent, every TP
     rank). Weights in bf16: the non-expert ones split over tp, the experts over ep."""
-    weights = 2 * (m.non_expert / tp + m.expert / ep) / GB
-    per_token = max(1, m.kv_heads // tp) * m.kv_elements_per_head * 2
+    weights = m.engine_weight_bytes(tp, ep) / GB
+    per_token = m.kv_bytes_per_token(tp)
     needed = sequences * seq_len * per_token / GB
     pool = mem_fraction * capacity_gb - weights if capacity_gb else 0.0
     rows = ((f"weights (bf16; non-expert / TP {tp}, experts / EP {ep})", weights),
