@@ -126,7 +126,8 @@ def generate_here(
     cfg = work.cfg
     if cfg.rollout.engine == "torch" and device == "cpu":
         torch.set_num_threads(threads)
-    engine = open_engine(cfg.rollout.engine, checkpoint.fetch(work.run, work.version), device, engine_settings(cfg))
+    engine = open_engine(cfg.rollout.engine, checkpoint.fetch(work.run, work.version), device, engine_settings(cfg),
+                         record_routes=cfg.records_routes)  # fmt: skip
     try:
         for done, chunk in enumerate(todo, start=finished + 1):
             stats = work.generate(engine, chunk, preemption)

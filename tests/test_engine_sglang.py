@@ -12,6 +12,7 @@ import pytest
 from steps.engines.interface import FINISH_LENGTH, FINISH_STOP, GenerationRequest, SamplingParams
 from steps.engines.sglang_engine import (
     SGLANG_SEED_MODULUS,
+    RoutesLayout,
     SGLangEngine,
     SGLangSettings,
     checkpoint_dtype,
@@ -220,3 +221,84 @@ def test_an_in_place_update_calls_update_weights_from_disk_and_a_failure_stops_t
     said = update_with_fake_sglang(v0, {"misfit": misfit, "v1": v1})
     assert "Failed to update weights" in said["misfit"] and "Rolling back" in said["misfit"]
     assert said["v1"] == "ok" and said["generate"] == "ok"  # a successful update makes it whole again
+
+
+# --- Routed experts (rollout.record_routes; SGLang 0.5.17, held by tests/fake_sglang) ---
+
+ROUTES_LAYOUT = RoutesLayout(num_layers=3, top_k=2, moe_layers=(0, 2))
+
+
+def encoded_routes(routes) -> str:
+    """As SGLang's detokenizer writes meta_info["routed_experts"]: base64 of the int32 array's C-order bytes."""
+    import base64
+
+    import numpy as np
+
+    return base64.b64encode(np.asarray(routes, dtype=np.int32).tobytes()).decode()
+
+
+def test_routed_experts_become_the_moe_layers_routes_of_every_token_but_the_last():
+    import numpy as np
+
+    positions = len(REQUEST.prompt_ids) + 3 - 1
+    every = np.zeros((positions, 3, 2), dtype=np.int32)  # the dense layer 1 never written: zeros
+    every[:, 0] = [[1, 3]] * positions
+    every[:, 2] = [[0, 2]] * positions
+    output = {
+        "output_ids": [7, 8, 2],
+        "meta_info": {"finish_reason": {"type": "stop"}, "routed_experts": encoded_routes(every),
+                      "output_token_logprobs": [(-0.5, 7, None), (-1.25, 8, None), (-0.125, 2, None)]},
+    }  # fmt: skip
+    g = generation_from_output(REQUEST, output, ROUTES_LAYOUT)
+    assert g.routed_experts.dtype == np.int16 and g.routed_experts.shape == (positions, 2, 2)
+    assert (g.routed_experts == every[:, [0, 2]]).all()
+    assert generation_from_output(REQUEST, output).routed_experts is None  # not asked for: not read
+    with pytest.raises(MoerlError, match=r"returned 30 routed-expert ids, not 4 tokens x 3 layers x top-2"):
+        generation_from_output(REQUEST, {**output, "output_ids": [7, 8], "meta_info": {
+            **output["meta_info"], "output_token_logprobs": output["meta_info"]["output_token_logprobs"][:2]}},
+            ROUTES_LAYOUT)  # fmt: skip
+    unwritten = every.copy()
+    unwritten[:, 2] = 0  # an MoE runner that bypasses the capturer leaves zeros: an expert chosen twice
+    with pytest.raises(MoerlError, match="layer 2 repeat an expert in a top-2: it recorded no routes there"):
+        generation_from_output(REQUEST, {**output, "meta_info": {**output["meta_info"],
+                                                                 "routed_experts": encoded_routes(unwritten)}},
+                               ROUTES_LAYOUT)  # fmt: skip
+    without = {**output, "meta_info": {k: v for k, v in output["meta_info"].items() if k != "routed_experts"}}
+    with pytest.raises(MoerlError, match="returned no routed experts; the engine must start with enable_return"):
+        generation_from_output(REQUEST, without, ROUTES_LAYOUT)
+
+
+ROUTES_WITH_SGLANG = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import steps.engines.sglang_engine as se
+from steps.engines.interface import GenerationRequest, SamplingParams
+se.sglang_unavailable_reason = lambda: None  # the fake needs no GPU
+engine = se.SGLangEngine(sys.argv[2], se.SGLangSettings(record_routes=sys.argv[3] == "record"))
+(g,) = engine.generate([GenerationRequest("p", (5, 6, 7, 8), 0, seed=1)], SamplingParams(stop_token_ids=(2,)))
+print(json.dumps(None if g.routed_experts is None else g.routed_experts.tolist()))
+"""
+
+
+@pytest.mark.parametrize("record", ["record", "off"])
+def test_the_engine_asks_sglang_for_the_routes_only_when_recording(tmp_path, record):
+    from experience_helpers import tiny_model, write_checkpoint
+
+    model = tiny_model(num_hidden_layers=3, mlp_only_layers=[1], intermediate_size=24)  # layer 1 dense
+    checkpoint = write_checkpoint(model, tmp_path / "model")
+    kwargs_file = tmp_path / "engine-kwargs.json"
+    env = {**os.environ, "FAKE_SGLANG_RECORD": str(kwargs_file), "PYTHONPATH": str(Path(__file__).parents[1])}
+    done = subprocess.run(
+        [sys.executable, "-c", ROUTES_WITH_SGLANG, str(FAKE_SGLANG), str(checkpoint), record],
+        env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    routes = json.loads(done.stdout.splitlines()[-1])
+    kwargs = json.loads(kwargs_file.read_text())
+    if record == "off":
+        assert routes is None and "enable_return_routed_experts" not in kwargs
+        return
+    assert kwargs["enable_return_routed_experts"] is True
+    # The fake's ids (tests/fake_sglang): (position * 7 + layer + 3 * j) mod 4, for the MoE layers 0 and 2 only
+    expected = [[[(p * 7 + layer + 3 * j) % 4 for j in range(2)] for layer in (0, 2)] for p in range(4)]
+    assert routes == expected  # 4 prompt tokens + 1 response token - 1

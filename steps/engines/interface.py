@@ -14,6 +14,10 @@ That is exactly what the trainer recomputes (steps.models.kernels.token_logprobs
 behaviour and trainer policy is 1 up to numerics when nothing is stale. With the default sampling settings
 (temperature 1, top_p 1, top_k 0) it is also the log-probability of the distribution the token was drawn from.
 
+Routing replay: an engine opened to record routes fills Generation.routed_experts, the experts its routers chose
+for every token it ran (the torch engine from its routers, SGLang from its routed-experts output), which the
+trainer can replay (trainer.routing_replay) and compares with its own routers' choice.
+
 Nothing here imports torch or an engine: the engines import this module (the rollout step opens the one the
 run config names).
 """
@@ -27,6 +31,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from steps.run.config import SamplingConfig
 
 FINISH_STOP = "stop"  # the sample ended with one of the stop tokens (kept as its last response token)
@@ -80,6 +86,11 @@ class Generation:
     response_ids: list[int]  # sampled tokens, the stop token included when finish_reason is "stop"
     logprobs: list[float]  # one per response token: policy log-prob at temperature 1 (module docstring)
     finish_reason: str  # FINISH_STOP or FINISH_LENGTH
+    # With an engine that records routes (rollout.record_routes): [positions, MoE layers, top_k] int16, the global
+    # expert ids each MoE layer (in layer order, dense layers left out) routed each token to, for the positions
+    # 0 .. len(prompt) + len(response) - 2 of prompt + response (every token fed through the model; the last
+    # sampled token never is), -1 where the engine recorded none. Otherwise None.
+    routed_experts: np.ndarray | None = None
 
 
 class Engine(Protocol):

@@ -21,6 +21,13 @@ How the interface maps onto SGLang (names as in SGLang's ServerArgs, SamplingPar
                             before the engine starts; its scheduler processes read it) makes those the raw policy
                             log_softmax(logits) before temperature, which is what the torch engine records and the
                             trainer recomputes (steps/engines/interface.py)
+    routed experts          Engine(enable_return_routed_experts=True) and generate(return_routed_experts=True)
+                            (rollout.record_routes): meta_info["routed_experts"], base64 of int32 C-order
+                            [prompt + completion - 1, num_hidden_layers, num_experts_per_tok], logical expert
+                            ids captured before any EPLB remap (layers/moe/topk.py _post_process_topk_ids), rows
+                            of dense layers never written (zeros), cached prefix tokens included (the capturer's
+                            host buffer is keyed by KV slot: srt/layers/moe/state_capturer/routed_experts.py,
+                            base.py get_topk). See RoutesLayout
     finish reason           meta_info["finish_reason"]["type"]: "stop" or "length" ("abort" is an error, unless
                             we aborted the batch: see "SIGTERM")
     new weights in place    Engine.update_weights_from_disk(model_path=dir) -> (success, message,
@@ -64,6 +71,7 @@ both guarantee is that a sample depends only on its request (prompt, seed, sampl
 
 from __future__ import annotations
 
+import base64
 import importlib.util
 import json
 import os
@@ -72,6 +80,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from steps.engines.interface import (
     FINISH_LENGTH,
@@ -101,11 +111,57 @@ class SGLangSettings:
     mem_fraction: float = 0.85
     deterministic: bool = True  # enable_deterministic_inference: batch-invariant kernels
     random_seed: int = 0
+    record_routes: bool = False  # enable_return_routed_experts, and every request asks for its routed experts
 
     @classmethod
-    def from_config(cls, sglang: SGLangConfig, random_seed: int) -> SGLangSettings:
-        """The run's `rollout.sglang` section, field by field, and the run's seed."""
-        return cls(**dict(sglang), random_seed=random_seed)
+    def from_config(cls, sglang: SGLangConfig, random_seed: int, record_routes: bool = False) -> SGLangSettings:
+        """The run's `rollout.sglang` section, field by field, the run's seed and whether it records routes."""
+        return cls(**dict(sglang), random_seed=random_seed, record_routes=record_routes)
+
+
+@dataclass(frozen=True)
+class RoutesLayout:
+    """How SGLang 0.5.17 lays out a request's routed experts, for one model: rows (token, layer, choice) over
+    every decoder layer (RoutedExpertsCapturer.create: num_layers = hf_text_config.num_hidden_layers, topk_size =
+    num_experts_per_tok; state_capturer/routed_experts.py:69-70), so the MoE layers' rows are picked out."""
+
+    num_layers: int
+    top_k: int
+    moe_layers: tuple[int, ...]
+
+    @classmethod
+    def of(cls, config: dict[str, Any], source: str = "config.json") -> RoutesLayout:
+        from steps.models.placement import moe_layer_indices  # lazy: torch, only when routes are recorded
+        from steps.models.registry import config_from_hf
+
+        cfg = config_from_hf(config, source)
+        return cls(int(cfg.num_hidden_layers), int(cfg.num_experts_per_tok), tuple(moe_layer_indices(cfg)))
+
+    def routes(self, encoded: str, positions: int, where: str) -> np.ndarray:
+        """meta_info["routed_experts"] -> [positions, MoE layers, top_k] int16 (Generation.routed_experts).
+
+        A MoE layer's row whose k ids repeat is refused: a top-k never chooses an expert twice, and a row SGLang
+        never wrote is all zeros (an MoE runner that bypasses the capturer, e.g. flashinfer_trtllm's fused top-k:
+        layers/moe/topk.py TopK.forward_cuda returns BypassedTopKOutput)."""
+        flat = np.frombuffer(base64.b64decode(encoded), dtype="<i4")
+        per_position = self.num_layers * self.top_k
+        if flat.size != positions * per_position:
+            raise MoerlError(
+                f"{where}: SGLang returned {flat.size} routed-expert ids, not {positions} tokens x {self.num_layers} "
+                f"layers x top-{self.top_k}; use SGLang {'.'.join(map(str, MIN_SGLANG_VERSION))}"
+            )
+        routes = flat.reshape(positions, self.num_layers, self.top_k)[:, list(self.moe_layers)]
+        if self.top_k > 1 and positions:
+            ordered = np.sort(routes, axis=-1)
+            repeated = (ordered[..., 1:] == ordered[..., :-1]).any(axis=-1)  # [positions, MoE layers]
+            if repeated.any():
+                layer = self.moe_layers[int(np.argwhere(repeated)[0][1])]
+                raise MoerlError(
+                    f"{where}: SGLang's routed experts of layer {layer} repeat an expert in a top-{self.top_k}: it "
+                    "recorded no routes there (its MoE runner bypasses the capturer); set rollout.record_routes "
+                    "and trainer.routing_replay off, or use the triton MoE runner"
+                )
+        return routes.astype(np.int16)
 
 
 # --- Per-family server arguments (SGLang 0.5.17, the rollout image's pin; paths under python/sglang/srt/). ---
@@ -313,8 +369,11 @@ def sampling_params_for(request: GenerationRequest, params: SamplingParams) -> d
     }
 
 
-def generation_from_output(request: GenerationRequest, output: dict[str, Any]) -> Generation:
-    """Our Generation from one SGLang output dict (token ids and log-probs from output_token_logprobs)."""
+def generation_from_output(
+    request: GenerationRequest, output: dict[str, Any], routes: RoutesLayout | None = None
+) -> Generation:
+    """Our Generation from one SGLang output dict (token ids and log-probs from output_token_logprobs; with
+    `routes`, the routed experts from meta_info["routed_experts"])."""
     meta = output.get("meta_info", {})
     finish = (meta.get("finish_reason") or {}).get("type")
     if finish not in (FINISH_STOP, FINISH_LENGTH):
@@ -330,7 +389,16 @@ def generation_from_output(request: GenerationRequest, output: dict[str, Any]) -
             f"SGLang returned {len(output['output_ids'])} output ids but {len(tokens)} token log-probs for prompt "
             f"{request.prompt_id}; use SGLang {'.'.join(map(str, MIN_SGLANG_VERSION))} or newer"
         )
-    return Generation(request.prompt_id, request.sample_index, tokens, logprobs, finish)
+    routed = None
+    if routes is not None:
+        where = f"prompt {request.prompt_id} sample {request.sample_index}"
+        if not isinstance(meta.get("routed_experts"), str):
+            raise MoerlError(
+                f"{where}: SGLang returned no routed experts; the engine must start with "
+                "enable_return_routed_experts (SGLangSettings.record_routes)"
+            )
+        routed = routes.routes(meta["routed_experts"], len(request.prompt_ids) + len(tokens) - 1, where)
+    return Generation(request.prompt_id, request.sample_index, tokens, logprobs, finish, routed)
 
 
 def _aborted(output: dict[str, Any]) -> bool:
@@ -393,6 +461,9 @@ class SGLangEngine:
         if settings.moe_a2a_backend != "none":
             kwargs["moe_a2a_backend"] = settings.moe_a2a_backend
         started_config = read_config(model_dir)
+        self.routes = RoutesLayout.of(*started_config) if settings.record_routes else None
+        if self.routes is not None:
+            kwargs["enable_return_routed_experts"] = True
         kwargs.update(family_server_args(started_config[0], settings.moe_a2a_backend, _device_sm()))
         self.dtype = kwargs["dtype"]
         self.started_config = started_config  # what SGLang read at start-up, once
@@ -436,6 +507,7 @@ class SGLangEngine:
                 input_ids=[list(r.prompt_ids) for r in requests],
                 sampling_params=[sampling_params_for(r, params) for r in requests],
                 return_logprob=True,
+                return_routed_experts=self.routes is not None,
             )
         except Exception as err:
             if watch is not None and watch.aborted:  # aborted before it reached the scheduler: RequestAbortedError
@@ -450,7 +522,7 @@ class SGLangEngine:
             raise MoerlError(f"SGLang returned {len(outputs)} outputs for {len(requests)} requests")
         if watch is not None and watch.aborted and any(_aborted(o) for o in outputs):
             raise GenerationInterrupted("stopped: SGLang aborted the batch in flight")
-        return [generation_from_output(r, o) for r, o in zip(requests, outputs, strict=True)]
+        return [generation_from_output(r, o, self.routes) for r, o in zip(requests, outputs, strict=True)]
 
     def close(self) -> None:
         self.engine.shutdown()

@@ -156,6 +156,9 @@ class TorchEngine:
     # times the columns it attends to; beyond, copy them out per row (RowBatch) for the rest of the batch.
     tree_waste: float = 3.0
     stored_dtype: torch.dtype | None = None  # the checkpoint's (from_checkpoint): every update must keep it
+    # Record each sample's routed experts (Generation.routed_experts): every MoE layer's top-k of every token fed
+    # through the model, prompt and response, as the router chose them
+    record_routes: bool = False
     device: torch.device = field(init=False)
     decoder: Decoder = field(init=False)
 
@@ -165,13 +168,17 @@ class TorchEngine:
 
     @classmethod
     def from_checkpoint(
-        cls, directory: str | os.PathLike, device: str = "cpu", dtype: torch.dtype | None = None
+        cls,
+        directory: str | os.PathLike,
+        device: str = "cpu",
+        dtype: torch.dtype | None = None,
+        record_routes: bool = False,
     ) -> TorchEngine:
         """The engine over a checkpoint dir's weights, read in the dtype they are stored in and computed in
         `dtype` (default: compute_dtype for that dtype and the device)."""
         stored = checkpoint_dtype(directory)
         model = load_pretrained(directory, dtype=dtype or compute_dtype(stored, device), device=device).eval()
-        return cls(model, stored_dtype=stored)
+        return cls(model, stored_dtype=stored, record_routes=record_routes)
 
     def update_weights(self, model_dir: str | os.PathLike) -> None:
         """Replace the weights in place with checkpoint dir model_dir's (steps/engines/interface.py Engine): each tensor
@@ -212,7 +219,10 @@ class TorchEngine:
         if not requests:
             return []
         device, steps, vocab = self.device, params.max_new_tokens, self.model.config.vocab_size
+        recorder = RouteRecorder(self.decoder, len(requests), steps) if self.record_routes else None
         batch, logits, state = self._prefill(requests, steps)  # state: each sample's row in the batch
+        if recorder is not None:
+            recorder.prefilled(batch.prompt_bias.shape[1], prompt_of=state.clone())
 
         uniforms = sample_uniforms([r.seed for r in requests], steps).to(device)
         out_tokens = torch.full((len(requests), steps), FILLER_ID, dtype=torch.long, device=device)
@@ -248,6 +258,8 @@ class TorchEngine:
             if isinstance(batch, DecodeBatch) and batch.tree_columns() > self.tree_waste * batch.row_columns():
                 batch = batch.to_rows(self.decoder.row_capacity(batch.length))
             logits = self.decoder.step(next_tokens, batch)
+            if recorder is not None:
+                recorder.stepped(step, live, state[live])
 
         token_lists, logprob_lists = out_tokens.tolist(), out_logprobs.tolist()
         return [
@@ -257,6 +269,7 @@ class TorchEngine:
                 response_ids=token_lists[row][:n],
                 logprobs=logprob_lists[row][:n],
                 finish_reason=FINISH_STOP if done else FINISH_LENGTH,
+                routed_experts=None if recorder is None else recorder.sample(row, len(request.prompt_ids), n),
             )
             for row, (request, n, done) in enumerate(zip(requests, lengths.tolist(), stopped.tolist(), strict=True))
         ]
@@ -279,6 +292,55 @@ class TorchEngine:
         group = max(Counter(parent).values())
         batch, logits = self.decoder.prefill(ids.to(self.device), valid.to(self.device), room=group * min(steps, 8))
         return batch, logits, torch.tensor(parent, device=self.device)
+
+
+class RouteRecorder:
+    """Each sample's routed experts (Generation.routed_experts) from the decoder's record of one generate call.
+
+    The prefill routes the distinct prompts' W (left-padded) columns through every MoE layer but the last, where
+    only each prompt's last position runs (its logits are all that is needed), so the last layer's record of a
+    prompt's earlier tokens is -1 (none: those tokens' outputs there reach no log-prob). Decode step s feeds
+    each live sample's token s through its state's row. A sample of n tokens gets its prompt's positions and its
+    first n - 1 tokens (the last is sampled and never fed)."""
+
+    def __init__(self, decoder: Decoder, samples: int, steps: int) -> None:
+        self.decoder = decoder
+        self.layers = [i for i, layer in enumerate(decoder.parts.layers) if isinstance(layer.mlp, SparseMoeBlock)]
+        self.top_k = decoder.parts.layers[self.layers[0]].mlp.top_k if self.layers else 0
+        self.prompts = torch.empty(0)
+        self.prompt_of: list[int] = []
+        self.responses = torch.full((samples, max(steps - 1, 0), len(self.layers), self.top_k), -1, dtype=torch.int16)
+        decoder.routes = []
+
+    def _taken(self) -> list[torch.Tensor]:
+        taken, self.decoder.routes = self.decoder.routes or [], []
+        if len(taken) != len(self.layers):
+            raise RuntimeError(f"recorded {len(taken)} MoE layers' routes in a forward over {len(self.layers)}")
+        return taken
+
+    def prefilled(self, width: int, prompt_of: torch.Tensor) -> None:
+        """After the prefill of the distinct prompts, W columns each; prompt_of [samples]: each one's prompt."""
+        self.prompt_of = prompt_of.tolist()
+        taken = self._taken()
+        prompts = taken[0].shape[0] // width if taken else 0
+        self.prompts = torch.full((prompts, width, len(self.layers), self.top_k), -1, dtype=torch.int16)
+        for index, chosen in enumerate(taken):
+            if chosen.shape[0] == prompts * width:
+                self.prompts[:, :, index] = chosen.view(prompts, width, -1).to(torch.int16).cpu()
+            else:  # the last layer: the last position of each prompt only
+                self.prompts[:, -1, index] = chosen.to(torch.int16).cpu()
+
+    def stepped(self, step: int, samples: torch.Tensor, rows: torch.Tensor) -> None:
+        """After decode step `step` fed token `step` of `samples` through batch rows `rows`."""
+        taken = self._taken()
+        if taken:
+            chosen = torch.stack(taken, dim=1).index_select(0, rows).to(torch.int16).cpu()  # [samples, layers, k]
+            self.responses[samples.cpu(), step] = chosen
+
+    def sample(self, row: int, prompt_len: int, tokens: int) -> np.ndarray:
+        """[prompt_len + tokens - 1, MoE layers, k] int16 of sample `row` (of `tokens` response tokens)."""
+        prompt = self.prompts[self.prompt_of[row], self.prompts.shape[1] - prompt_len :]
+        return torch.cat([prompt, self.responses[row, : tokens - 1]]).numpy()
 
 
 class PromptGrid:
@@ -552,6 +614,9 @@ class Decoder:
         # Per SwiGLU MoE layer: [gate; up] of each expert as one [H, 2I] matrix, and down as [I, H] (x @ W
         # layout); a MoE layer of another kind of experts is run by its kind (None here: nothing copied).
         self.experts: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]] | None] = {}
+        # While a list: each MoE layer's chosen experts [rows, k] of the forwards since it was set, in call order
+        # (routing replay's record; TorchEngine.generate sets and reads it)
+        self.routes: list[torch.Tensor] | None = None
         with torch.no_grad():
             for index, layer in enumerate(parts.layers):
                 if isinstance(layer.mlp, SparseMoeBlock):
@@ -760,6 +825,8 @@ class Decoder:
         """The MoE block on hidden [T, H]: route, run each expert once on its tokens, combine the top-k."""
         fused = self.experts[index]
         _, topk_idx, topk_weight = block.route(hidden)
+        if self.routes is not None:
+            self.routes.append(topk_idx)
         num_tokens, top_k = topk_idx.shape
         order, inverse, counts = group_by_expert(topk_idx.reshape(-1), block.num_experts)  # slots by expert
         routed = hidden.index_select(0, order // top_k)

@@ -11,6 +11,7 @@ written twice (a retried request) is written with the same bytes.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import signal
 import time
@@ -44,16 +45,19 @@ def open_engine(
     model_dir: str | os.PathLike,
     device: str = "cpu",
     sglang_settings: SGLangSettings | None = None,
+    record_routes: bool = False,
 ) -> Engine:
-    """The engine `kind` ("torch" or "sglang", as rollout.engine in the run config) on a checkpoint dir."""
+    """The engine `kind` ("torch" or "sglang", as rollout.engine in the run config) on a checkpoint dir; with
+    record_routes each generation carries its routed experts (Generation.routed_experts)."""
     if kind == "torch":
         from steps.engines.torch_engine import TorchEngine  # lazy: an SGLang rollout pod never loads the torch engine
 
-        return TorchEngine.from_checkpoint(model_dir, device=device)
+        return TorchEngine.from_checkpoint(model_dir, device=device, record_routes=record_routes)
     if kind == "sglang":
         from steps.engines.sglang_engine import SGLangEngine  # lazy: sglang is a GPU-image dependency only
 
-        return SGLangEngine(model_dir, sglang_settings or SGLangSettings())
+        settings = dataclasses.replace(sglang_settings or SGLangSettings(), record_routes=record_routes)
+        return SGLangEngine(model_dir, settings)
     raise MoerlError(f"rollout.engine {kind!r} is not an engine; use 'torch' or 'sglang'")
 
 

@@ -157,6 +157,7 @@ class RolloutPlan:
     seed: int
     engine: str
     prompt_format: PromptFormat = PromptFormat()
+    record_routes: bool = False  # each sample's routed experts are recorded (RunConfig.records_routes)
 
     @classmethod
     def for_iteration(
@@ -171,6 +172,7 @@ class RolloutPlan:
             seed=cfg.seed,
             engine=cfg.rollout.engine,
             prompt_format=prompt_format(cfg),
+            record_routes=cfg.records_routes,
         )
 
     @property
@@ -202,6 +204,7 @@ class RolloutPlan:
             "prompts": [[p.prompt_id, p.task, p.text, p.answer, p.messages] for p in self.prompts],
             "format": [self.prompt_format.kind, self.prompt_format.system_prompt,
                        dict(self.prompt_format.template_kwargs)],
+            "record_routes": self.record_routes,
         }  # fmt: skip
         return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()
 
@@ -227,6 +230,7 @@ def chunk_table(
         "behavior_logprobs": [g.logprobs for g in rows],
         "finish_reason": [g.finish_reason for g in rows],
         "policy_version": [plan.policy_version] * len(rows),
+        "routed_experts": [None if g.routed_experts is None else g.routed_experts.reshape(-1) for g in rows],
     }
     metadata = {META_PLAN: plan.digest.encode(), META_CHUNK: str(chunk).encode(),
                 META_NUM_CHUNKS: str(plan.num_chunks).encode()}  # fmt: skip
@@ -250,6 +254,15 @@ def chunk_problem(plan: RolloutPlan, chunk: int, table: pa.Table) -> str | None:
     logprobs = pc.list_flatten(table.column("behavior_logprobs"))
     if len(logprobs) and not pc.all(pc.is_finite(logprobs)).as_py():
         return "its behavior_logprobs hold NaN or inf (the engine that sampled it is broken)"
+    routes = table.column("routed_experts")
+    if plan.record_routes and routes.null_count:
+        return "it has samples without routed_experts, which this run records (rollout.record_routes)"
+    if routes.null_count < len(routes):
+        positions = pc.subtract(pc.add(pc.list_value_length(table.column("prompt_ids")),
+                                       pc.list_value_length(table.column("response_ids"))), 1)  # fmt: skip
+        lengths = pc.list_value_length(routes)
+        if not pc.all(pc.equal(pc.multiply(pc.divide(lengths, positions), positions), lengths)).as_py():
+            return "its routed_experts do not hold a whole number of routes for each token of prompt + response - 1"
     meta = table.schema.metadata or {}
     if meta.get(META_PLAN) != plan.digest.encode():
         return (

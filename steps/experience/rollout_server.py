@@ -78,7 +78,9 @@ class RolloutService:
     def _open(self, version: int) -> None:
         """A new engine on `version`, from its dir in the node cache (fetched from the run store if need be)."""
         settings = engine_settings(self.cfg)
-        self.engine = self.sync.open(version, lambda d: open_engine(self.cfg.rollout.engine, d, self.device, settings))
+        self.engine = self.sync.open(
+            version, lambda d: open_engine(self.cfg.rollout.engine, d, self.device, settings, self.cfg.records_routes)
+        )
         self.version = version
         self.log(f"{self.name}: {self.cfg.rollout.engine} engine ready with v{version:06d}")
 

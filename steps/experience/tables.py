@@ -5,8 +5,11 @@
 
 Columns: prompt_id string, sample_index int32, prompt_ids / response_ids list<int32>, behavior_logprobs
 list<float32> (one per response token; steps/engines/interface.py says what they are), policy_version int64;
-plus task, answer, finish_reason (strings). Scored files add correct and well_formed (bool), rm_score (float32,
-null without a reward model), reward and advantage (float32). Readers use the canonical order: sorted by
+plus task, answer, finish_reason (strings); routed_experts list<int16>, null unless the run records routes
+(rollout.record_routes): the array [positions, MoE layers, top_k] of Generation.routed_experts flattened row-major,
+positions = len(prompt_ids) + len(response_ids) - 1, global expert ids, -1 where the engine recorded none (a
+table without the column records none). Scored files add correct and well_formed (bool), rm_score (float32, null
+without a reward model), reward and advantage (float32). Readers use the canonical order: sorted by
 (prompt_id, sample_index). The trainer imports this file alone of the experience package: `Sample` and
 `read_scored_experience` are all it sees of rollout.
 """
@@ -17,6 +20,7 @@ import io
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -35,6 +39,7 @@ ROLLOUT_SCHEMA = pa.schema(
         ("behavior_logprobs", pa.list_(pa.float32())),
         ("finish_reason", pa.string()),
         ("policy_version", pa.int64()),
+        ("routed_experts", pa.list_(pa.int16())),
     ]
 )
 SCORED_SCHEMA = ROLLOUT_SCHEMA.append(pa.field("correct", pa.bool_()))
@@ -79,6 +84,7 @@ class Sample:
     response_ids: list[int]
     behavior_logprobs: list[float]
     advantage: float
+    routed_experts: np.ndarray | None = None  # int16, flat (the routed_experts column), None when not recorded
 
     @property
     def num_tokens(self) -> int:
@@ -104,6 +110,8 @@ def read_scored_experience(run: Store, iteration: int, expected_version: int) ->
     if table.num_rows == 0:
         raise MoerlError(f"{url}: no rows; iteration {iteration} produced no experience to train on")
     cols = {c: table.column(c).to_pylist() for c in SCORED_COLUMNS}
+    # routed_experts: optional (a table written without it records no routes)
+    routes = _int16_lists(table.column("routed_experts")) if "routed_experts" in table.column_names else None
 
     versions = sorted({int(v) for v in cols["policy_version"]})
     if versions != [expected_version]:
@@ -132,7 +140,19 @@ def read_scored_experience(run: Store, iteration: int, expected_version: int) ->
                 response_ids=[int(t) for t in response],
                 behavior_logprobs=[float(x) for x in logprobs],
                 advantage=float(cols["advantage"][i]),
+                routed_experts=None if routes is None else routes[i],
             )
         )
     samples.sort(key=lambda s: (s.prompt_id, s.sample_index))
     return samples
+
+
+def _int16_lists(column: pa.ChunkedArray) -> list[np.ndarray | None]:
+    """A list<int16> column as one numpy array a row (None for a null row), without a Python int per value."""
+    lists = column.combine_chunks()
+    if isinstance(lists, pa.ChunkedArray):  # an empty column
+        lists = pa.array([], type=column.type)
+    values = lists.values.to_numpy(zero_copy_only=False).astype(np.int16, copy=False)
+    offsets = lists.offsets.to_numpy()
+    valid = lists.is_valid().to_numpy(zero_copy_only=False)
+    return [values[offsets[i] : offsets[i + 1]].copy() if valid[i] else None for i in range(len(lists))]

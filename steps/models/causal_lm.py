@@ -201,28 +201,65 @@ class MoeCausalLM(nn.Module):
             raise RuntimeError("routed_rows: call count_routed_rows() before the forward passes")
         return torch.stack(counts)  # type: ignore[arg-type]
 
+    def set_engine_routes(self, routes: torch.Tensor | None, replay: bool = False) -> None:
+        """For the forward passes until the next call: routes [num MoE layers, T, k] the experts (global ids; a
+        row of -1 where none was recorded) the rollout engine routed each token to, T the tokens in the order the
+        MoE layers see them (input_ids flattened, or MoeCausalLM.forward_shared_prompts' prompts then
+        responses); replay: the forward uses them in place of its routers' choice (routing replay; the routers
+        still weigh the experts, SparseMoeBlock.weigh). None: the routers choose alone."""
+        blocks = self.moe_blocks()
+        if routes is not None and routes.shape[0] != len(blocks):
+            raise ValueError(f"routes for {routes.shape[0]} MoE layers, but the model has {len(blocks)}")
+        for index, block in enumerate(blocks):
+            block.engine_routes = None if routes is None else routes[index]
+            block.replay_routes = replay and routes is not None
+
+    def count_route_disagreement(self) -> None:
+        """Start (or restart) counting, per MoE layer, the tokens whose router's own top-k set differs from the
+        engine's recorded one (see route_disagreement)."""
+        for block in self.moe_blocks():
+            block.route_disagreement = torch.zeros(2, dtype=torch.int64, device=block.gate.weight.device)
+
+    def route_disagreement(self) -> torch.Tensor | None:
+        """[num MoE layers, 2] int64 (tokens whose top-k differs, tokens with a recorded route) counted since
+        count_route_disagreement (this process's tokens), which it stops; None when it was not started."""
+        counts = [block.route_disagreement for block in self.moe_blocks()]
+        for block in self.moe_blocks():
+            block.route_disagreement = None
+        if not counts or any(c is None for c in counts):
+            return None
+        return torch.stack(counts)  # type: ignore[arg-type]
+
     def run_layer(self, layer: nn.Module, method: Callable[..., Any], *args: Any) -> Any:
         """layer's `method` on args; with activation_checkpointing in a forward that builds a graph, through
         torch.utils.checkpoint (non-reentrant): the layer's activations are dropped and the backward runs the
         layer again. The rerun must repeat the forward exactly (the same routing, the same expert dispatch on
         every EP rank, the same ops saving tensors), and must not count twice what the forward records: the MoE
         block's routed rows are not counted again, and its load-balancing loss is computed again (the graph
-        needs it) into a value that is then dropped."""
+        needs it) into a value that is then dropped; the rerun replays the engine routes the forward had and does
+        not count their disagreement again."""
         if not (self.activation_checkpointing and torch.is_grad_enabled()):
             return method(*args)
         block = layer.mlp if isinstance(getattr(layer, "mlp", None), SparseMoeBlock) else None
 
         @contextlib.contextmanager
-        def rerun(mask: torch.Tensor | None = block.balance_mask if block else None) -> Iterator[None]:
+        def rerun(
+            mask: torch.Tensor | None = block.balance_mask if block else None,
+            routes: torch.Tensor | None = block.engine_routes if block else None,
+            replay: bool = block.replay_routes if block else False,
+        ) -> Iterator[None]:
             if block is None:
                 yield
                 return
-            kept = block.routed_rows, block.balance_mask, block.balance_loss
-            block.routed_rows, block.balance_mask = None, mask
+            kept = block.routed_rows, block.balance_mask, block.balance_loss, block.engine_routes
+            kept_count, kept_replay = block.route_disagreement, block.replay_routes
+            block.routed_rows, block.balance_mask, block.route_disagreement = None, mask, None
+            block.engine_routes, block.replay_routes = routes, replay
             try:
                 yield
             finally:
-                block.routed_rows, block.balance_mask, block.balance_loss = kept
+                block.routed_rows, block.balance_mask, block.balance_loss, block.engine_routes = kept
+                block.route_disagreement, block.replay_routes = kept_count, kept_replay
 
         return checkpoint(method, *args, use_reentrant=False, context_fn=lambda: (contextlib.nullcontext(), rerun()))
 

@@ -365,57 +365,80 @@ class SparseMoeBlock(nn.Module):
         # the routers' load-balancing loss into balance_loss (steps/models/router_loss.py)
         self.balance_mask: torch.Tensor | None = None
         self.balance_loss: torch.Tensor | None = None
+        # While a tensor [T, k] (set by the model for the next forward: MoeCausalLM.set_engine_routes): the experts
+        # the rollout engine routed each of the forward's T tokens to, global ids, a row of -1 where it recorded
+        # none. With replay_routes the forward uses them (routing replay); route_disagreement, while a tensor,
+        # adds [tokens whose own top-k set differs from the engine's, tokens with a recorded route].
+        self.engine_routes: torch.Tensor | None = None
+        self.replay_routes = False
+        self.route_disagreement: torch.Tensor | None = None
 
     def route(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """hidden [T, H] -> (router_logits [T, E], topk_idx [T, k], topk_weight [T, k] in the logits' dtype), by
-        the router's kind (RouterSettings)."""
-        if self.router.kind == "sigmoid_group_topk":
-            return self._route_sigmoid_group_topk(hidden)
+        """hidden [T, H] -> (router_logits [T, E], topk_idx [T, k], topk_weight [T, k]), by the router's kind
+        (RouterSettings): choose, then weigh the chosen experts."""
+        router_logits, scores, topk_idx = self.choose(hidden)
+        return router_logits, topk_idx, self.weigh(router_logits, scores, topk_idx, hidden.dtype)
+
+    def choose(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """hidden [T, H] -> (router_logits [T, E], scores [T, E] the weights are taken from, topk_idx [T, k]):
+        the router's own choice of experts.
+
+        softmax_topk: softmax over all experts in fp32, its top k (transformers' Qwen3MoeTopKRouter).
+        topk_softmax: the top k logits of gate(hidden) with its bias, in hidden's dtype (GptOssTopKRouter).
+        sigmoid_group_topk: fp32 logits, sigmoid scores; the selection adds e_score_correction_bias, keeps the
+        topk_group groups with the best sum of their two best scores and takes the top k experts in them
+        (DeepseekV3TopkRouter)."""
         if self.router.kind == "topk_softmax":
-            return self._route_topk_softmax(hidden)
-        # Softmax over all experts in fp32, top-k, optional renormalisation of the k weights, then back to the
-        # logits' dtype: the same arithmetic as transformers' Qwen3MoeTopKRouter (router kind "softmax_topk").
+            router_logits = self.gate(hidden)
+            return router_logits, router_logits, torch.topk(router_logits, self.top_k, dim=-1)[1]
+        if self.router.kind == "sigmoid_group_topk":
+            settings, num_experts = self.router, self.num_experts
+            router_logits = F.linear(hidden.float(), self.gate.weight.float())
+            scores = router_logits.sigmoid()
+            for_choice = scores + self.gate.e_score_correction_bias
+            if settings.n_group > 1:
+                per_group = for_choice.view(-1, settings.n_group, num_experts // settings.n_group)
+                group_scores = per_group.topk(2, dim=-1)[0].sum(dim=-1)  # [T, n_group]
+                group_idx = torch.topk(group_scores, k=settings.topk_group, dim=-1, sorted=False)[1]
+                group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1.0).bool()
+                expert_mask = group_mask.unsqueeze(-1).expand_as(per_group).reshape(-1, num_experts)
+                for_choice = for_choice.masked_fill(~expert_mask, float("-inf"))
+            return router_logits, scores, torch.topk(for_choice, k=self.top_k, dim=-1, sorted=False)[1]
         router_logits = self.gate(hidden)
         probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
-        topk_weight, topk_idx = torch.topk(probs, self.top_k, dim=-1)
+        return router_logits, probs, torch.topk(probs, self.top_k, dim=-1)[1]
+
+    def weigh(
+        self, router_logits: torch.Tensor, scores: torch.Tensor, topk_idx: torch.Tensor, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """The combine weights [T, k] (in `dtype`, the hidden states') of experts topk_idx (the router's own
+        choice, or replayed ones), from the router's scores (choose) as the router's kind weighs its own choice:
+        softmax_topk the softmax probabilities of those experts, renormalised when norm_topk_prob; topk_softmax a
+        softmax over those experts' logits; sigmoid_group_topk their sigmoid scores without the bias,
+        renormalised when norm_topk_prob; all times routed_scaling_factor. For the router's own choice these
+        are the values its top k returned (a gather of the same elements).
+
+        Replayed experts are weighed as Megatron-Core's router replay does (moe/moe_utils.py
+        topk_routing_with_score_function with moe/router_replay.py: only the top-k indices are replaced, then
+        probs = scores.gather(1, top_indices) with the router's usual normalisation and scaling), which slime,
+        Miles and verl reuse; for a softmax router with norm_topk_prob it is R3's softmax of the training logits
+        over the replayed experts (Ma et al. 2025, "Stabilizing MoE Reinforcement Learning by Aligning Training
+        and Inference Routers", arXiv 2510.11370). The router gets the gradient of those weights."""
+        scale = self.router.routed_scaling_factor
+        if self.router.kind == "topk_softmax":
+            top_value = router_logits.gather(1, topk_idx)
+            topk_weight = torch.softmax(top_value, dim=1, dtype=top_value.dtype)
+            return (topk_weight * scale if scale != 1.0 else topk_weight).to(dtype)
+        topk_weight = scores.gather(1, topk_idx)
+        if self.router.kind == "sigmoid_group_topk":
+            if self.norm_topk_prob:
+                topk_weight = topk_weight / (topk_weight.sum(dim=-1, keepdim=True) + 1e-20)
+            return (topk_weight * scale).to(dtype)
         if self.norm_topk_prob:
             topk_weight = topk_weight / topk_weight.sum(dim=-1, keepdim=True)
-        if self.router.routed_scaling_factor != 1.0:
-            topk_weight = topk_weight * self.router.routed_scaling_factor
-        return router_logits, topk_idx, topk_weight.to(router_logits.dtype)
-
-    def _route_topk_softmax(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """gpt-oss's router, as transformers' GptOssTopKRouter: logits = gate(hidden) with its bias, in hidden's
-        dtype; the top k logits, then softmax over those k in that dtype (times routed_scaling_factor)."""
-        router_logits = self.gate(hidden)
-        top_value, topk_idx = torch.topk(router_logits, self.top_k, dim=-1)
-        topk_weight = torch.softmax(top_value, dim=1, dtype=top_value.dtype)
-        if self.router.routed_scaling_factor != 1.0:
-            topk_weight = topk_weight * self.router.routed_scaling_factor
-        return router_logits, topk_idx, topk_weight
-
-    def _route_sigmoid_group_topk(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """DeepSeek-V3's router, as transformers' DeepseekV3TopkRouter: fp32 logits, sigmoid scores; the
-        selection adds e_score_correction_bias, keeps the topk_group groups with the best sum of their two best
-        scores and takes the top k experts in them; the weights are the chosen experts' scores *without* the
-        bias, renormalised when norm_topk_prob, times routed_scaling_factor."""
-        settings, num_experts = self.router, self.num_experts
-        router_logits = F.linear(hidden.float(), self.gate.weight.float())
-        scores = router_logits.sigmoid()
-        for_choice = scores + self.gate.e_score_correction_bias
-        if settings.n_group > 1:
-            per_group = for_choice.view(-1, settings.n_group, num_experts // settings.n_group)
-            group_scores = per_group.topk(2, dim=-1)[0].sum(dim=-1)  # [T, n_group]
-            group_idx = torch.topk(group_scores, k=settings.topk_group, dim=-1, sorted=False)[1]
-            group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1.0).bool()
-            expert_mask = group_mask.unsqueeze(-1).expand_as(per_group).reshape(-1, num_experts)
-            for_choice = for_choice.masked_fill(~expert_mask, float("-inf"))
-        topk_idx = torch.topk(for_choice, k=self.top_k, dim=-1, sorted=False)[1]
-        topk_weight = scores.gather(1, topk_idx)
-        if self.norm_topk_prob:
-            topk_weight = topk_weight / (topk_weight.sum(dim=-1, keepdim=True) + 1e-20)
-        topk_weight = topk_weight * settings.routed_scaling_factor
-        return router_logits, topk_idx, topk_weight.to(hidden.dtype)
+        if scale != 1.0:
+            topk_weight = topk_weight * scale
+        return topk_weight.to(dtype)
 
     def shared_output(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """The shared experts' contribution for hidden [T, H] (None without shared experts)."""
@@ -438,10 +461,32 @@ class SparseMoeBlock(nn.Module):
         """The experts this block holds, in slot order (the dispatch contract's `experts`)."""
         return [self.experts[str(e)] for e in self.held]
 
+    def recorded_choice(self, own: torch.Tensor) -> torch.Tensor:
+        """The experts the forward uses, given the router's own choice own [T, k] and engine_routes: with
+        replay_routes, the engine's where it recorded a route (Rollout Routing Replay), else own. Counts the
+        disagreement between the two sets into route_disagreement while that is a tensor."""
+        routes = self.engine_routes
+        if routes is None or routes.shape != own.shape:
+            raise RuntimeError(
+                f"engine routes of shape {None if routes is None else tuple(routes.shape)} for a forward whose "
+                f"router chose {tuple(own.shape)}: the routes must follow the tokens of the forward"
+            )
+        routes = routes.to(own.device)
+        recorded = routes[:, 0] >= 0
+        if self.route_disagreement is not None:
+            differ = (own.sort(dim=-1).values != routes.sort(dim=-1).values).any(dim=-1) & recorded
+            self.route_disagreement += torch.stack([differ.sum(), recorded.sum()]).to(self.route_disagreement)
+        if not self.replay_routes:
+            return own
+        return torch.where(recorded[:, None], routes, own)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         hidden = x.reshape(-1, self.hidden_size)
-        router_logits, topk_idx, topk_weight = self.route(hidden)
+        router_logits, scores, topk_idx = self.choose(hidden)
+        if self.engine_routes is not None:
+            topk_idx = self.recorded_choice(topk_idx)
+        topk_weight = self.weigh(router_logits, scores, topk_idx, hidden.dtype)
         if self.balance_mask is not None:
             self.balance_loss = load_balancing_loss(router_logits, topk_idx, self.router.kind, self.balance_mask)
         if self.routed_rows is not None:

@@ -105,6 +105,13 @@ class RolloutConfig(_Section):
         ge=0,
         le=1024,
     )
+    record_routes: bool = _field(
+        False,
+        "record, for every token the engine runs, the experts each MoE layer routed it to (the torch engine from "
+        "its routers; SGLang with enable_return_routed_experts), stored with the samples (the experience's "
+        "routed_experts column): the update then reports how often its own routers choose other experts, per "
+        "layer, and trainer.routing_replay: rollout can replay them. On whenever routing_replay is rollout",
+    )
     server_wait_s: float = _field(
         600.0,
         "how long a rollout step waits for a ready rollout server (rollout.servers > 0) before it exits to be "
@@ -272,6 +279,14 @@ class TrainerConfig(_Section):
         "'behavior' (the rollout engine's own log-probs: no extra pass, IS weight 1; right when the engine "
         "computes what the trainer would, i.e. the torch engine in fp32 at staleness 0 on an fp32 checkpoint: "
         "a bf16/fp16 version is the trainer's fp32 masters rounded)",
+    )
+    routing_replay: Literal["none", "rollout"] = _field(
+        "none",
+        "'rollout': the policy's forward passes in the update (the old log-probs and every step's; not the "
+        "reference model's) route each token to the experts the rollout engine routed it to (Rollout Routing "
+        "Replay, R3), the routers still weighing those experts, so the trainer computes the log-probs of the "
+        "experts that generated the samples; records the routes (rollout.record_routes). 'none': the trainer's "
+        "routers choose",
     )
     shared_prompts: bool = _field(
         False,
@@ -526,6 +541,11 @@ class RunConfig(_Section):
 
     def role(self, role: str) -> Placement:
         return self.placement[role]
+
+    @property
+    def records_routes(self) -> bool:
+        """Whether the rollout records the routed experts (rollout.record_routes, or the trainer replays them)."""
+        return self.rollout.record_routes or self.trainer.routing_replay == "rollout"
 
 
 def training_view(config: dict[str, Any]) -> dict[str, Any]:

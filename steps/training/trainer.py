@@ -25,7 +25,7 @@ from torch import nn
 
 from steps.errors import MoerlError
 from steps.experience.tables import Sample
-from steps.expert_parallel.mesh import Mesh, clip_grad_norm, gather_ranks, sync_gradients
+from steps.expert_parallel.mesh import Mesh, all_reduce_sum, clip_grad_norm, gather_ranks, sync_gradients
 from steps.models.causal_lm import MoeCausalLM
 from steps.models.kernels import token_logprobs
 from steps.training.mismatch import MismatchStats
@@ -57,6 +57,7 @@ class TrainSettings:
     old_logprobs: str = "recompute"  # or "behavior": see steps.run.config.TrainerConfig.old_logprobs
     shared_prompts: bool = False  # run each GRPO group's prompt once: see plan_group_steps, collate_groups
     sequence_packing: bool = False  # a micro-batch's sequences in one row without padding: see collate
+    routing_replay: str = "none"  # "rollout": the policy's forwards use the engine's recorded experts (see train)
     # Leave samples with advantage exactly 0 out of the forward/backward when they cannot move the weights
     # (kl_coef 0): see trained_steps. False runs them anyway (same gradients; the tests' reference).
     skip_zero_advantage: bool = True
@@ -228,6 +229,9 @@ class MicroBatch:
     prompt_mask: torch.Tensor | None = None  # [G, P] long
     prompt_index: torch.Tensor | None = None  # [B] long: each row's prompt row
     packed: PackedRow | None = None  # sequence packing only
+    # [MoE layers, T, k] the experts the engine routed the forward's T tokens to (in the order the MoE layers see
+    # them: the packed row's, else input_ids flattened, or the shared prompts then the responses), -1 where none
+    routes: torch.Tensor | None = None
 
     @property
     def num_response_tokens(self) -> int:
@@ -247,15 +251,19 @@ def collate(
     pad_id: int = 0,
     old_logps: dict[int, torch.Tensor] | None = None,
     packed: bool = False,
+    route_shape: tuple[int, int] | None = None,
 ) -> MicroBatch:
     """The plain micro-batch (MicroBatch) of samples `ids`; packed=True also packs its real tokens into one row
-    for the forward (PackedRow)."""
+    for the forward (PackedRow); route_shape (MoE layers, top_k): with the samples' recorded routes."""
     if not ids:  # see rank_micro_batches: one padding token, no loss, still takes part in the exchanges
         zero_long = torch.full((1, 1), pad_id, dtype=torch.long, device=device)
         zero = torch.zeros((1, 1), device=device)
+        routes = None
+        if route_shape is not None:
+            routes = torch.full((route_shape[0], 1, route_shape[1]), -1, dtype=torch.long, device=device)
         return MicroBatch(
             [], zero_long, torch.ones_like(zero_long), zero_long, torch.zeros_like(zero, dtype=torch.bool),
-            zero, torch.zeros(1, device=device), zero if old_logps is not None else None,
+            zero, torch.zeros(1, device=device), zero if old_logps is not None else None, routes=routes,
         )  # fmt: skip
     # Built in numpy from flat token lists and masks: a torch op per row costs ~10 us, and this runs for every
     # micro-batch of every step (it was a tenth of the update's CPU time).
@@ -279,9 +287,16 @@ def collate(
     input_ids = np.where(attention, tokens[:, :-1], pad_id)
     advantages = np.array([s.advantage for s in rows], dtype=np.float32)
     to = {"device": device}
+    routes = None
+    if route_shape is not None:  # position p of a row is its sequence's position p: the first length - 1 slots
+        grid = np.full((*attention.shape, *route_shape), -1, dtype=np.int16)
+        grid[attention] = np.concatenate([sample_routes(s, route_shape) for s in rows])
+        routes = grid.reshape(-1, *route_shape)
     row = None
     if packed:  # the real slots in row-major order: each sequence whole, one after another
         index = np.flatnonzero(attention)
+        if routes is not None:
+            routes = routes[index]
         segments = np.repeat(np.arange(len(rows)), attention.sum(axis=1))
         row = PackedRow(
             torch.from_numpy(input_ids.reshape(-1)[index][None]).to(**to), torch.from_numpy(segments[None]).to(**to),
@@ -292,8 +307,51 @@ def collate(
         list(ids), torch.from_numpy(input_ids).to(**to), torch.from_numpy(attention.astype(np.int64)).to(**to),
         torch.from_numpy(np.ascontiguousarray(tokens[:, 1:])).to(**to), torch.from_numpy(loss_mask).to(**to),
         torch.from_numpy(behavior).to(**to), torch.from_numpy(advantages).to(**to),
-        None if old is None else old.to(**to), packed=row,
+        None if old is None else old.to(**to), packed=row, routes=routes_tensor(routes, device),
     )  # fmt: skip
+
+
+def sample_routes(sample: Sample, route_shape: tuple[int, int]) -> np.ndarray:
+    """The sample's recorded routes as [len(prompt) + len(response) - 1, MoE layers, top_k] (check_routes has
+    checked the size)."""
+    assert sample.routed_experts is not None
+    return sample.routed_experts.reshape(-1, *route_shape)
+
+
+def routes_tensor(routes: np.ndarray | None, device: torch.device) -> torch.Tensor | None:
+    """[T, MoE layers, k] int16 -> [MoE layers, T, k] int64 on the device (MicroBatch.routes)."""
+    if routes is None:
+        return None
+    return torch.from_numpy(np.ascontiguousarray(routes.transpose(1, 0, 2))).to(device=device, dtype=torch.long)
+
+
+def check_routes(samples: list[Sample], layers: int, top_k: int, num_experts: int, replay: bool) -> bool:
+    """Whether the samples carry routes the trainer can compare with its routers' (and replay): every sample
+    (len(prompt) + len(response) - 1) x layers x top_k expert ids in [-1, num_experts). Samples without routes:
+    False, refused when `replay` (trainer.routing_replay: rollout); routes of another shape or range: refused."""
+    missing = [s for s in samples if s.routed_experts is None]
+    if missing:
+        if replay:
+            s = missing[0]
+            raise MoerlError(
+                f"sample {s.prompt_id!r}/{s.sample_index}: the experience records no routed experts, which "
+                "trainer.routing_replay: rollout replays; rerun its rollout with this run config (it records them)"
+            )
+        return False
+    per_position = layers * top_k
+    for s in samples:
+        routes = s.routed_experts
+        assert routes is not None
+        positions = len(s.prompt_ids) + len(s.response_ids) - 1
+        in_range = not routes.size or -1 <= routes.min() <= routes.max() < num_experts
+        if routes.size != positions * per_position or not in_range:
+            raise MoerlError(
+                f"sample {s.prompt_id!r}/{s.sample_index}: routed_experts holds {routes.size} ids in "
+                f"[{routes.min() if routes.size else '-'}, {routes.max() if routes.size else '-'}], not {positions} "
+                f"tokens x {layers} MoE layers x top-{top_k} expert ids in [-1, {num_experts}): the experience was "
+                "recorded for another model; rerun its rollout"
+            )
+    return True
 
 
 def collate_groups(
@@ -302,10 +360,12 @@ def collate_groups(
     device: torch.device,
     pad_id: int = 0,
     old_logps: dict[int, torch.Tensor] | None = None,
+    route_shape: tuple[int, int] | None = None,
 ) -> MicroBatch:
-    """A shared-prompt micro-batch (see MicroBatch) of whole groups: each prompt_id's prompt once."""
+    """A shared-prompt micro-batch (see MicroBatch) of whole groups: each prompt_id's prompt once (its routes
+    those its first sample recorded: the engine ran the prompt once for its group)."""
     if not ids:
-        return collate(samples, ids, device, pad_id, old_logps)
+        return collate(samples, ids, device, pad_id, old_logps, route_shape=route_shape)
     prompts: dict[str, list[int]] = {}
     for i in ids:
         s = samples[i]
@@ -343,11 +403,25 @@ def collate_groups(
             old[row, :n] = old_logps[i]  # type: ignore[index]
     prompt_index = torch.tensor([row_of[samples[i].prompt_id] for i in ids], dtype=torch.long)
     advantages = torch.tensor([samples[i].advantage for i in ids], dtype=torch.float32)
+    routes = None
+    if route_shape is not None:
+        first: dict[str, Sample] = {}
+        for i in ids:
+            first.setdefault(samples[i].prompt_id, samples[i])
+        prompt_routes = np.full((len(prompts), prompt_len, *route_shape), -1, dtype=np.int16)
+        for row, prompt_id in enumerate(prompts):
+            n = len(prompts[prompt_id])
+            prompt_routes[row, prompt_len - n :] = sample_routes(first[prompt_id], route_shape)[:n]
+        response_routes = np.full((batch, length - 1, *route_shape), -1, dtype=np.int16)
+        for row, i in enumerate(ids):
+            n, p = len(samples[i].response_ids), len(samples[i].prompt_ids)
+            response_routes[row, : n - 1] = sample_routes(samples[i], route_shape)[p:]
+        routes = np.concatenate([prompt_routes.reshape(-1, *route_shape), response_routes.reshape(-1, *route_shape)])
     to = {"device": device}
     return MicroBatch(
         list(ids), input_ids.to(**to), attention.to(**to), targets.to(**to), loss_mask.to(**to),
         behavior.to(**to), advantages.to(**to), None if old is None else old.to(**to),
-        prompt_ids.to(**to), prompt_mask.to(**to), prompt_index.to(**to),
+        prompt_ids.to(**to), prompt_mask.to(**to), prompt_index.to(**to), routes=routes_tensor(routes, device),
     )  # fmt: skip
 
 
@@ -402,12 +476,24 @@ class PolicyTrainer:
         self.ref_model = ref_model
         self.pad_id = pad_id if pad_id is not None else 0
         self.optimizer = optimizer or new_adamw(model, settings)
+        self.route_shape: tuple[int, int] | None = None  # (MoE layers, top_k) while the samples' routes are read
 
     # -- forward pieces ------------------------------------------------------------------------------
 
     def forward_logprobs(self, model: nn.Module, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """(log p(target) [B, L], logits) of `model` on the micro-batch: logits [B, L, V], or [1, N, V] of the
-        packed row (token_entropies reads either)."""
+        packed row (token_entropies reads either). The policy's forward sees the micro-batch's engine routes
+        (compared with its routers', and replayed with routing_replay: rollout); the reference model's routers
+        choose alone, as in slime, Miles and verl."""
+        if model is not self.model or mb.routes is None:
+            return self._forward_logprobs(model, mb)
+        self.model.set_engine_routes(mb.routes, replay=self.settings.routing_replay == "rollout")
+        try:
+            return self._forward_logprobs(model, mb)
+        finally:
+            self.model.set_engine_routes(None)
+
+    def _forward_logprobs(self, model: nn.Module, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
         if mb.packed is not None:
             p = mb.packed
             logits = model(p.input_ids, None, p.segment_ids)
@@ -554,17 +640,42 @@ class PolicyTrainer:
     def micro_batches(
         self, samples: list[Sample], step_indices: list[int], old: dict[int, torch.Tensor] | None = None
     ) -> list[MicroBatch]:
-        """This rank's micro-batches of one step (grouped ones with shared_prompts)."""
-        size, device = self.settings.micro_batch_size, self.mesh.device
+        """This rank's micro-batches of one step (grouped ones with shared_prompts), with the samples' routes
+        once train() found them usable (route_shape)."""
+        size, device, shape = self.settings.micro_batch_size, self.mesh.device, self.route_shape
         if self.settings.shared_prompts:
             return [
-                collate_groups(samples, ids, device, self.pad_id, old)
+                collate_groups(samples, ids, device, self.pad_id, old, route_shape=shape)
                 for ids in rank_group_micro_batches(step_indices, samples, self.mesh, size)
             ]
         return [
-            collate(samples, ids, device, self.pad_id, old, packed=self.settings.sequence_packing)
+            collate(samples, ids, device, self.pad_id, old, packed=self.settings.sequence_packing, route_shape=shape)
             for ids in rank_micro_batches(step_indices, self.mesh, size)
         ]
+
+    def use_routes(self, samples: list[Sample]) -> None:
+        """Read the samples' recorded routes from now on (route_shape) when they all have them (check_routes)."""
+        blocks = self.model.moe_blocks()
+        self.route_shape = None
+        if blocks and check_routes(samples, len(blocks), blocks[0].top_k, blocks[0].num_experts,
+                                   replay=self.settings.routing_replay == "rollout"):  # fmt: skip
+            self.route_shape = (len(blocks), blocks[0].top_k)
+
+    def route_disagreement(self) -> dict[str, Any] | None:
+        """The routing figures counted since model.count_route_disagreement (every rank's tokens; every rank
+        calls it): the share of tokens whose routers' top-k set differs from the engine's, overall and per MoE
+        layer, over the tokens with a recorded route. None without routes."""
+        counts = self.model.route_disagreement()
+        if counts is None or self.route_shape is None:
+            return None
+        total = all_reduce_sum(counts.to(self.mesh.device), self.mesh).cpu().double()
+        differ, tokens = total[:, 0], total[:, 1].clamp(min=1)
+        return {
+            "replay": self.settings.routing_replay == "rollout",
+            "disagreement": float(differ.sum() / tokens.sum()),
+            "disagreement_per_layer": (differ / tokens).tolist(),
+            "tokens_per_layer": total[:, 1].long().tolist(),
+        }
 
     def train(
         self, samples: list[Sample], iteration: int, on_step: Callable[[int, int], None] | None = None
@@ -574,14 +685,18 @@ class PolicyTrainer:
         start = time.perf_counter()
         plan = self.plan(samples, iteration)
         trained = trained_steps(samples, plan, self.settings)
+        self.use_routes(samples)
         old = None  # one step: the ratio's old policy is the current one, detached (see step)
-        # The mismatch (steps/training/mismatch.py): over every trained sample when the update recomputes the old
-        # log-probs, else over the first step's, whose forward runs before any update
-        mismatch, recomputed = MismatchStats(), False
+        # The mismatch (steps/training/mismatch.py) and the routers' disagreement with the engine's routes: over
+        # every trained sample when the update recomputes the old log-probs, else over the first step's, whose
+        # forward runs before any update
+        mismatch, recomputed, routing = MismatchStats(), False, None
+        self.model.count_route_disagreement()
         if len(plan) > 1 and self.settings.old_logprobs == "behavior":  # the engine's: no extra forward pass
             old = {i: torch.tensor(s.behavior_logprobs, dtype=torch.float32) for i, s in enumerate(samples)}
         elif len(plan) > 1:
             old, recomputed = self.old_logprobs(samples, trained), True
+            routing = self.route_disagreement()
             for i, logp in old.items():  # this rank's trained samples (every rank adds its own)
                 mismatch.add(logp, torch.tensor(samples[i].behavior_logprobs), torch.ones(len(logp)))
         results = []
@@ -591,11 +706,15 @@ class PolicyTrainer:
             micro = self.micro_batches(samples, trained_indices, old)
             first = not results and not recomputed
             results.append(self.step(micro, self.normalizer(samples, step_indices), mismatch if first else None))
+            if first:
+                routing = self.route_disagreement()
             if on_step is not None:
                 on_step(len(results), len(plan))
+        self.route_shape = None
         seconds = time.perf_counter() - start
         metrics = iteration_metrics(results, seconds)
         metrics["mismatch"] = mismatch.reduce(self.mesh)
+        metrics["routing"] = routing
         metrics["zero_advantage_skipped"] = sum(len(p) - len(t) for p, t in zip(plan, trained, strict=True))
         return metrics
 

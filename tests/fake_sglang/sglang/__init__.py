@@ -33,6 +33,17 @@
   back to original weights." (its model_path already points at the new dir); a tensor the dir lacks is no
   error (the old one stays). The running model is the safetensors headers of the model_path it started
   with. config.json is never read again;
+- routed experts: Engine(enable_return_routed_experts=True) (ServerArgs, default False, checked against nothing)
+  and generate(..., return_routed_experts=False) (one flag for the whole batch: GenerateReqInput.__getitem__
+  copies it to every request): a finished request's meta_info["routed_experts"] is
+  base64(int32 C-order bytes) of [len(input_ids) + completion_tokens - 1, num_hidden_layers, num_experts_per_tok]
+  (state_capturer/base.py get_topk: positions [0, seqlen - 1); detokenizer_manager.py pybase64.b64encode of
+  .numpy().tobytes()), logical expert ids, every decoder layer a row, the rows of dense layers (DeepSeek-V3's
+  first first_k_dense_replace, a Qwen3 layer in mlp_only_layers) zeros, never written. Without the server
+  argument a request asking for them gets no such key and no error (batch_result_processor.py
+  _maybe_collect_routed_experts returns when there is no capturer). The fake's ids: (position * 7 + layer +
+  3 * j) mod num_experts for choice j, distinct within a row; $FAKE_SGLANG_ROUTES_UNWRITTEN names a layer whose
+  rows stay zeros (an MoE runner that bypasses the capturer);
 - shutdown() ends the engine; nothing runs on it afterwards.
 """
 
@@ -63,6 +74,7 @@ SERVER_ARGS = {
     "deepep_mode",
     "attention_backend",
     "moe_runner_backend",
+    "enable_return_routed_experts",
 }
 DTYPE_CHOICES = {"auto", "half", "float16", "bfloat16", "float", "float32"}
 # srt/server_args.py:220 DETERMINISTIC_ATTENTION_BACKEND_CHOICES: an attention_backend set outside it with
@@ -136,7 +148,9 @@ class TokenizerManager:
             if abort_all or state_rid.startswith(rid):
                 state.abort_requested = True
 
-    async def generate_request(self, input_ids: list, return_logprob: bool) -> list[dict]:
+    async def generate_request(
+        self, input_ids: list, return_logprob: bool, routes: RoutesModel | None = None
+    ) -> list[dict]:
         self.auto_create_handle_loop()
         self._outputs_arrive()
         rids = [uuid.uuid4().hex for _ in input_ids]
@@ -152,7 +166,11 @@ class TokenizerManager:
                 if all(self.rid_to_state[rid].abort_requested for rid in rids):
                     break
                 await asyncio.sleep(STEP_S)
-            return [_output(rid, self.rid_to_state[rid].abort_requested) for rid in rids]
+            outputs = [_output(rid, self.rid_to_state[rid].abort_requested) for rid in rids]
+            for ids, output in zip(input_ids, outputs, strict=True):
+                if routes is not None and output["meta_info"]["finish_reason"]["type"] != "abort":
+                    output["meta_info"]["routed_experts"] = routes.encoded(len(ids) + len(output["output_ids"]) - 1)
+            return outputs
         finally:
             for rid in rids:
                 self.rid_to_state.pop(rid, None)
@@ -183,6 +201,38 @@ def _output(rid: str, aborted: bool) -> dict:
                                              "output_token_logprobs": [(-0.1, 2, None)]}}  # fmt: skip
 
 
+@dataclass
+class RoutesModel:
+    """The model's layout as RoutedExpertsCapturer.create reads it (hf_text_config) and which layers are MoE."""
+
+    num_layers: int
+    top_k: int
+    num_experts: int
+    moe_layers: list[int]
+
+    @classmethod
+    def of(cls, model_path: str) -> RoutesModel:
+        cfg = json.loads((Path(model_path) / "config.json").read_text())
+        layers = int(cfg["num_hidden_layers"])
+        dense = set(cfg.get("mlp_only_layers") or []) | set(range(int(cfg.get("first_k_dense_replace") or 0)))
+        experts = int(cfg.get("num_experts") or cfg.get("n_routed_experts") or cfg.get("num_local_experts"))
+        return cls(layers, int(cfg["num_experts_per_tok"]), experts, [i for i in range(layers) if i not in dense])
+
+    def encoded(self, positions: int) -> str:
+        import base64
+
+        import numpy as np
+
+        routes = np.zeros((positions, self.num_layers, self.top_k), dtype=np.int32)
+        unwritten = os.environ.get("FAKE_SGLANG_ROUTES_UNWRITTEN")
+        for layer in self.moe_layers:
+            if unwritten is not None and layer == int(unwritten):
+                continue
+            for j in range(self.top_k):
+                routes[:, layer, j] = (np.arange(positions) * 7 + layer + 3 * j) % self.num_experts
+        return base64.b64encode(routes.tobytes()).decode("utf-8")
+
+
 class Engine:
     def __init__(self, **kwargs: object) -> None:
         unknown = set(kwargs) - SERVER_ARGS
@@ -204,6 +254,7 @@ class Engine:
         self.model_path = str(kwargs["model_path"])
         self.shapes = _tensor_shapes(self.model_path)
         self.updates: list[str] = []  # the model_path of every successful update_weights_from_disk
+        self.routes = RoutesModel.of(self.model_path) if kwargs.get("enable_return_routed_experts") else None
         self.closed = False
         try:
             self.loop = asyncio.get_running_loop()
@@ -218,10 +269,14 @@ class Engine:
         input_ids: list[list[int]] | list[int] | None = None,
         *,  # upstream's next parameters (image_data, ...) are not modelled: return_logprob only by name here
         return_logprob: bool = False,
+        return_routed_experts: bool = False,
+        routed_experts_start_len: int = 0,
     ) -> list[dict]:
         assert not self.closed, "generate on an engine that was shut down"
         assert prompt is None and input_ids is not None, "moerl sends token ids (skip_tokenizer_init)"
-        return self.loop.run_until_complete(self.tokenizer_manager.generate_request(input_ids, return_logprob))
+        assert routed_experts_start_len == 0, "the fake models the whole sequence's routes only"
+        routes = self.routes if return_routed_experts else None
+        return self.loop.run_until_complete(self.tokenizer_manager.generate_request(input_ids, return_logprob, routes))
 
     def update_weights_from_disk(self, model_path: str, load_format: str | None = None) -> tuple[bool, str, int]:
         assert not self.closed, "update_weights_from_disk on an engine that was shut down"
