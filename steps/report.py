@@ -50,6 +50,9 @@ COLUMNS: dict[str, tuple[str, ...]] = {
     # the train-inference mismatch (steps/training/mismatch.py): k3 KL(behaviour || trainer), the ratio's 99th pct
     "mismatch_k3": ("mismatch.k3",),
     "mismatch_ratio_p99": ("mismatch.ratio.p99",),
+    # the share of tokens whose trainer routers chose other experts than the engine's (routes recorded; under
+    # routing replay the forward uses the engine's anyway)
+    "route_disagreement": ("routing.router_disagreement",),
 }
 # Step times: any numeric field whose name says it is a duration.
 _TIME_FIELD = re.compile(r"(seconds|_secs?|_s|_time|duration)$")

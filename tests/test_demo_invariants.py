@@ -1,5 +1,6 @@
 """The demo workflow's invariants: chaos (Spot preemptions and a hard kill) and the number of rollout shards
-change nothing in the final weights; `moerl demo` runs end to end and prints its report."""
+change nothing in the final weights, routing replay on (the engine's recorded experts travel through chunks,
+retries and the score into the update); `moerl demo` runs end to end and prints its report."""
 
 import hashlib
 import json
@@ -17,7 +18,8 @@ from pipelines.sft_demo import sft_demo
 from steps.demo.sft import SftSettings
 
 REPO = Path(__file__).resolve().parents[1]
-TINY = {"iterations": 2, "prompts_per_iteration": 16, "group_size": 4, "heldout_size": 16, "rollout.chunk_size": 4}
+TINY = {"iterations": 2, "prompts_per_iteration": 16, "group_size": 4, "heldout_size": 16, "rollout.chunk_size": 4,
+        "trainer.routing_replay": "rollout"}
 
 
 @pytest.fixture(scope="module")
@@ -50,6 +52,9 @@ def test_chaos_and_shard_count_leave_the_final_weights_bit_identical(sft_dir, tm
     monkeypatch.setenv("MOERL_LOCAL_TIME_SCALE", "0.05")  # retry backoffs and grace periods, not the steps
     baseline = final_weights(sft_dir, tmp_path / "plain")
     assert baseline
+    update = json.loads((tmp_path / "plain" / "run" / "metrics" / "iter-000002.update.json").read_text())["update"]
+    assert update["routing"]["replay"] and update["routing"]["disagreement"] == 0.0  # the engine's experts, used
+    assert min(update["routing"]["tokens_per_layer"]) > 0
     weights, chaos_run = run_demo(sft_dir, tmp_path / "chaos", chaos=CHAOS)
     assert weights == baseline
     assert final_weights(sft_dir, tmp_path / "one-shard", shards=1) == baseline

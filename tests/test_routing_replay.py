@@ -125,10 +125,10 @@ def test_every_router_kind_weighs_its_own_choice_as_it_routes(family):
     assert torch.equal(block.weigh(logits, scores, own, hidden.dtype), block.route(hidden)[2])
     other = torch.roll(own, 1, dims=0)
     block.engine_routes, block.replay_routes = other, True
-    block.route_disagreement = torch.zeros(2, dtype=torch.int64)
+    block.route_disagreement = torch.zeros(3, dtype=torch.int64)
     assert torch.equal(block.recorded_choice(own), other)
     differ = (own.sort(-1).values != other.sort(-1).values).any(-1).sum()
-    assert block.route_disagreement.tolist() == [int(differ), 9]
+    assert block.route_disagreement.tolist() == [int(differ), 0, 9]  # the routers differ; the experts used do not
 
 
 def samples_with_routes(model, perturb_layer: int | None = None, count: int = 12) -> list[Sample]:
@@ -168,6 +168,7 @@ def test_the_update_reports_its_routers_disagreement_per_layer():
     assert agreed["routing"]["tokens_per_layer"] == [layer_tokens] * len(model.moe_blocks())
     moved, *_ = train(samples_with_routes(model, perturb_layer=1), "none")
     assert moved["routing"]["disagreement_per_layer"] == [0.0, 1.0]
+    assert moved["routing"]["router_disagreement_per_layer"] == [0.0, 1.0]  # no replay: the routers' experts
     assert moved["routing"]["disagreement"] == 0.5
     unrecorded = [dataclasses.replace(s, routed_experts=None) for s in samples_with_routes(model)]
     assert train(unrecorded, "none")[0]["routing"] is None
@@ -210,10 +211,11 @@ def test_the_routes_follow_the_tokens_in_every_micro_batch_layout(layout):
     other = train(moved, "rollout", **{"sequence_packing" if layout == "packed" else "shared_prompts": True})
     # Layer 0's routes all moved; layer 1's routers then see other hidden states than the engine's (what replaying
     # layer 0 does), the same over the same tokens
-    assert other[0]["routing"]["disagreement_per_layer"][0] == 1.0
+    assert other[0]["routing"]["router_disagreement_per_layer"][0] == 1.0
+    assert other[0]["routing"]["disagreement_per_layer"] == [0.0, 0.0]  # the forward used the engine's experts
     if layout == "packed":
-        assert other[0]["routing"]["disagreement_per_layer"] == pytest.approx(
-            padded[0]["routing"]["disagreement_per_layer"], abs=0.02
+        assert other[0]["routing"]["router_disagreement_per_layer"] == pytest.approx(
+            padded[0]["routing"]["router_disagreement_per_layer"], abs=0.02
         )
     else:  # each prompt's tokens once
         prompts = {s.prompt_id: len(s.prompt_ids) for s in moved}
@@ -270,7 +272,8 @@ def replay_on_ranks(rank: int, world: int, out_dir: Path) -> None:
                              routing_replay="rollout")  # fmt: skip
     metrics = PolicyTrainer(model, mesh, settings, torch.optim.SGD(model.parameters(), lr=0.5)).train(moved, 1)
     out = {f"weight.{n}": p.detach().clone() for n, p in model.named_parameters()}
-    out["disagreement"] = torch.tensor(metrics["routing"]["disagreement_per_layer"])
+    out["disagreement"] = torch.tensor(metrics["routing"]["router_disagreement_per_layer"])
+    out["used"] = torch.tensor(metrics["routing"]["disagreement_per_layer"])
     save_file(out, str(out_dir / f"rank{rank}.safetensors"))
 
 
@@ -287,7 +290,7 @@ def test_replay_through_the_expert_parallel_dispatch_gives_the_single_process_up
     expected = {n: p.detach() for n, p in full.named_parameters()}
     for rank in range(2):
         got = load_file(tmp_path / f"rank{rank}.safetensors")
-        assert got["disagreement"].tolist() == [0.0, 1.0]
+        assert got["disagreement"].tolist() == [0.0, 1.0] and got["used"].tolist() == [0.0, 0.0]
         for key, value in got.items():
             if key.startswith("weight."):
                 torch.testing.assert_close(value, expected[key[len("weight.") :]], atol=2e-6, rtol=1e-5, msg=key)

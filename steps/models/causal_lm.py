@@ -218,11 +218,12 @@ class MoeCausalLM(nn.Module):
         """Start (or restart) counting, per MoE layer, the tokens whose router's own top-k set differs from the
         engine's recorded one (see route_disagreement)."""
         for block in self.moe_blocks():
-            block.route_disagreement = torch.zeros(2, dtype=torch.int64, device=block.gate.weight.device)
+            block.route_disagreement = torch.zeros(3, dtype=torch.int64, device=block.gate.weight.device)
 
     def route_disagreement(self) -> torch.Tensor | None:
-        """[num MoE layers, 2] int64 (tokens whose top-k differs, tokens with a recorded route) counted since
-        count_route_disagreement (this process's tokens), which it stops; None when it was not started."""
+        """[num MoE layers, 3] int64 (tokens whose routers' top-k differs from the engine's, tokens whose experts
+        used differ from the engine's, tokens with a recorded route) counted since count_route_disagreement (this
+        process's tokens), which it stops; None when it was not started."""
         counts = [block.route_disagreement for block in self.moe_blocks()]
         for block in self.moe_blocks():
             block.route_disagreement = None

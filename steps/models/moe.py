@@ -367,8 +367,9 @@ class SparseMoeBlock(nn.Module):
         self.balance_loss: torch.Tensor | None = None
         # While a tensor [T, k] (set by the model for the next forward: MoeCausalLM.set_engine_routes): the experts
         # the rollout engine routed each of the forward's T tokens to, global ids, a row of -1 where it recorded
-        # none. With replay_routes the forward uses them (routing replay); route_disagreement, while a tensor,
-        # adds [tokens whose own top-k set differs from the engine's, tokens with a recorded route].
+        # none. With replay_routes the forward uses them (routing replay); route_disagreement, while a tensor, adds
+        # [tokens whose routers' own top-k set differs from the engine's, tokens whose experts used by the forward
+        # differ from the engine's, tokens with a recorded route].
         self.engine_routes: torch.Tensor | None = None
         self.replay_routes = False
         self.route_disagreement: torch.Tensor | None = None
@@ -473,12 +474,14 @@ class SparseMoeBlock(nn.Module):
             )
         routes = routes.to(own.device)
         recorded = routes[:, 0] >= 0
+        used = torch.where(recorded[:, None], routes, own) if self.replay_routes else own
         if self.route_disagreement is not None:
-            differ = (own.sort(dim=-1).values != routes.sort(dim=-1).values).any(dim=-1) & recorded
-            self.route_disagreement += torch.stack([differ.sum(), recorded.sum()]).to(self.route_disagreement)
-        if not self.replay_routes:
-            return own
-        return torch.where(recorded[:, None], routes, own)
+            engine = routes.sort(dim=-1).values
+            router_differs = (own.sort(dim=-1).values != engine).any(dim=-1) & recorded
+            used_differs = (used.sort(dim=-1).values != engine).any(dim=-1) & recorded
+            counts = torch.stack([router_differs.sum(), used_differs.sum(), recorded.sum()])
+            self.route_disagreement += counts.to(self.route_disagreement)
+        return used
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape

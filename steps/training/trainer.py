@@ -663,18 +663,21 @@ class PolicyTrainer:
 
     def route_disagreement(self) -> dict[str, Any] | None:
         """The routing figures counted since model.count_route_disagreement (every rank's tokens; every rank
-        calls it): the share of tokens whose routers' top-k set differs from the engine's, overall and per MoE
-        layer, over the tokens with a recorded route. None without routes."""
+        calls it), over the tokens with a recorded route, overall and per MoE layer: router_disagreement, the share
+        whose trainer routers' top-k set differs from the engine's; disagreement, the share whose experts the
+        forward used differ from the engine's (the same without replay; 0 with it). None without routes."""
         counts = self.model.route_disagreement()
         if counts is None or self.route_shape is None:
             return None
         total = all_reduce_sum(counts.to(self.mesh.device), self.mesh).cpu().double()
-        differ, tokens = total[:, 0], total[:, 1].clamp(min=1)
+        router, used, tokens = total[:, 0], total[:, 1], total[:, 2].clamp(min=1)
         return {
             "replay": self.settings.routing_replay == "rollout",
-            "disagreement": float(differ.sum() / tokens.sum()),
-            "disagreement_per_layer": (differ / tokens).tolist(),
-            "tokens_per_layer": total[:, 1].long().tolist(),
+            "router_disagreement": float(router.sum() / tokens.sum()),
+            "router_disagreement_per_layer": (router / tokens).tolist(),
+            "disagreement": float(used.sum() / tokens.sum()),
+            "disagreement_per_layer": (used / tokens).tolist(),
+            "tokens_per_layer": total[:, 2].long().tolist(),
         }
 
     def train(
