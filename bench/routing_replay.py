@@ -68,7 +68,8 @@ def engine_samples(checkpoint: Path, args: argparse.Namespace) -> list[Sample]:
         with torch.no_grad():
             for block in engine.model.moe_blocks():
                 weight = block.gate.weight
-                weight.add_(torch.randn(weight.shape, generator=gen).to(weight.dtype) * weight.std() * args.router_noise)
+                noise = torch.randn(weight.shape, generator=gen).to(weight.dtype)
+                weight.add_(noise * weight.std() * args.router_noise)
     requests = sample_requests(prompts, plan.sampling, lambda pid, k: sample_seed(args.seed, 1, pid, k))
     generations = engine.generate(requests, plan.sampling)
     ids = dict(prompts)
