@@ -84,7 +84,7 @@ TRAINER_NOT_MAPPED = {
 TRAINER_MAPPED = {
     "micro_batch_size", "epochs", "steps_per_epoch", "lr", "weight_decay", "betas", "grad_clip", "clip_low",
     "clip_high", "loss_agg", "kl_coef", "warmup_steps", "warmup_iterations", "lr_schedule", "lr_final_ratio", "router",
-    "router_aux_loss_coef", "loss",
+    "router_aux_loss_coef", "loss", "routing_replay",
 }  # fmt: skip
 LR_SCHEDULES = {"constant": "constant", "linear": "linear", "cosine": "cosine"}
 
@@ -138,6 +138,8 @@ def grpo_settings(cfg: RunConfig, iterations: int, output_dir: str) -> dict[str,
     if getattr(t, "loss", "ppo") != "ppo":
         raise MoerlError(f"trainer.loss {t.loss!r}: the learning bench compares PPO-clip only (TRL's GRPOTrainer "
                          "loss); set trainer.loss: ppo")  # fmt: skip
+    if getattr(t, "routing_replay", "none") != "none":  # TRL's trainer always routes with its own routers
+        raise MoerlError("trainer.routing_replay: TRL's GRPOTrainer has no routing replay; set it to none")
     scheduler_kwargs: dict[str, float] = {}
     final = float(getattr(t, "lr_final_ratio", 0.0) or 0.0)
     if schedule == "cosine" and final > 0:  # transformers' cosine down to a floor: min_lr_rate

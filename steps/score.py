@@ -7,10 +7,12 @@ missing or mismatched one is named with the shard that writes it), in canonical 
 sample_index); scores each sample (steps/scoring/rewards.py); writes
 
     <run>/experience/iter-I/scored.parquet   the rollout columns + correct, well_formed, rm_score, reward,
-                                             advantage
+                                             advantage (with rollout.dynamic_sampling: the groups the update
+                                             trains on, select_groups; the chunks keep them all)
     <run>/metrics/iter-I.json                reward mean/std, accuracy and format rate of the samples,
                                              response length, truncated share, share of groups whose rewards
-                                             all tie, and held-out greedy accuracy of the behaviour policy
+                                             all tie (over every generated group), dynamic sampling's counts,
+                                             and held-out greedy accuracy of the behaviour policy
     PATH (default /tmp/metrics.json)         the same metrics, for the workflow's output parameter
 
 and then hands the metrics to the run's experiment trackers (steps/tracking/trackers.py; none by default).
@@ -47,6 +49,7 @@ from steps.scoring.rewards import (
     combine,
     group_advantages,
     reward_model_texts,
+    select_groups,
     verify_samples,
 )
 from steps.scoring.user_reward import RewardFunction
@@ -88,7 +91,7 @@ def score_iteration(
     cfg = load_run_config(run)
     version = behaviour_version(iteration, cfg.staleness)
     tok = version_tokenizer(run, version)
-    plan = RolloutPlan.for_iteration(cfg, iteration, version, stop_token_ids=tok.stop_ids)
+    plan = RolloutPlan.for_iteration(cfg, iteration, version, stop_token_ids=tok.stop_ids, run=run)
     table = read_rollout(run, plan, cfg.rollout.num_shards)
     progress.report(0, 2)
 
@@ -131,6 +134,11 @@ def score_iteration(
         field = SCORED_SCHEMA.field(name)
         scored = scored.append_column(field, pa.array(values, type=field.type, from_pandas=False))
     scored = scored.cast(SCORED_SCHEMA)
+    dynamic = None
+    if cfg.rollout.dynamic_sampling:  # the update trains on the kept groups only; the chunks keep every sample
+        keep, dynamic = select_groups(prompt_ids, rewards, [p.prompt_id for p in plan.prompts],
+                                      cfg.prompts_per_iteration)  # fmt: skip
+        scored = scored.filter(pa.array(keep))
 
     progress.report(1, 2)
     lengths = np.array([len(r) for r in responses], dtype=np.float64)
@@ -148,6 +156,8 @@ def score_iteration(
         "truncated_fraction": float(np.mean([f == "length" for f in table.column("finish_reason").to_pylist()])),
         "tied_group_fraction": tied,
     }
+    if dynamic is not None:
+        metrics["dynamic_sampling"] = {**dynamic, "trained_samples": scored.num_rows}
     if rm_scores is not None:
         metrics["rm_score_mean"] = float(np.mean(rm_scores))
     metrics.update(fn_metrics)

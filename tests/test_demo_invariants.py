@@ -1,6 +1,7 @@
 """The demo workflow's invariants: chaos (Spot preemptions and a hard kill) and the number of rollout shards
-change nothing in the final weights, routing replay on (the engine's recorded experts travel through chunks,
-retries and the score into the update); `moerl demo` runs end to end and prints its report."""
+change nothing in the final weights, with routing replay (the engine's recorded experts travel through chunks,
+retries and the score into the update) and dynamic sampling (each iteration's prompt count read from the score
+metrics of the one before) on; `moerl demo` runs end to end and prints its report."""
 
 import hashlib
 import json
@@ -19,7 +20,8 @@ from steps.demo.sft import SftSettings
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = {"iterations": 2, "prompts_per_iteration": 16, "group_size": 4, "heldout_size": 16, "rollout.chunk_size": 4,
-        "trainer.routing_replay": "rollout"}
+        "trainer.routing_replay": "rollout", "rollout.dynamic_sampling": True,
+        "rollout.dynamic_sampling_max_factor": 2.0}
 
 
 @pytest.fixture(scope="module")
@@ -55,6 +57,11 @@ def test_chaos_and_shard_count_leave_the_final_weights_bit_identical(sft_dir, tm
     update = json.loads((tmp_path / "plain" / "run" / "metrics" / "iter-000002.update.json").read_text())["update"]
     assert update["routing"]["replay"] and update["routing"]["disagreement"] == 0.0  # the engine's experts, used
     assert min(update["routing"]["tokens_per_layer"]) > 0
+    for iteration in (1, 2):  # 32 prompts generated first, then what iteration 1's tied share asks for
+        score = json.loads((tmp_path / "plain" / "run" / "metrics" / f"iter-00000{iteration}.json").read_text())
+        kept = score["dynamic_sampling"]
+        assert kept["trained_mixed_groups"] + kept["trained_tied_groups"] == 16 and kept["trained_samples"] == 64
+        assert 16 <= kept["generated_groups"] <= 32 and (iteration == 2 or kept["generated_groups"] == 32)
     weights, chaos_run = run_demo(sft_dir, tmp_path / "chaos", chaos=CHAOS)
     assert weights == baseline
     assert final_weights(sft_dir, tmp_path / "one-shard", shards=1) == baseline

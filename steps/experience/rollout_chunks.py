@@ -135,7 +135,7 @@ class IterationRollout:
         cfg = cfg or load_run_config(run)
         version = behaviour_version(iteration, cfg.staleness)
         tok = version_tokenizer(run, version)  # its stop tokens are part of the plan
-        plan = RolloutPlan.for_iteration(cfg, iteration, version, stop_token_ids=tok.stop_ids)
+        plan = RolloutPlan.for_iteration(cfg, iteration, version, stop_token_ids=tok.stop_ids, run=run)
         return cls(run, cfg, iteration, version, tok, plan)
 
     def check_version(self, policy_version: int | None, flag: str = "--policy-version") -> None:

@@ -5,9 +5,10 @@ chunk files that rollout writes and score reads (the update reads the scored fil
     <run>/experience/iter-000001/scored.parquet                  all chunks, canonical order, with rewards
     <run>/metrics/iter-000001.json                               the score step's metrics
 
-The plan. An iteration's prompts are fixed by (run seed, iteration): `prompts_per_iteration` problems of the
-task's train split, or of the prompt file's training prompts (steps/data/prompt_data.py: without a heldout_file, the
-prompts that the stable-hash split holds out are never among them). They are cut, in that order, into chunks
+The plan. An iteration's prompts are fixed by (run seed, iteration): `prompts_per_iteration` problems (more with
+rollout.dynamic_sampling: generated_prompt_count) of the task's train split, or of the prompt file's training
+prompts (steps/data/prompt_data.py: without a heldout_file, the prompts that the stable-hash split holds out are
+never among them). They are cut, in that order, into chunks
 of `rollout.chunk_size` prompts; a chunk is all `group_size` samples of each of its prompts and is always
 generated as one batch.
 Shard K of S generates chunks K, K+S, K+2S, ...: the chunks never depend on the shard count, so neither
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -45,7 +47,7 @@ from steps.experience.tables import (
     table_bytes,
 )
 from steps.run.config import RunConfig
-from steps.run.keys import chunk_key, rollout_prefix, version_prefix
+from steps.run.keys import chunk_key, metrics_key, rollout_prefix, version_prefix
 from steps.store.object_store import Store
 
 # ----------------------------------------------------------------------------------------------------
@@ -89,15 +91,52 @@ def training_pool(cfg: RunConfig) -> list[Prompt]:
     return prompts
 
 
-def iteration_prompts(cfg: RunConfig, iteration: int) -> list[Prompt]:
-    """The prompts of `iteration`, in plan order: the same for the same (config, iteration) on any machine."""
+def iteration_prompts(cfg: RunConfig, iteration: int, count: int | None = None) -> list[Prompt]:
+    """The `count` (default prompts_per_iteration) prompts of `iteration`, in plan order: the same for the same
+    (config, iteration, count) on any machine."""
+    count = cfg.prompts_per_iteration if count is None else count
     seed = iteration_seed(cfg.seed, iteration)
     task = run_task(cfg)
     if task is not None:
-        return task.prompts("train", cfg.prompts_per_iteration, seed)
+        return task.prompts("train", count, seed)
     prompts = training_pool(cfg)
-    # A prompt file smaller than prompts_per_iteration is used whole, in a fresh order each iteration.
-    return random.Random(seed).sample(prompts, min(cfg.prompts_per_iteration, len(prompts)))
+    # A prompt file smaller than the count is used whole, in a fresh order each iteration.
+    return random.Random(seed).sample(prompts, min(count, len(prompts)))
+
+
+# Dynamic sampling generates this much more than the estimate of what fills the batch with mixed groups, so that
+# an iteration whose share of tied groups is a little above the last one's still fills it.
+DYNAMIC_SAMPLING_MARGIN = 1.2
+
+
+def generated_prompt_count(cfg: RunConfig, iteration: int, run: Store | None) -> int:
+    """How many prompts `iteration` generates. prompts_per_iteration, or with rollout.dynamic_sampling (DAPO):
+    prompts_per_iteration x DYNAMIC_SAMPLING_MARGIN / (1 - t), where t is the share of tied groups (every sample of
+    the prompt got the same reward) that the score of iteration i - 1 - staleness measured, the iteration whose
+    update made the version iteration i samples from (so its score is done before iteration i's rollout starts,
+    and every step that plans iteration i reads the same figure); between prompts_per_iteration and
+    dynamic_sampling_max_factor times it, which is also what the first 1 + staleness iterations generate."""
+    wanted = cfg.prompts_per_iteration
+    if not cfg.rollout.dynamic_sampling:
+        return wanted
+    cap = max(wanted, math.floor(wanted * cfg.rollout.dynamic_sampling_max_factor))
+    source = iteration - 1 - cfg.staleness
+    if source < 1:
+        return cap
+    if run is None:
+        raise ValueError("rollout.dynamic_sampling: the plan reads the run store's score metrics")
+    key = metrics_key(source)
+    if not run.exists(key):
+        raise MoerlError(
+            f"{run.url(key)}: no score metrics of iteration {source}, whose share of tied groups sizes iteration "
+            f"{iteration}'s rollout (rollout.dynamic_sampling); run the score step of iteration {source} first"
+        )
+    tied = run.get_json(key).get("tied_group_fraction")
+    if not isinstance(tied, int | float) or not 0 <= tied <= 1:
+        raise MoerlError(f"{run.url(key)}: tied_group_fraction {tied!r} is not a share in [0, 1]; rerun its score")
+    if tied >= 1:
+        return cap
+    return min(cap, max(wanted, math.ceil(wanted * DYNAMIC_SAMPLING_MARGIN / (1.0 - tied))))
 
 
 def heldout_prompts(cfg: RunConfig) -> list[Prompt]:
@@ -161,12 +200,18 @@ class RolloutPlan:
 
     @classmethod
     def for_iteration(
-        cls, cfg: RunConfig, iteration: int, policy_version: int, stop_token_ids: Sequence[int]
+        cls,
+        cfg: RunConfig,
+        iteration: int,
+        policy_version: int,
+        stop_token_ids: Sequence[int],
+        run: Store | None = None,
     ) -> RolloutPlan:
+        """The plan of `iteration` (`run`: the run store, which rollout.dynamic_sampling reads the count from)."""
         return cls(
             iteration=iteration,
             policy_version=policy_version,
-            prompts=tuple(iteration_prompts(cfg, iteration)),
+            prompts=tuple(iteration_prompts(cfg, iteration, generated_prompt_count(cfg, iteration, run))),
             chunk_size=cfg.rollout.chunk_size,
             sampling=sampling_params(cfg, stop_token_ids),
             seed=cfg.seed,

@@ -105,6 +105,20 @@ class RolloutConfig(_Section):
         ge=0,
         le=1024,
     )
+    dynamic_sampling: bool = _field(
+        False,
+        "DAPO's dynamic sampling: generate more prompts than prompts_per_iteration (as many as the share of "
+        "tied groups in the last scored iteration the policy version descends from says are needed, at most "
+        "dynamic_sampling_max_factor times as many) and train on the first prompts_per_iteration groups, in plan "
+        "order, whose rewards are not all equal (topped up with tied groups only when too few are mixed)",
+    )
+    dynamic_sampling_max_factor: float = _field(
+        3.0,
+        "with dynamic_sampling: at most this many times prompts_per_iteration prompts are generated an iteration "
+        "(also what the first iterations generate, with no scored iteration to estimate from)",
+        ge=1,
+        le=16,
+    )
     record_routes: bool = _field(
         False,
         "record, for every token the engine runs, the experts each MoE layer routed it to (the torch engine from "

@@ -136,6 +136,41 @@ def group_advantages(
     return advantages, tied / max(len(members), 1)
 
 
+def tied_groups(group_ids: Sequence[str], rewards: np.ndarray) -> set[str]:
+    """The groups whose samples all got the same reward (group_advantages' tie: advantage exactly 0)."""
+    first: dict[str, float] = {}
+    mixed: set[str] = set()
+    for group, reward in zip(group_ids, rewards.tolist(), strict=True):
+        if first.setdefault(group, reward) != reward:
+            mixed.add(group)
+    return set(first) - mixed
+
+
+def select_groups(
+    group_ids: Sequence[str], rewards: np.ndarray, plan_order: Sequence[str], keep: int
+) -> tuple[np.ndarray, dict[str, int]]:
+    """Dynamic sampling (DAPO, Yu et al. 2025, "DAPO: An Open-Source LLM Reinforcement Learning System at Scale",
+    section 3.2: keep sampling until the batch is filled with groups whose accuracy is neither 0 nor 1; verl's
+    filter_groups, slime's dynamic_sampling_filter): the first `keep` groups in plan order whose rewards are not all
+    equal. When fewer are mixed, the batch is topped up with the first tied groups in plan order (advantage 0: they
+    move no weight, and the update keeps prompts_per_iteration groups). Returns the row mask of the kept groups and
+    the counts (generated, mixed, trained mixed, trained tied, unused mixed groups)."""
+    tied = tied_groups(group_ids, rewards)
+    mixed_order = [g for g in plan_order if g not in tied]
+    kept = set(mixed_order[:keep])
+    filled = [g for g in plan_order if g in tied][: max(keep - len(kept), 0)]
+    kept.update(filled)
+    mask = np.array([g in kept for g in group_ids], dtype=bool)
+    counts = {
+        "generated_groups": len(plan_order),
+        "mixed_groups": len(mixed_order),
+        "trained_mixed_groups": min(len(mixed_order), keep),
+        "trained_tied_groups": len(filled),
+        "unused_mixed_groups": max(len(mixed_order) - keep, 0),
+    }
+    return mask, counts
+
+
 class RewardModel:
     """A transformers AutoModelForSequenceClassification checkpoint (safetensors) scored offline on CPU."""
 
