@@ -114,3 +114,15 @@ def test_the_score_keeps_the_batch_of_mixed_groups_and_counts_the_rest(tmp_path,
     }  # fmt: skip
     next_plan = RolloutPlan.for_iteration(load_run_config(run), 2, 1, stop_token_ids=(EOS_ID,), run=run)
     assert len(next_plan.prompts) == generated_prompt_count(load_run_config(run), 2, run)
+
+
+def test_the_simulator_prices_the_prompts_the_rollout_will_generate(tmp_path, checkpoint_dir):
+    from pipelines.simulate.sizing import Assumptions, chunks_per_iteration
+
+    run = Store.open(make_run(tmp_path, checkpoint_dir, **DYNAMIC))
+    cfg = load_run_config(run)
+    assert Assumptions.__dataclass_fields__["tied_group_share"].default == 0.5
+    assert chunks_per_iteration(cfg, 0.5) == 4  # 4 x 1.2 / 0.5 = 9.6, capped at 8 prompts: 4 chunks of 2
+    assert chunks_per_iteration(cfg, 0.0) == 3  # 5 prompts
+    plain = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"dynamic_sampling": False})})
+    assert chunks_per_iteration(plain, 0.5) == 2

@@ -86,6 +86,7 @@ class Simulation(ServedSteps):
         self.rate = interruptions_per_hour / 3600.0
         self.node_replacement_s = assumptions.node_replacement_s
         self.tokens = tokens_per_iteration(cfg, assumptions)
+        self.tied_group_share = assumptions.tied_group_share
         self.rng = random.Random(seed)
         self.now = 0.0
         self.heap: list[tuple[float, int, Callable[[], None]]] = []
@@ -142,8 +143,8 @@ class Simulation(ServedSteps):
         if task.step == "rollout":
             served = self.rollout_served
             jobs = [
-                Job(task, "rollout", "cpu" if served else "rollout", shard=s, chunks_left=shard_chunks(self.cfg, s),
-                    client=served)
+                Job(task, "rollout", "cpu" if served else "rollout", shard=s,
+                    chunks_left=shard_chunks(self.cfg, s, self.tied_group_share), client=served)
                 for s in range(self.cfg.rollout.num_shards)
             ]  # fmt: skip
         elif task.step == "update" and self.trainer_served:

@@ -17,6 +17,7 @@ from pipelines.simulate.model_sizing import (
 )
 from pipelines.workflow import commands
 from steps.errors import MoerlError
+from steps.experience.rollout_plan import prompt_count_for
 from steps.run.candidate import OPTIMIZER, WEIGHTS, node_write_loads, shard_writers
 from steps.run.config import RunConfig
 
@@ -35,6 +36,7 @@ CLIENT_KINDS = (ROLLOUT_CLIENT, UPDATE_CLIENT)
 # README.md, "weight update"): a bf16 version of a synthetic Qwen3-MoE after 4 AdamW steps at lr 1e-6 (the EKS
 # config's regime) is 4.2-6.7% of its checkpoint; the larger figure, rounded up. `--assume delta_fraction=X`.
 DELTA_FRACTION = 0.07
+TIED_GROUP_SHARE = 0.5  # Assumptions.tied_group_share
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,10 @@ class Assumptions:
     prompt_tokens: float = 256.0
     # GB of one trainer GPU; 0: from the trainer's instance type (model_sizing.INSTANCE_GPUS).
     gpu_memory_gb: float = 0.0
+    # With rollout.dynamic_sampling: the share of groups whose rewards all tie, which sizes how many more prompts an
+    # iteration generates (steps/experience/rollout_plan.py generated_prompt_count). 0.5: late in the demos 40-55%
+    # of the groups tied (bench/README.md, "demo seeds"); a run's own is its score metrics' tied_group_fraction.
+    tied_group_share: float = TIED_GROUP_SHARE
 
     def override(self, pairs: dict[str, float]) -> Assumptions:
         return dataclasses.replace(self, **pairs)
@@ -329,13 +335,15 @@ class StepModel:
         }[step]
 
 
-def chunks_per_iteration(cfg: RunConfig) -> int:
-    return -(-cfg.prompts_per_iteration // cfg.rollout.chunk_size)
+def chunks_per_iteration(cfg: RunConfig, tied_group_share: float = TIED_GROUP_SHARE) -> int:
+    """Chunks an iteration generates: of prompts_per_iteration prompts, or with rollout.dynamic_sampling of what
+    the rollout plans after an iteration whose tied share was tied_group_share."""
+    return -(-prompt_count_for(cfg, tied_group_share) // cfg.rollout.chunk_size)
 
 
-def shard_chunks(cfg: RunConfig, shard: int) -> int:
+def shard_chunks(cfg: RunConfig, shard: int, tied_group_share: float = TIED_GROUP_SHARE) -> int:
     """Chunks of one shard: the iteration's chunks dealt out over the shards like cards."""
-    return len(range(shard, chunks_per_iteration(cfg), cfg.rollout.num_shards))
+    return len(range(shard, chunks_per_iteration(cfg, tied_group_share), cfg.rollout.num_shards))
 
 
 def tokens_per_iteration(cfg: RunConfig, assumptions: Assumptions) -> float:
@@ -481,7 +489,7 @@ def measured_step_model(cfg: RunConfig, a: Assumptions, measured: dict[str, floa
     derived = derived_step_model(cfg, a)
     values = {kind: measured[kind] for kind in STEP_KINDS if kind in measured}
     startup, chunk = derived.rollout_startup_s, derived.rollout_chunk_s
-    chunks_per_shard = chunks_per_iteration(cfg) / cfg.rollout.num_shards
+    chunks_per_shard = chunks_per_iteration(cfg, a.tied_group_share) / cfg.rollout.num_shards
     if "rollout" in values:
         shard_s = values["rollout"]
         startup = min(measured.get(ENGINE_STARTUP, startup), shard_s)

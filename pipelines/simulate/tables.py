@@ -87,7 +87,7 @@ def table(results: dict[int, SimResult], configured: int) -> str:
 
 
 def describe(cfg: RunConfig, cluster: Cluster, steps: StepModel, a: Assumptions) -> str:
-    chunks = chunks_per_iteration(cfg)
+    chunks = chunks_per_iteration(cfg, a.tied_group_share)
     per_shard = chunks / cfg.rollout.num_shards
     shard_s = steps.rollout_startup_s + per_shard * steps.rollout_chunk_s
     chunks_text = f"{per_shard:g} chunk{'' if per_shard == 1 else 's'} x {steps.rollout_chunk_s:.2f} s"

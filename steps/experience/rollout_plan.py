@@ -116,13 +116,11 @@ def generated_prompt_count(cfg: RunConfig, iteration: int, run: Store | None) ->
     update made the version iteration i samples from (so its score is done before iteration i's rollout starts,
     and every step that plans iteration i reads the same figure); between prompts_per_iteration and
     dynamic_sampling_max_factor times it, which is also what the first 1 + staleness iterations generate."""
-    wanted = cfg.prompts_per_iteration
     if not cfg.rollout.dynamic_sampling:
-        return wanted
-    cap = max(wanted, math.floor(wanted * cfg.rollout.dynamic_sampling_max_factor))
+        return cfg.prompts_per_iteration
     source = iteration - 1 - cfg.staleness
     if source < 1:
-        return cap
+        return prompt_count_for(cfg, None)
     if run is None:
         raise ValueError("rollout.dynamic_sampling: the plan reads the run store's score metrics")
     key = metrics_key(source)
@@ -134,7 +132,16 @@ def generated_prompt_count(cfg: RunConfig, iteration: int, run: Store | None) ->
     tied = run.get_json(key).get("tied_group_fraction")
     if not isinstance(tied, int | float) or not 0 <= tied <= 1:
         raise MoerlError(f"{run.url(key)}: tied_group_fraction {tied!r} is not a share in [0, 1]; rerun its score")
-    if tied >= 1:
+    return prompt_count_for(cfg, float(tied))
+
+
+def prompt_count_for(cfg: RunConfig, tied: float | None) -> int:
+    """generated_prompt_count's arithmetic for a measured tied share (None: none measured yet, the cap)."""
+    wanted = cfg.prompts_per_iteration
+    if not cfg.rollout.dynamic_sampling:
+        return wanted
+    cap = max(wanted, math.floor(wanted * cfg.rollout.dynamic_sampling_max_factor))
+    if tied is None or tied >= 1:
         return cap
     return min(cap, max(wanted, math.ceil(wanted * DYNAMIC_SAMPLING_MARGIN / (1.0 - tied))))
 
