@@ -110,7 +110,8 @@ def main() -> None:
           f"{'ratio max':>10}  per-layer router disagreement")  # fmt: skip
     for replay, got in results.items():
         routing, mismatch = got["routing"], got["mismatch"]
-        layers = " ".join(f"{x:.4f}" for x in routing["router_disagreement_per_layer"])
+        by_layer = routing["layers"]
+        layers = " ".join(f"{by_layer[i]['router_disagreement']:.4f}" for i in sorted(by_layer, key=int))
         print(f"{replay:<15} {routing['router_disagreement']:>14.4%} {routing['disagreement']:>13.4%} "
               f"{mismatch['k3']:>10.3e} {mismatch['ratio']['p99']:>10.4f} {mismatch['ratio']['max']:>10.4f}  {layers}")
     none, rollout = results["none"]["mismatch"], results["rollout"]["mismatch"]

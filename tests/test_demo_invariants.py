@@ -56,7 +56,7 @@ def test_chaos_and_shard_count_leave_the_final_weights_bit_identical(sft_dir, tm
     assert baseline
     update = json.loads((tmp_path / "plain" / "run" / "metrics" / "iter-000002.update.json").read_text())["update"]
     assert update["routing"]["replay"] and update["routing"]["disagreement"] == 0.0  # the engine's experts, used
-    assert min(update["routing"]["tokens_per_layer"]) > 0
+    assert min(layer["tokens"] for layer in update["routing"]["layers"].values()) > 0
     for iteration in (1, 2):  # 32 prompts generated first, then what iteration 1's tied share asks for
         score = json.loads((tmp_path / "plain" / "run" / "metrics" / f"iter-00000{iteration}.json").read_text())
         kept = score["dynamic_sampling"]

@@ -32,6 +32,11 @@ from steps.training.rl_loss import LossSettings
 from steps.training.trainer import PolicyTrainer, TrainSettings, check_routes, collate, collate_groups
 
 
+def per_layer(routing: dict, key: str) -> list:
+    """The update's routing figure `key` of each MoE layer, in layer order."""
+    return [routing["layers"][index][key] for index in sorted(routing["layers"], key=int)]
+
+
 def generate(model, record: bool, max_new_tokens: int = 10):
     engine = TorchEngine(model, record_routes=record)
     prompts = [("a", (5, 9, 12)), ("b", (7,)), ("c", (3, 4, 5, 6, 8, 10))]
@@ -165,10 +170,10 @@ def test_the_update_reports_its_routers_disagreement_per_layer():
     agreed, *_ = train(samples_with_routes(model), "none")
     assert agreed["routing"]["disagreement"] == 0.0 and agreed["routing"]["replay"] is False
     layer_tokens = sum(len(s.prompt_ids) + len(s.response_ids) - 1 for s in samples_with_routes(model))
-    assert agreed["routing"]["tokens_per_layer"] == [layer_tokens] * len(model.moe_blocks())
+    assert per_layer(agreed["routing"], "tokens") == [layer_tokens] * len(model.moe_blocks())
     moved, *_ = train(samples_with_routes(model, perturb_layer=1), "none")
-    assert moved["routing"]["disagreement_per_layer"] == [0.0, 1.0]
-    assert moved["routing"]["router_disagreement_per_layer"] == [0.0, 1.0]  # no replay: the routers' experts
+    assert per_layer(moved["routing"], "disagreement") == [0.0, 1.0]
+    assert per_layer(moved["routing"], "router_disagreement") == [0.0, 1.0]  # no replay: the routers' experts
     assert moved["routing"]["disagreement"] == 0.5
     unrecorded = [dataclasses.replace(s, routed_experts=None) for s in samples_with_routes(model)]
     assert train(unrecorded, "none")[0]["routing"] is None
@@ -211,16 +216,16 @@ def test_the_routes_follow_the_tokens_in_every_micro_batch_layout(layout):
     other = train(moved, "rollout", **{"sequence_packing" if layout == "packed" else "shared_prompts": True})
     # Layer 0's routes all moved; layer 1's routers then see other hidden states than the engine's (what replaying
     # layer 0 does), the same over the same tokens
-    assert other[0]["routing"]["router_disagreement_per_layer"][0] == 1.0
-    assert other[0]["routing"]["disagreement_per_layer"] == [0.0, 0.0]  # the forward used the engine's experts
+    assert per_layer(other[0]["routing"], "router_disagreement")[0] == 1.0
+    assert per_layer(other[0]["routing"], "disagreement") == [0.0, 0.0]  # the forward used the engine's experts
     if layout == "packed":
-        assert other[0]["routing"]["router_disagreement_per_layer"] == pytest.approx(
-            padded[0]["routing"]["router_disagreement_per_layer"], abs=0.02
+        assert per_layer(other[0]["routing"], "router_disagreement") == pytest.approx(
+            per_layer(padded[0]["routing"], "router_disagreement"), abs=0.02
         )
     else:  # each prompt's tokens once
         prompts = {s.prompt_id: len(s.prompt_ids) for s in moved}
         tokens = sum(prompts.values()) + sum(len(s.response_ids) - 1 for s in moved)
-        assert other[0]["routing"]["tokens_per_layer"] == [tokens, tokens]
+        assert per_layer(other[0]["routing"], "tokens") == [tokens, tokens]
     if layout == "packed":  # the same sums over other shapes: float32 rounding (which Adam's first steps amplify)
         assert other[0]["grad_norms"] == pytest.approx(padded[0]["grad_norms"], rel=1e-5)
         for name, weight in padded[1].items():
@@ -272,8 +277,8 @@ def replay_on_ranks(rank: int, world: int, out_dir: Path) -> None:
                              routing_replay="rollout")  # fmt: skip
     metrics = PolicyTrainer(model, mesh, settings, torch.optim.SGD(model.parameters(), lr=0.5)).train(moved, 1)
     out = {f"weight.{n}": p.detach().clone() for n, p in model.named_parameters()}
-    out["disagreement"] = torch.tensor(metrics["routing"]["router_disagreement_per_layer"])
-    out["used"] = torch.tensor(metrics["routing"]["disagreement_per_layer"])
+    out["disagreement"] = torch.tensor(per_layer(metrics["routing"], "router_disagreement"))
+    out["used"] = torch.tensor(per_layer(metrics["routing"], "disagreement"))
     save_file(out, str(out_dir / f"rank{rank}.safetensors"))
 
 
@@ -294,3 +299,14 @@ def test_replay_through_the_expert_parallel_dispatch_gives_the_single_process_up
         for key, value in got.items():
             if key.startswith("weight."):
                 torch.testing.assert_close(value, expected[key[len("weight.") :]], atol=2e-6, rtol=1e-5, msg=key)
+
+
+def test_the_trackers_get_every_layers_figures():
+    from steps.tracking.trackers import metric_points
+
+    model = tiny_model(seed=7)
+    metrics, *_ = train(samples_with_routes(model, perturb_layer=1), "none")
+    points = metric_points("update", {"routing": metrics["routing"]})
+    assert points["update/routing/layers/1/router_disagreement"] == 1.0
+    assert points["update/routing/layers/0/router_disagreement"] == 0.0
+    assert points["update/routing/router_disagreement"] == 0.5 and points["update/routing/tokens"] > 0

@@ -28,6 +28,7 @@ from steps.experience.tables import Sample
 from steps.expert_parallel.mesh import Mesh, all_reduce_sum, clip_grad_norm, gather_ranks, sync_gradients
 from steps.models.causal_lm import MoeCausalLM
 from steps.models.kernels import token_logprobs
+from steps.models.moe import SparseMoeBlock
 from steps.training.mismatch import MismatchStats
 from steps.training.optim import AdamW, AnyOptimizer
 from steps.training.rl_loss import LossSettings, aggregate, token_entropy, token_terms
@@ -665,19 +666,25 @@ class PolicyTrainer:
         """The routing figures counted since model.count_route_disagreement (every rank's tokens; every rank
         calls it), over the tokens with a recorded route, overall and per MoE layer: router_disagreement, the share
         whose trainer routers' top-k set differs from the engine's; disagreement, the share whose experts the
-        forward used differ from the engine's (the same without replay; 0 with it). None without routes."""
+        forward used differ from the engine's (the same without replay; 0 with it); `layers` the same per MoE
+        layer, keyed by its decoder layer's index (a tracker logs update/routing/layers/<index>/...). None without
+        routes."""
         counts = self.model.route_disagreement()
         if counts is None or self.route_shape is None:
             return None
         total = all_reduce_sum(counts.to(self.mesh.device), self.mesh).cpu().double()
-        router, used, tokens = total[:, 0], total[:, 1], total[:, 2].clamp(min=1)
+        router, used, tokens = total[:, 0], total[:, 1], total[:, 2]
+        indices = [i for i, layer in enumerate(self.model.decoder_layers()) if isinstance(layer.mlp, SparseMoeBlock)]
         return {
             "replay": self.settings.routing_replay == "rollout",
-            "router_disagreement": float(router.sum() / tokens.sum()),
-            "router_disagreement_per_layer": (router / tokens).tolist(),
-            "disagreement": float(used.sum() / tokens.sum()),
-            "disagreement_per_layer": (used / tokens).tolist(),
-            "tokens_per_layer": total[:, 2].long().tolist(),
+            "router_disagreement": float(router.sum() / tokens.sum().clamp(min=1)),
+            "disagreement": float(used.sum() / tokens.sum().clamp(min=1)),
+            "tokens": int(tokens.sum()),
+            "layers": {
+                str(index): {"router_disagreement": float(router[n] / max(tokens[n], 1)),
+                             "disagreement": float(used[n] / max(tokens[n], 1)), "tokens": int(tokens[n])}
+                for n, index in enumerate(indices)
+            },  # fmt: skip
         }
 
     def train(
