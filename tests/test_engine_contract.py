@@ -95,3 +95,46 @@ def test_no_stop_tokens_runs_to_max_new_tokens(engine):
     params = SamplingParams(n=2, max_new_tokens=5, stop_token_ids=())
     generations = engine.generate(sample_requests(PROMPT_IDS, params, seeds), params)
     assert all(len(g.response_ids) == 5 and g.finish_reason == FINISH_LENGTH for g in generations)
+
+
+@pytest.fixture(scope="module", params=["torch", pytest.param("sglang", marks=pytest.mark.gpu)])
+def recording_engine(request, checkpoint_dir):
+    if request.param == "torch":
+        engine = TorchEngine.from_checkpoint(checkpoint_dir, record_routes=True)
+    else:
+        reason = sglang_unavailable_reason()
+        if reason:
+            pytest.skip(reason)
+        from steps.engines.sglang_engine import SGLangEngine
+
+        engine = SGLangEngine(checkpoint_dir, SGLangSettings(mem_fraction=0.3, record_routes=True))
+    yield engine
+    engine.close()
+
+
+# The share of recorded routes on which each engine's routers may choose other experts than the fp32 policy's:
+# the torch engine's arithmetic is the policy's up to float32 rounding; SGLang's bf16/fused kernels flip near ties.
+ROUTE_DISAGREEMENT = {"torch": 0.01, "sglang": 0.1}
+
+
+def test_recorded_routes_are_every_moe_layers_top_k_of_every_token_run(recording_engine, policy):
+    """Generation.routed_experts: [prompt + response - 1, MoE layers, top_k] global expert ids (-1 where the engine
+    ran no MLP); the policy's own routers choose the same experts there but for near ties."""
+    params = SamplingParams(stop_token_ids=DEMO_STOP, n=2, max_new_tokens=8)
+    requests = sample_requests(PROMPT_IDS, params, seeds)
+    generations = recording_engine.generate(requests, params)
+    blocks = policy.moe_blocks()
+    differ = total = 0
+    for request, g in zip(requests, generations, strict=True):
+        positions = len(request.prompt_ids) + len(g.response_ids) - 1
+        assert g.routed_experts.shape == (positions, len(blocks), blocks[0].top_k)
+        assert ((g.routed_experts >= -1) & (g.routed_experts < blocks[0].num_experts)).all()
+        routes = torch.from_numpy(g.routed_experts.astype("int64")).transpose(0, 1)
+        policy.set_engine_routes(routes)
+        policy.count_route_disagreement()
+        with torch.no_grad():
+            policy(torch.tensor([list(request.prompt_ids) + g.response_ids[:-1]]))
+        counts = policy.route_disagreement()
+        policy.set_engine_routes(None)
+        differ, total = differ + int(counts[:, 0].sum()), total + int(counts[:, 2].sum())
+    assert total > 0 and differ <= ROUTE_DISAGREEMENT[recording_engine.name] * total
