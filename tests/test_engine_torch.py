@@ -24,7 +24,8 @@ from steps.engines.interface import (
     sample_requests,
     sample_seed,
 )
-from steps.engines.torch_engine import TorchEngine, compute_dtype, sample_next, sample_uniforms
+from steps.engines.sampling import sample_next, sample_uniforms
+from steps.engines.torch_engine import TorchEngine, compute_dtype
 from steps.models.hf_checkpoint import load_state_dict_from_dir
 from steps.scoring.evaluation import evaluate_accuracy
 

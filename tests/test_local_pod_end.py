@@ -112,3 +112,12 @@ def test_a_process_that_left_its_group_after_it_was_found_is_killed_too(tmp_path
             if process.poll() is None:
                 process.kill()
                 process.wait()
+
+
+def test_a_process_that_ends_while_proc_is_read_is_skipped(monkeypatch):
+    """The process index lists /proc and reads each environ: a pid that is gone by then (ESRCH, ENOENT) is skipped,
+    where Path.glob's stat of it raised ProcessLookupError and stopped the controller."""
+    listed = os.listdir("/proc")
+    monkeypatch.setattr(pods.os, "listdir", lambda path: ["999999999", "self", *listed])
+    index = pods._read_process_index()
+    assert all(pids for pids in index.values())

@@ -29,7 +29,8 @@ from steps.expert_parallel.dispatch import make_dispatch
 from steps.expert_parallel.mesh import Mesh, build_mesh
 from steps.models.placement import ExpertPlacement
 from steps.training.rl_loss import LossSettings
-from steps.training.trainer import PolicyTrainer, TrainSettings, check_routes, collate, collate_groups
+from steps.training.routes import check_routes
+from steps.training.trainer import PolicyTrainer, TrainSettings, collate, collate_groups
 
 
 def per_layer(routing: dict, key: str) -> list:

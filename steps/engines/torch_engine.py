@@ -26,7 +26,6 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -39,11 +38,12 @@ from steps.engines.interface import (
     GenerationRequest,
     SamplingParams,
 )
+from steps.engines.route_recorder import RouteRecorder
+from steps.engines.sampling import sample_next, sample_uniforms
 from steps.errors import MoerlError
 from steps.models.experts import SWIGLU, expert_spans
 from steps.models.family import dtype_name
 from steps.models.hf_checkpoint import check_checkpoint, checkpoint_dtype, load_pretrained, load_state_dict_from_dir
-from steps.models.kernels import token_logprobs
 from steps.models.moe import SparseMoeBlock, group_by_expert
 from steps.models.registry import family_of
 
@@ -54,63 +54,6 @@ SMALL_PRODUCT = 400
 # What fills the token grid where nothing was sampled and the left padding of prompts: any valid id does, as
 # those positions are masked out and never read back.
 FILLER_ID = 0
-
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-_MIX1, _MIX2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
-
-
-def sample_uniforms(seeds: Sequence[int], steps: int) -> torch.Tensor:
-    """[len(seeds), steps] float64 uniforms in [0, 1): row r, step t is SplitMix64 of seeds[r] at counter t.
-
-    A counter-based generator: each sample's stream depends on its own seed only (like a torch.Generator
-    seeded with it), is computed for all rows at once, and is the same on every machine (unsigned 64-bit
-    arithmetic, which numpy defines to wrap around).
-    """
-    seeds_u64 = np.array([s % 2**64 for s in seeds], dtype=np.uint64)[:, None]
-    with np.errstate(over="ignore"):
-        z = seeds_u64 + _GOLDEN * np.arange(1, steps + 1, dtype=np.uint64)[None, :]
-        z = (z ^ (z >> np.uint64(30))) * _MIX1
-        z = (z ^ (z >> np.uint64(27))) * _MIX2
-        z = z ^ (z >> np.uint64(31))
-    return torch.from_numpy((z >> np.uint64(11)).astype(np.float64) * 2.0**-53)
-
-
-# ----------------------------------------------------------------------------------------------------
-# Sampling one step for a batch of rows
-# ----------------------------------------------------------------------------------------------------
-
-
-def sample_next(
-    logits: torch.Tensor, uniforms: torch.Tensor, params: SamplingParams
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [B, V], uniforms [B] in [0, 1) -> (tokens [B] int64, policy log-probs [B] float32).
-
-    Sampling is the inverse CDF at each row's uniform, so a row's token depends on its own logits and
-    uniform only. Top-k/top-p work on the tokens sorted by probability (stable sort: ties keep vocabulary
-    order); without them the CDF runs in vocabulary order and nothing is sorted.
-    """
-    if params.greedy:
-        tokens = logits.argmax(dim=-1)
-    else:
-        scaled = logits.double() / params.temperature
-        order = None
-        if params.top_k or params.top_p < 1:
-            scaled, order = scaled.sort(dim=-1, descending=True, stable=True)
-        probs = torch.softmax(scaled, dim=-1)
-        if order is not None:
-            keep = torch.ones_like(probs, dtype=torch.bool)
-            if params.top_k:
-                keep[:, params.top_k :] = False
-            if params.top_p < 1:
-                # A token stays if the mass of the tokens before it is still below top_p (the first always).
-                keep &= (probs.cumsum(dim=-1) - probs) < params.top_p
-            probs = probs * keep
-        cdf = probs.cumsum(dim=-1)
-        target = (uniforms.to(cdf.dtype) * cdf[:, -1]).unsqueeze(1)
-        picked = torch.searchsorted(cdf, target, right=True).clamp_(max=cdf.shape[1] - 1)
-        tokens = (picked if order is None else order.gather(1, picked)).squeeze(1)
-    return tokens, token_logprobs(logits, tokens)
-
 
 # ----------------------------------------------------------------------------------------------------
 # The torch engine
@@ -219,7 +162,8 @@ class TorchEngine:
         if not requests:
             return []
         device, steps, vocab = self.device, params.max_new_tokens, self.model.config.vocab_size
-        recorder = RouteRecorder(self.decoder, len(requests), steps) if self.record_routes else None
+        recorder = RouteRecorder(self.decoder.parts.layers, len(requests), steps) if self.record_routes else None
+        self.decoder.routes = None if recorder is None else recorder.taken
         batch, logits, state = self._prefill(requests, steps)  # state: each sample's row in the batch
         if recorder is not None:
             recorder.prefilled(batch.prompt_bias.shape[1], prompt_of=state.clone())
@@ -292,55 +236,6 @@ class TorchEngine:
         group = max(Counter(parent).values())
         batch, logits = self.decoder.prefill(ids.to(self.device), valid.to(self.device), room=group * min(steps, 8))
         return batch, logits, torch.tensor(parent, device=self.device)
-
-
-class RouteRecorder:
-    """Each sample's routed experts (Generation.routed_experts) from the decoder's record of one generate call.
-
-    The prefill routes the distinct prompts' W (left-padded) columns through every MoE layer but the last, where
-    only each prompt's last position runs (its logits are all that is needed), so the last layer's record of a
-    prompt's earlier tokens is -1 (none: those tokens' outputs there reach no log-prob). Decode step s feeds
-    each live sample's token s through its state's row. A sample of n tokens gets its prompt's positions and its
-    first n - 1 tokens (the last is sampled and never fed)."""
-
-    def __init__(self, decoder: Decoder, samples: int, steps: int) -> None:
-        self.decoder = decoder
-        self.layers = [i for i, layer in enumerate(decoder.parts.layers) if isinstance(layer.mlp, SparseMoeBlock)]
-        self.top_k = decoder.parts.layers[self.layers[0]].mlp.top_k if self.layers else 0
-        self.prompts = torch.empty(0)
-        self.prompt_of: list[int] = []
-        self.responses = torch.full((samples, max(steps - 1, 0), len(self.layers), self.top_k), -1, dtype=torch.int16)
-        decoder.routes = []
-
-    def _taken(self) -> list[torch.Tensor]:
-        taken, self.decoder.routes = self.decoder.routes or [], []
-        if len(taken) != len(self.layers):
-            raise RuntimeError(f"recorded {len(taken)} MoE layers' routes in a forward over {len(self.layers)}")
-        return taken
-
-    def prefilled(self, width: int, prompt_of: torch.Tensor) -> None:
-        """After the prefill of the distinct prompts, W columns each; prompt_of [samples]: each one's prompt."""
-        self.prompt_of = prompt_of.tolist()
-        taken = self._taken()
-        prompts = taken[0].shape[0] // width if taken else 0
-        self.prompts = torch.full((prompts, width, len(self.layers), self.top_k), -1, dtype=torch.int16)
-        for index, chosen in enumerate(taken):
-            if chosen.shape[0] == prompts * width:
-                self.prompts[:, :, index] = chosen.view(prompts, width, -1).to(torch.int16).cpu()
-            else:  # the last layer: the last position of each prompt only
-                self.prompts[:, -1, index] = chosen.to(torch.int16).cpu()
-
-    def stepped(self, step: int, samples: torch.Tensor, rows: torch.Tensor) -> None:
-        """After decode step `step` fed token `step` of `samples` through batch rows `rows`."""
-        taken = self._taken()
-        if taken:
-            chosen = torch.stack(taken, dim=1).index_select(0, rows).to(torch.int16).cpu()  # [samples, layers, k]
-            self.responses[samples.cpu(), step] = chosen
-
-    def sample(self, row: int, prompt_len: int, tokens: int) -> np.ndarray:
-        """[prompt_len + tokens - 1, MoE layers, k] int16 of sample `row` (of `tokens` response tokens)."""
-        prompt = self.prompts[self.prompt_of[row], self.prompts.shape[1] - prompt_len :]
-        return torch.cat([prompt, self.responses[row, : tokens - 1]]).numpy()
 
 
 class PromptGrid:

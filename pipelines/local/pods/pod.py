@@ -705,14 +705,18 @@ def forget_container_processes() -> None:
 
 def _read_process_index() -> dict[bytes, list[int]]:
     index: dict[bytes, list[int]] = {}
-    for environ in Path("/proc").glob("[0-9]*/environ"):
+    # os.listdir, not Path.glob("[0-9]*/environ"): glob stats each match, and a process that ends between the
+    # listing and the stat raises ProcessLookupError (ESRCH), which pathlib's exists() does not take for "absent"
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
         try:
-            entries = environ.read_bytes().split(b"\0")
+            entries = Path("/proc", name, "environ").read_bytes().split(b"\0")
         except OSError:
             continue  # ended meanwhile, or another user's
         for entry in entries:
             if entry.startswith(SANDBOX_TAG):
-                index.setdefault(entry, []).append(int(environ.parent.name))
+                index.setdefault(entry, []).append(int(name))
                 break
     return index
 
