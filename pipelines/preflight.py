@@ -81,7 +81,8 @@ def preflight(cfg: RunConfig, for_cluster: bool = False) -> tuple[list[str], lis
                         from steps.engines.sglang_engine import family_server_args
                         from steps.models.hf_checkpoint import read_config_json
 
-                        family_server_args(read_config_json(local), cfg.rollout.sglang.moe_a2a_backend)
+                        family_server_args(read_config_json(local), cfg.rollout.sglang.moe_a2a_backend,
+                                           record_routes=cfg.records_routes)  # fmt: skip
                 except MoerlError as err:
                     problems.append(f"sft_checkpoint {str(err).replace(str(local), cfg.sft_checkpoint)}")
                 try:

@@ -116,6 +116,16 @@ def test_deepep_is_refused_for_the_families_sglang_has_no_deepep_path_for(family
     assert family_server_args(CONFIGS[family], moe_a2a_backend="none", sm=HOPPER) == {}
 
 
+def test_recorded_routes_are_refused_where_sglang_captures_none_per_layer():
+    """SGLang 0.5.17's Mixtral builds its TopK without layer_id (models/mixtral.py), and the capturer indexes its
+    buffer by it (layers/moe/state_capturer/base.py); the families whose TopK gets layer_id record their routes."""
+    with pytest.raises(MoerlError, match=r"records no per-layer routes for MixtralForCausalLM .*routing_replay: none"):
+        family_server_args(CONFIGS["mixtral"], sm=HOPPER, record_routes=True)
+    for family in ("qwen3_moe", "qwen2_moe", "deepseek_v3", "glm4_moe", "gpt_oss"):
+        assert family_server_args(CONFIGS[family], sm=HOPPER, record_routes=True) == family_server_args(
+            CONFIGS[family], sm=HOPPER)  # fmt: skip
+
+
 def test_an_architecture_moerl_does_not_know_gets_nothing_extra():
     assert family_server_args({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}) == {}
     assert family_server_args({}) == {}

@@ -223,7 +223,18 @@ def sglang_model_mismatch(config: dict[str, Any]) -> str | None:
     return None
 
 
-def family_server_args(config: dict[str, Any], moe_a2a_backend: str = "none", sm: int | None = None) -> dict[str, Any]:
+# Architectures whose SGLang 0.5.17 router records no routes per layer: their TopK is built without layer_id
+# (layers/moe/topk.py TopK keeps layer_id None), which the capturer uses as the layer index
+# (layers/moe/state_capturer/base.py capture: buffer[:batch, layer_id, :] = topk_ids), so None adds an axis: the
+# write fails, or broadcasts one layer's ids over every layer's row.
+NO_ROUTES_CAPTURE = {
+    "MixtralForCausalLM": "models/mixtral.py MixtralMoE builds TopK(top_k, renormalize) without layer_id",
+}
+
+
+def family_server_args(
+    config: dict[str, Any], moe_a2a_backend: str = "none", sm: int | None = None, record_routes: bool = False
+) -> dict[str, Any]:
     """The sglang.Engine kwargs a model family needs beyond moerl's common ones, for deterministic inference
     (enable_deterministic_inference=True, which moerl always sets), from its config.json dict; `sm` is the
     GPU's compute capability as major*10+minor (None: unknown, then an arch-independent choice), and
@@ -242,7 +253,8 @@ def family_server_args(config: dict[str, Any], moe_a2a_backend: str = "none", sm
     (fa3) is already deterministic, so nothing is added. Qwen3-MoE, Qwen2-MoE, GLM-4-MoE and Mixtral get a
     deterministic default everywhere (fa3 or flashinfer). The MoE runner is pinned to triton where SGLang
     would pick flashinfer_trtllm on sm100 (TRTLLM_MOE_ON_SM100), with moe_a2a_backend "none" only (under
-    DeepEP SGLang picks no trtllm runner). Mixtral and gpt-oss have no DeepEP path (NO_DEEPEP_PATH)."""
+    DeepEP SGLang picks no trtllm runner). Mixtral and gpt-oss have no DeepEP path (NO_DEEPEP_PATH). record_routes
+    (rollout.record_routes): refused where SGLang records none per layer (NO_ROUTES_CAPTURE)."""
     arch = sglang_architecture(config)
     kwargs: dict[str, Any] = {}
     mismatch = sglang_model_mismatch(config)
@@ -256,6 +268,12 @@ def family_server_args(config: dict[str, Any], moe_a2a_backend: str = "none", sm
             f"rollout.sglang.moe_a2a_backend 'deepep': SGLang 0.5.17 cannot serve {arch} "
             f"(model_type {config.get('model_type')!r}) over DeepEP ({NO_DEEPEP_PATH[arch]}); set "
             "rollout.sglang.moe_a2a_backend: none (SGLang's own expert parallelism over ep_size)"
+        )
+    if record_routes and arch in NO_ROUTES_CAPTURE:
+        raise MoerlError(
+            f"rollout.record_routes / trainer.routing_replay: SGLang 0.5.17 records no per-layer routes for {arch} "
+            f"({NO_ROUTES_CAPTURE[arch]}, so its routed-experts capture fails or repeats one layer's experts); set "
+            "rollout.record_routes: false and trainer.routing_replay: none, or rollout.engine: torch"
         )
     hopper = sm == HOPPER_SM
     if arch in ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM", "GptOssForCausalLM") and not hopper:
@@ -464,7 +482,9 @@ class SGLangEngine:
         self.routes = RoutesLayout.of(*started_config) if settings.record_routes else None
         if self.routes is not None:
             kwargs["enable_return_routed_experts"] = True
-        kwargs.update(family_server_args(started_config[0], settings.moe_a2a_backend, _device_sm()))
+        kwargs.update(
+            family_server_args(started_config[0], settings.moe_a2a_backend, _device_sm(), settings.record_routes)
+        )
         self.dtype = kwargs["dtype"]
         self.started_config = started_config  # what SGLang read at start-up, once
         self.broken: str | None = None  # why the weights are unknown after a failed in-place update
