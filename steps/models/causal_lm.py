@@ -93,6 +93,21 @@ class DecoderLayer(nn.Module):
         return prompt_x + out[:num_prompt].view_as(prompt_x), response_x + out[num_prompt:].view_as(response_x)
 
 
+class BlockSparseDecoderLayer(DecoderLayer):
+    """The decoder layer with its MoE block registered as `block_sparse_moe`, the name of Mixtral's and
+    MiniMax-M2's checkpoints; `mlp`, the name the shared code reads, is the same module."""
+
+    def __init__(
+        self, self_attn: nn.Module, block: nn.Module, input_layernorm: nn.Module, post_attention_layernorm: nn.Module
+    ) -> None:
+        super().__init__(self_attn, block, input_layernorm, post_attention_layernorm)
+        self.block_sparse_moe = self._modules.pop("mlp")
+
+    @property  # type: ignore[override]
+    def mlp(self) -> nn.Module:
+        return self.block_sparse_moe
+
+
 class DecoderStack(nn.Module):
     """The decoder stack; its attribute names give the `model.` prefix of the checkpoint tensor names."""
 

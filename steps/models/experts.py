@@ -72,6 +72,21 @@ class SwiGLUExpert(RoutedExpert):
         return [p.weight for p in self.projections()]
 
 
+class BlockSparseExpert(SwiGLUExpert):
+    """One SwiGLU expert named as the `block_sparse_moe` checkpoints name it (Mixtral's, MiniMax-M2's): w1 the gate,
+    w3 the up and w2 the down projection, w2(silu(w1(x)) * w3(x)) (transformers loads [w1; w3] as its fused
+    gate_up_proj)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.w2 = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.w3 = nn.Linear(hidden_size, intermediate_size, bias=False)
+
+    def projections(self) -> tuple[nn.Linear, nn.Linear, nn.Linear]:
+        return self.w1, self.w3, self.w2
+
+
 # The SwiGLU experts' arithmetic, forward and backward, in one place: run_experts (LocalDispatch, DeepEP,
 # SwiGLUExpert.forward) and the all-to-all backend (steps.expert_parallel.alltoall) call these. The gate and up
 # projections stay two parameters (checkpoint names), but every call multiplies the rows with their concatenation

@@ -34,6 +34,21 @@ def rotary_cos_sin(
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """transformers' rotate_half: (x1, x2) -> (-x2, x1) over the last dim's halves."""
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_partial_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, heads, T, D] rotated over its first R dims by cos, sin [B, T, R] (rotate-half form), the other D - R
+    dims kept: transformers' apply_rotary_pos_emb of GLM-4-MoE and MiniMax-M2 (partial rotary)."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    rotary_dim = cos.shape[-1]
+    rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]
+    return torch.cat([rot * cos + rotate_half(rot) * sin, rest], dim=-1)
+
+
 def softmax_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scaling: float
 ) -> torch.Tensor:

@@ -20,7 +20,7 @@ from torch import nn
 from steps.models.causal_lm import DecoderLayer, MoeCausalLM
 from steps.models.experts import SwiGLUExpert
 from steps.models.glm4_moe.config import Glm4MoeConfig
-from steps.models.layers import RMSNorm, rotary_cos_sin, softmax_attention
+from steps.models.layers import RMSNorm, apply_partial_rotary, rotary_cos_sin, softmax_attention
 from steps.models.moe import RouterSettings, SparseMoeBlock
 from steps.models.placement import layer_share
 
@@ -47,20 +47,6 @@ class MoeBlock(SparseMoeBlock):
     its e_score_correction_bias buffer), the routed experts `experts.{e}` this rank holds and `shared_experts`."""
 
     expert_class = Expert
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def apply_partial_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, heads, T, D] rotated over its first R dims by cos, sin [B, T, R] (rotate-half form), the other D - R
-    dims kept: transformers' Glm4Moe apply_rotary_pos_emb."""
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    rotary_dim = cos.shape[-1]
-    rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]
-    return torch.cat([rot * cos + rotate_half(rot) * sin, rest], dim=-1)
 
 
 class Attention(nn.Module):

@@ -26,8 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from steps.models.causal_lm import DecoderLayer, MoeCausalLM
-from steps.models.experts import SwiGLUExpert
+from steps.models.causal_lm import BlockSparseDecoderLayer, MoeCausalLM
+from steps.models.experts import BlockSparseExpert
 from steps.models.layers import RMSNorm, rotary_cos_sin, softmax_attention
 from steps.models.mixtral.config import MixtralConfig
 from steps.models.moe import RouterSettings, SparseMoeBlock
@@ -37,25 +37,12 @@ if TYPE_CHECKING:
     from steps.models.placement import ExpertPlacement
 
 
-class Expert(SwiGLUExpert):
-    """One SwiGLU expert, w2(silu(w1(x)) * w3(x)), named as Mixtral's checkpoints name it: w1 the gate, w3 the up
-    and w2 the down projection (transformers loads [w1; w3] as its fused gate_up_proj)."""
-
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
-        super().__init__()
-        self.w1 = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.w2 = nn.Linear(intermediate_size, hidden_size, bias=False)
-        self.w3 = nn.Linear(hidden_size, intermediate_size, bias=False)
-
-    def projections(self) -> tuple[nn.Linear, nn.Linear, nn.Linear]:
-        return self.w1, self.w3, self.w2
-
-
 class MoeBlock(SparseMoeBlock):
     """Mixtral's sparse block (MixtralSparseMoeBlock): the shared block, its softmax top-k router `gate` with the
-    top-k weights renormalised, and experts `experts.{e}` for the global expert ids this rank holds."""
+    top-k weights renormalised, and experts `experts.{e}` (w1/w2/w3: BlockSparseExpert) for the global expert ids
+    this rank holds."""
 
-    expert_class = Expert
+    expert_class = BlockSparseExpert
 
 
 def moe_block(cfg: MixtralConfig, slots: Sequence[int] | None = None, ep_rank: int = 0, ep_size: int = 1) -> MoeBlock:
@@ -113,29 +100,14 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, self.num_heads * self.head_dim))
 
 
-class MixtralDecoderLayer(DecoderLayer):
-    """The shared decoder layer (x + self_attn(input_layernorm(x)), then + the MoE block of the
-    post_attention_layernorm'd x) with its MoE block registered as `block_sparse_moe`, the checkpoints' name;
-    `mlp`, the name the shared code reads, is the same module."""
-
-    def __init__(
-        self, self_attn: nn.Module, block: MoeBlock, input_layernorm: nn.Module, post_attention_layernorm: nn.Module
-    ) -> None:
-        super().__init__(self_attn, block, input_layernorm, post_attention_layernorm)
-        self.block_sparse_moe = self._modules.pop("mlp")
-
-    @property  # type: ignore[override]
-    def mlp(self) -> nn.Module:
-        return self.block_sparse_moe
-
-
 def decoder_layer(
     cfg: MixtralConfig, layer_idx: int, placement: ExpertPlacement | None = None, ep_rank: int = 0
-) -> MixtralDecoderLayer:
-    """MixtralDecoderLayer: attention, then the sparse block (every layer is sparse)."""
+) -> BlockSparseDecoderLayer:
+    """MixtralDecoderLayer: attention, then the sparse block (every layer is sparse), registered as
+    `block_sparse_moe`."""
     slots, ep_size = layer_share(cfg, placement, layer_idx)
     norms = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps), RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-    return MixtralDecoderLayer(Attention(cfg, layer_idx), moe_block(cfg, slots, ep_rank, ep_size), *norms)
+    return BlockSparseDecoderLayer(Attention(cfg, layer_idx), moe_block(cfg, slots, ep_rank, ep_size), *norms)
 
 
 class MixtralCausalLM(MoeCausalLM):

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from steps.models.family import FusedExperts
     from steps.models.placement import ExpertPlacement
 
-EXPERT_PROJECTIONS = ("w1", "w3", "w2")  # gate, up, down: Expert.projections' (and run_experts') order
+EXPERT_PROJECTIONS = ("w1", "w3", "w2")  # gate, up, down: BlockSparseExpert.projections' (and run_experts') order
 
 
 def expert_shapes(hidden: int, intermediate: int) -> dict[str, tuple[int, ...]]:
