@@ -171,7 +171,10 @@ class RoutesLayout:
 SGLANG_ARCHITECTURES = {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
                         "deepseek_v3": "DeepseekV3ForCausalLM", "kimi_k2": "DeepseekV3ForCausalLM",
                         "glm4_moe": "Glm4MoeForCausalLM", "mixtral": "MixtralForCausalLM",
-                        "gpt_oss": "GptOssForCausalLM"}  # fmt: skip
+                        "gpt_oss": "GptOssForCausalLM", "minimax_m2": "MiniMaxM2ForCausalLM"}  # fmt: skip
+# MiniMax-M2: SGLang turns on TF32 for its matmuls (arg_groups/overrides.py _minimax_m2_overrides, "to improve gate
+# gemm performance"), so its router logits are TF32 where moerl's trainer computes them in fp32: watch the update's
+# router_disagreement, and consider trainer.routing_replay: rollout (which SGLang cannot record for it: below).
 # server_args.py:220 DETERMINISTIC_ATTENTION_BACKEND_CHOICES and :228 RADIX_SUPPORTED_DETERMINISTIC_ATTENTION_BACKEND
 # (the backends _handle_deterministic_inference accepts for DeepSeek/MLA models, server_args.py:7849-7855).
 DETERMINISTIC_ATTENTION_BACKENDS = ("ascend", "fa3", "fa4", "flashinfer", "triton")
@@ -229,6 +232,7 @@ def sglang_model_mismatch(config: dict[str, Any]) -> str | None:
 # write fails, or broadcasts one layer's ids over every layer's row.
 NO_ROUTES_CAPTURE = {
     "MixtralForCausalLM": "models/mixtral.py MixtralMoE builds TopK(top_k, renormalize) without layer_id",
+    "MiniMaxM2ForCausalLM": "models/minimax_m2.py MiniMaxM2MoE builds TopK(...) without layer_id",
 }
 
 

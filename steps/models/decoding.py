@@ -54,9 +54,10 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin_folded: torch.Tensor) -> torc
 
 class GqaProjection:
     """Grouped-query attention's q, k and v for the decoder (a DecodeProjection): one matmul against
-    [W_q; W_k; W_v] (and bias), optional per-head RMSNorm of q and k before the rotation, the rotation over the
-    first `rotary_dim` dims of each head (all of them by default; GLM's partial rotary keeps the rest), q times
-    `scaling`."""
+    [W_q; W_k; W_v] (and bias), optional RMSNorm of q and k before the rotation (per head, or with
+    norms_over_projection over the whole q and k projections before they are cut into heads: MiniMax-M2), the
+    rotation over the first `rotary_dim` dims of each head (all of them by default; GLM's and MiniMax-M2's partial
+    rotary keeps the rest), q times `scaling`."""
 
     def __init__(
         self,
@@ -70,8 +71,10 @@ class GqaProjection:
         query_norm: nn.Module | None = None,
         key_norm: nn.Module | None = None,
         rotary_dim: int | None = None,
+        norms_over_projection: bool = False,
     ) -> None:
         self.projections = (query, key, value)
+        self.norms_over_projection = norms_over_projection
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scaling, self.query_norm, self.key_norm = scaling, query_norm, key_norm
         self.rotary_dim = head_dim if rotary_dim is None else rotary_dim
@@ -97,11 +100,13 @@ class GqaProjection:
         tokens, head_dim = x.shape[0], self.head_dim
         q_size, kv_size = self.num_heads * head_dim, self.num_kv_heads * head_dim
         q, k, v = F.linear(x, self.weight, self.bias).split([q_size, kv_size, kv_size], dim=-1)
+        if self.norms_over_projection:
+            q, k = self.query_norm(q), self.key_norm(k)  # type: ignore[misc]
         q = q.view(tokens, self.num_heads, head_dim)
         k = k.view(tokens, self.num_kv_heads, head_dim)
-        if self.query_norm is not None:
+        if self.query_norm is not None and not self.norms_over_projection:
             q = self.query_norm(q)
-        if self.key_norm is not None:
+        if self.key_norm is not None and not self.norms_over_projection:
             k = self.key_norm(k)
         if self.rotary_dim == head_dim:
             q, k = rotate(q, cos, sin).mul_(self.scaling), rotate(k, cos, sin)

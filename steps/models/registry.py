@@ -18,12 +18,14 @@ from steps.models.deepseek_v3.spec import DEEPSEEK_V3
 from steps.models.family import ModelFamily
 from steps.models.glm4_moe.spec import GLM4_MOE
 from steps.models.gpt_oss.spec import GPT_OSS
+from steps.models.minimax_m2.spec import MINIMAX_M2
 from steps.models.mixtral.spec import MIXTRAL
 from steps.models.qwen2_moe.spec import QWEN2_MOE
 from steps.models.qwen3_moe.spec import QWEN3_MOE
 
 FAMILIES: dict[str, ModelFamily] = {
-    family.model_type: family for family in (QWEN3_MOE, QWEN2_MOE, GLM4_MOE, MIXTRAL, DEEPSEEK_V3, GPT_OSS)
+    family.model_type: family
+    for family in (QWEN3_MOE, QWEN2_MOE, GLM4_MOE, MIXTRAL, DEEPSEEK_V3, GPT_OSS, MINIMAX_M2)
 }
 
 # model_types a family loads beside its own: Kimi-K2 says "kimi_k2" with architectures DeepseekV3ForCausalLM.
@@ -42,8 +44,6 @@ REFUSED: dict[str, tuple[str, str, str]] = {
                     " implemented"),
     "kimi_k25": ("Kimi-K2.5", "deepseek_v3", "its vision tower (KimiK25ForConditionalGeneration) is not"
                  " implemented; its language model is Kimi-K2's"),
-    "minimax_m2": ("MiniMax-M2", "qwen3_moe", "its q/k norms over the whole projection with sigmoid routing are not"
-                   " implemented"),
     "olmoe": ("OLMoE", "qwen3_moe", "its q/k norms over the whole projection are not implemented"),
     "qwen3_next": ("Qwen3-Next", "qwen3_moe", "gated DeltaNet linear attention and a gated shared expert are not"
                    " implemented"),
