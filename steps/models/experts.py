@@ -74,8 +74,8 @@ class SwiGLUExpert(RoutedExpert):
 
 class BlockSparseExpert(SwiGLUExpert):
     """One SwiGLU expert named as the `block_sparse_moe` checkpoints name it (Mixtral's, MiniMax-M2's): w1 the gate,
-    w3 the up and w2 the down projection, w2(silu(w1(x)) * w3(x)) (transformers loads [w1; w3] as its fused
-    gate_up_proj)."""
+    w3 the up and w2 the down projection, w2(silu(w1(x)) * w3(x)) (transformers loads [w1; w3] as one fused
+    tensor)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
