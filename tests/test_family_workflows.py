@@ -45,6 +45,12 @@ FAMILIES = {
     "gpt_oss": ("GptOssConfig", {
         **SMALL, "num_key_value_heads": 2, "head_dim": 8, "num_local_experts": 4, "num_experts_per_tok": 2,
         "sliding_window": 4, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}),
+    # its released config.json's fields SGLang reads (steps/models/minimax_m2/config.py SERVED_AS_BUILT); half of
+    # each head rotated; the correction bias (zero from transformers' init) is published beside the weights
+    "minimax_m2": ("MiniMaxM2Config", {
+        **SMALL, "num_key_value_heads": 2, "head_dim": 8, "rotary_dim": 4, "num_local_experts": 4,
+        "num_experts_per_tok": 2, "use_qk_norm": True, "qk_norm_type": "per_layer", "scoring_func": "sigmoid",
+        "use_routing_bias": True}),
 }  # fmt: skip
 
 

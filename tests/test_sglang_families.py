@@ -14,7 +14,15 @@ import sys
 from pathlib import Path
 
 import pytest
-from transformers import DeepseekV3Config, Glm4MoeConfig, GptOssConfig, MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
+from transformers import (
+    DeepseekV3Config,
+    Glm4MoeConfig,
+    GptOssConfig,
+    MiniMaxM2Config,
+    MixtralConfig,
+    Qwen2MoeConfig,
+    Qwen3MoeConfig,
+)
 
 from steps.engines import sglang_engine
 from steps.engines.sglang_engine import (
@@ -46,7 +54,9 @@ CONFIGS = {
     "glm4_moe": tiny(Glm4MoeConfig, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32),
     "mixtral": tiny(MixtralConfig, num_local_experts=8, num_experts_per_tok=2),
     "gpt_oss": tiny(GptOssConfig, num_local_experts=8, num_experts_per_tok=2),
-}
+    "minimax_m2": tiny(MiniMaxM2Config, num_local_experts=8, num_experts_per_tok=2, head_dim=16, rotary_dim=8,
+                       use_qk_norm=True, qk_norm_type="per_layer", scoring_func="sigmoid", use_routing_bias=True),
+}  # fmt: skip
 # Kimi-K2's config.json: model_type kimi_k2, served by SGLang as DeepseekV3ForCausalLM.
 KIMI_K2 = {**CONFIGS["deepseek_v3"], "model_type": "kimi_k2", "architectures": ["DeepseekV3ForCausalLM"]}
 
@@ -58,6 +68,7 @@ EXPECTED = {
     "glm4_moe": ({"moe_runner_backend": "triton"}, {}),
     "mixtral": ({}, {}),
     "gpt_oss": ({"attention_backend": "triton"}, {}),
+    "minimax_m2": ({}, {}),  # SGLang builds no trtllm MoE override for MiniMaxM2ForCausalLM
 }
 
 
@@ -102,9 +113,11 @@ def test_the_attention_backends_given_are_ones_upstream_accepts_for_the_family()
 
 
 def test_under_deepep_the_moe_runner_is_left_to_sglang():
-    for family in ("qwen3_moe", "deepseek_v3", "glm4_moe", "qwen2_moe"):
+    for family in ("qwen3_moe", "deepseek_v3", "glm4_moe", "qwen2_moe", "minimax_m2"):
         kwargs = family_server_args(CONFIGS[family], moe_a2a_backend="deepep", sm=BLACKWELL)
         assert "moe_runner_backend" not in kwargs
+    # MiniMaxM2ForCausalLM has a DeepEP path in SGLang 0.5.17 (models/minimax_m2.py): served over it as it is
+    assert family_server_args(CONFIGS["minimax_m2"], moe_a2a_backend="deepep", sm=HOPPER) == {}
     assert family_server_args(CONFIGS["deepseek_v3"], moe_a2a_backend="deepep") == {"attention_backend": "triton"}
 
 
@@ -117,10 +130,16 @@ def test_deepep_is_refused_for_the_families_sglang_has_no_deepep_path_for(family
 
 
 def test_recorded_routes_are_refused_where_sglang_captures_none_per_layer():
-    """SGLang 0.5.17's Mixtral builds its TopK without layer_id (models/mixtral.py), and the capturer indexes its
-    buffer by it (layers/moe/state_capturer/base.py); the families whose TopK gets layer_id record their routes."""
+    """SGLang 0.5.17's Mixtral and MiniMax-M2 build their TopK without layer_id (models/mixtral.py,
+    models/minimax_m2.py), and the capturer indexes its buffer by it (layers/moe/state_capturer/base.py); the
+    families whose TopK gets layer_id record their routes."""
     with pytest.raises(MoerlError, match=r"records no per-layer routes for MixtralForCausalLM .*routing_replay: none"):
         family_server_args(CONFIGS["mixtral"], sm=HOPPER, record_routes=True)
+    with pytest.raises(MoerlError, match=r"records no per-layer routes for MiniMaxM2ForCausalLM .*routing_replay: no"):
+        family_server_args(CONFIGS["minimax_m2"], sm=BLACKWELL, record_routes=True)
+    named = {**CONFIGS["minimax_m2"], "architectures": ["MiniMaxM2ForCausalLM"]}
+    with pytest.raises(MoerlError, match=r"MiniMaxM2MoE builds TopK\(\.\.\.\) without layer_id"):
+        family_server_args(named, moe_a2a_backend="deepep", sm=HOPPER, record_routes=True)
     for family in ("qwen3_moe", "qwen2_moe", "deepseek_v3", "glm4_moe", "gpt_oss"):
         assert family_server_args(CONFIGS[family], sm=HOPPER, record_routes=True) == family_server_args(
             CONFIGS[family], sm=HOPPER)  # fmt: skip
