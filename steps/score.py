@@ -10,9 +10,10 @@ sample_index); scores each sample (steps/scoring/rewards.py); writes
                                              advantage (with rollout.dynamic_sampling: the groups the update
                                              trains on, select_groups; the chunks keep them all)
     <run>/metrics/iter-I.json                reward mean/std, accuracy and format rate of the samples,
-                                             response length, truncated share, share of groups whose rewards
-                                             all tie (over every generated group), dynamic sampling's counts,
-                                             and held-out greedy accuracy of the behaviour policy
+                                             response and prompt length (moerl simulate --from-run reads them),
+                                             truncated share, share of groups whose rewards all tie (over every
+                                             generated group), dynamic sampling's counts, and held-out greedy
+                                             accuracy of the behaviour policy
     PATH (default /tmp/metrics.json)         the same metrics, for the workflow's output parameter
 
 and then hands the metrics to the run's experiment trackers (steps/tracking/trackers.py; none by default).
@@ -34,6 +35,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from steps import progress
 from steps.errors import MoerlError, run_cli
@@ -153,6 +155,7 @@ def score_iteration(
         "accuracy": float(np.mean(correct)),
         "format_rate": float(np.mean(well_formed)),
         "response_length_mean": float(lengths.mean()),
+        "prompt_length_mean": float(np.mean(pc.list_value_length(table.column("prompt_ids")).to_numpy())),
         "truncated_fraction": float(np.mean([f == "length" for f in table.column("finish_reason").to_pylist()])),
         "tied_group_fraction": tied,
     }

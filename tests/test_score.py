@@ -111,6 +111,8 @@ def test_rewards_advantages_and_metrics_on_hand_made_samples(tmp_path, checkpoin
     assert metrics["reward_std"] == pytest.approx(expected_rewards.std())
     lengths = [len(r) for group in responses_for(plan.prompts) for r in group]
     assert metrics["response_length_mean"] == pytest.approx(np.mean(lengths))
+    prompt_lengths = [len(ids) for ids in table.column("prompt_ids").to_pylist()]
+    assert metrics["prompt_length_mean"] == pytest.approx(np.mean(prompt_lengths))
     assert metrics["truncated_fraction"] == 1 / 16
     assert json.loads(metrics_out.read_text()) == Store.open(run_uri).get_json(metrics_key(1)) == metrics
 

@@ -12,6 +12,7 @@ from pipelines.config import load_config, parse_overrides
 from pipelines.simulate import __doc__ as package_doc
 from pipelines.simulate import published
 from pipelines.simulate.floor import physical_floor
+from pipelines.simulate.from_run import measured_assumptions
 from pipelines.simulate.measured import load_step_times
 from pipelines.simulate.memory_check import rollout_memory_problem, trainer_memory_problem
 from pipelines.simulate.model import simulate_both
@@ -82,6 +83,10 @@ def model_of(cfg: RunConfig, model_config: Path | None) -> tuple[ModelSizing | N
 def main(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, parse_overrides(args.set))
     base = CPU_ASSUMPTIONS if is_local(cfg) else GPU_ASSUMPTIONS
+    run_line = None
+    if args.from_run:  # what the run measured, before the model moves the rates (they depend on the lengths)
+        measured, run_line = measured_assumptions(args.from_run, cfg)
+        base = base.override(measured)
     a = parse_assumptions(args.assume, base)
     model: ModelSizing | None = None
     if is_local(cfg):
@@ -110,6 +115,8 @@ def main(args: argparse.Namespace) -> int:
         + (f"{rate:g} Spot interruptions per rollout node-hour" if rate else "no Spot interruptions")
     )
     print(model_line)
+    if run_line:
+        print(run_line)
     if not is_local(cfg):
         sized = model or reference_sizing()
         print(f"  {sized.summary()}; {sized.flops_per_token(flops_seq_len(cfg, a)):.3g} training FLOPs a token at"
@@ -181,6 +188,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--model-config", type=Path, metavar="FILE",
         help="the checkpoint's config.json (or its directory) when the run's store cannot be reached from here",
+    )  # fmt: skip
+    parser.add_argument(
+        "--from-run", metavar="RUN_STORE",
+        help="take the mean response and prompt lengths and the tied share from a run's score metrics (file://, s3://)",
     )  # fmt: skip
     parser.add_argument("--iterations", type=int, metavar="N", help="iterations to simulate (default: the config's)")
     parser.add_argument("--seed", type=int, default=0, metavar="S", help="seed of the interruptions (default 0)")
