@@ -53,3 +53,22 @@ def test_a_run_without_score_metrics_is_one_clear_error(tmp_path):
     (tmp_path / "run").mkdir()
     with pytest.raises(MoerlError, match=r"--from-run .*: no score metrics with response_length_mean under"):
         measured_assumptions((tmp_path / "run").as_uri(), load_config(EKS))
+
+
+def test_explain_prints_every_assumption_with_its_source(tmp_path, capsys):
+    import dataclasses
+
+    from pipelines.simulate.sizing import Assumptions
+    from pipelines.simulate.sources import CPU_SOURCES, GPU_SOURCES
+
+    assert set(GPU_SOURCES) == set(CPU_SOURCES) == {f.name for f in dataclasses.fields(Assumptions)}
+    run = write_run(tmp_path, [2048.0])
+    run_cli([str(EKS), "--iterations", "2", "--explain", "--from-run", run, "--assume", "s3_gb_per_s=2"])
+    out = capsys.readouterr().out
+    rows = {line.split()[0]: line for line in out.splitlines() if line.startswith("  ") and len(line.split()) > 2}
+    for field in dataclasses.fields(Assumptions):
+        assert field.name in rows, field.name
+    assert rows["s3_gb_per_s"].split()[1:3] == ["2", "--assume"]
+    assert "measured: responses 2,048 tokens" in rows["response_fill"]
+    assert "assumption: SGLang decode" in rows["rollout_tokens_per_gpu_s"]  # said to be one, with its nearest figure
+    assert "LMSYS-EP" in rows["rollout_tokens_per_gpu_s"]

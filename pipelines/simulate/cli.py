@@ -38,10 +38,16 @@ from pipelines.simulate.sizing import (
     tokens_per_iteration,
     trainer_memory_table,
 )
+from pipelines.simulate.sources import CPU_SOURCES, GPU_SOURCES, MOVED_TO_THE_MODEL, explain_lines
 from pipelines.simulate.tables import describe, table
 from pipelines.simulate.timeline import plot_timeline
 from steps.errors import MoerlError
 from steps.run.config import RunConfig
+
+
+def assumed_names(pairs: list[str]) -> list[str]:
+    """The assumption names that --assume NAME=VALUE pairs set (parse_assumptions has checked them)."""
+    return [pair.partition("=")[0] for pair in pairs]
 
 
 def parse_assumptions(pairs: list[str], base: Assumptions) -> Assumptions:
@@ -83,10 +89,12 @@ def model_of(cfg: RunConfig, model_config: Path | None) -> tuple[ModelSizing | N
 def main(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, parse_overrides(args.set))
     base = CPU_ASSUMPTIONS if is_local(cfg) else GPU_ASSUMPTIONS
+    sources = dict(CPU_SOURCES if is_local(cfg) else GPU_SOURCES)  # --explain: each value's source, as it moves
     run_line = None
     if args.from_run:  # what the run measured, before the model moves the rates (they depend on the lengths)
         measured, run_line = measured_assumptions(args.from_run, cfg)
         base = base.override(measured)
+        sources.update({name: f"measured: {run_line.removeprefix('from the run: ')}" for name in measured})
     a = parse_assumptions(args.assume, base)
     model: ModelSizing | None = None
     if is_local(cfg):
@@ -97,6 +105,9 @@ def main(args: argparse.Namespace) -> int:
         if model is not None:  # the assumptions moved to the model, then the --assume overrides again on top
             moved = model_assumptions(base, model, reference_sizing(), flops_seq_len(cfg, a))
             a = parse_assumptions(args.assume, moved)
+            sources.update({name: f"{how} ({model.name}), from: {sources[name]}"
+                            for name, how in MOVED_TO_THE_MODEL.items()})  # fmt: skip
+    sources.update({name: "--assume" for name in assumed_names(args.assume)})
     cluster = cluster_for(cfg, a)
     if args.step_times:
         steps = measured_step_model(cfg, a, load_step_times(args.step_times), str(args.step_times))
@@ -135,6 +146,8 @@ def main(args: argparse.Namespace) -> int:
         elif held < 1:
             print(f"  note: the engine's KV pool holds {held:.0%} of a chunk's sequences at full length at once: "
                   "the rest wait (lower rollout.chunk_size or group_size, or raise rollout.sglang.tp_size)")
+    if args.explain:
+        print("\n".join(explain_lines(a, sources)))
     print(describe(cfg, cluster, steps, a))
     print()
     print(table(results, cfg.staleness))
@@ -192,6 +205,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--from-run", metavar="RUN_STORE",
         help="take the mean response and prompt lengths and the tied share from a run's score metrics (file://, s3://)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--explain", action="store_true", help="print every assumption with its value and where it comes from",
     )  # fmt: skip
     parser.add_argument("--iterations", type=int, metavar="N", help="iterations to simulate (default: the config's)")
     parser.add_argument("--seed", type=int, default=0, metavar="S", help="seed of the interruptions (default 0)")

@@ -1,0 +1,96 @@
+"""Where each of the simulator's assumptions comes from (`moerl simulate --explain`): a published measurement, a
+figure measured on this machine, arithmetic from the config, or an assumption, said as such, with the nearest
+published figure beside it where one exists. No value here is chosen to meet a target; one whose source is only
+"assumption" is what a GPU measurement (bench/gpu_smoke.py) or a published figure for the same model and hardware
+should replace.
+
+The published figures cited (their conditions in bench/README.md, "Where the simulator's rates come from"):
+  LMSYS-EP     LMSYS, "Deploying DeepSeek with PD Disaggregation and Large-scale Expert Parallelism on 96 H100 GPUs"
+               (2025-05-05): DeepSeek-V3 decode 22,282 output tokens/s a node of 8 H100 (EP72, FP8, 256 sequences a
+               GPU, 2,000 tokens of context)
+  MB-PERF      NVIDIA-NeMo/Megatron-Bridge docs/performance-summary(-archive).md @067f987: Qwen3-30B-A3B on 16 H100,
+               203 model TFLOP/s a GPU, 8,826 tokens/s a GPU (FP8, EP16, seq 4096); Qwen3-235B-A22B on 256 H100,
+               253 TFLOP/s, 1,712 tokens/s a GPU (FP8, TP2 PP8 EP32)
+  NEMO-RL      NVIDIA-NeMo/RL docs/about/performance-summary.md (v0.6.0): GRPO step times and tokens/s a GPU
+  SLIME-SYNC   "Efficient RL Training - Optimizing Weight Sync in slime": Qwen3-30B-A3B update_weights_from_tensor
+               60 s -> 7 s on 8 H100; THUDM/slime PR #67: Qwen3-235B 8 min -> 1 min
+  NEMO-REFIT   NeMo-RL blog 2025-08-12 "refit performance": DeepSeek-V3 refit 692.5 s -> 47.2 s (vLLM)
+  S3-PERF      AWS S3 user guide, "Optimizing performance": up to 100 Gb/s (12.5 GB/s) on a single instance with
+               many parallel requests
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from pipelines.simulate.sizing import Assumptions
+
+ASSUMPTION = "assumption"
+
+GPU_SOURCES: dict[str, str] = {
+    "rollout_tokens_per_gpu_s": f"{ASSUMPTION}: SGLang decode of a ~3B-active MoE a GPU at hundreds of sequences "
+    "(no bf16 figure for Qwen3-30B-A3B on H100/H200 is published; LMSYS-EP: DeepSeek-V3 in FP8 decodes 2,785 a "
+    "H100 over EP72)",
+    "trainer_tokens_per_gpu_s": f"{ASSUMPTION}: ~100 model TFLOP/s a GPU over ~2.6e10 FLOPs a token (MB-PERF: "
+    "Qwen3-30B-A3B reaches 203 TFLOP/s on H100 in FP8 with Megatron-Core; moerl's bf16 trainer is not measured on "
+    "a GPU yet)",
+    "engine_startup_s": f"{ASSUMPTION}: the checkpoint from S3 at s3_gb_per_s, SGLang start-up, DeepEP buffers, "
+    "CUDA graphs",
+    "trainer_startup_s": f"{ASSUMPTION}: rendezvous, NCCL/DeepEP init, weights and AdamW state per rank",
+    "pod_start_s": f"{ASSUMPTION}: Argo schedules the pod and its container starts on a warm node",
+    "step_startup_s": f"{ASSUMPTION}: Python, the torch import and run.json",
+    "score_samples_per_s": f"{ASSUMPTION}: rule verifiers on a CPU pod",
+    "import_sft_s": f"{ASSUMPTION}: a copy of the checkpoint inside S3",
+    "publish_s": f"{ASSUMPTION}: server-side digests and copies of the weights and optimizer state on S3",
+    "report_s": f"{ASSUMPTION}: the metrics table and the PNG",
+    "node_replacement_s": f"{ASSUMPTION}: Karpenter launches a p5en Spot node, it joins and pulls the image",
+    "response_fill": f"{ASSUMPTION}: every response at max_new_tokens (--from-run takes a run's; NEMO-RL's "
+    "Qwen3-30B-A3B runs average 3,203 of 4,096)",
+    "rollout_nodes": "the config: one node a rollout shard",
+    "checkpoint_gb": "arithmetic: the model's tensors in its dtype (Qwen3-30B-A3B without a readable config.json)",
+    "optimizer_gb": "arithmetic: 12 bytes a parameter (fp32 masters and two AdamW moments)",
+    "s3_gb_per_s": f"{ASSUMPTION}: 1 GB/s a node, read or write (S3-PERF: up to 12.5 GB/s on one instance with many "
+    "parallel requests)",
+    "nvme_gb_per_s": f"{ASSUMPTION}: one NVMe drive's sequential read",
+    "engine_update_s": f"{ASSUMPTION}: SGLang's update_weights_from_disk beyond reading the files (SLIME-SYNC: 7 s "
+    "for Qwen3-30B-A3B from tensors; NEMO-REFIT: 47 s for DeepSeek-V3)",
+    "delta_fraction": "measured: bench/weight_update.py on the demo's versions",
+    "delta_encode_gb_per_s": "measured: bench/weight_update.py's delta write on one core (173 MB of bf16 in 0.85 s)",
+    "replicated_fraction": "arithmetic: the model's parameters outside the routed experts",
+    "num_experts": "the model's config.json",
+    "prompt_tokens": f"{ASSUMPTION}: a prompt's tokens beside its response (--from-run takes a run's)",
+    "gpu_memory_gb": "the trainer's instance type (0: from it)",
+    "tied_group_share": f"{ASSUMPTION}: late in the demos 40-55% of groups tied (bench/README.md); --from-run "
+    "takes a run's",
+}
+CPU_SOURCES: dict[str, str] = {
+    **{name: "measured on this machine (2 cores, the demo model; pipelines/simulate/sizing.py CPU_ASSUMPTIONS)"
+       for name in GPU_SOURCES},  # fmt: skip
+    "response_fill": GPU_SOURCES["response_fill"],
+    "prompt_tokens": GPU_SOURCES["prompt_tokens"],
+    "tied_group_share": GPU_SOURCES["tied_group_share"],
+    "rollout_nodes": GPU_SOURCES["rollout_nodes"],
+    "gpu_memory_gb": GPU_SOURCES["gpu_memory_gb"],
+}
+# What model_assumptions moves from the reference model to the checkpoint's (pipelines/simulate/sizing.py).
+MOVED_TO_THE_MODEL = {
+    "rollout_tokens_per_gpu_s": "scaled by the reference's compute parameters / the model's",
+    "trainer_tokens_per_gpu_s": "scaled by the reference's training FLOPs a token / the model's",
+    "engine_startup_s": "plus the model's extra checkpoint bytes at s3_gb_per_s",
+    "import_sft_s": "scaled by the model's checkpoint bytes",
+    "publish_s": "scaled by the model's checkpoint and optimizer bytes",
+    "checkpoint_gb": "the model's tensors in its dtype",
+    "optimizer_gb": "the model's parameters x 12 bytes",
+    "replicated_fraction": "the model's parameters outside the routed experts",
+    "num_experts": "the model's config.json",
+}
+
+
+def explain_lines(a: Assumptions, sources: dict[str, str]) -> list[str]:
+    """Every assumption with its value and source, unsourced ones marked as assumptions."""
+    lines = ["assumptions (moerl simulate --explain; `assumption` marks a value no measurement or publication gives):"]
+    for field in dataclasses.fields(Assumptions):
+        value = getattr(a, field.name)
+        shown = f"{value:,.4g}" if isinstance(value, float) else f"{value:,}"
+        lines.append(f"  {field.name:<26} {shown:>10}  {sources.get(field.name, ASSUMPTION)}")
+    return lines
