@@ -140,6 +140,8 @@ def grpo_settings(cfg: RunConfig, iterations: int, output_dir: str) -> dict[str,
                          "loss); set trainer.loss: ppo")  # fmt: skip
     if getattr(t, "routing_replay", "none") != "none":  # TRL's trainer always routes with its own routers
         raise MoerlError("trainer.routing_replay: TRL's GRPOTrainer has no routing replay; set it to none")
+    if getattr(cfg.rollout, "dynamic_sampling", False):  # TRL generates one batch an iteration and trains on it all
+        raise MoerlError("rollout.dynamic_sampling: TRL's GRPOTrainer has no dynamic sampling; set it to false")
     scheduler_kwargs: dict[str, float] = {}
     final = float(getattr(t, "lr_final_ratio", 0.0) or 0.0)
     if schedule == "cosine" and final > 0:  # transformers' cosine down to a floor: min_lr_rate

@@ -102,6 +102,9 @@ def test_settings_that_trl_cannot_follow_are_refused_or_flagged(cfg):
         learning.grpo_settings(_with_trainer(cfg, steps_per_epoch=3), iterations=1, output_dir="/tmp/out")
     with pytest.raises(MoerlError, match="no routing replay"):
         learning.grpo_settings(_with_trainer(cfg, routing_replay="rollout"), iterations=1, output_dir="/tmp/out")
+    dynamic = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"dynamic_sampling": True})})
+    with pytest.raises(MoerlError, match="no dynamic sampling"):
+        learning.grpo_settings(dynamic, iterations=1, output_dir="/tmp/out")
     with_rm = cfg.model_copy(update={"rewards": cfg.rewards.model_copy(update={"reward_model": "/tmp/rm"})})
     with pytest.raises(MoerlError, match="reward_model"):
         learning.grpo_settings(with_rm, iterations=1, output_dir="/tmp/out")
