@@ -10,6 +10,7 @@ the family through this spec and never spells a family's names.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol
@@ -30,6 +31,17 @@ AttentionKind = Literal["softmax_kv_cache"]
 # sigmoid_group_topk: sigmoid scores, a selection-only correction bias, group-limited top-k (DeepSeek-V3, GLM-4.5);
 # topk_softmax: a router with a bias, top-k of its logits, softmax over the k chosen (gpt-oss)
 RouterKind = Literal["softmax_topk", "sigmoid_group_topk", "topk_softmax"]
+
+
+# Why a family drops the tensors of its multi-token-prediction layers on import (DeepSeek-V3, GLM-4-MoE, MiniMax-M2).
+MTP_DROPPED = "a multi-token-prediction layer: moerl trains and publishes the model without it"
+
+
+def beyond_the_last_layer(cfg: Any, name: str) -> bool:
+    """Whether checkpoint tensor `name` belongs to a decoder layer past num_hidden_layers (model.layers.{L + i}.*:
+    where GLM-4.5's and MiniMax-M2's releases keep their multi-token-prediction layers)."""
+    match = re.match(r"model\.layers\.(\d+)\.", name)
+    return match is not None and int(match.group(1)) >= cfg.num_hidden_layers
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -10,11 +10,11 @@ identity.
 
 from __future__ import annotations
 
-import re
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from steps.models.family import MTP_DROPPED, beyond_the_last_layer
 from steps.models.glm4_moe.config import Glm4MoeConfig
 from steps.models.placement import moe_layer_indices
 
@@ -43,10 +43,7 @@ class Glm4MoeStateDictAdapter:
 
     def dropped_on_import(self, cfg: Any, name: str) -> str | None:
         """Why checkpoint tensor `name` (outside expected_shapes) is skipped on import, or None (refused)."""
-        match = re.match(r"model\.layers\.(\d+)\.", name)
-        if match is None or int(match.group(1)) < cfg.num_hidden_layers:
-            return None
-        return "a multi-token-prediction layer: moerl trains and publishes the model without it"
+        return MTP_DROPPED if beyond_the_last_layer(cfg, name) else None
 
     def expected_shapes(
         self, cfg: Glm4MoeConfig, placement: ExpertPlacement | None = None, ep_rank: int = 0

@@ -13,11 +13,11 @@ num_mtp_modules) are dropped on import.
 
 from __future__ import annotations
 
-import re
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from steps.models.family import MTP_DROPPED, beyond_the_last_layer
 from steps.models.minimax_m2.config import MiniMaxM2Config
 
 if TYPE_CHECKING:
@@ -43,10 +43,7 @@ class MiniMaxM2StateDictAdapter:
 
     def dropped_on_import(self, cfg: Any, name: str) -> str | None:
         """Why checkpoint tensor `name` (outside expected_shapes) is skipped on import, or None (refused)."""
-        match = re.match(r"model\.layers\.(\d+)\.", name)
-        if match is None or int(match.group(1)) < cfg.num_hidden_layers:
-            return None
-        return "a multi-token-prediction layer: moerl trains and publishes the model without it"
+        return MTP_DROPPED if beyond_the_last_layer(cfg, name) else None
 
     def expected_shapes(
         self, cfg: MiniMaxM2Config, placement: ExpertPlacement | None = None, ep_rank: int = 0
