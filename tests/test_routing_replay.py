@@ -311,3 +311,12 @@ def test_the_trackers_get_every_layers_figures():
     assert points["update/routing/layers/1/router_disagreement"] == 1.0
     assert points["update/routing/layers/0/router_disagreement"] == 0.0
     assert points["update/routing/router_disagreement"] == 0.5 and points["update/routing/tokens"] > 0
+
+
+def test_a_one_layer_model_records_its_prompts_last_token_only_in_that_layer():
+    model = tiny_model(num_hidden_layers=1)
+    requests, generations = generate(model, record=True)
+    for request, g in zip(requests, generations, strict=True):
+        n = len(request.prompt_ids)
+        assert g.routed_experts.shape == (n + len(g.response_ids) - 1, 1, model.config.num_experts_per_tok)
+        assert (g.routed_experts[: n - 1] == -1).all() and (g.routed_experts[n - 1 :] >= 0).all()

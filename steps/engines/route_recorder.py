@@ -37,11 +37,11 @@ class RouteRecorder:
             raise RuntimeError(f"recorded {len(taken)} MoE layers' routes in a forward over {len(self.layers)}")
         return taken
 
-    def prefilled(self, width: int, prompt_of: torch.Tensor) -> None:
-        """After the prefill of the distinct prompts, W columns each; prompt_of [samples]: each one's prompt."""
+    def prefilled(self, prompts: int, width: int, prompt_of: torch.Tensor) -> None:
+        """After the prefill of `prompts` distinct prompts, `width` columns each; prompt_of [samples]: each one's
+        prompt."""
         self.prompt_of = prompt_of.tolist()
         taken = self._taken()
-        prompts = taken[0].shape[0] // width if taken else 0
         self.prompts = torch.full((prompts, width, len(self.layers), self.top_k), -1, dtype=torch.int16)
         for index, chosen in enumerate(taken):
             if chosen.shape[0] == prompts * width:

@@ -166,7 +166,7 @@ class TorchEngine:
         self.decoder.routes = None if recorder is None else recorder.taken
         batch, logits, state = self._prefill(requests, steps)  # state: each sample's row in the batch
         if recorder is not None:
-            recorder.prefilled(batch.prompt_bias.shape[1], prompt_of=state.clone())
+            recorder.prefilled(*batch.prompt_bias.shape, prompt_of=state.clone())
 
         uniforms = sample_uniforms([r.seed for r in requests], steps).to(device)
         out_tokens = torch.full((len(requests), steps), FILLER_ID, dtype=torch.long, device=device)
