@@ -37,10 +37,11 @@ RouterKind = Literal["softmax_topk", "sigmoid_group_topk", "topk_softmax"]
 MTP_DROPPED = "a multi-token-prediction layer: moerl trains and publishes the model without it"
 
 
-def beyond_the_last_layer(cfg: Any, name: str) -> bool:
-    """Whether checkpoint tensor `name` belongs to a decoder layer past num_hidden_layers (model.layers.{L + i}.*:
-    where GLM-4.5's and MiniMax-M2's releases keep their multi-token-prediction layers)."""
-    match = re.match(r"model\.layers\.(\d+)\.", name)
+def beyond_the_last_layer(cfg: Any, name: str, layers_prefix: str) -> bool:
+    """Whether checkpoint tensor `name` belongs to a decoder layer past num_hidden_layers: `layers_prefix` (the
+    family's name of its decoder layers, with the dot) then an index >= num_hidden_layers, where GLM-4.5's and
+    MiniMax-M2's releases keep their multi-token-prediction layers."""
+    match = re.match(re.escape(layers_prefix) + r"(\d+)\.", name)
     return match is not None and int(match.group(1)) >= cfg.num_hidden_layers
 
 

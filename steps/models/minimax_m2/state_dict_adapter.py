@@ -43,7 +43,7 @@ class MiniMaxM2StateDictAdapter:
 
     def dropped_on_import(self, cfg: Any, name: str) -> str | None:
         """Why checkpoint tensor `name` (outside expected_shapes) is skipped on import, or None (refused)."""
-        return MTP_DROPPED if beyond_the_last_layer(cfg, name) else None
+        return MTP_DROPPED if beyond_the_last_layer(cfg, name, "model.layers.") else None
 
     def expected_shapes(
         self, cfg: MiniMaxM2Config, placement: ExpertPlacement | None = None, ep_rank: int = 0
