@@ -31,22 +31,12 @@ sys.path.insert(0, str(REPO / "bench"))
 
 from learning import Curve, moerl_curve, status_times  # noqa: E402
 
-from pipelines.config import load_config  # noqa: E402
+from pipelines.config import load_config, parse_overrides  # noqa: E402
 from pipelines.demo import demo_sft_settings, run_config  # noqa: E402
 from steps.errors import MoerlError, run_cli  # noqa: E402
 
 TODAY = "today"
 VARIANT = "rollout.dynamic_sampling=true,trainer.lr_schedule=cosine,trainer.lr_final_ratio=0.1"
-
-
-def parse_overrides(text: str) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for pair in filter(None, (p.strip() for p in text.split(","))):
-        name, sep, value = pair.partition("=")
-        if not sep:
-            raise MoerlError(f"--variant {pair!r}: use NAME=VALUE pairs separated by commas")
-        out[name] = json.loads(value) if value not in ("cosine", "linear", "constant", "rollout", "none") else value
-    return out
 
 
 def read_curve(name: str, workdir: Path, start: float) -> tuple[Curve, list[dict[str, Any]]]:
@@ -96,7 +86,7 @@ def main() -> int:
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/moerl-bench-stability"))
     parser.add_argument("--png", type=Path, default=REPO / "bench" / "stability.png")
     args = parser.parse_args()
-    variant = parse_overrides(args.variant)
+    variant = parse_overrides([pair.strip() for pair in args.variant.split(",") if pair.strip()])
     rows, curves = [], []
     for seed in args.seeds:
         base = args.workdir / f"seed-{seed}"

@@ -239,8 +239,9 @@ class MoeCausalLM(nn.Module):
         """[num MoE layers, 3] int64 (tokens whose routers' top-k differs from the engine's, tokens whose experts
         used differ from the engine's, tokens with a recorded route) counted since count_route_disagreement (this
         process's tokens), which it stops; None when it was not started."""
-        counts = [block.route_disagreement for block in self.moe_blocks()]
-        for block in self.moe_blocks():
+        blocks = self.moe_blocks()
+        counts = [block.route_disagreement for block in blocks]
+        for block in blocks:
             block.route_disagreement = None
         if not counts or any(c is None for c in counts):
             return None

@@ -123,17 +123,16 @@ def group_advantages(
     members: dict[str, list[int]] = {}
     for row, group in enumerate(group_ids):
         members.setdefault(group, []).append(row)
-    tied = 0
-    for rows in members.values():
+    tied = tied_groups(group_ids, rewards)
+    for group, rows in members.items():
         values = rewards[rows]
         centred = values - values.mean()
-        if np.all(values == values[0]):
-            tied += 1
+        if group in tied:
             centred[:] = 0.0  # exactly zero, not rounding noise of the mean
         elif normalize_std:
             centred /= values.std() + eps
         advantages[rows] = centred
-    return advantages, tied / max(len(members), 1)
+    return advantages, len(tied) / max(len(members), 1)
 
 
 def tied_groups(group_ids: Sequence[str], rewards: np.ndarray) -> set[str]:

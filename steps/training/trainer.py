@@ -28,7 +28,7 @@ from steps.experience.tables import Sample
 from steps.expert_parallel.mesh import Mesh, all_reduce_sum, clip_grad_norm, gather_ranks, sync_gradients
 from steps.models.causal_lm import MoeCausalLM
 from steps.models.kernels import token_logprobs
-from steps.models.moe import SparseMoeBlock
+from steps.models.placement import moe_layer_indices
 from steps.training.mismatch import MismatchStats
 from steps.training.optim import AdamW, AnyOptimizer
 from steps.training.rl_loss import LossSettings, aggregate, token_entropy, token_terms
@@ -632,7 +632,7 @@ class PolicyTrainer:
             return None
         total = all_reduce_sum(counts.to(self.mesh.device), self.mesh).cpu().double()
         router, used, tokens = total[:, 0], total[:, 1], total[:, 2]
-        indices = [i for i, layer in enumerate(self.model.decoder_layers()) if isinstance(layer.mlp, SparseMoeBlock)]
+        indices = moe_layer_indices(self.model.config)
         return {
             "replay": self.settings.routing_replay == "rollout",
             "router_disagreement": float(router.sum() / tokens.sum().clamp(min=1)),
