@@ -9,6 +9,7 @@ they run under <workdir>/rendered; `moerl render` writes the KFP pipeline as wel
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import time
@@ -30,6 +31,11 @@ from steps.tracking.workflow_status import step_nodes
 
 DEMO_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
 DEMO_CHAT_SFT_STEPS = 50  # SFT steps of the chat demo's checkpoint (configs/demo-chat.yaml)
+# The tool demo's checkpoint (configs/demo-tool.yaml): its BPE learns the tools' schema and the call format as
+# a few tokens, and its positions hold the whole conversation.
+DEMO_TOOL_SFT_STEPS = 150
+DEMO_TOOL_VOCAB_SIZE = 640
+DEMO_TOOL_MAX_POSITIONS = 256
 if TYPE_CHECKING:
     from steps.demo.sft import SftSettings
 
@@ -116,10 +122,19 @@ def demo_sft_settings(cfg: RunConfig, seed: int, arch: str = "qwen3_moe") -> Sft
 
     task = run_task(cfg)
     chat = cfg.prompt_format == "chat"
-    return SftSettings(
+    settings = SftSettings(
         task=task.name if task else SftSettings().task, seed=seed, tokenizer="bpe" if chat else "char",
         prompt_format=cfg.prompt_format, system_prompt=cfg.system_prompt,
         steps=DEMO_CHAT_SFT_STEPS if chat else SftSettings().steps, arch=arch,
+    )  # fmt: skip
+    if cfg.environment is None:
+        return settings
+    from steps.environments.conversation import EnvironmentSettings
+
+    # a conversation with tools: the tools' schemas in the system prompt, two turns and the tool's answer
+    return dataclasses.replace(
+        settings, environment=EnvironmentSettings.from_config(cfg.environment), steps=DEMO_TOOL_SFT_STEPS,
+        vocab_size=DEMO_TOOL_VOCAB_SIZE, max_positions=DEMO_TOOL_MAX_POSITIONS,
     )  # fmt: skip
 
 

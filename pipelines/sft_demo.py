@@ -29,6 +29,9 @@ def progress_printer(total: int, start: float) -> Callable[[int, float], None]:
     return report
 
 
+DEMO_EVAL_MAX_NEW_TOKENS = 48  # a tool task's turn: the calculator call in the Qwen format
+
+
 def sft_demo(out_uri: str, settings: SftSettings) -> float:
     """Train, evaluate on the held-out split, write the checkpoint to out_uri; return held-out accuracy."""
     out = Store.open(out_uri)
@@ -42,7 +45,8 @@ def sft_demo(out_uri: str, settings: SftSettings) -> float:
         model = train_sft(settings, tok, progress_printer(settings.steps, start))
         total, active = count_parameters(model)
         heldout = task.prompts("heldout", settings.eval_prompts, settings.seed)
-        accuracy = evaluate_accuracy(model, tok, heldout, task, settings.format)
+        accuracy = evaluate_accuracy(model, tok, heldout, task, settings.format, environment=settings.environment,
+                                     max_new_tokens=DEMO_EVAL_MAX_NEW_TOKENS if settings.environment else 16)  # fmt: skip
         local = write_checkpoint(model, Path(tmp))
         validate_checkpoint_dir(local)
         # config.json goes last: a reader that finds it finds every other file complete.

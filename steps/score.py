@@ -29,6 +29,7 @@ error and nothing is written. A rerun writes the same bytes again.
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -50,6 +51,7 @@ from steps.scoring.rewards import (
     check_finite,
     combine,
     group_advantages,
+    last_turns,
     reward_model_texts,
     select_groups,
     verify_samples,
@@ -78,6 +80,22 @@ def user_rewards(
     return [v["reward"] for v in values], metrics
 
 
+def conversation_metrics(table: pa.Table, env_rewards: list[float]) -> dict[str, float]:
+    """A multi-turn iteration's figures: turns, the model's tokens, the environment's reward and the means of its
+    named metrics (env/<name>, tool_calls included) over the conversations that reported them."""
+    named: dict[str, list[float]] = {}
+    for text in table.column("env_metrics").to_pylist():
+        for name, value in json.loads(text).items():
+            named.setdefault(name, []).append(float(value))
+    masks = table.column("loss_mask").to_pylist()
+    return {
+        "turns_mean": float(np.mean(table.column("turns").to_numpy())),
+        "model_tokens_mean": float(np.mean([sum(m) for m in masks])),
+        "env_reward_mean": float(np.mean(env_rewards)),
+        **{f"env/{name}": float(np.mean(values)) for name, values in sorted(named.items())},
+    }
+
+
 def score_iteration(
     run_uri: str,
     iteration: int,
@@ -97,7 +115,8 @@ def score_iteration(
     table = read_rollout(run, plan, cfg.rollout.num_shards)
     progress.report(0, 2)
 
-    responses = table.column("response_ids").to_pylist()
+    masks = table.column("loss_mask").to_pylist()
+    responses = last_turns(table.column("response_ids").to_pylist(), masks)  # what is verified: the last turn
     prompt_ids = table.column("prompt_id").to_pylist()
     where = [f"prompt {p!r} sample {k}" for p, k in zip(prompt_ids, table.column("sample_index").to_pylist(),
                                                         strict=True)]  # fmt: skip
@@ -121,7 +140,9 @@ def score_iteration(
             np.asarray(rm_scores, dtype=np.float64), where, what=f"reward model score ({cfg.rewards.reward_model})"
         )
     weights = RewardWeights.from_config(cfg.rewards)
-    rewards = combine(correct, well_formed, rm_scores, weights, fn_rewards)
+    multi_turn = plan.environment is not None
+    env_rewards = [float(r) for r in table.column("env_reward").to_pylist()] if multi_turn else None
+    rewards = combine(correct, well_formed, rm_scores, weights, fn_rewards, env_rewards)
     check_finite(rewards, where)
     advantages, tied = group_advantages(prompt_ids, rewards, cfg.rewards.normalize_std)
 
@@ -143,7 +164,7 @@ def score_iteration(
         scored = scored.filter(pa.array(keep))
 
     progress.report(1, 2)
-    lengths = np.array([len(r) for r in responses], dtype=np.float64)
+    lengths = np.array([len(r) for r in table.column("response_ids").to_pylist()], dtype=np.float64)
     metrics: dict[str, Any] = {
         "iteration": iteration,
         "policy_version": version,
@@ -159,6 +180,8 @@ def score_iteration(
         "truncated_fraction": float(np.mean([f == "length" for f in table.column("finish_reason").to_pylist()])),
         "tied_group_fraction": tied,
     }
+    if multi_turn:
+        metrics.update(conversation_metrics(table, env_rewards or []))
     if dynamic is not None:
         metrics["dynamic_sampling"] = {**dynamic, "trained_samples": scored.num_rows}
     if rm_scores is not None:

@@ -125,11 +125,12 @@ PACKAGE_RULES = {
     "models": {"data"},
     "expert_parallel": {"models"},
     "engines": {"models", "data", "run", "store"},
-    "experience": {"engines", "data", "run", "store"},
-    "scoring": {"engines", "experience", "data", "models", "run", "store"},
+    "environments": {"engines", "data"},
+    "experience": {"engines", "environments", "data", "run", "store"},
+    "scoring": {"engines", "environments", "experience", "data", "models", "run", "store"},
     "training": {"models", "expert_parallel", "experience", "run", "store", "tracking"},
     "tracking": {"run", "store"},
-    "demo": {"models", "data"},
+    "demo": {"models", "data", "engines", "environments"},
 }
 STEP_CONTRACT = {"steps.errors", "steps.progress"}
 # The one module of experience/ the trainer reads: the rollout <-> training tables.

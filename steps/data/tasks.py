@@ -4,6 +4,10 @@ A task makes prompts deterministically and checks responses exactly:
 
     addition<D>  "12+345=" -> "357"        two operands drawn from 0 .. 10**D - 1 (D = 1..6)
     sort<L>      "sort:8301>" -> "0138"    the L digits in ascending order (L = 2..10)
+    multiply<D>  "What is 123*456? Use calc, then put the answer in \\boxed{}." -> "56088"
+                 for a chat model with a tool: two D-digit operands; the demo's environment
+                 (steps/demo/calculator.py) answers the model's calculator call, and the answer is checked by the
+                 math verifier
     sortdesc<L>  "Sort the digits 8301 in descending order. Put the final answer in \\boxed{}." -> "8310"
                  in natural language, for a chat model: its response is "\\boxed{8310}", checked by the math
                  verifier (descending, so that no answer has a leading zero that a numeric comparison drops)
@@ -28,7 +32,9 @@ Prompt files (JSONL or Parquet, the user's own prompts) are read by steps/data/p
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import json
 import random
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -51,6 +57,8 @@ DEFAULT_ADDITION_DIGITS = 3
 DEFAULT_SORT_LENGTH = 8
 ADDITION_DIGITS = range(1, 7)  # "999999+999999=" is 14 characters
 SORT_LENGTHS = range(2, 11)  # "sort:0123456789>" is 16 characters
+DEFAULT_MULTIPLY_DIGITS = 3
+MULTIPLY_DIGITS = range(1, 5)
 # Spaces up to this many problems are enumerated once per split (exact sampling without replacement);
 # bigger ones are sampled by rejection, where a split is far larger than any n anyone asks for.
 _ENUMERATE_LIMIT = 200_000
@@ -216,6 +224,40 @@ class SortDescending(Sort):
         return f"\\boxed{{{answer.strip()}}}"
 
 
+class Multiplication(DigitTask):
+    """A product that needs a tool, for a chat model with an environment: 'What is 123*456? Use calc, ...'
+    -> '\\boxed{56088}'. The prompt's metadata holds the expression (the demo environment's calculator evaluates
+    what the model passes it, steps/demo/calculator.py); `sft_turns` are the two turns of a perfect policy: the
+    calculator call in the Qwen tool-call format, then the boxed result."""
+
+    def __init__(self, digits: int = DEFAULT_MULTIPLY_DIGITS) -> None:
+        _check_param("multiply", "digits", digits, MULTIPLY_DIGITS)
+        self.digits = digits
+        self.name = f"multiply{digits}"
+        self.space_size = 10 ** (2 * digits)
+        self.longest_answer = 2 * digits
+        self.answer_rule = "digits, checked by math-verify"
+
+    def problem(self, index: int) -> tuple[str, str, str]:
+        a, b = divmod(index, 10**self.digits)
+        text = f"What is {a}*{b}? Use calc, then put the answer in \\boxed{{}}."
+        return text, str(a * b), f"multiply:{min(a, b)}*{max(a, b)}"
+
+    def prompts(self, split: str, n: int, seed: int) -> list[Prompt]:
+        return [dataclasses.replace(p, metadata={"expression": p.text.split()[2].rstrip("?")})
+                for p in super().prompts(split, n, seed)]  # fmt: skip
+
+    def verify(self, response: str, answer: str, ended: bool = True) -> Verdict:
+        return MathVerifier().verify(response, answer, ended)
+
+    def sft_target(self, answer: str) -> str:
+        return f"\\boxed{{{answer.strip()}}}"
+
+    def sft_turns(self, prompt: Prompt) -> list[str]:
+        call = json.dumps({"name": "calc", "arguments": {"expr": prompt.metadata["expression"]}})
+        return [f"<tool_call>\n{call}\n</tool_call>", self.sft_target(prompt.answer)]
+
+
 def _check_param(family: str, param: str, value: object, allowed: range) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value not in allowed:
         raise MoerlError(
@@ -224,7 +266,9 @@ def _check_param(family: str, param: str, value: object, allowed: range) -> None
         )
 
 
-FAMILIES: dict[str, type[DigitTask]] = {"addition": Addition, "sort": Sort, "sortdesc": SortDescending}
+FAMILIES: dict[str, type[DigitTask]] = {
+    "addition": Addition, "sort": Sort, "sortdesc": SortDescending, "multiply": Multiplication,
+}  # fmt: skip
 
 
 def _registry() -> dict[str, Task]:
@@ -234,7 +278,10 @@ def _registry() -> dict[str, Task]:
     for length in SORT_LENGTHS:
         tasks[f"sort{length}"] = Sort(length)
         tasks[f"sortdesc{length}"] = SortDescending(length)
+    for digits in MULTIPLY_DIGITS:
+        tasks[f"multiply{digits}"] = Multiplication(digits)
     tasks["addition"] = tasks[f"addition{DEFAULT_ADDITION_DIGITS}"]
+    tasks["multiply"] = tasks[f"multiply{DEFAULT_MULTIPLY_DIGITS}"]
     tasks["sort"] = tasks[f"sort{DEFAULT_SORT_LENGTH}"]
     tasks["sortdesc"] = tasks[f"sortdesc{DEFAULT_SORT_LENGTH}"]
     return tasks
@@ -254,7 +301,7 @@ def get_task(name: str, **params: int) -> Task:
         try:
             return family(**params)
         except TypeError as err:
-            allowed = "digits" if family is Addition else "length"
+            allowed = "digits" if family in (Addition, Multiplication) else "length"
             raise MoerlError(f"task {name}: bad parameters {params}; it takes only {allowed}=N") from err
     task = TASKS.get(name)
     if task is None:

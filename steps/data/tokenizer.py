@@ -212,6 +212,17 @@ class CheckpointTokenizer:
                     "formats messages with its chat template)"
                 )
             return prompt
+        return self.render_chat(fmt.messages(prompt), fmt)
+
+    def render_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        fmt: PromptFormat,
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> str:
+        """A conversation through the checkpoint's chat template, as apply_chat_template renders it (with the
+        template kwargs of `fmt` and, for a conversation with tools, their schemas)."""
         if self.chat_template is None:
             raise MoerlError(
                 f"{self.source}: prompt_format is chat but the checkpoint has no chat template; add one "
@@ -223,9 +234,10 @@ class CheckpointTokenizer:
 
         try:
             rendered, _ = render_jinja_template(
-                conversations=[fmt.messages(prompt)],
+                conversations=[[dict(m) for m in messages]],
+                tools=None if tools is None else [dict(t) for t in tools],
                 chat_template=self.chat_template,
-                add_generation_prompt=True,
+                add_generation_prompt=add_generation_prompt,
                 **{**self.special_tokens, **dict(fmt.template_kwargs)},
             )
         except Exception as err:  # jinja2 raises TemplateError, the template itself anything via raise_exception

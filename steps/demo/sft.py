@@ -23,6 +23,10 @@ import torch
 from steps.data.tasks import Prompt, get_task, sft_target
 from steps.data.tokenizer import RAW, CheckpointTokenizer, PromptFormat
 from steps.demo import bpe_tokenizer, char_tokenizer
+from steps.engines.interface import FINISH_STOP, Generation, SamplingParams
+from steps.environments.conversation import EnvironmentSettings, run_conversations
+from steps.environments.tool_calls import parse_turn
+from steps.environments.worker import resolve
 from steps.errors import MoerlError
 from steps.models.causal_lm import MoeCausalLM
 from steps.models.deepseek_v3.config import DeepseekConfig
@@ -33,26 +37,68 @@ from steps.models.registry import family_of
 
 def encode_example(
     prompt: Prompt, tok: CheckpointTokenizer, fmt: PromptFormat = RAW
-) -> tuple[list[int], int]:
-    """Token ids of the prompt (as rollout encodes it) + target answer + eos, and where the response starts."""
+) -> tuple[list[int], list[bool]]:
+    """Token ids of the prompt (as rollout encodes it) + target answer + eos, and which of them are trained on."""
     prompt_ids = tok.prompt_ids(prompt.content, fmt)
-    return prompt_ids + [*tok.encode_text(sft_target(prompt)), tok.eos_id], len(prompt_ids)
+    response = [*tok.encode_text(sft_target(prompt)), tok.eos_id]
+    return prompt_ids + response, [False] * len(prompt_ids) + [True] * len(response)
+
+
+class ScriptedEngine:
+    """An engine that writes each conversation's turns from a script (the SFT targets of a tool task), so that the
+    SFT examples of a multi-turn task are made by the RL rollout's own conversation loop, token for token."""
+
+    name = "scripted"
+
+    def __init__(self, tok: CheckpointTokenizer, turns: dict[str, list[str]]) -> None:
+        self.tok, self.turns = tok, turns
+        self.taken: dict[tuple[str, int], int] = {}
+
+    def generate(self, requests: Any, params: SamplingParams, should_stop: Any = None) -> list[Generation]:
+        out = []
+        for r in requests:
+            turn = self.taken.get((r.prompt_id, r.sample_index), 0)
+            self.taken[(r.prompt_id, r.sample_index)] = turn + 1
+            ids = [*self.tok.encode_text(self.turns[r.prompt_id][turn]), self.tok.eos_id]
+            out.append(Generation(r.prompt_id, r.sample_index, ids, [0.0] * len(ids), FINISH_STOP))
+        return out
+
+    def update_weights(self, model_dir: Any) -> None:
+        raise NotImplementedError("a scripted engine has no weights")
+
+    def close(self) -> None:
+        pass
+
+
+def conversation_examples(
+    prompts: list[Prompt], tok: CheckpointTokenizer, fmt: PromptFormat, environment: EnvironmentSettings
+) -> list[tuple[list[int], list[bool]]]:
+    """The SFT examples of a tool task: each prompt's conversation with the environment, the task's scripted turns
+    as the model's (Multiplication.sft_turns), the model's tokens trained on and the environment's not."""
+    script = {p.prompt_id: get_task(p.task).sft_turns(p) for p in prompts}  # type: ignore[attr-defined]
+    longest = max(len(tok.encode_text(t)) + 1 for turns in script.values() for t in turns)
+    params = SamplingParams(temperature=0.0, max_new_tokens=longest, stop_token_ids=tok.stop_ids)
+    with environment.open_pool(len(prompts)) as pool:
+        conversations = run_conversations(ScriptedEngine(tok, script), tok, fmt, pool, prompts, params,
+                                          environment.limits, lambda p, k: 0)  # fmt: skip
+    return [(c.prompt_ids + c.response_ids, [False] * len(c.prompt_ids) + [bool(m) for m in c.loss_mask])
+            for c in conversations]  # fmt: skip
 
 
 def teacher_forced_batch(
-    examples: list[tuple[list[int], int]], pad_id: int
+    examples: list[tuple[list[int], list[bool]]], pad_id: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-padded inputs, next-token targets, and the mask of targets that belong to the response."""
+    """Right-padded inputs, next-token targets, and the mask of targets that are trained on."""
     length = max(len(ids) for ids, _ in examples)
     inputs = torch.full((len(examples), length - 1), pad_id, dtype=torch.long)
     targets = torch.full_like(inputs, pad_id)
-    response_mask = torch.zeros_like(inputs, dtype=torch.bool)
-    for row, (ids, response_start) in enumerate(examples):
+    target_mask = torch.zeros_like(inputs, dtype=torch.bool)
+    for row, (ids, trained) in enumerate(examples):
         seq = torch.tensor(ids)
         inputs[row, : len(ids) - 1] = seq[:-1]
         targets[row, : len(ids) - 1] = seq[1:]
-        response_mask[row, response_start - 1 : len(ids) - 1] = True
-    return inputs, targets, response_mask
+        target_mask[row, : len(ids) - 1] = torch.tensor(trained[1:])
+    return inputs, targets, target_mask
 
 
 def char_checkpoint_tokenizer() -> CheckpointTokenizer:
@@ -149,6 +195,10 @@ class SftSettings:
     arch: str = "qwen3_moe"  # the model family (DEMO_ARCHS)
     prompt_format: str = "raw"  # "raw" or "chat": as the RL run's prompt_format
     system_prompt: str | None = None
+    # a tool task's environment (the RL run's `environment`): SFT then trains on whole conversations with it
+    environment: EnvironmentSettings | None = None
+    vocab_size: int = bpe_tokenizer.DEFAULT_VOCAB_SIZE  # the BPE's
+    max_positions: int = 64  # the model's max_position_embeddings (a conversation with tools is longer)
 
     @property
     def format(self) -> PromptFormat:
@@ -163,12 +213,31 @@ def write_tokenizer(settings: SftSettings, directory: Path) -> CheckpointTokeniz
         task = get_task(settings.task)
         corpus = []
         for p in task.prompts("train", settings.train_prompts, settings.seed):
+            if settings.environment is not None:
+                corpus.append(bpe_tokenizer.render_conversation(*scripted_conversation(p, settings)))
+                continue
             turns = settings.format.messages(p.content) + [{"role": "assistant", "content": sft_target(p)}]
             corpus.append(bpe_tokenizer.chatml(turns))
-        bpe_tokenizer.train_chat_tokenizer(corpus, directory)
+        bpe_tokenizer.train_chat_tokenizer(corpus, directory, settings.vocab_size)
     else:
         raise ValueError(f"unknown demo tokenizer {settings.tokenizer!r}; use 'char' or 'bpe'")
     return CheckpointTokenizer.load(directory)
+
+
+def scripted_conversation(prompt: Prompt, settings: SftSettings) -> tuple[list[dict[str, Any]], list[Any] | None]:
+    """A tool task's whole conversation as messages (its scripted turns, the environment's answers, in process) and
+    the environment's tools: the BPE's training text, before there is a tokenizer to run the conversation loop."""
+    assert settings.environment is not None
+    env = resolve(settings.environment.class_path)(**settings.environment.params)
+    first = env.reset(prompt=prompt.content, answer=prompt.answer, metadata=dict(prompt.metadata), seed=0)
+    messages = settings.format.messages(first if first is not None else prompt.content)
+    for text in get_task(prompt.task).sft_turns(prompt):  # type: ignore[attr-defined]
+        messages.append(parse_turn(text, settings.environment.limits.tool_call_format))
+        observation, _, done, _ = env.step(messages)
+        if done:
+            break
+        messages.extend(observation)
+    return messages, getattr(env, "tools", None)
 
 
 def train_sft(
@@ -180,11 +249,15 @@ def train_sft(
     characters); returns the model in eval mode."""
     tok = tok or char_checkpoint_tokenizer()
     config = demo_model_config(tok, settings.arch)
+    config.max_position_embeddings = settings.max_positions
     torch.manual_seed(settings.seed)
     model = family_of(config).build(config)
     task = get_task(settings.task)
-    examples = [encode_example(p, tok, settings.format)
-                for p in task.prompts("train", settings.train_prompts, settings.seed)]  # fmt: skip
+    prompts = task.prompts("train", settings.train_prompts, settings.seed)
+    if settings.environment is not None:
+        examples = conversation_examples(prompts, tok, settings.format, settings.environment)
+    else:
+        examples = [encode_example(p, tok, settings.format) for p in prompts]
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=settings.lr, weight_decay=settings.weight_decay, foreach=True
     )

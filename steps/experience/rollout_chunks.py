@@ -23,11 +23,13 @@ from steps.data.tasks import Prompt
 from steps.data.tokenizer import CheckpointTokenizer
 from steps.engines.interface import Engine, sample_requests, sample_seed
 from steps.engines.sglang_engine import SGLangSettings
+from steps.environments.conversation import run_conversations
 from steps.errors import MoerlError
 from steps.experience.rollout_plan import (
     RolloutPlan,
     chunk_problem,
     chunk_table,
+    conversation_table,
     finished_chunks,
     version_tokenizer,
     write_chunk,
@@ -169,19 +171,26 @@ class IterationRollout:
         `before_write` runs between generating and writing (a server reports its progress there)."""
         start = time.monotonic()
         prompts = self.plan.chunk_prompts(chunk)
-        prompt_ids = {p.prompt_id: encoded_prompt(self.tok, p, self.plan) for p in prompts}
-        requests = sample_requests(
-            [(p.prompt_id, prompt_ids[p.prompt_id]) for p in prompts],
-            self.plan.sampling,
-            seed_of=lambda prompt_id, k: sample_seed(self.cfg.seed, self.iteration, prompt_id, k),
-        )
+        seed_of = lambda prompt_id, k: sample_seed(self.cfg.seed, self.iteration, prompt_id, k)  # noqa: E731
         if preemption is not None:
             preemption.check()
-        generations = engine.generate(requests, self.plan.sampling, should_stop)
-        table = chunk_table(self.plan, chunk, prompt_ids, generations)
+        if self.plan.environment is not None:
+            environment = self.plan.environment
+            with environment.open_pool(len(prompts) * self.plan.group_size) as pool:
+                conversations = run_conversations(engine, self.tok, self.plan.prompt_format, pool, prompts,
+                                                  self.plan.sampling, environment.limits, seed_of, should_stop)  # fmt: skip
+            table = conversation_table(self.plan, chunk, conversations)
+            tokens = sum(sum(c.loss_mask) for c in conversations)
+        else:
+            prompt_ids = {p.prompt_id: encoded_prompt(self.tok, p, self.plan) for p in prompts}
+            requests = sample_requests(
+                [(p.prompt_id, prompt_ids[p.prompt_id]) for p in prompts], self.plan.sampling, seed_of=seed_of
+            )
+            generations = engine.generate(requests, self.plan.sampling, should_stop)
+            table = chunk_table(self.plan, chunk, prompt_ids, generations)
+            tokens = sum(len(g.response_ids) for g in generations)
         if before_write is not None:
             before_write()
         with preemption.protected() if preemption is not None else contextlib.nullcontext():
             write_chunk(self.run, self.plan, chunk, table)
-        tokens = sum(len(g.response_ids) for g in generations)
-        return ChunkStats(chunk, len(generations), tokens, time.monotonic() - start)
+        return ChunkStats(chunk, table.num_rows, tokens, time.monotonic() - start)

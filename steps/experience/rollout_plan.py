@@ -28,6 +28,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -36,6 +37,7 @@ from steps.data.prompt_data import PromptFields, heldout_split, read_prompt_uri
 from steps.data.tasks import Prompt, Task, get_task
 from steps.data.tokenizer import TOKENIZER_FILES, CheckpointTokenizer, PromptFormat
 from steps.engines.interface import Generation, SamplingParams
+from steps.environments.conversation import Conversation, EnvironmentSettings
 from steps.errors import MoerlError
 from steps.experience.tables import (
     CANONICAL_ORDER,
@@ -204,6 +206,7 @@ class RolloutPlan:
     engine: str
     prompt_format: PromptFormat = PromptFormat()
     record_routes: bool = False  # each sample's routed experts are recorded (RunConfig.records_routes)
+    environment: EnvironmentSettings | None = None  # multi-turn: the conversations' environment and limits
 
     @classmethod
     def for_iteration(
@@ -225,6 +228,7 @@ class RolloutPlan:
             engine=cfg.rollout.engine,
             prompt_format=prompt_format(cfg),
             record_routes=cfg.records_routes,
+            environment=None if cfg.environment is None else EnvironmentSettings.from_config(cfg.environment),
         )
 
     @property
@@ -258,6 +262,10 @@ class RolloutPlan:
                        dict(self.prompt_format.template_kwargs)],
             "record_routes": self.record_routes,
         }  # fmt: skip
+        if self.environment is not None:  # the workers' count and time limit change no sample
+            env = self.environment
+            content["environment"] = [env.class_path, dict(env.params), env.limits.max_turns,
+                                      env.limits.max_total_tokens, env.limits.tool_call_format]  # fmt: skip
         return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()
 
 
@@ -284,6 +292,34 @@ def chunk_table(
         "policy_version": [plan.policy_version] * len(rows),
         "routed_experts": [None if g.routed_experts is None else g.routed_experts.reshape(-1) for g in rows],
     }
+    return _with_plan_metadata(plan, chunk, columns)
+
+
+def conversation_table(plan: RolloutPlan, chunk: int, conversations: Sequence[Conversation]) -> pa.Table:
+    """The Parquet table of one multi-turn chunk (tables.py: loss_mask, env_reward, turns, env_metrics)."""
+    rows = sorted(conversations, key=lambda c: (c.prompt.prompt_id, c.sample_index))
+    columns = {
+        "prompt_id": [c.prompt.prompt_id for c in rows],
+        "sample_index": [c.sample_index for c in rows],
+        "task": [c.prompt.task for c in rows],
+        "answer": [c.prompt.answer for c in rows],
+        "prompt_ids": [c.prompt_ids for c in rows],
+        "response_ids": [c.response_ids for c in rows],
+        "behavior_logprobs": [c.logprobs for c in rows],
+        "finish_reason": [c.finish_reason for c in rows],
+        "policy_version": [plan.policy_version] * len(rows),
+        "routed_experts": [None] * len(rows),
+        "loss_mask": [c.loss_mask for c in rows],
+        "env_reward": [c.reward for c in rows],
+        "turns": [c.turns for c in rows],
+        "env_metrics": [json.dumps({**c.metrics, "tool_calls": c.tool_calls}, sort_keys=True) for c in rows],
+    }
+    return _with_plan_metadata(plan, chunk, columns)
+
+
+def _with_plan_metadata(plan: RolloutPlan, chunk: int, columns: dict[str, list[Any]]) -> pa.Table:
+    for field in ROLLOUT_SCHEMA:
+        columns.setdefault(field.name, [None] * len(columns["prompt_id"]))
     metadata = {META_PLAN: plan.digest.encode(), META_CHUNK: str(chunk).encode(),
                 META_NUM_CHUNKS: str(plan.num_chunks).encode()}  # fmt: skip
     return pa.table(columns, schema=ROLLOUT_SCHEMA.with_metadata(metadata))
@@ -306,6 +342,15 @@ def chunk_problem(plan: RolloutPlan, chunk: int, table: pa.Table) -> str | None:
     logprobs = pc.list_flatten(table.column("behavior_logprobs"))
     if len(logprobs) and not pc.all(pc.is_finite(logprobs)).as_py():
         return "its behavior_logprobs hold NaN or inf (the engine that sampled it is broken)"
+    masks = table.column("loss_mask")
+    if plan.environment is not None and masks.null_count:
+        return "it has samples without a loss_mask, which a run with an environment writes for every conversation"
+    if plan.environment is None and masks.null_count < len(masks):
+        return "it has multi-turn samples (a loss_mask), but this run has no environment"
+    if masks.null_count < len(masks):
+        lengths = pc.list_value_length(table.column("response_ids"))
+        if not pc.all(pc.equal(pc.list_value_length(masks), lengths)).as_py():
+            return "its loss_mask and response_ids differ in length"
     routes = table.column("routed_experts")
     if plan.record_routes and routes.null_count:
         return "it has samples without routed_experts, which this run records (rollout.record_routes)"

@@ -8,7 +8,11 @@ list<float32> (one per response token; steps/engines/interface.py says what they
 plus task, answer, finish_reason (strings); routed_experts list<int16>, null unless the run records routes
 (rollout.record_routes): the array [positions, MoE layers, top_k] of Generation.routed_experts flattened row-major,
 positions = len(prompt_ids) + len(response_ids) - 1, global expert ids, -1 where the engine recorded none (a
-table without the column records none). Scored files add correct and well_formed (bool), rm_score (float32, null
+table without the column records none). A run with an environment (multi-turn, steps/environments/conversation.py)
+stores each conversation after its first prompt as the response: loss_mask list<int8>, one per response token, 1
+for the model's own tokens (trained) and 0 for the environment's (context only; their behavior_logprobs are 0),
+env_reward float32 (the sum of the environment's step rewards), turns int32 (the model's turns) and env_metrics
+(a JSON object: the environment's named metrics and tool_calls); all four are null for single-turn rows. Scored files add correct and well_formed (bool), rm_score (float32, null
 without a reward model), reward and advantage (float32). Readers use the canonical order: sorted by
 (prompt_id, sample_index). The trainer imports this file alone of the experience package: `Sample` and
 `read_scored_experience` are all it sees of rollout.
@@ -40,6 +44,10 @@ ROLLOUT_SCHEMA = pa.schema(
         ("finish_reason", pa.string()),
         ("policy_version", pa.int64()),
         ("routed_experts", pa.list_(pa.int16())),
+        ("loss_mask", pa.list_(pa.int8())),
+        ("env_reward", pa.float32()),
+        ("turns", pa.int32()),
+        ("env_metrics", pa.string()),
     ]
 )
 SCORED_SCHEMA = ROLLOUT_SCHEMA.append(pa.field("correct", pa.bool_()))
@@ -85,10 +93,23 @@ class Sample:
     behavior_logprobs: list[float]
     advantage: float
     routed_experts: np.ndarray | None = None  # int16, flat (the routed_experts column), None when not recorded
+    # multi-turn: one per response token, True where the model wrote it (trained); None: every response token
+    loss_mask: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.response_ids)
+
+    @property
+    def num_trained_tokens(self) -> int:
+        """Response tokens the loss reads: the model's own (all of them in a single-turn sample)."""
+        return len(self.response_ids) if self.loss_mask is None else int(self.loss_mask.sum())
+
+    def trained(self, values: list[float]) -> list[float]:
+        """Those of per-response-token `values` at the model's own tokens."""
+        if self.loss_mask is None:
+            return values
+        return [v for v, keep in zip(values, self.loss_mask.tolist(), strict=True) if keep]
 
 
 def read_scored_experience(run: Store, iteration: int, expected_version: int) -> list[Sample]:
@@ -112,6 +133,7 @@ def read_scored_experience(run: Store, iteration: int, expected_version: int) ->
     cols = {c: table.column(c).to_pylist() for c in SCORED_COLUMNS}
     # routed_experts: optional (a table written without it records no routes)
     routes = _int16_lists(table.column("routed_experts")) if "routed_experts" in table.column_names else None
+    masks = table.column("loss_mask").to_pylist() if "loss_mask" in table.column_names else [None] * table.num_rows
 
     versions = sorted({int(v) for v in cols["policy_version"]})
     if versions != [expected_version]:
@@ -129,6 +151,12 @@ def read_scored_experience(run: Store, iteration: int, expected_version: int) ->
                 f"{where}: {len(response or [])} response tokens but {len(logprobs or [])} behavior_logprobs; "
                 "the rollout must record one log-prob per response token"
             )
+        mask = masks[i]
+        if mask is not None and (len(mask) != len(response) or not any(mask)):
+            raise MoerlError(
+                f"{where}: its loss_mask has {len(mask)} entries ({sum(mask)} ones) for {len(response)} response "
+                "tokens; a multi-turn sample needs one per response token and at least one model token"
+            )
         values = [cols["advantage"][i], cols["reward"][i], *logprobs]
         if any(v is None or not math.isfinite(v) for v in values):
             raise MoerlError(f"{where}: reward, advantage or behavior_logprobs is NaN/inf/null; rerun score")
@@ -141,6 +169,7 @@ def read_scored_experience(run: Store, iteration: int, expected_version: int) ->
                 behavior_logprobs=[float(x) for x in logprobs],
                 advantage=float(cols["advantage"][i]),
                 routed_experts=None if routes is None else routes[i],
+                loss_mask=None if mask is None else np.asarray(mask, dtype=bool),
             )
         )
     samples.sort(key=lambda s: (s.prompt_id, s.sample_index))

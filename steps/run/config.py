@@ -141,6 +141,29 @@ class SamplingConfig(_Section):
     max_new_tokens: int = _field(8, "longest response in tokens", ge=1)
 
 
+class EnvironmentConfig(_Section):
+    class_path: str = Field(
+        description="the environment: a class 'package.module:Class' installed in the cpu image (contract: README, "
+        "'Environments: multi-turn and tools', and steps/environments/worker.py)"
+    )
+    params: dict[str, Any] = _field({}, "keyword arguments the class is constructed with, once per conversation")
+    max_turns: int = _field(4, "the model's turns in one conversation at most", ge=1, le=64)
+    max_total_tokens: int = _field(
+        1024,
+        "tokens of a conversation after its first prompt at most (the model's and the environment's); a turn is "
+        "also cut at sampling.max_new_tokens",
+        ge=1,
+    )
+    tool_call_format: Literal["qwen", "none"] = _field(
+        "qwen",
+        "how tool calls are read from the model's turns: 'qwen' (<tool_call>{json}</tool_call>, the Hermes "
+        "format of Qwen2.5, Qwen3, Qwen3-MoE and Qwen3-Next templates); 'none': turns are plain text",
+    )
+    step_timeout_s: float = _field(10.0, "longest one reset or step of the environment may take", gt=0)
+    workers: int = _field(4, "environment worker processes per rollout client (conversations are spread over them)",
+                          ge=1, le=256)  # fmt: skip
+
+
 class RewardsConfig(_Section):
     verifier: Literal["exact", "numeric", "math", "regex"] | None = _field(
         None,
@@ -159,6 +182,9 @@ class RewardsConfig(_Section):
     )
     reward_fn_weight: float = _field(1.0, "weight of the reward function's reward (needs reward_fn)")
     reward_fn_timeout_s: float = _field(10.0, "longest the reward function may take on one sample", gt=0)
+    environment_weight: float = _field(
+        1.0, "weight of the environment's reward (the sum of its steps' rewards; needs environment)"
+    )
     reward_model: str | None = _field(
         None, "optional reward model: a store URI of a sequence-classification checkpoint"
     )
@@ -522,6 +548,11 @@ class RunConfig(_Section):
     group_size: int = _field(8, "samples per prompt (the GRPO group)", ge=1)
     heldout_size: int = _field(128, "held-out prompts scored for accuracy each iteration", ge=0)
     rollout: RolloutConfig = _field(RolloutConfig(), "experience generation")
+    environment: EnvironmentConfig | None = _field(
+        None,
+        "multi-turn rollouts: the environment each conversation talks to (its observations and tool results) "
+        "between the model's turns; none: one prompt, one response",
+    )
     sampling: SamplingConfig = _field(SamplingConfig(), "sampling settings of the rollout engine")
     rewards: RewardsConfig = _field(RewardsConfig(), "reward functions and advantages")
     trainer: TrainerConfig = _field(TrainerConfig(), "policy update: expert parallelism, optimizer and loss")

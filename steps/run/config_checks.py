@@ -196,6 +196,31 @@ def semantic_problems(cfg: Any) -> list[tuple[str, str]]:
             f"{cfg.rewards.reward_fn!r} is not a dotted path; write package.module:function, e.g. "
             "my_rewards.gsm8k:score",
         )
+    if cfg.environment is not None:
+        if not _DOTTED_FN.match(cfg.environment.class_path):
+            bad(
+                "environment.class_path",
+                f"{cfg.environment.class_path!r} is not a dotted path; write package.module:Class, e.g. "
+                "my_envs.calculator:CalculatorEnv",
+            )
+        if cfg.prompt_format != "chat":
+            bad(
+                "prompt_format",
+                "an environment's conversations are rendered turn by turn by the checkpoint's chat template; set "
+                "prompt_format: chat",
+            )
+        if cfg.environment.max_total_tokens < cfg.sampling.max_new_tokens:
+            bad(
+                "environment.max_total_tokens",
+                f"{cfg.environment.max_total_tokens} is below one turn's sampling.max_new_tokens "
+                f"({cfg.sampling.max_new_tokens}); raise it or lower max_new_tokens",
+            )
+        if cfg.trainer.routing_replay == "rollout" or cfg.rollout.record_routes:
+            bad(
+                "rollout.record_routes",
+                "routes are recorded per generation, and a conversation is several; turn record_routes and "
+                "trainer.routing_replay off for multi-turn runs",
+            )
     if cfg.rewards.reward_model_weight != 0 and cfg.rewards.reward_model is None:
         bad(
             "rewards.reward_model",

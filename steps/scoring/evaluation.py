@@ -21,6 +21,7 @@ from steps.data.tasks import Prompt, Task, get_task, verify_ids
 from steps.data.tokenizer import RAW, CheckpointTokenizer, PromptFormat, load_tokenizer
 from steps.engines.interface import Engine, GenerationRequest, SamplingParams
 from steps.engines.torch_engine import TorchEngine
+from steps.environments.conversation import EnvironmentSettings, run_conversations
 from steps.experience.rollout_plan import heldout_prompts, prompt_format
 from steps.run import checkpoint
 from steps.run.config import RunConfig
@@ -39,13 +40,15 @@ def evaluate_accuracy(
     prompt_format: PromptFormat = RAW,
     max_new_tokens: int = 16,
     batch_size: int = 256,
+    environment: EnvironmentSettings | None = None,
 ) -> float:
     """Share of prompts whose greedy (temperature 0) response the verifier accepts: the answer, then one of the
     tokenizer's stop tokens, within max_new_tokens.
 
     `verifier`: a task (or its name) for every prompt, a function of the prompt, or None for each prompt's own
     task. A bare policy model (an nn.Module) is wrapped in a TorchEngine for the call (built from its current
-    weights).
+    weights). With an environment each prompt is a conversation (steps/environments/conversation.py), max_new_tokens
+    a turn's, and the verifier reads its last turn.
     """
     if not prompts:
         raise ValueError("evaluate_accuracy needs at least one prompt")
@@ -59,6 +62,16 @@ def evaluate_accuracy(
         verifier_of = lambda p: fixed  # type: ignore[assignment,return-value]  # noqa: E731
     params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, stop_token_ids=tokenizer.stop_ids)
     correct = 0
+    if environment is not None:
+        with environment.open_pool(len(prompts)) as pool:
+            for start in range(0, len(prompts), batch_size):
+                batch = prompts[start : start + batch_size]
+                conversations = run_conversations(
+                    engine, tokenizer, prompt_format, pool, batch, params, environment.limits, lambda p, k: 0
+                )
+                for prompt, c in zip(batch, conversations, strict=True):
+                    correct += verify_ids(verifier_of(prompt), tokenizer, c.last_turn_ids, prompt.answer).correct
+        return correct / len(prompts)
     for start in range(0, len(prompts), batch_size):
         batch = prompts[start : start + batch_size]
         requests = [
@@ -84,6 +97,8 @@ def heldout_accuracy(run: Store, cfg: RunConfig, version: int, log: Any) -> floa
     tokenizer = load_tokenizer(model_dir, source=run.url(version_prefix(version)))
     engine = TorchEngine.from_checkpoint(model_dir)
     verifiers = {p.task: sample_verifier(p.task, cfg.rewards.verifier, cfg.rewards.answer_pattern) for p in prompts}
+    environment = None if cfg.environment is None else EnvironmentSettings.from_config(cfg.environment)
     return evaluate_accuracy(
-        engine, tokenizer, prompts, lambda p: verifiers[p.task], prompt_format(cfg), cfg.sampling.max_new_tokens
-    )
+        engine, tokenizer, prompts, lambda p: verifiers[p.task], prompt_format(cfg), cfg.sampling.max_new_tokens,
+        environment=environment,
+    )  # fmt: skip

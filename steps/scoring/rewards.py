@@ -49,6 +49,7 @@ class RewardWeights:
     format: float = 0.1
     reward_model: float = 0.0
     reward_fn: float = 1.0
+    environment: float = 1.0
 
     @classmethod
     def from_config(cls, rewards: RewardsConfig) -> RewardWeights:
@@ -92,6 +93,7 @@ def combine(
     rm_scores: Sequence[float] | None,
     weights: RewardWeights,
     fn_rewards: Sequence[float] | None = None,
+    env_rewards: Sequence[float] | None = None,
 ) -> np.ndarray:
     """The weighted sum per sample, float64 (NaN or inf pass through: check_finite reports them)."""
     with np.errstate(invalid="ignore", over="ignore"):
@@ -99,9 +101,27 @@ def combine(
         rewards += weights.format * np.asarray(well_formed, dtype=np.float64)
         if fn_rewards is not None:
             rewards += weights.reward_fn * np.asarray(fn_rewards, dtype=np.float64)
+        if env_rewards is not None:
+            rewards += weights.environment * np.asarray(env_rewards, dtype=np.float64)
         if rm_scores is not None:
             rewards += weights.reward_model * np.asarray(rm_scores, dtype=np.float64)
     return rewards
+
+
+def last_turns(responses: Sequence[Sequence[int]], masks: Sequence[Sequence[int] | None]) -> list[list[int]]:
+    """What the verifier, the reward function and the reward model read of each sample: the whole response, or a
+    conversation's last model turn (the last run of ones in its loss mask: steps/environments/conversation.py)."""
+    out = []
+    for response, mask in zip(responses, masks, strict=True):
+        if mask is None:
+            out.append(list(response))
+            continue
+        end = max(i for i, m in enumerate(mask) if m) + 1
+        start = end
+        while start > 0 and mask[start - 1]:
+            start -= 1
+        out.append(list(response[start:end]))
+    return out
 
 
 def check_finite(rewards: np.ndarray, where: Sequence[str], what: str = "reward") -> None:

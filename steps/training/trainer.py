@@ -280,8 +280,12 @@ def collate(
     columns = columns[:-1]
     attention = columns < (lengths - 1)[:, None]
     loss_mask = attention & (columns >= starts[:, None])
+    if any(s.loss_mask is not None for s in rows):  # multi-turn: the environment's tokens are context only
+        loss_mask[loss_mask] = np.concatenate(
+            [np.ones(len(s.response_ids), dtype=bool) if s.loss_mask is None else s.loss_mask for s in rows]
+        )
     behavior = np.zeros(loss_mask.shape, dtype=np.float32)
-    behavior[loss_mask] = np.fromiter((x for s in rows for x in s.behavior_logprobs), dtype=np.float32)
+    behavior[loss_mask] = np.fromiter((x for s in rows for x in s.trained(s.behavior_logprobs)), dtype=np.float32)
     old = None
     if old_logps is not None:
         old = torch.zeros(loss_mask.shape, dtype=torch.float32)
@@ -356,10 +360,10 @@ def collate_groups(
         input_ids[row, : n - 1] = response[:-1]
         attention[row, : n - 1] = 1
         targets[row, :n] = response
-        loss_mask[row, :n] = True
+        loss_mask[row, :n] = True if s.loss_mask is None else torch.from_numpy(s.loss_mask)
         behavior[row, :n] = torch.tensor(s.behavior_logprobs, dtype=torch.float32)
         if old is not None:
-            old[row, :n] = old_logps[i]  # type: ignore[index]
+            old[row][loss_mask[row]] = old_logps[i]  # type: ignore[index]
     prompt_index = torch.tensor([row_of[samples[i].prompt_id] for i in ids], dtype=torch.long)
     advantages = torch.tensor([samples[i].advantage for i in ids], dtype=torch.float32)
     routes = None
@@ -575,7 +579,7 @@ class PolicyTrainer:
         """Global count for the loss mean of one step; every rank computes it from the same experience."""
         if self.settings.loss.loss_agg == "seq-mean":
             return float(len(step_indices))
-        return float(sum(len(samples[i].response_ids) for i in step_indices))
+        return float(sum(samples[i].num_trained_tokens for i in step_indices))
 
     @torch.no_grad()
     def old_logprobs(self, samples: list[Sample], plan: list[list[int]]) -> dict[int, torch.Tensor]:
@@ -661,12 +665,12 @@ class PolicyTrainer:
         mismatch, recomputed, routing = MismatchStats(), False, None
         self.model.count_route_disagreement()
         if len(plan) > 1 and self.settings.old_logprobs == "behavior":  # the engine's: no extra forward pass
-            old = {i: torch.tensor(s.behavior_logprobs, dtype=torch.float32) for i, s in enumerate(samples)}
+            old = {i: torch.tensor(s.trained(s.behavior_logprobs), dtype=torch.float32) for i, s in enumerate(samples)}
         elif len(plan) > 1:
             old, recomputed = self.old_logprobs(samples, trained), True
             routing = self.route_disagreement()
             for i, logp in old.items():  # this rank's trained samples (every rank adds its own)
-                mismatch.add(logp, torch.tensor(samples[i].behavior_logprobs), torch.ones(len(logp)))
+                mismatch.add(logp, torch.tensor(samples[i].trained(samples[i].behavior_logprobs)), torch.ones(len(logp)))
         results = []
         if on_step is not None:
             on_step(0, len(plan))
