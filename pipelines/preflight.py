@@ -189,11 +189,14 @@ def _prompt_problems(
                 problems.append(f"{field} {uri}: cannot be read ({err}); check the URI")
     if room is not None and longest:
         worst = max(longest)
-        if worst[0] + cfg.sampling.max_new_tokens > room:
+        generated, setting = cfg.sampling.max_new_tokens, "sampling.max_new_tokens"
+        if cfg.environment is not None:  # a conversation after its first prompt (the tools' schemas come on top)
+            generated, setting = cfg.environment.max_total_tokens, "environment.max_total_tokens"
+        if worst[0] + generated > room:
             problems.append(
-                f"prompts: the longest prompt ({worst[1]!r}...) has {worst[0]} tokens, which with max_new_tokens "
-                f"{cfg.sampling.max_new_tokens} exceeds the checkpoint's max_position_embeddings {room}; shorten "
-                "the prompts or lower sampling.max_new_tokens"
+                f"prompts: the longest prompt ({worst[1]!r}...) has {worst[0]} tokens, which with {setting} "
+                f"{generated} exceeds the checkpoint's max_position_embeddings {room}; shorten the prompts or lower "
+                f"{setting}"
             )
     return problems
 
@@ -209,6 +212,16 @@ def _reward_problems(cfg: RunConfig, for_cluster: bool, notes: list[str]) -> lis
         except MoerlError as err:
             if for_cluster and "cannot import" in str(err):
                 notes.append(f"{err} (not installed here: the score step imports it in the cpu image)")
+            else:
+                problems.append(str(err))
+    if cfg.environment is not None:
+        from steps.environments.conversation import EnvironmentSettings
+
+        try:  # one worker imports the class, as the rollout's do
+            EnvironmentSettings.from_config(cfg.environment).open_pool(1).close()
+        except MoerlError as err:
+            if for_cluster and "cannot import" in str(err):
+                notes.append(f"{err} (not installed here: the rollout step imports it in the cpu image)")
             else:
                 problems.append(str(err))
     if cfg.rewards.reward_model is not None:

@@ -45,8 +45,9 @@ def sft_demo(out_uri: str, settings: SftSettings) -> float:
         model = train_sft(settings, tok, progress_printer(settings.steps, start))
         total, active = count_parameters(model)
         heldout = task.prompts("heldout", settings.eval_prompts, settings.seed)
-        accuracy = evaluate_accuracy(model, tok, heldout, task, settings.format, environment=settings.environment,
-                                     max_new_tokens=DEMO_EVAL_MAX_NEW_TOKENS if settings.environment else 16)  # fmt: skip
+        turn_tokens = DEMO_EVAL_MAX_NEW_TOKENS if settings.environment else 16
+        accuracy = evaluate_accuracy(model, tok, heldout, task, settings.format, max_new_tokens=turn_tokens,
+                                     environment=settings.environment)  # fmt: skip
         local = write_checkpoint(model, Path(tmp))
         validate_checkpoint_dir(local)
         # config.json goes last: a reader that finds it finds every other file complete.

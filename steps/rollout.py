@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from steps import progress
+from steps.engines.remote import RemoteEngine
 from steps.errors import MoerlError, run_cli
 from steps.experience.rollout_chunks import (
     EXIT_PREEMPTED,
@@ -158,6 +159,13 @@ def send_to_servers(
     server = servers[0]
     log(f"{where}: sending its chunks to {server.name} at {server.address}")
     result.servers = [server.name]
+    if work.plan.environment is not None:  # the environment runs here, each turn goes to the server
+        engine = RemoteEngine(server, work.run.uri, work.iteration, work.version)
+        for done, chunk in enumerate(todo, start=finished + 1):
+            stats = work.generate(engine, chunk)
+            _done(result, chunk, done, total, stats.samples, stats.tokens, stats.seconds, log, where,
+                  f" with {server.name}")  # fmt: skip
+        return
     request = {"run": work.run.uri, "iteration": work.iteration, "policy_version": work.version}
     for done, chunk in enumerate(todo, start=finished + 1):
         answer = serving.call(server, "chunk", request | {"chunk": chunk})

@@ -53,7 +53,8 @@ def main() -> int:
     if args.device == "cpu":
         torch.set_num_threads(args.threads)
     server = serving.JsonServer(
-        {"chunk": service.chunk}, service.health, port=args.port, main_thread=True, unavailable=service.unavailable
+        {"chunk": service.chunk, "generate": service.generate},
+        service.health, port=args.port, main_thread=True, unavailable=service.unavailable
     )
     server.serve_in_background()
     entry = serving.register(run, args.workflow, args.name, server.port)

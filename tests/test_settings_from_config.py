@@ -71,3 +71,19 @@ def test_every_reward_weight_reaches_the_reward_sum(name):
     assert getattr(weights, name) == 0.37
     assert {f"{f.name}_weight" for f in dataclasses.fields(RewardWeights)} == {
         k for k in type(cfg.rewards).model_fields if k.endswith("_weight")}  # fmt: skip
+
+
+def test_every_environment_setting_reaches_the_conversation_loop():
+    from steps.environments.conversation import EnvironmentSettings
+
+    values = {"class_path": "my_envs.calc:Env", "params": {"depth": 2}, "max_turns": 7, "max_total_tokens": 300,
+              "tool_call_format": "none", "step_timeout_s": 2.5, "workers": 3}  # fmt: skip
+    cfg = validate_config({**URIS, "prompt_format": "chat", "environment": values})
+    assert cfg.environment is not None
+    default = type(cfg.environment)(class_path="x:y")
+    changed(default, **{k: v for k, v in values.items() if k != "class_path"})
+    settings = EnvironmentSettings.from_config(cfg.environment)
+    limits = dataclasses.asdict(settings.limits)
+    got = {**{f.name: getattr(settings, f.name) for f in dataclasses.fields(settings) if f.name != "limits"}, **limits}
+    assert got == values
+    assert set(type(cfg.environment).model_fields) == set(values)

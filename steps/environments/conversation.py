@@ -246,6 +246,8 @@ def observation_ids(
             "model's sampled tokens would not be what the trainer sees; use a template that renders earlier turns "
             "the same whatever follows"
         )
+    # The template's end of the turn after the model's stop token (ChatML's "\n"). A model that stopped on a token
+    # the template never writes (another of the checkpoint's stop tokens) gets the observation right after it.
     stop = tok.decode(c.last_turn_ids[-1:], skip_special_tokens=False)
     cut = before.rfind(stop) if stop else -1
     tail = before[cut + len(stop) :] if cut >= 0 else ""

@@ -9,9 +9,9 @@
 
 A turn becomes an assistant message {"role": "assistant", "content": text outside the calls, "tool_calls":
 [{"type": "function", "function": {"name": ..., "arguments": {...}}}]} (transformers' chat message shape, which
-the templates render back). A block that is not a JSON object with a string "name" and an object "arguments" is
-no call: it stays in the content, for the environment to answer as it sees fit (a model learning the format
-writes broken calls, and that is a reward signal, not an error). Other formats (Llama 3's JSON, Mistral's
+the templates render back). A block that is not a JSON object with a string "name" and an object "arguments" (or
+none: {}) is no call: it stays in the content, for the environment to answer as it sees fit (a model learning the
+format writes broken calls, and that is a reward signal, not an error). Other formats (Llama 3's JSON, Mistral's
 [TOOL_CALLS], DeepSeek-V3's and Kimi-K2's special-token calls, GLM-4.5's <arg_key> tags) are not read yet: a
 run names one of the formats above.
 """

@@ -127,6 +127,7 @@ def reset_result(env: Any, value: Any) -> dict[str, Any] | str:
 def serve(spec: str, params_json: str) -> int:
     """The worker: import the class, then answer one JSON request a line until stdin closes."""
     protocol = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)  # what a program the code runs writes to fd 1 goes to the log too, never into the protocol
     sys.stdout = sys.stderr  # the environment's prints go to the log, not into the protocol
     try:
         cls = resolve(spec)
@@ -267,7 +268,7 @@ class EnvironmentPool:
                         del deadlines[w]
                         send_next(w)
                 now = time.monotonic()
-                for w, (deadline, index) in list(deadlines.items()):
+                for deadline, index in list(deadlines.values()):
                     if now >= deadline:
                         raise MoerlError(
                             f"environment {self.spec}: {calls[index].op} took longer than {self.timeout_s:g}s on "

@@ -177,8 +177,10 @@ class IterationRollout:
         if self.plan.environment is not None:
             environment = self.plan.environment
             with environment.open_pool(len(prompts) * self.plan.group_size) as pool:
-                conversations = run_conversations(engine, self.tok, self.plan.prompt_format, pool, prompts,
-                                                  self.plan.sampling, environment.limits, seed_of, should_stop)  # fmt: skip
+                conversations = run_conversations(
+                    engine, self.tok, self.plan.prompt_format, pool, prompts, self.plan.sampling, environment.limits,
+                    seed_of, should_stop,
+                )  # fmt: skip
             table = conversation_table(self.plan, chunk, conversations)
             tokens = sum(sum(c.loss_mask) for c in conversations)
         else:

@@ -26,6 +26,7 @@ from dataclasses import asdict
 from typing import Any
 
 from steps import progress
+from steps.engines import remote
 from steps.engines.interface import Engine, GenerationInterrupted
 from steps.engines.weight_sync import WeightSync
 from steps.errors import MoerlError
@@ -160,6 +161,29 @@ class RolloutService:
             for old in sorted(self._iterations)[:-2]:
                 del self._iterations[old]
         return self._iterations[iteration]
+
+    def generate(self, request: dict[str, Any]) -> dict[str, Any]:
+        """The `generate` operation (steps/engines/remote.py): one turn of a multi-turn chunk, whose rollout client
+        runs the environment. {run, iteration, policy_version, requests, max_new_tokens} -> the generations."""
+        if request.get("run") != self.run.uri:
+            raise MoerlError(f"request for run {request.get('run')!r}: this server serves {self.run.uri}")
+        try:
+            iteration, version = int(request["iteration"]), int(request["policy_version"])
+        except (KeyError, TypeError, ValueError) as err:
+            raise MoerlError(f"generate request: needs integer iteration and policy_version ({err})") from err
+        work = self._iteration(iteration)
+        work.check_version(version, flag="policy_version")
+        requests, params = remote.read_requests(request, work.plan.sampling)
+        if (reason := self.unavailable()) is not None:
+            raise Unavailable(reason)
+        self.bring_to(version)
+        assert self.engine is not None
+        try:
+            generations = self.engine.generate(requests, params, should_stop=self.stopping.is_set)
+        except GenerationInterrupted as err:
+            raise Unavailable(f"{self.name} is stopping: a turn of iteration {iteration} not generated ({err})") \
+                from err
+        return remote.answer_body(generations) | {"policy_version": version, "server": self.name}
 
     def chunk(self, request: dict[str, Any]) -> dict[str, Any]:
         """The `chunk` operation: {run, iteration, chunk, policy_version} -> what was done."""

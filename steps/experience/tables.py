@@ -4,18 +4,18 @@
     <run>/experience/iter-000001/scored.parquet                  SCORED_SCHEMA, written by score
 
 Columns: prompt_id string, sample_index int32, prompt_ids / response_ids list<int32>, behavior_logprobs
-list<float32> (one per response token; steps/engines/interface.py says what they are), policy_version int64;
-plus task, answer, finish_reason (strings); routed_experts list<int16>, null unless the run records routes
+list<float32> (one per response token; steps/engines/interface.py says what they are), policy_version int64; plus
+task, answer, finish_reason (strings); routed_experts list<int16>, null unless the run records routes
 (rollout.record_routes): the array [positions, MoE layers, top_k] of Generation.routed_experts flattened row-major,
-positions = len(prompt_ids) + len(response_ids) - 1, global expert ids, -1 where the engine recorded none (a
-table without the column records none). A run with an environment (multi-turn, steps/environments/conversation.py)
-stores each conversation after its first prompt as the response: loss_mask list<int8>, one per response token, 1
-for the model's own tokens (trained) and 0 for the environment's (context only; their behavior_logprobs are 0),
-env_reward float32 (the sum of the environment's step rewards), turns int32 (the model's turns) and env_metrics
-(a JSON object: the environment's named metrics and tool_calls); all four are null for single-turn rows. Scored files add correct and well_formed (bool), rm_score (float32, null
-without a reward model), reward and advantage (float32). Readers use the canonical order: sorted by
-(prompt_id, sample_index). The trainer imports this file alone of the experience package: `Sample` and
-`read_scored_experience` are all it sees of rollout.
+positions = len(prompt_ids) + len(response_ids) - 1, global expert ids, -1 where the engine recorded none (a table
+without the column records none). A run with an environment (multi-turn, steps/environments/conversation.py) stores
+each conversation after its first prompt as the response: loss_mask list<int8>, one per response token, 1 for the
+model's own tokens (trained) and 0 for the environment's (context only; their behavior_logprobs are 0), env_reward
+float32 (the sum of the environment's step rewards), turns int32 (the model's turns) and env_metrics (a JSON object:
+the environment's named metrics and tool_calls); all four are null for single-turn rows. Scored files add correct
+and well_formed (bool), rm_score (float32, null without a reward model), reward and advantage (float32). Readers use
+the canonical order: sorted by (prompt_id, sample_index). The trainer imports this file alone of the experience
+package: `Sample` and `read_scored_experience` are all it sees of rollout.
 """
 
 from __future__ import annotations

@@ -81,6 +81,7 @@ def reward_value(value: Any) -> dict[str, float] | str:
 def serve(spec: str) -> int:
     """The worker: import the function, then answer one JSON request a line until stdin closes."""
     protocol = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)  # what a program the code runs writes to fd 1 goes to the log too, never into the protocol
     sys.stdout = sys.stderr  # the function's prints go to the log, not into the protocol
     try:
         fn = resolve(spec)

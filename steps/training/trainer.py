@@ -670,7 +670,8 @@ class PolicyTrainer:
             old, recomputed = self.old_logprobs(samples, trained), True
             routing = self.route_disagreement()
             for i, logp in old.items():  # this rank's trained samples (every rank adds its own)
-                mismatch.add(logp, torch.tensor(samples[i].trained(samples[i].behavior_logprobs)), torch.ones(len(logp)))
+                behaviour = torch.tensor(samples[i].trained(samples[i].behavior_logprobs))
+                mismatch.add(logp, behaviour, torch.ones(len(logp)))
         results = []
         if on_step is not None:
             on_step(0, len(plan))
