@@ -1,3 +1,4 @@
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -164,7 +165,7 @@ def test_unknown_split_and_negative_n_are_moerl_errors():
 
 def test_prompts_are_short_and_in_vocabulary():
     for name, task in TASKS.items():
-        if name.startswith("sortdesc"):  # natural language for a BPE tokenizer (test_sortdesc_...)
+        if name.startswith(("sortdesc", "multiply")):  # natural language for a BPE tokenizer (test_sortdesc_...)
             continue
         for p in task.prompts("train", 20, 0):
             assert len(p.text) <= 16, (name, p.text)
@@ -253,3 +254,20 @@ def test_sortdesc_prompts_are_natural_language_and_answered_in_boxed():
     # the train/held-out split is by the sorted digits, as for sort
     heldout = {q.prompt_id for q in task.prompts("heldout", 50, 0)}
     assert heldout.isdisjoint(q.prompt_id for q in task.prompts("train", 500, 0))
+
+
+def test_multiply_prompts_need_the_calculator_and_script_its_call_and_answer():
+    task = get_task("multiply", digits=3)
+    assert task.name == "multiply3" and get_task("multiply3") is get_task("multiply")
+    for p in task.prompts("train", 20, 0):
+        a, b = p.metadata["expression"].split("*")
+        assert p.text == f"What is {a}*{b}? Use calc, then put the answer in \\boxed{{}}."
+        assert p.answer == str(int(a) * int(b))
+        call, answer = task.sft_turns(p)
+        assert json.loads(call.removeprefix("<tool_call>\n").removesuffix("\n</tool_call>")) == {
+            "name": "calc", "arguments": {"expr": p.metadata["expression"]}}  # fmt: skip
+        assert answer == f"\\boxed{{{p.answer}}}" and task.verify(answer, p.answer).correct
+    # b*a is a's problem: it never crosses the split
+    heldout = {tuple(sorted(p.metadata["expression"].split("*"))) for p in task.prompts("heldout", 200, 0)}
+    train = {tuple(sorted(p.metadata["expression"].split("*"))) for p in task.prompts("train", 2000, 0)}
+    assert not heldout & train

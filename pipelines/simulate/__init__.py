@@ -28,10 +28,17 @@ The model, in the order a run meets it:
   the update pays the delta's encode and write (every rank its share, every node at once). A reclaimed
   server loses its chunk in flight; its clients are retried and find it (or another) again. rollout.servers 0
   is modelled exactly as before.
+- Multi-turn rollouts (a config with an `environment`): a chunk's conversations advance turn by turn, so a chunk
+  is the model's tokens, turns x max_new_tokens x response_fill a conversation (response_fill a turn's), decoded at
+  the engine's rate, plus each turn's environment steps over environment.workers workers, ceil(conversations /
+  workers) x environment_step_s a turn for ceil(turns) turns, on the rollout step's clock. With rollout servers
+  the steps are the client's: the server generates other clients' chunks meanwhile. The trainer runs the
+  observations too: turns x max_new_tokens x fill + (turns - 1) x observation_tokens after the prompt, at most
+  environment.max_total_tokens. `turns` defaults to environment.max_turns (every conversation to its limit).
 
 Iteration time is the time between two successive publications (the first one counted from the end of
 import-sft), the same definition that `iteration_times_from_status` applies to a real run. Tokens are sampled
-response tokens: prompts_per_iteration x group_size x max_new_tokens x response_fill.
+response tokens: prompts_per_iteration x group_size x max_new_tokens x response_fill (x turns with an environment).
 
 Deterministic: one `random.Random(seed)` per simulated run, events ordered by (time, sequence number).
 

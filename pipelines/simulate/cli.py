@@ -29,6 +29,7 @@ from pipelines.simulate.sizing import (
     GPU_ASSUMPTIONS,
     Assumptions,
     cluster_for,
+    conversation_turns,
     derived_step_model,
     flops_seq_len,
     is_local,
@@ -38,7 +39,13 @@ from pipelines.simulate.sizing import (
     tokens_per_iteration,
     trainer_memory_table,
 )
-from pipelines.simulate.sources import CPU_SOURCES, GPU_SOURCES, MOVED_TO_THE_MODEL, explain_lines
+from pipelines.simulate.sources import (
+    CPU_SOURCES,
+    GPU_SOURCES,
+    MOVED_TO_THE_MODEL,
+    TURNS_FROM_CONFIG,
+    explain_lines,
+)
 from pipelines.simulate.tables import describe, table
 from pipelines.simulate.timeline import plot_timeline
 from steps.errors import MoerlError
@@ -68,6 +75,26 @@ def parse_assumptions(pairs: list[str], base: Assumptions) -> Assumptions:
             raise MoerlError(f"--assume {pair!r}: must be a finite number >= 0 (a throughput > 0)")
         values[name] = int(value) if name == "rollout_nodes" else value
     return base.override(values)
+
+
+ENVIRONMENT_ASSUMPTIONS = ("turns", "environment_step_s", "observation_tokens")
+
+
+def environment_assumptions(cfg: RunConfig, a: Assumptions, sources: dict[str, str]
+                            ) -> tuple[Assumptions, dict[str, str]]:  # fmt: skip
+    """The multi-turn assumptions as the model uses them: with an environment, turns 0 (the default) said as the
+    config's environment.max_turns, and any other as the model caps it (conversation_turns); without one, their
+    sources say they are not used. The figures are the same either way: this is what --explain prints."""
+    sources = dict(sources)
+    if cfg.environment is None:
+        for name in ENVIRONMENT_ASSUMPTIONS:
+            sources[name] = f"not used (the config has no environment); {sources[name]}"
+        return a, sources
+    if a.turns == 0:
+        sources["turns"] = TURNS_FROM_CONFIG
+    elif a.turns > cfg.environment.max_turns:
+        sources["turns"] += f"; capped at environment.max_turns (given {a.turns:g})"
+    return dataclasses.replace(a, turns=conversation_turns(cfg, a)), sources
 
 
 def model_of(cfg: RunConfig, model_config: Path | None) -> tuple[ModelSizing | None, str]:
@@ -108,6 +135,7 @@ def main(args: argparse.Namespace) -> int:
             sources.update({name: f"{how} ({model.name}), from: {sources[name]}"
                             for name, how in MOVED_TO_THE_MODEL.items()})  # fmt: skip
     sources.update({name: "--assume" for name in assumed_names(args.assume)})
+    a, sources = environment_assumptions(cfg, a, sources)
     cluster = cluster_for(cfg, a)
     if args.step_times:
         steps = measured_step_model(cfg, a, load_step_times(args.step_times), str(args.step_times))
@@ -204,7 +232,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )  # fmt: skip
     parser.add_argument(
         "--from-run", metavar="RUN_STORE",
-        help="take the mean response and prompt lengths and the tied share from a run's score metrics (file://, s3://)",
+        help="take the mean response and prompt lengths and the tied share (with an environment: the turns, a turn's "
+        "fill and an observation's tokens) from a run's score metrics (file://, s3://)",
     )  # fmt: skip
     parser.add_argument(
         "--explain", action="store_true", help="print every assumption with its value and where it comes from",

@@ -1,14 +1,18 @@
 """The physical floor of an iteration: what no design could beat on the config's GPUs and network, so a reader
 of `moerl simulate` sees how far the config's iteration time is from the limit.
 
-    rollout   every engine generates its share of the iteration's samples as one batch (in turns when its KV
-              pool cannot hold them all at full length): max_new_tokens decode steps a turn, each no shorter
+    rollout   every engine generates its share of the iteration's samples as one batch (in waves when its KV
+              pool cannot hold them all at full length): the model's tokens of a sample (max_new_tokens x
+              response_fill; with an environment its turns': sizing.model_tokens) decode steps a wave, each no shorter
               than its compute (the batch's tokens x the forward FLOPs of a token, on the engine's GPUs at their
               peak dense bf16 rate) nor its memory traffic (the engine's weights on each GPU and the batch's KV
-              cache read once, at the GPU's HBM bandwidth); prefill is left out (it is compute the same way)
-    training  the iteration's tokens (prompt and response) x the training FLOPs of a token (6N + attention:
-              model_sizing), over every trainer GPU at its peak dense bf16 rate: model FLOPs only, so activation
-              checkpointing's extra forward and the log-prob pass are the design's, not the floor's
+              cache read once, at the GPU's HBM bandwidth); prefill is left out (it is compute the same way), so
+              are an environment's observations (prefill) and its steps (a design can overlap them with others'
+              decoding)
+    training  the iteration's tokens (prompt and response, with an environment its observations included) x the
+              training FLOPs of a token (6N + attention: model_sizing), over every trainer GPU at its peak dense
+              bf16 rate: model FLOPs only, so activation checkpointing's extra forward and the log-prob pass are
+              the design's, not the floor's
     weights   the bytes a rollout node must receive per version (the delta when the run writes deltas, else the
               whole version) at the node's network bandwidth
 
@@ -27,7 +31,9 @@ from pipelines.simulate.sizing import (
     cluster_for,
     delta_gb,
     padded_seq_len,
+    response_tokens,
     rollout_gpu,
+    sampled_tokens,
     trainer_gpu,
     trainer_ranks,
 )
@@ -101,23 +107,23 @@ def physical_floor(cfg: RunConfig, m: ModelSizing, a: Assumptions) -> Floor | No
     engines = max(1, cluster.rollout.nodes * max(cluster.rollout.gpus_per_node, engine_gpus) // engine_gpus)
     samples = cfg.prompts_per_iteration * cfg.group_size
     per_engine = -(-samples // engines)
-    response = cfg.sampling.max_new_tokens * a.response_fill
+    response = response_tokens(cfg, a)  # after the first prompt; with an environment observations too
     mean_context = a.prompt_tokens + response / 2
     weights_gb = m.engine_weight_bytes(sg.tp_size, sg.ep_size) / GB
     kv_token_gb = m.kv_bytes_per_token(sg.tp_size) / GB
     pool_gb = max(sg.mem_fraction * rollout_capacity - weights_gb, 0.0)
     full_seq_gb = kv_token_gb * padded_seq_len(cfg, a)
     batch = max(1, min(per_engine, int(pool_gb / full_seq_gb))) if full_seq_gb else per_engine
-    turns = -(-per_engine // batch)
+    waves = -(-per_engine // batch)  # batches one after the other (not a conversation's turns)
     tflops, hbm = rollout_spec
     forward_flops = m.flops_per_token(mean_context) / 3  # a token's forward: a third of forward + backward
     compute_s = batch * forward_flops / (engine_gpus * tflops * 1e12)
     memory_s = (weights_gb + batch * mean_context * kv_token_gb) / (hbm * 1e3)  # GB at TB/s
     step_s = max(compute_s, memory_s)
-    rollout_s = turns * cfg.sampling.max_new_tokens * a.response_fill * step_s
+    rollout_s = sampled_tokens(cfg, a, waves) * step_s  # waves x the model's tokens of a sample: its decode steps
     bound = "compute" if compute_s >= memory_s else "HBM"
-    rollout_note = (f"{engines} engines of {engine_gpus} {rollout_name}s, {per_engine:,} sequences each in {turns} "
-                    f"turn(s) of {batch:,}; a decode step {step_s * 1e3:.1f} ms, {bound}-bound")  # fmt: skip
+    rollout_note = (f"{engines} engines of {engine_gpus} {rollout_name}s, {per_engine:,} sequences each in {waves} "
+                    f"wave(s) of {batch:,}; a decode step {step_s * 1e3:.1f} ms, {bound}-bound")  # fmt: skip
 
     train_tokens = samples * (a.prompt_tokens + response) * cfg.trainer.epochs
     ttflops, _ = trainer_spec

@@ -7,7 +7,16 @@ whose rewards all tie (steps/score.py). Their mean over the last LAST_ITERATIONS
     prompt_tokens      the mean prompt length
     tied_group_share   the share of tied groups (what dynamic sampling generates beyond prompts_per_iteration)
 
-each printed with the run and the iterations it comes from. An --assume of the same name still wins.
+and, where the simulated config has an environment and the metrics are a multi-turn run's (turns_mean and
+model_tokens_mean: steps/score.py conversation_metrics), a response is a conversation after its first prompt, so
+
+    turns              the mean model turns per conversation (turns_mean)
+    response_fill      a turn's share instead: model_tokens_mean / turns_mean / sampling.max_new_tokens (at most 1)
+    observation_tokens (response_length_mean - model_tokens_mean) / max(turns_mean - 1, 1): an observation's tokens
+
+A run does not time its environment's steps: environment_step_s stays an assumption (sources.py).
+
+Each is printed with the run and the iterations it comes from. An --assume of the same name still wins.
 """
 
 from __future__ import annotations
@@ -43,9 +52,14 @@ def measured_assumptions(run_uri: str, cfg: RunConfig) -> tuple[dict[str, float]
         )
     values: dict[str, float] = {}
     response = sum(lengths) / len(lengths)
-    values["response_fill"] = min(1.0, response / cfg.sampling.max_new_tokens)
-    parts = [f"responses {response:,.0f} tokens on average (fill {values['response_fill']:.2f} of "
-             f"{cfg.sampling.max_new_tokens:,})"]  # fmt: skip
+    conversations = [m for m in metrics if _number(m.get("response_length_mean")) and _number(m.get("turns_mean"))
+                     and _number(m.get("model_tokens_mean")) and m["turns_mean"] > 0]  # fmt: skip
+    if cfg.environment is not None and conversations:
+        parts = _conversation_values(conversations, cfg, values)
+    else:
+        values["response_fill"] = min(1.0, response / cfg.sampling.max_new_tokens)
+        parts = [f"responses {response:,.0f} tokens on average (fill {values['response_fill']:.2f} of "
+                 f"{cfg.sampling.max_new_tokens:,})"]  # fmt: skip
     prompts = [m["prompt_length_mean"] for m in metrics if _number(m.get("prompt_length_mean"))]
     if prompts:
         values["prompt_tokens"] = sum(prompts) / len(prompts)
@@ -56,6 +70,22 @@ def measured_assumptions(run_uri: str, cfg: RunConfig) -> tuple[dict[str, float]
         parts.append(f"{values['tied_group_share']:.0%} of groups tied")
     span = f"iteration {last[0]}" if len(last) == 1 else f"iterations {last[0]}-{last[-1]}"
     return values, f"from the run: {', '.join(parts)} ({run_uri}, score metrics of {span})"
+
+
+def _conversation_values(metrics: list[dict[str, Any]], cfg: RunConfig, values: dict[str, float]) -> list[str]:
+    """turns, response_fill (a turn's) and observation_tokens from multi-turn score metrics (module docstring)."""
+
+    def mean(name: str) -> float:
+        return sum(m[name] for m in metrics) / len(metrics)
+
+    turns, own, response = mean("turns_mean"), mean("model_tokens_mean"), mean("response_length_mean")
+    max_new = cfg.sampling.max_new_tokens
+    values["turns"] = turns
+    values["response_fill"] = min(1.0, own / turns / max_new)
+    values["observation_tokens"] = max(response - own, 0.0) / max(turns - 1, 1.0)
+    return [f"conversations of {turns:.2f} model turns and {response:,.0f} tokens after the prompt on average, "
+            f"{own:,.0f} of them the model's (fill {values['response_fill']:.2f} of {max_new:,} a turn), "
+            f"{values['observation_tokens']:,.0f} an observation"]  # fmt: skip
 
 
 def _number(value: object) -> bool:

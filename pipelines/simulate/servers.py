@@ -9,6 +9,11 @@ tasks) and the per-iteration steps that are their clients.
   whole chunk at the node's throughput), in arrival order; before a chunk of a version it does not hold, it
   brings its weights there: weight_sync_s for the next version (a delta, or the whole checkpoint without
   checkpoint.deltas), full_sync_s for any other (the whole checkpoint).
+- With an environment (multi-turn rollouts) a chunk's generation is the server's (served_chunk_s) and its
+  environment's steps the client's (environment_s, on the CPU pool): after each answer the client steps its
+  conversations, and only then counts the chunk and sends its next request, while the server serves other
+  clients. The chunk is one request (its turns' generate calls together), its steps after it; a server lost
+  meanwhile loses the chunk, as one lost mid-conversation would.
 - The trainer server serves one update at a time: train_s (train, write the candidate).
 - A client step (a rollout shard, on the CPU pool; the update, likewise) starts in client_s, then sends its
   requests one after the other to its server: shard K to rollout-server-(K mod servers) when it is ready, else
@@ -170,7 +175,7 @@ class ServedSteps:
             wanted = behaviour_version(client.task.iteration or 0, self.staleness)
             sync = self.sync_seconds(server.version, wanted)
             server.version = wanted
-            work = self.steps.rollout_chunk_s
+            work = self.steps.served_chunk_s  # the environment's steps are the client's (request_done)
         else:
             sync, work = 0.0, self.steps.train_s
         server.current, server.current_start, server.current_sync = client, self.now, sync
@@ -192,14 +197,29 @@ class ServedSteps:
         self.record(server.job, server.current_start, sync_end, "sync", client.task.iteration)
         self.record(server.job, sync_end, self.now, "work", client.task.iteration)
         server.current = None
+        stepping = self.steps.environment_s if server.kind == ROLLOUT_SERVER else 0.0
+        if stepping > 0:  # the client steps its chunk's conversations, the server goes on without it
+            client_token = client.token
+            self.at(self.now + stepping, lambda: self.environment_done(server, client, client_token))
+        else:
+            self.chunk_done(server, client)
+        if not server.queue:
+            server.idle_since = self.now
+        self.serve_next(server)
+
+    def chunk_done(self, server: Server, client: Job) -> None:
         client.chunks_left -= 1
         if client.chunks_left > 0:
             server.queue.append(client)  # the client sends its next request on the answer
         else:
             server.clients.remove(client)
             self.client_done(client)
-        if not server.queue:
-            server.idle_since = self.now
+
+    def environment_done(self, server: Server, client: Job, token: int) -> None:
+        """A client's environment steps of its chunk are done: the chunk is, and its next request goes out."""
+        if token != client.token or client.connected is not server:
+            return  # the client's attempt failed meanwhile (its server was lost)
+        self.chunk_done(server, client)
         self.serve_next(server)
 
     # -- clients

@@ -37,6 +37,10 @@ CLIENT_KINDS = (ROLLOUT_CLIENT, UPDATE_CLIENT)
 # config's regime) is 4.2-6.7% of its checkpoint; the larger figure, rounded up. `--assume delta_fraction=X`.
 DELTA_FRACTION = 0.07
 TIED_GROUP_SHARE = 0.5  # Assumptions.tied_group_share
+# Multi-turn rollouts (a config with an environment): one environment step's wall seconds and one observation's
+# tokens, both stated assumptions (sources.py); a user should time their own environment's step.
+ENVIRONMENT_STEP_S = 0.05
+OBSERVATION_TOKENS = 32.0
 
 
 @dataclass(frozen=True)
@@ -57,7 +61,7 @@ class Assumptions:
     publish_s: float  # verify the candidate's digests, assemble the HF dir, store AdamW state, move LATEST
     report_s: float  # metrics table and the reward/accuracy PNG
     node_replacement_s: float  # a reclaimed Spot node until its replacement has joined the pool
-    response_fill: float = 1.0  # mean response length as a share of max_new_tokens (1: all run to the cap)
+    response_fill: float = 1.0  # mean response (with an environment: a turn's) length as a share of max_new_tokens
     rollout_nodes: int = 0  # nodes of the rollout pool; 0: one per shard
     # Bytes and bandwidths, for engines that stay up (rollout.servers, trainer.server, checkpoint.deltas).
     checkpoint_gb: float = 61.0  # a version's weights as stored (bf16): what an engine loads
@@ -83,6 +87,13 @@ class Assumptions:
     # iteration generates (steps/experience/rollout_plan.py generated_prompt_count). 0.5: late in the demos 40-55%
     # of the groups tied (bench/README.md, "demo seeds"); a run's own is its score metrics' tied_group_fraction.
     tied_group_share: float = TIED_GROUP_SHARE
+    # A config with an `environment` (multi-turn, tool-using rollouts; steps/environments/conversation.py); all three
+    # are ignored without one. turns: the model's mean turns per conversation, at most environment.max_turns; 0
+    # stands for environment.max_turns itself (every conversation runs to its turn limit: conversation_turns).
+    # response_fill is then a turn's share of max_new_tokens.
+    turns: float = 0.0
+    environment_step_s: float = ENVIRONMENT_STEP_S  # wall seconds of one environment step (one conversation's turn)
+    observation_tokens: float = OBSERVATION_TOKENS  # tokens of one observation the environment appends after a turn
 
     def override(self, pairs: dict[str, float]) -> Assumptions:
         return dataclasses.replace(self, **pairs)
@@ -148,14 +159,76 @@ CPU_ASSUMPTIONS = Assumptions(
 # --------------------------------------------------------------------------------------------------- model
 
 
+def conversation_turns(cfg: RunConfig, a: Assumptions) -> float:
+    """The model's mean turns per sample: 1 without an environment; with one the `turns` assumption (0: the config's
+    environment.max_turns, every conversation running to its turn limit), at most environment.max_turns."""
+    if cfg.environment is None:
+        return 1.0
+    limit = float(cfg.environment.max_turns)
+    return min(a.turns, limit) if a.turns > 0 else limit
+
+
+def model_tokens(cfg: RunConfig, a: Assumptions) -> float:
+    """The model's own (sampled, decoded) tokens per sample: max_new_tokens x response_fill, a turn's with an
+    environment, x the turns (conversation_turns); scaled down with the observations where the conversation
+    would pass environment.max_total_tokens (response_tokens)."""
+    own = conversation_turns(cfg, a) * cfg.sampling.max_new_tokens * a.response_fill
+    return own * _length_cap(cfg, a)
+
+
+def sampled_tokens(cfg: RunConfig, a: Assumptions, samples: float) -> float:
+    """The model's tokens of `samples` samples (model_tokens each); without an environment in today's arithmetic,
+    samples x max_new_tokens x response_fill, so that its figures stay the same to the last bit."""
+    if cfg.environment is None:
+        return samples * cfg.sampling.max_new_tokens * a.response_fill
+    return samples * model_tokens(cfg, a)
+
+
+def response_tokens(cfg: RunConfig, a: Assumptions) -> float:
+    """Tokens of a sample after its first prompt, as the trainer trains on them (its prompt comes on top):
+    max_new_tokens x response_fill without an environment; with one the model's turns and the observations
+    between them, turns x max_new_tokens x response_fill + (turns - 1) x observation_tokens, at most
+    environment.max_total_tokens (a conversation that reaches it ends: steps/environments/conversation.py)."""
+    own = conversation_turns(cfg, a) * cfg.sampling.max_new_tokens * a.response_fill
+    return (own + observation_tokens(cfg, a)) * _length_cap(cfg, a)
+
+
+def observation_tokens(cfg: RunConfig, a: Assumptions) -> float:
+    """The observations' tokens per sample before the max_total_tokens cap: (turns - 1) x observation_tokens (the
+    last part of a conversation is a model turn); 0 without an environment."""
+    if cfg.environment is None:
+        return 0.0
+    return max(conversation_turns(cfg, a) - 1, 0.0) * a.observation_tokens
+
+
+def _length_cap(cfg: RunConfig, a: Assumptions) -> float:
+    """The share of a conversation that environment.max_total_tokens leaves (1 without an environment)."""
+    if cfg.environment is None:
+        return 1.0
+    whole = conversation_turns(cfg, a) * cfg.sampling.max_new_tokens * a.response_fill + observation_tokens(cfg, a)
+    return min(1.0, cfg.environment.max_total_tokens / whole) if whole > 0 else 1.0
+
+
+def environment_s(cfg: RunConfig, a: Assumptions, conversations: int) -> float:
+    """Wall seconds of the environment's steps for `conversations` conversations that advance together (a chunk's):
+    each turn's steps run side by side over environment.workers worker processes, so a turn's take
+    ceil(conversations / workers) x environment_step_s, for ceil(turns) turns; 0 without an environment."""
+    if cfg.environment is None:
+        return 0.0
+    per_turn = -(-conversations // cfg.environment.workers) * a.environment_step_s
+    return math.ceil(conversation_turns(cfg, a)) * per_turn
+
+
 def flops_seq_len(cfg: RunConfig, a: Assumptions) -> float:
     """The mean context a trained token attends over, for the FLOPs' attention term."""
-    return a.prompt_tokens + cfg.sampling.max_new_tokens * a.response_fill
+    return a.prompt_tokens + response_tokens(cfg, a)
 
 
 def padded_seq_len(cfg: RunConfig, a: Assumptions) -> int:
-    """A trainer row as a micro-batch pads it: the prompt and a response at the cap."""
-    return int(a.prompt_tokens + cfg.sampling.max_new_tokens)
+    """A trainer row as a micro-batch pads it: the prompt and a response at the cap (max_new_tokens; with an
+    environment its conversation's, environment.max_total_tokens)."""
+    cap = cfg.sampling.max_new_tokens if cfg.environment is None else cfg.environment.max_total_tokens
+    return int(a.prompt_tokens + cap)
 
 
 def model_assumptions(base: Assumptions, m: ModelSizing, reference: ModelSizing, seq_len: float) -> Assumptions:
@@ -322,6 +395,14 @@ class StepModel:
     full_sync_s: float = 0.0  # a rollout server's move to any other version: the whole checkpoint + apply
     trainer_startup_s: float = 0.0  # the trainer server's start: pod, rendezvous, comm init, weights + AdamW
     train_s: float = 0.0  # the trainer server's work per update: train, then write the candidate
+    # With an environment: the part of rollout_chunk_s that is the environment's steps (the rollout client's, CPU).
+    # A rollout server is busy for the rest of it (served_chunk_s) and serves other clients while a client steps.
+    environment_s: float = 0.0
+
+    @property
+    def served_chunk_s(self) -> float:
+        """A rollout server's busy time for one chunk: the chunk's generation, without its environment's steps."""
+        return max(self.rollout_chunk_s - self.environment_s, 0.0)
 
     def fixed(self, step: str) -> float:
         return {
@@ -347,16 +428,29 @@ def shard_chunks(cfg: RunConfig, shard: int, tied_group_share: float = TIED_GROU
 
 
 def tokens_per_iteration(cfg: RunConfig, assumptions: Assumptions) -> float:
-    return cfg.prompts_per_iteration * cfg.group_size * cfg.sampling.max_new_tokens * assumptions.response_fill
+    """The iteration's sampled tokens: the model's own (model_tokens), every turn's with an environment."""
+    return sampled_tokens(cfg, assumptions, cfg.prompts_per_iteration * cfg.group_size)
+
+
+def trained_tokens_per_iteration(cfg: RunConfig, assumptions: Assumptions) -> float:
+    """The iteration's response tokens the trainer runs (response_tokens: with an environment the observations too,
+    which it runs as context though it does not train them); trainer_tokens_per_gpu_s counts these."""
+    if cfg.environment is None:  # the sampled tokens, as today
+        return tokens_per_iteration(cfg, assumptions)
+    return cfg.prompts_per_iteration * cfg.group_size * response_tokens(cfg, assumptions)
 
 
 def derived_step_model(cfg: RunConfig, a: Assumptions) -> StepModel:
     """Step seconds from the config's sizes and the assumed throughputs."""
     rollout_devices = max(_gpus(cfg, "rollout"), 1)
     trainer_devices = trainer_ranks(cfg)
-    chunk_tokens = cfg.rollout.chunk_size * cfg.group_size * cfg.sampling.max_new_tokens * a.response_fill
+    conversations = cfg.rollout.chunk_size * cfg.group_size
+    chunk_tokens = sampled_tokens(cfg, a, conversations)
+    # With an environment a chunk's conversations advance turn by turn: each turn one generate call, then the
+    # environment's steps of that turn over the rollout client's workers (environment_s), on the rollout step's clock.
+    chunk_environment_s = environment_s(cfg, a, conversations)
     samples = cfg.prompts_per_iteration * cfg.group_size
-    train_s = cfg.trainer.epochs * tokens_per_iteration(cfg, a) / (a.trainer_tokens_per_gpu_s * trainer_devices)
+    train_s = cfg.trainer.epochs * trained_tokens_per_iteration(cfg, a) / (a.trainer_tokens_per_gpu_s * trainer_devices)
     if cfg.trainer.activation_checkpointing:  # one more forward (1/3 of forward + backward's FLOPs) per step
         train_s *= 4 / 3
     python_step = a.pod_start_s + a.step_startup_s
@@ -364,13 +458,15 @@ def derived_step_model(cfg: RunConfig, a: Assumptions) -> StepModel:
     if is_local(cfg) and cfg.heldout_size:
         # Score evaluates held-out accuracy with the torch engine when the model is small (the demo's is):
         # an engine load and greedy decoding on top of the rewards.
-        heldout_tokens = cfg.heldout_size * cfg.sampling.max_new_tokens * a.response_fill
+        heldout_tokens = sampled_tokens(cfg, a, cfg.heldout_size)
         heldout_s = a.engine_startup_s - a.step_startup_s + heldout_tokens / a.rollout_tokens_per_gpu_s
+        heldout_s += environment_s(cfg, a, cfg.heldout_size)  # with an environment its conversations' steps
     return StepModel(
         plan_s=python_step,
         import_sft_s=python_step + a.import_sft_s,
         rollout_startup_s=a.pod_start_s + a.engine_startup_s,
-        rollout_chunk_s=chunk_tokens / (a.rollout_tokens_per_gpu_s * rollout_devices),
+        rollout_chunk_s=chunk_tokens / (a.rollout_tokens_per_gpu_s * rollout_devices) + chunk_environment_s,
+        environment_s=chunk_environment_s,
         score_s=python_step + samples / a.score_samples_per_s + heldout_s,
         update_s=a.pod_start_s + a.trainer_startup_s + train_s + candidate_write_s(cfg, a),
         publish_s=python_step + a.publish_s,
@@ -527,4 +623,5 @@ def measured_step_model(cfg: RunConfig, a: Assumptions, measured: dict[str, floa
         full_sync_s=derived.full_sync_s,
         trainer_startup_s=derived.trainer_startup_s,
         train_s=train_s,
+        environment_s=min(derived.environment_s, chunk),  # a measured chunk holds its environment's steps
     )

@@ -44,8 +44,8 @@ GPU_SOURCES: dict[str, str] = {
     "publish_s": f"{ASSUMPTION}: server-side digests and copies of the weights and optimizer state on S3",
     "report_s": f"{ASSUMPTION}: the metrics table and the PNG",
     "node_replacement_s": f"{ASSUMPTION}: Karpenter launches a p5en Spot node, it joins and pulls the image",
-    "response_fill": f"{ASSUMPTION}: every response at max_new_tokens (--from-run takes a run's; NEMO-RL's "
-    "Qwen3-30B-A3B runs average 3,203 of 4,096)",
+    "response_fill": f"{ASSUMPTION}: every response (with an environment: every model turn) at max_new_tokens "
+    "(--from-run takes a run's; NEMO-RL's Qwen3-30B-A3B runs average 3,203 of 4,096)",
     "rollout_nodes": "the config: one node a rollout shard",
     "checkpoint_gb": "arithmetic: the model's tensors in its dtype (Qwen3-30B-A3B without a readable config.json)",
     "optimizer_gb": "arithmetic: 12 bytes a parameter (fp32 masters and two AdamW moments)",
@@ -62,7 +62,19 @@ GPU_SOURCES: dict[str, str] = {
     "gpu_memory_gb": "the trainer's instance type (0: from it)",
     "tied_group_share": f"{ASSUMPTION}: late in the demos 40-55% of groups tied (bench/README.md); --from-run "
     "takes a run's",
+    # A config with an environment (multi-turn rollouts); ignored without one.
+    "turns": f"{ASSUMPTION}: 0 stands for the config's environment.max_turns, every conversation running to its "
+    "turn limit (at most that); --from-run takes a run's turns_mean",
+    "environment_step_s": f"{ASSUMPTION}: one environment step, 0.05 s; --from-run does not measure it (no step of "
+    "a run times it): time your environment's step (reset it, then step it on a typical model turn) and --assume "
+    "environment_step_s=SECONDS",
+    "observation_tokens": f"{ASSUMPTION}: an observation (a tool's answer as the chat template renders it) of 32 "
+    "tokens; --from-run takes a run's (response_length_mean - model_tokens_mean) / max(turns_mean - 1, 1)",
 }
+# What the `turns` source reads where the config has an environment (and turns is the default) or none.
+TURNS_FROM_CONFIG = (f"{ASSUMPTION}: the config's environment.max_turns, every conversation running to its turn "
+                     "limit; --from-run takes a run's turns_mean")  # fmt: skip
+TURNS_IGNORED = "not used: the config has no environment (every sample is one model turn)"
 CPU_SOURCES: dict[str, str] = {
     **{name: "measured on this machine (2 cores, the demo model; pipelines/simulate/sizing.py CPU_ASSUMPTIONS)"
        for name in GPU_SOURCES},  # fmt: skip
@@ -71,6 +83,9 @@ CPU_SOURCES: dict[str, str] = {
     "tied_group_share": GPU_SOURCES["tied_group_share"],
     "rollout_nodes": GPU_SOURCES["rollout_nodes"],
     "gpu_memory_gb": GPU_SOURCES["gpu_memory_gb"],
+    "turns": GPU_SOURCES["turns"],
+    "environment_step_s": GPU_SOURCES["environment_step_s"],
+    "observation_tokens": GPU_SOURCES["observation_tokens"],
 }
 # What model_assumptions moves from the reference model to the checkpoint's (pipelines/simulate/sizing.py).
 MOVED_TO_THE_MODEL = {

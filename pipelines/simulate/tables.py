@@ -10,9 +10,12 @@ from pipelines.simulate.sizing import (
     busiest_write_gb,
     candidate_write_s,
     chunks_per_iteration,
+    conversation_turns,
     delta_gb,
     delta_write_s,
     deltas_written,
+    model_tokens,
+    response_tokens,
     rollout_served,
     shard_gb,
     tokens_per_iteration,
@@ -94,14 +97,30 @@ def describe(cfg: RunConfig, cluster: Cluster, steps: StepModel, a: Assumptions)
     rollout = f"rollout {shard_s:.1f} s a shard = start-up {steps.rollout_startup_s:.1f} s + {chunks_text}"
     if rollout_served(cfg):
         rollout = f"rollout a client of a server: {chunks_text} on the server"
+        if cfg.environment is not None:
+            rollout = (f"rollout a client of a server: {chunks_text}, {steps.served_chunk_s:.2f} s of each on the "
+                       f"server")  # fmt: skip
+    if cfg.environment is not None:
+        env = cfg.environment
+        where = ("the client's (CPU) clock, the server meanwhile serving others" if rollout_served(cfg)
+                 else "the rollout step's clock")  # fmt: skip
+        rollout += (f" (environment: {conversation_turns(cfg, a):g} turns, {env.workers} workers, "
+                    f"environment_step_s {a.environment_step_s:g}: {steps.environment_s:.2f} s of each chunk on "
+                    f"{where})")  # fmt: skip
     update = f"update {steps.update_s:.1f} s"
     if cfg.trainer.server:
         update = f"update a client of the trainer server: {steps.train_s:.1f} s on the server"
+    sampled = (f"{cfg.prompts_per_iteration} prompts x {cfg.group_size} samples x {cfg.sampling.max_new_tokens} "
+               f"tokens (fill {a.response_fill:g})")  # fmt: skip
+    if cfg.environment is not None:
+        sampled = (f"{cfg.prompts_per_iteration} prompts x {cfg.group_size} conversations x "
+                   f"{conversation_turns(cfg, a):g} turns x {cfg.sampling.max_new_tokens} tokens (fill "
+                   f"{a.response_fill:g} a turn{_capped(cfg, a)})")  # fmt: skip
     lines = [
         f"cluster: rollout {cluster.rollout.label}; trainer {cluster.trainer.label}; cpu: {cluster.cpu.label}",
-        f"per iteration: {cfg.prompts_per_iteration} prompts x {cfg.group_size} samples x "
-        f"{cfg.sampling.max_new_tokens} tokens (fill {a.response_fill:g}) = "
+        f"per iteration: {sampled} = "
         f"{tokens_per_iteration(cfg, a):,.0f} tokens in {chunks} chunks over {cfg.rollout.num_shards} shards",
+        *environment_lines(cfg, a),
         f"step times ({steps.source}):",
         f"  {rollout}; score {steps.score_s:.1f} s; {update}; publish {steps.publish_s:.1f} s",
         f"  plan {steps.plan_s:.1f} s; import-sft {steps.import_sft_s:.1f} s; report {steps.report_s:.1f} s",
@@ -117,6 +136,31 @@ def describe(cfg: RunConfig, cluster: Cluster, steps: StepModel, a: Assumptions)
             "measure staleness 1 for its real gain here"
         )
     return "\n".join(lines)
+
+
+def _capped(cfg: RunConfig, a: Assumptions) -> str:
+    whole = conversation_turns(cfg, a) * cfg.sampling.max_new_tokens * a.response_fill
+    if model_tokens(cfg, a) < whole:
+        return f", {model_tokens(cfg, a):,.0f} a conversation under environment.max_total_tokens"
+    return ""
+
+
+def environment_lines(cfg: RunConfig, a: Assumptions) -> list[str]:
+    """A config with an environment: its turns, steps and workers, and what the trainer runs (nothing without)."""
+    env = cfg.environment
+    if env is None:
+        return []
+    turns = conversation_turns(cfg, a)
+    conversations = cfg.rollout.chunk_size * cfg.group_size
+    per_turn = -(-conversations // env.workers)
+    return [
+        f"  environment: {turns:g} turns a conversation (environment.max_turns {env.max_turns}); each turn a chunk's "
+        f"{conversations:,} conversations step over {env.workers} workers: {per_turn:,} x environment_step_s "
+        f"{a.environment_step_s:g} s, observations prefilled (not decoded)",
+        f"  the trainer runs {response_tokens(cfg, a):,.0f} tokens a conversation after its prompt: the model's "
+        f"{model_tokens(cfg, a):,.0f} and {max(turns - 1, 0):g} observations of {a.observation_tokens:g} tokens "
+        f"(at most environment.max_total_tokens {env.max_total_tokens:,})",
+    ]
 
 
 def served_lines(cfg: RunConfig, steps: StepModel, a: Assumptions) -> list[str]:
