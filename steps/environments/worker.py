@@ -30,7 +30,6 @@ one turn's steps run side by side.
 from __future__ import annotations
 
 import contextlib
-import importlib
 import json
 import math
 import os
@@ -42,33 +41,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from steps.data import user_code
 from steps.errors import MoerlError
 
-IMPORT_TIMEOUT_S = 120.0  # importing the user's package (it may import anything) is not a step
 OBSERVATION_ROLES = ("tool", "user", "system")
 
 
 def resolve(spec: str) -> Any:
     """The class named by 'package.module:Class' (raises MoerlError naming what is missing)."""
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise MoerlError(f"environment.class_path {spec!r}: write package.module:Class")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as err:
-        raise MoerlError(
-            f"environment {spec}: cannot import {module_name} ({err}); install the package into the cpu image "
-            "(and into this environment for moerl check and moerl run)"
-        ) from None
-    except Exception as err:  # the user's module raised while being imported
-        raise MoerlError(
-            f"environment {spec}: importing {module_name} raised {type(err).__name__}: {str(err)[:200]}; fix the "
-            "module"
-        ) from None
-    cls = getattr(module, attr, None)
-    if not callable(cls):
-        raise MoerlError(f"environment {spec}: {module_name} has no class {attr!r}; check the name")
-    return cls
+    return user_code.resolve(spec, "environment", "environment.class_path", "class")
 
 
 def _messages_problem(value: Any, what: str, roles: Sequence[str] | None) -> str | None:
@@ -126,9 +107,7 @@ def reset_result(env: Any, value: Any) -> dict[str, Any] | str:
 
 def serve(spec: str, params_json: str) -> int:
     """The worker: import the class, then answer one JSON request a line until stdin closes."""
-    protocol = os.fdopen(os.dup(1), "w", buffering=1)
-    os.dup2(2, 1)  # what a program the code runs writes to fd 1 goes to the log too, never into the protocol
-    sys.stdout = sys.stderr  # the environment's prints go to the log, not into the protocol
+    protocol = user_code.protocol_stream()
     try:
         cls = resolve(spec)
     except MoerlError as err:
@@ -216,7 +195,7 @@ class EnvironmentPool:
         self.workers = [_Worker(spec, params) for _ in range(workers)]
         try:
             for worker in self.workers:
-                reply = self._wait(worker, time.monotonic() + IMPORT_TIMEOUT_S, "while importing it")
+                reply = self._wait(worker, time.monotonic() + user_code.IMPORT_TIMEOUT_S, "while importing it")
                 if "error" in reply:
                     raise MoerlError(reply["error"])
         except BaseException:
@@ -293,7 +272,8 @@ class EnvironmentPool:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise MoerlError(
-                    f"environment {self.spec}: took longer than {IMPORT_TIMEOUT_S:g}s {what}; make the import faster"
+                    f"environment {self.spec}: took longer than {user_code.IMPORT_TIMEOUT_S:g}s {what}; make the "
+                    "import faster"
                 )
             ready, _, _ = select.select([worker.fd], [], [], remaining)
             if ready:

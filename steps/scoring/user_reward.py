@@ -21,7 +21,6 @@ log (stderr), never into the protocol.
 from __future__ import annotations
 
 import contextlib
-import importlib
 import json
 import math
 import os
@@ -32,32 +31,13 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from steps.data import user_code
 from steps.errors import MoerlError
-
-IMPORT_TIMEOUT_S = 120.0  # importing the user's package (it may import torch or a tokenizer) is not a sample
 
 
 def resolve(spec: str) -> Any:
     """The function named by 'package.module:function' (raises MoerlError naming what is missing)."""
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise MoerlError(f"rewards.reward_fn {spec!r}: write package.module:function")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as err:
-        raise MoerlError(
-            f"rewards.reward_fn {spec}: cannot import {module_name} ({err}); install the package into the cpu "
-            "image (and into this environment for moerl check and moerl run)"
-        ) from None
-    except Exception as err:  # the user's module raised while being imported
-        raise MoerlError(
-            f"rewards.reward_fn {spec}: importing {module_name} raised {type(err).__name__}: {str(err)[:200]}; "
-            "fix the module"
-        ) from None
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        raise MoerlError(f"rewards.reward_fn {spec}: {module_name} has no function {attr!r}; check the name")
-    return fn
+    return user_code.resolve(spec, "rewards.reward_fn", "rewards.reward_fn", "function")
 
 
 def reward_value(value: Any) -> dict[str, float] | str:
@@ -80,9 +60,7 @@ def reward_value(value: Any) -> dict[str, float] | str:
 
 def serve(spec: str) -> int:
     """The worker: import the function, then answer one JSON request a line until stdin closes."""
-    protocol = os.fdopen(os.dup(1), "w", buffering=1)
-    os.dup2(2, 1)  # what a program the code runs writes to fd 1 goes to the log too, never into the protocol
-    sys.stdout = sys.stderr  # the function's prints go to the log, not into the protocol
+    protocol = user_code.protocol_stream()
     try:
         fn = resolve(spec)
     except MoerlError as err:
@@ -111,7 +89,7 @@ class RewardFunction:
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=None, cwd=os.getcwd(),
         )  # fmt: skip
         self._buffer = b""
-        ready = self._read(IMPORT_TIMEOUT_S, "while importing it")
+        ready = self._read(user_code.IMPORT_TIMEOUT_S, "while importing it")
         if "error" in ready:
             self.close()
             raise MoerlError(ready["error"])
