@@ -40,6 +40,7 @@ from steps.engines.interface import (
 )
 from steps.engines.route_recorder import RouteRecorder
 from steps.engines.sampling import sample_next, sample_uniforms
+from steps.engines.state_decoder import StateDecoder
 from steps.errors import MoerlError
 from steps.models.experts import SWIGLU, expert_spans
 from steps.models.family import dtype_name
@@ -103,11 +104,19 @@ class TorchEngine:
     # through the model, prompt and response, as the router chose them
     record_routes: bool = False
     device: torch.device = field(init=False)
-    decoder: Decoder = field(init=False)
+    decoder: Decoder | StateDecoder = field(init=False)
 
     def __post_init__(self) -> None:
-        self.decoder = Decoder(self.model)
-        self.device = self.decoder.parts.embed.weight.device
+        if family_of(self.model).attention == "recurrent_state":
+            if self.record_routes:
+                raise MoerlError(
+                    f"{family_of(self.model).name}: the torch engine does not record routes for a model whose layers "
+                    "keep a recurrent state; turn rollout.record_routes and trainer.routing_replay off"
+                )
+            self.decoder = StateDecoder(self.model)
+        else:
+            self.decoder = Decoder(self.model)
+        self.device = next(self.model.parameters()).device
 
     @classmethod
     def from_checkpoint(
@@ -162,7 +171,9 @@ class TorchEngine:
         if not requests:
             return []
         device, steps, vocab = self.device, params.max_new_tokens, self.model.config.vocab_size
-        recorder = RouteRecorder(self.decoder.parts.layers, len(requests), steps) if self.record_routes else None
+        recorder = None
+        if self.record_routes and isinstance(self.decoder, Decoder):
+            recorder = RouteRecorder(self.decoder.parts.layers, len(requests), steps)
         self.decoder.routes = None if recorder is None else recorder.taken
         batch, logits, state = self._prefill(requests, steps)  # state: each sample's row in the batch
         if recorder is not None:

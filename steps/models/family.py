@@ -26,7 +26,10 @@ if TYPE_CHECKING:
 # DeepSeek sparse attention come as new kinds beside these, each a shared component used by every family that has
 # it. Softmax attention over a key/value cache covers GQA with or without q/k norms, partial rotary, and multi-head
 # latent attention (its keys and values materialised per head; keys wider than values).
-AttentionKind = Literal["softmax_kv_cache"]
+# recurrent_state: some layers keep a state per row instead of a key/value cache (gated DeltaNet's conv window and
+# recurrent matrix, Qwen3-Next and Qwen3.5-MoE, beside softmax layers): the family decodes its own layers through a
+# StatefulDecode, and the torch engine drives it row by row (steps/engines/state_decoder.py).
+AttentionKind = Literal["softmax_kv_cache", "recurrent_state"]
 # softmax_topk: softmax over all experts in fp32, top-k, optional renormalisation (Qwen3-MoE, Qwen2-MoE, Mixtral);
 # sigmoid_group_topk: sigmoid scores, a selection-only correction bias, group-limited top-k (DeepSeek-V3, GLM-4.5);
 # topk_softmax: a router with a bias, top-k of its logits, softmax over the k chosen (gpt-oss)
@@ -171,6 +174,27 @@ class DecodeModel:
     value_dim: int  # per head: the cached values' size (multi-head latent attention's differs from the keys')
 
 
+class StatefulDecode(Protocol):
+    """A built model's incremental forward for the torch engine, for families whose attention kind is
+    recurrent_state: the engine samples and keeps the rows; the family runs its layers and keeps each row's state
+    (every layer's: recurrent states, conv windows, key/value caches), in any layout it likes."""
+
+    def prefill(self, ids: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """Left-padded prompts ids [P, T] (valid [P, T] marks the real tokens) -> the logits [P, V] after each
+        prompt's last token, and the rows' state."""
+        ...
+
+    def step(self, tokens: torch.Tensor, positions: torch.Tensor, state: Any) -> tuple[torch.Tensor, Any]:
+        """One token a row (tokens [R], at position `positions` [R] of its sequence) -> logits [R, V] and the
+        state after it."""
+        ...
+
+    def select(self, state: Any, rows: torch.Tensor) -> Any:
+        """The state of rows `rows` [R'] of `state`, in that order (a row may repeat: samples that share a prefix
+        split)."""
+        ...
+
+
 @dataclass(frozen=True)
 class ModelFamily:
     """One model family (torchtitan's ModelSpec): what every part of moerl asks of a model."""
@@ -182,6 +206,8 @@ class ModelFamily:
     config: type[Any]  # the config class (a FamilyConfig): config.json's names and checks
     build: Callable[..., nn.Module]  # (config, placement=None, ep_rank=0) -> the model (its layers)
     state_dict_adapter: StateDictAdapter
-    decode: Callable[[nn.Module], DecodeModel]  # a built model -> what the torch engine's decoder reads
+    # a built model -> what the torch engine's decoder reads: a DecodeModel (softmax_kv_cache), a StatefulDecode
+    # (recurrent_state)
+    decode: Callable[[nn.Module], Any]
     attention: AttentionKind
     router: RouterKind
