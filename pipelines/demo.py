@@ -33,7 +33,7 @@ DEMO_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
 DEMO_CHAT_SFT_STEPS = 50  # SFT steps of the chat demo's checkpoint (configs/demo-chat.yaml)
 # The tool demo's checkpoint (configs/demo-tool.yaml): its BPE learns the tools' schema and the call format as
 # a few tokens, and its positions hold the whole conversation.
-DEMO_TOOL_SFT_STEPS = 110
+DEMO_TOOL_SFT_STEPS = 150
 DEMO_TOOL_VOCAB_SIZE = 640
 DEMO_TOOL_MAX_POSITIONS = 256
 if TYPE_CHECKING:

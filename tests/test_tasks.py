@@ -261,7 +261,7 @@ def test_multiply_prompts_need_the_calculator_and_script_its_call_and_answer():
     assert task.name == "multiply3" and get_task("multiply3") is get_task("multiply")
     for p in task.prompts("train", 20, 0):
         a, b = p.metadata["expression"].split("*")
-        assert p.text == f"What is {a}*{b}? Use calc, then put the answer in \\boxed{{}}."
+        assert p.text == f"What is {a}*{b}? Put the answer in \\boxed{{}}."
         assert p.answer == str(int(a) * int(b))
         call, answer = task.sft_turns(p)
         assert json.loads(call.removeprefix("<tool_call>\n").removesuffix("\n</tool_call>")) == {

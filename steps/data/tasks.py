@@ -4,7 +4,7 @@ A task makes prompts deterministically and checks responses exactly:
 
     addition<D>  "12+345=" -> "357"        two operands drawn from 0 .. 10**D - 1 (D = 1..6)
     sort<L>      "sort:8301>" -> "0138"    the L digits in ascending order (L = 2..10)
-    multiply<D>  "What is 123*456? Use calc, then put the answer in \\boxed{}." -> "56088"
+    multiply<D>  "What is 123*456? Put the answer in \\boxed{}." -> "56088"
                  for a chat model with a tool: two D-digit operands; the demo's environment
                  (steps/demo/calculator.py) answers the model's calculator call, and the answer is checked by the
                  math verifier
@@ -225,7 +225,7 @@ class SortDescending(Sort):
 
 
 class Multiplication(DigitTask):
-    """A product that needs a tool, for a chat model with an environment: 'What is 123*456? Use calc, ...'
+    """A product that needs a tool, for a chat model with an environment: 'What is 123*456? Put the answer in ...'
     -> '\\boxed{56088}'. The prompt's metadata holds the expression (the demo environment's calculator evaluates
     what the model passes it, steps/demo/calculator.py); `sft_turns` are the two turns of a perfect policy: the
     calculator call in the Qwen tool-call format, then the boxed result."""
@@ -240,7 +240,7 @@ class Multiplication(DigitTask):
 
     def problem(self, index: int) -> tuple[str, str, str]:
         a, b = divmod(index, 10**self.digits)
-        text = f"What is {a}*{b}? Use calc, then put the answer in \\boxed{{}}."
+        text = f"What is {a}*{b}? Put the answer in \\boxed{{}}."
         return text, str(a * b), f"multiply:{min(a, b)}*{max(a, b)}"
 
     def prompts(self, split: str, n: int, seed: int) -> list[Prompt]:
@@ -254,6 +254,7 @@ class Multiplication(DigitTask):
         return f"\\boxed{{{answer.strip()}}}"
 
     def sft_turns(self, prompt: Prompt) -> list[str]:
+        """The two turns of a perfect policy: the calculator call in the Qwen tool-call format, then the boxed result."""
         call = json.dumps({"name": "calc", "arguments": {"expr": prompt.metadata["expression"]}})
         return [f"<tool_call>\n{call}\n</tool_call>", self.sft_target(prompt.answer)]
 

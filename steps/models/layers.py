@@ -79,17 +79,29 @@ def attention_mask_for(key_valid: torch.Tensor, start: int, seq: int) -> torch.T
 class AttentionMasks:
     """The boolean attention masks [B, 1, T, S] of one forward: the causal one every layer starts from, and per
     sliding window the same restricted to keys fewer than `window` positions before the query (as transformers'
-    sliding-window mask: key position > query position - window), built once per window and forward."""
+    sliding-window mask: key position > query position - window), built once per window and forward.
 
-    def __init__(self, base: torch.Tensor, query_positions: torch.Tensor, key_positions: torch.Tensor) -> None:
+    Also the queries' token layout, for the layers that read it instead of a mask (a recurrent layer, such as gated
+    DeltaNet, steps/models/gated_deltanet.py): `valid` [B, T] the real tokens, `segments` [B, T] the packed
+    sequences' ids (None when a row is one sequence)."""
+
+    def __init__(
+        self,
+        base: torch.Tensor,
+        query_positions: torch.Tensor,
+        key_positions: torch.Tensor,
+        valid: torch.Tensor | None = None,
+        segments: torch.Tensor | None = None,
+    ) -> None:
         self.base = base
         self.query_positions, self.key_positions = query_positions, key_positions
+        self.valid, self.segments = valid, segments
         self._windowed: dict[int, torch.Tensor] = {}
 
     @classmethod
     def causal(cls, valid: torch.Tensor, positions: torch.Tensor) -> AttentionMasks:
         """Tokens valid [B, T] at positions [B, T] attending among themselves (attention_mask_for)."""
-        return cls(attention_mask_for(valid, 0, valid.shape[1]), positions, positions)
+        return cls(attention_mask_for(valid, 0, valid.shape[1]), positions, positions, valid)
 
     @classmethod
     def after_prompt(
@@ -103,7 +115,7 @@ class AttentionMasks:
         comes first), then to their own causally: [R, 1, T, P + T]."""
         sees_prompt = prompt_valid[:, None, None, :].expand(-1, 1, valid.shape[1], prompt_valid.shape[1])
         base = torch.cat([sees_prompt, attention_mask_for(valid, 0, valid.shape[1])], dim=-1)
-        return cls(base, positions, torch.cat([prompt_positions, positions], dim=1))
+        return cls(base, positions, torch.cat([prompt_positions, positions], dim=1), valid)
 
     @classmethod
     def packed(cls, valid: torch.Tensor, segments: torch.Tensor, positions: torch.Tensor) -> AttentionMasks:
@@ -112,7 +124,7 @@ class AttentionMasks:
         [B, T] count from each segment's start. The same mask per sequence as causal() gives it alone."""
         base = attention_mask_for(valid, 0, valid.shape[1])
         same = segments[:, None, :, None] == segments[:, None, None, :]
-        return cls(base & same, positions, positions)
+        return cls(base & same, positions, positions, valid, segments)
 
     def get(self, window: int | None) -> torch.Tensor:
         if window is None:
