@@ -2,7 +2,9 @@
 family_server_args), held to SGLang 0.5.17 (python/sglang/srt/, cited there): off Hopper, DeepSeek-V3/Kimi-K2
 and gpt-oss must be given a deterministic attention backend (SGLang's own pick, trtllm_mla / trtllm_mha, fails
 _deterministic_attention_backend), and the MoE runner stays triton where sm100 would pick flashinfer_trtllm;
-Mixtral and gpt-oss have no DeepEP path in SGLang. The names passed are ServerArgs fields (the fake holds
+Mixtral and gpt-oss have no DeepEP path in SGLang. Qwen3-Next gets triton attention and no radix cache on every
+GPU (its linear-attention layers: chunk-aligned prefill splits, no cached SSM states), and a config SGLang's
+Qwen3NextConfig would read as another model is refused. The names passed are ServerArgs fields (the fake holds
 them, tests/fake_sglang), and the fake refuses what upstream refuses."""
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from transformers import (
     MixtralConfig,
     Qwen2MoeConfig,
     Qwen3MoeConfig,
+    Qwen3NextConfig,
 )
 
 from steps.engines import sglang_engine
@@ -29,6 +32,7 @@ from steps.engines.sglang_engine import (
     DETERMINISTIC_ATTENTION_BACKENDS,
     GPT_OSS_ATTENTION_BACKENDS,
     MLA_DETERMINISTIC_ATTENTION_BACKENDS,
+    QWEN3_NEXT_SERVER_ARGS,
     SGLangEngine,
     SGLangSettings,
     family_server_args,
@@ -47,6 +51,16 @@ def tiny(config_class, **extra) -> dict:
     return config_class(**TINY, **extra).to_dict()
 
 
+def tiny_qwen3_next(interval: int = 2, **extra) -> dict:
+    """A small Qwen3-Next config.json dict: transformers' layer_types (from full_attention_interval, which its
+    to_dict drops) and the interval beside them, as moerl publishes it (steps/models/qwen3_next/config.py)."""
+    sizes = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+             "shared_expert_intermediate_size": 32, "head_dim": 16, "linear_num_key_heads": 2,
+             "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16}  # fmt: skip
+    config = tiny(Qwen3NextConfig, **sizes, full_attention_interval=interval, **extra)
+    return {**config, "full_attention_interval": interval}
+
+
 CONFIGS = {
     "qwen3_moe": tiny(Qwen3MoeConfig, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32),
     "qwen2_moe": tiny(Qwen2MoeConfig, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32),
@@ -56,6 +70,7 @@ CONFIGS = {
     "gpt_oss": tiny(GptOssConfig, num_local_experts=8, num_experts_per_tok=2),
     "minimax_m2": tiny(MiniMaxM2Config, num_local_experts=8, num_experts_per_tok=2, head_dim=16, rotary_dim=8,
                        use_qk_norm=True, qk_norm_type="per_layer", scoring_func="sigmoid", use_routing_bias=True),
+    "qwen3_next": tiny_qwen3_next(),
 }  # fmt: skip
 # Kimi-K2's config.json: model_type kimi_k2, served by SGLang as DeepseekV3ForCausalLM.
 KIMI_K2 = {**CONFIGS["deepseek_v3"], "model_type": "kimi_k2", "architectures": ["DeepseekV3ForCausalLM"]}
@@ -69,7 +84,10 @@ EXPECTED = {
     "mixtral": ({}, {}),
     "gpt_oss": ({"attention_backend": "triton"}, {}),
     "minimax_m2": ({}, {}),  # SGLang builds no trtllm MoE override for MiniMaxM2ForCausalLM
-}
+    # triton attention and no radix cache everywhere (QWEN3_NEXT_SERVER_ARGS), the triton MoE runner off Hopper
+    "qwen3_next": ({"attention_backend": "triton", "disable_radix_cache": True, "moe_runner_backend": "triton"},
+                   {"attention_backend": "triton", "disable_radix_cache": True}),
+}  # fmt: skip
 
 
 def load_fake_sglang(monkeypatch):
@@ -108,14 +126,20 @@ def test_the_attention_backends_given_are_ones_upstream_accepts_for_the_family()
     gpt_oss = family_server_args(CONFIGS["gpt_oss"])["attention_backend"]
     assert gpt_oss in GPT_OSS_ATTENTION_BACKENDS and gpt_oss in DETERMINISTIC_ATTENTION_BACKENDS
     assert set(MLA_DETERMINISTIC_ATTENTION_BACKENDS) <= set(DETERMINISTIC_ATTENTION_BACKENDS)
-    for sm100_default in ("trtllm_mla", "trtllm_mha"):  # overrides.py:639, :880
+    for sm100_default in ("trtllm_mla", "trtllm_mha"):  # overrides.py:639, :880, :1261 (Qwen3-Next)
         assert sm100_default not in DETERMINISTIC_ATTENTION_BACKENDS
+    # Qwen3-Next: deterministic, keeps SGLang's radix-capable list (server_args.py:228), chunk-aligned prefill splits
+    for sm in (None, HOPPER, BLACKWELL):
+        qwen3_next = family_server_args(CONFIGS["qwen3_next"], sm=sm)["attention_backend"]
+        assert qwen3_next in MLA_DETERMINISTIC_ATTENTION_BACKENDS and qwen3_next != "fa3"
 
 
 def test_under_deepep_the_moe_runner_is_left_to_sglang():
-    for family in ("qwen3_moe", "deepseek_v3", "glm4_moe", "qwen2_moe", "minimax_m2"):
+    for family in ("qwen3_moe", "deepseek_v3", "glm4_moe", "qwen2_moe", "minimax_m2", "qwen3_next"):
         kwargs = family_server_args(CONFIGS[family], moe_a2a_backend="deepep", sm=BLACKWELL)
         assert "moe_runner_backend" not in kwargs
+    # Qwen3-Next's Qwen2MoeSparseMoeBlock has a DeepEP forward (models/qwen2_moe.py:461)
+    assert family_server_args(CONFIGS["qwen3_next"], moe_a2a_backend="deepep", sm=HOPPER) == QWEN3_NEXT_SERVER_ARGS
     # MiniMaxM2ForCausalLM has a DeepEP path in SGLang 0.5.17 (models/minimax_m2.py): served over it as it is
     assert family_server_args(CONFIGS["minimax_m2"], moe_a2a_backend="deepep", sm=HOPPER) == {}
     assert family_server_args(CONFIGS["deepseek_v3"], moe_a2a_backend="deepep") == {"attention_backend": "triton"}
@@ -140,7 +164,7 @@ def test_recorded_routes_are_refused_where_sglang_captures_none_per_layer():
     named = {**CONFIGS["minimax_m2"], "architectures": ["MiniMaxM2ForCausalLM"]}
     with pytest.raises(MoerlError, match=r"MiniMaxM2MoE builds TopK\(\.\.\.\) without layer_id"):
         family_server_args(named, moe_a2a_backend="deepep", sm=HOPPER, record_routes=True)
-    for family in ("qwen3_moe", "qwen2_moe", "deepseek_v3", "glm4_moe", "gpt_oss"):
+    for family in ("qwen3_moe", "qwen2_moe", "deepseek_v3", "glm4_moe", "gpt_oss", "qwen3_next"):
         assert family_server_args(CONFIGS[family], sm=HOPPER, record_routes=True) == family_server_args(
             CONFIGS[family], sm=HOPPER)  # fmt: skip
 
@@ -197,3 +221,74 @@ def test_qwen2_moe_configs_sglang_would_serve_as_another_model_are_refused(extra
     with pytest.raises(MoerlError, match=rf"SGLang 0.5.17 would serve another model .*{why}.*rollout.engine: torch"):
         family_server_args(config, sm=HOPPER)
     assert family_server_args(tiny(Qwen2MoeConfig), sm=HOPPER) == {}  # the published Qwen2-MoE layouts serve
+
+
+@pytest.mark.parametrize(
+    ("config", "why"),
+    [({k: v for k, v in CONFIGS["qwen3_next"].items() if k != "full_attention_interval"},
+      "full_attention_interval None: .*no default"),
+     ({**CONFIGS["qwen3_next"], "layer_types": ["full_attention", "linear_attention"]},
+      r"reads full_attention_interval alone and would place \['linear_attention', 'full_attention'\]"),
+     ({**CONFIGS["qwen3_next"], "full_attention_interval": 1}, "would place"),
+     (tiny_qwen3_next(mlp_only_layers=[0]), "every layer sparse"),
+     (tiny_qwen3_next(decoder_sparse_step=2), "every layer sparse"),
+     ({**CONFIGS["qwen3_next"], "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}},
+      r"rope_parameters.rope_theta 1000000.0: .*top-level rope_theta \(10000.0, its default\)"),
+     ({**CONFIGS["qwen3_next"], "rope_theta": 1e6}, r"rope_parameters.rope_theta 10000.0: .*\(1000000.0\)"),
+     ({**CONFIGS["qwen3_next"], "rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5}},
+      "rope_parameters.partial_rotary_factor 0.5"),
+     ({**CONFIGS["qwen3_next"], "attn_output_gate": False}, "always gates"),
+     ({**CONFIGS["qwen3_next"], "tie_word_embeddings": True}, "output projection of its own")],
+)  # fmt: skip
+def test_qwen3_next_configs_sglang_would_serve_as_another_model_are_refused(config, why):
+    """SGLang 0.5.17's Qwen3NextConfig places the full-attention layers by full_attention_interval alone (no default,
+    layer_types dropped: configs/qwen3_next.py:218, :259-268), makes every layer sparse (models/qwen3_next.py:525,
+    :695), reads the top-level rope_theta / partial_rotary_factor (defaults 10000.0, 0.25) and never ties lm_head."""
+    with pytest.raises(MoerlError, match=rf"SGLang 0.5.17 would serve another model .*{why}.*rollout.engine: torch"):
+        family_server_args(config, sm=HOPPER)
+
+
+def test_the_qwen3_next_layouts_moerl_publishes_and_qwen_releases_are_served():
+    from steps.models.qwen3_next.config import Qwen3NextConfig as MoerlQwen3NextConfig
+
+    published = MoerlQwen3NextConfig(
+        vocab_size=128, hidden_size=64, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+        head_dim=16, rope_theta=1e7,
+    ).to_hf_dict()  # fmt: skip
+    assert published["full_attention_interval"] == 4 and published["rope_parameters"]["rope_theta"] == 1e7
+    assert family_server_args(published, sm=HOPPER) == QWEN3_NEXT_SERVER_ARGS
+    # Qwen3-Next-80B-A3B's layout: the interval, top-level RoPE, no layer_types
+    release = {k: v for k, v in CONFIGS["qwen3_next"].items() if k not in ("layer_types", "rope_parameters")}
+    release.update({"architectures": ["Qwen3NextForCausalLM"], "full_attention_interval": 4, "rope_theta": 1e7,
+                    "partial_rotary_factor": 0.25})  # fmt: skip
+    assert family_server_args(release, sm=BLACKWELL) == EXPECTED["qwen3_next"][0]
+
+
+def test_the_engine_passes_qwen3_nexts_kwargs(tmp_path, monkeypatch):
+    """SGLangEngine starts a Qwen3-Next checkpoint with triton attention and no radix cache, and refuses one
+    SGLang would read with other layer kinds before starting it."""
+    load_fake_sglang(monkeypatch)
+    monkeypatch.setattr(sglang_engine, "sglang_unavailable_reason", lambda: None)
+    monkeypatch.setattr(sglang_engine, "_device_sm", lambda: HOPPER)
+    monkeypatch.setenv("SGLANG_RETURN_ORIGINAL_LOGPROB", "0")  # restored afterwards; the engine sets it
+    record = tmp_path / "kwargs.json"
+    monkeypatch.setenv("FAKE_SGLANG_RECORD", str(record))
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({**CONFIGS["qwen3_next"], "dtype": "bfloat16"}))
+    engine = SGLangEngine(model, SGLangSettings())
+    try:
+        kwargs = json.loads(record.read_text())
+        assert kwargs["attention_backend"] == "triton" and kwargs["disable_radix_cache"] is True
+        assert "moe_runner_backend" not in kwargs and kwargs["enable_deterministic_inference"] is True
+    finally:
+        engine.close()
+        engine.engine.loop.close()
+        asyncio.set_event_loop(None)
+    record.unlink()
+    wrong = {**CONFIGS["qwen3_next"], "layer_types": ["full_attention", "linear_attention"], "dtype": "bfloat16"}
+    (model / "config.json").write_text(json.dumps(wrong))
+    with pytest.raises(MoerlError, match="Qwen3NextForCausalLM checkpoint .*full_attention_interval alone"):
+        SGLangEngine(model, SGLangSettings())
+    assert not record.exists()  # refused before sglang.Engine started

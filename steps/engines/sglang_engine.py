@@ -171,7 +171,8 @@ class RoutesLayout:
 SGLANG_ARCHITECTURES = {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
                         "deepseek_v3": "DeepseekV3ForCausalLM", "kimi_k2": "DeepseekV3ForCausalLM",
                         "glm4_moe": "Glm4MoeForCausalLM", "mixtral": "MixtralForCausalLM",
-                        "gpt_oss": "GptOssForCausalLM", "minimax_m2": "MiniMaxM2ForCausalLM"}  # fmt: skip
+                        "gpt_oss": "GptOssForCausalLM", "minimax_m2": "MiniMaxM2ForCausalLM",
+                        "qwen3_next": "Qwen3NextForCausalLM"}  # fmt: skip
 # MiniMax-M2: SGLang turns on TF32 for its matmuls (arg_groups/overrides.py _minimax_m2_overrides, "to improve gate
 # gemm performance"), so its router logits are TF32 where moerl's trainer computes them in fp32: watch the update's
 # router_disagreement, and consider trainer.routing_replay: rollout (which SGLang cannot record for it: below).
@@ -194,8 +195,41 @@ NO_DEEPEP_PATH = {
 # triton runner (layers/moe/moe_runner/triton_utils/fused_moe_triton_config.py:72 get_moe_configs, :190
 # get_default_config), which is what "auto" already is for bf16 weights elsewhere
 # (layers/quantization/unquant.py:568 UnquantizedFusedMoEMethod: MoeRunnerBackend.TRITON).
-TRTLLM_MOE_ON_SM100 = frozenset({"DeepseekV3ForCausalLM", "Qwen3MoeForCausalLM", "Glm4MoeForCausalLM"})
+# Qwen3-Next is among them (overrides.py:1283-1291 registers _qwen3_moe_family_overrides for Qwen3NextForCausalLM).
+TRTLLM_MOE_ON_SM100 = frozenset({"DeepseekV3ForCausalLM", "Qwen3MoeForCausalLM", "Glm4MoeForCausalLM",
+                                 "Qwen3NextForCausalLM"})  # fmt: skip
 HOPPER_SM = 90
+# Qwen3-Next (gated DeltaNet beside gated softmax attention) on SGLang 0.5.17, on every GPU:
+# - attention_backend "triton". On sm100 SGLang would pick trtllm_mha itself (arg_groups/overrides.py:1240-1265
+#   _qwen3_5_hybrid_overrides: trtllm_mha with page_size 64 whenever the mamba radix cache runs its extra_buffer
+#   strategy, which overlap scheduling turns on, overrides.py:1493-1499), and _deterministic_attention_backend then
+#   raises (overrides.py:2003-2008). On Hopper its fa3 is deterministic for the attention layers, but the scheduler
+#   aligns a chunked-prefill split only for triton and flashinfer (managers/scheduler.py:1479-1494
+#   init_deterministic_inference_config; managers/schedule_policy.py:1220-1229: a split at a multiple of 4096), so
+#   under fa3 a long prompt is cut wherever the batch's token budget ends. The linear-attention layers' chunked
+#   kernel restarts its 64-token chunks at every cut (kernels/ops/attention/fla/chunk.py:33 CHUNK_SIZE = 64), so
+#   their output would depend on the rest of the batch; 4096 is a multiple of 64. triton is SGLang's own sm100
+#   pick for the model (overrides.py:1242), deterministic and radix-capable (server_args.py:220, :228). Given a
+#   backend, _qwen3_5_hybrid_overrides sets nothing (overrides.py:1241): page_size stays 1.
+# - disable_radix_cache. Deterministic inference leaves the radix cache on for triton/fa3 (server_args.py:7864-
+#   7869 turns it off only for the other backends), and for a hybrid model that is the mamba radix cache
+#   (overrides.py:1408-1427 _MAMBA_RADIX_CACHE_ARCHS, :1462-1503): a request that hits a cached prefix starts its
+#   linear-attention layers from a conv/SSM state another request left (mem_cache/mamba_radix_cache.py:541-571
+#   cache_finished_req, with none of radix_cache.py:438's deterministic handling), so its sample would depend on
+#   which requests ran before it. Without it every request computes from its own prompt (no shared prefix prefill:
+#   slower for groups of samples of one prompt, never another result).
+# - SSM state: float32 by default (configs/mamba_utils.py:47-71 mamba2_state_dtype; moerl writes no mamba_ssm_dtype),
+#   the mamba pool sized by SGLang (max_mamba_cache_size None, mamba_full_memory_ratio 0.9: server_args.py:2461-2497).
+# - in-place updates work: update_weights_from_disk runs Qwen3NextForCausalLM.load_weights (weight_updater.py:180-191,
+#   model_loader/loader.py:848), whose loaders all write into the parameters the running kernels hold: the packed
+#   in_proj_qkvz / in_proj_ba loader copies (models/qwen3_next.py:300), conv1d's loader assigns into its slice
+#   (layers/attention/mamba/mamba.py:177-181) which the linear attention reads through a view (models/qwen3_next.py:
+#   239), A_log and dt_bias go through sharded_weight_loader's copy_ (model_loader/weight_utils.py:1406-1433, :1381),
+#   and the shared expert, fused as expert num_experts, is renamed to it on every load (models/qwen3_next.py:1172).
+# - DeepEP and recorded routes: its MoE is Qwen2MoeSparseMoeBlock, with a DeepEP forward (models/qwen2_moe.py:461)
+#   and TopK(..., layer_id=layer_id) (qwen2_moe.py:270-274), captured before the fused shared expert is appended
+#   (layers/moe/topk.py:1906): in neither NO_DEEPEP_PATH nor NO_ROUTES_CAPTURE.
+QWEN3_NEXT_SERVER_ARGS = {"attention_backend": "triton", "disable_radix_cache": True}
 
 
 def sglang_architecture(config: dict[str, Any]) -> str | None:
@@ -208,13 +242,19 @@ def sglang_architecture(config: dict[str, Any]) -> str | None:
 
 def sglang_model_mismatch(config: dict[str, Any]) -> str | None:
     """What SGLang 0.5.17 would compute differently from the model of config.json dict `config` (which moerl and
-    transformers build as written), or None. SGLang loads such a checkpoint without complaint and samples from
-    another model, so the rollouts would be off-policy in a way no importance weight corrects.
+    transformers build as written), or None. SGLang loads such a checkpoint without complaint (or fails on it
+    deep in start-up) and samples from another model, so the rollouts would be off-policy in a way no importance
+    weight corrects.
 
     Qwen2MoeForCausalLM (python/sglang/srt/models/qwen2_moe.py): every layer is sparse ("Qwen2MoE all layers are
     sparse", Qwen2MoeDecoderLayer), the head size is hidden_size // num_attention_heads (Qwen2MoeAttention) and
-    output projection is never tied to the embeddings (Qwen2MoeForCausalLM)."""
-    if sglang_architecture(config) != "Qwen2MoeForCausalLM":
+    output projection is never tied to the embeddings (Qwen2MoeForCausalLM).
+
+    Qwen3NextForCausalLM: qwen3_next_mismatch."""
+    arch = sglang_architecture(config)
+    if arch == "Qwen3NextForCausalLM":
+        return qwen3_next_mismatch(config)
+    if arch != "Qwen2MoeForCausalLM":
         return None
     heads, hidden = config.get("num_attention_heads") or 1, config.get("hidden_size") or 0
     if config.get("mlp_only_layers") or config.get("decoder_sparse_step", 1) != 1:
@@ -223,6 +263,55 @@ def sglang_model_mismatch(config: dict[str, Any]) -> str | None:
         return f"head_dim {config['head_dim']}: SGLang's Qwen2-MoE uses hidden_size // num_attention_heads"
     if config.get("tie_word_embeddings"):
         return "tie_word_embeddings: SGLang's Qwen2-MoE keeps an output projection of its own"
+    return None
+
+
+QWEN3_NEXT_ROPE_DEFAULTS = {"rope_theta": 10000.0, "partial_rotary_factor": 0.25}  # configs/qwen3_next.py:198, :200
+
+
+def qwen3_next_mismatch(config: dict[str, Any]) -> str | None:
+    """What SGLang 0.5.17's Qwen3-Next (python/sglang/srt/configs/qwen3_next.py, models/qwen3_next.py; its own
+    config class, utils/hf_transformers/common.py:85-106 _CONFIG_REGISTRY) would compute differently, or None:
+
+    - layer kinds: layers_block_type makes layer i full attention iff (i + 1) % full_attention_interval == 0
+      (configs/qwen3_next.py:259-268), which places the layers (models/qwen3_next.py:902); layer_types is taken and
+      dropped (:218), and full_attention_interval has no default there (:183-258 never set it), so a config
+      without it fails at start-up with AttributeError. transformers 5 writes layer_types alone;
+    - every layer sparse: is_layer_sparse = True (models/qwen3_next.py:525, :695), so mlp_only_layers and
+      decoder_sparse_step are ignored;
+    - RoPE: the top-level rope_theta and partial_rotary_factor, defaults 10000.0 and 0.25 (configs/qwen3_next.py:
+      198-200, :234-236; models/qwen3_next.py:631, :637); transformers 5 reads them from rope_parameters;
+    - the gated attention output: attn_output_gate, default True (models/qwen3_next.py:640);
+    - an output projection of its own: Qwen3NextForCausalLM never ties lm_head (models/qwen3_next.py:1024-1031)."""
+    layers = config.get("num_hidden_layers")
+    interval = config.get("full_attention_interval")
+    if not isinstance(interval, int) or isinstance(interval, bool) or interval < 1:
+        return (
+            f"full_attention_interval {interval!r}: SGLang's Qwen3-Next places the full-attention layers by it alone "
+            "and has no default for it (write it, as moerl's published config.json does)"
+        )
+    layer_types = config.get("layer_types")
+    if layer_types is not None and isinstance(layers, int):
+        placed = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(layers)]
+        if list(layer_types) != placed:
+            return (
+                f"layer_types {list(layer_types)}: SGLang's Qwen3-Next reads full_attention_interval alone and "
+                f"would place {placed}"
+            )
+    if config.get("mlp_only_layers") or config.get("decoder_sparse_step", 1) != 1:
+        return "dense layers (mlp_only_layers / decoder_sparse_step): SGLang's Qwen3-Next makes every layer sparse"
+    rope_parameters = config.get("rope_parameters") or {}
+    for name, default in QWEN3_NEXT_ROPE_DEFAULTS.items():
+        read = config.get(name, default)
+        if isinstance(rope_parameters, dict) and rope_parameters.get(name, read) != read:
+            return (
+                f"rope_parameters.{name} {rope_parameters[name]}: SGLang's Qwen3-Next reads the top-level {name} "
+                f"({read}{'' if name in config else ', its default'})"
+            )
+    if config.get("attn_output_gate", True) is not True:
+        return "attn_output_gate false: SGLang's Qwen3-Next reads it, transformers' always gates the attention output"
+    if config.get("tie_word_embeddings"):
+        return "tie_word_embeddings: SGLang's Qwen3-Next keeps an output projection of its own"
     return None
 
 
@@ -258,7 +347,9 @@ def family_server_args(
     deterministic default everywhere (fa3 or flashinfer). The MoE runner is pinned to triton where SGLang
     would pick flashinfer_trtllm on sm100 (TRTLLM_MOE_ON_SM100), with moe_a2a_backend "none" only (under
     DeepEP SGLang picks no trtllm runner). Mixtral and gpt-oss have no DeepEP path (NO_DEEPEP_PATH). record_routes
-    (rollout.record_routes): refused where SGLang records none per layer (NO_ROUTES_CAPTURE)."""
+    (rollout.record_routes): refused where SGLang records none per layer (NO_ROUTES_CAPTURE).
+    Qwen3-Next gets QWEN3_NEXT_SERVER_ARGS on every GPU (triton attention, no radix cache: see there), and is refused
+    where SGLang would serve another model (qwen3_next_mismatch)."""
     arch = sglang_architecture(config)
     kwargs: dict[str, Any] = {}
     mismatch = sglang_model_mismatch(config)
@@ -284,6 +375,8 @@ def family_server_args(
         kwargs["attention_backend"] = "triton"
     if arch in TRTLLM_MOE_ON_SM100 and moe_a2a_backend == "none" and not hopper:
         kwargs["moe_runner_backend"] = "triton"
+    if arch == "Qwen3NextForCausalLM":
+        kwargs.update(QWEN3_NEXT_SERVER_ARGS)
     return kwargs
 
 

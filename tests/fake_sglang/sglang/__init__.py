@@ -1,7 +1,8 @@
 """A stand-in for the `sglang` package (0.5.17) with what steps/engines/sglang_engine.py relies on, on CPU:
 
 - Engine(**kwargs) accepts only ServerArgs' field names that moerl passes (and records them to the JSON file
-  named by $FAKE_SGLANG_RECORD), with `dtype` and `moe_runner_backend` among ServerArgs' choices, and an
+  named by $FAKE_SGLANG_RECORD), with `dtype` and `moe_runner_backend` among ServerArgs' choices,
+  `disable_radix_cache` a bool (ServerArgs' type), and an
   `attention_backend` under enable_deterministic_inference among DETERMINISTIC_ATTENTION_BACKEND_CHOICES
   (a ValueError otherwise, as _deterministic_attention_backend raises), and takes $FAKE_SGLANG_START_S
   seconds to start (default 0: SGLang's takes minutes on a large model); its last act is to make a new
@@ -75,6 +76,7 @@ SERVER_ARGS = {
     "attention_backend",
     "moe_runner_backend",
     "enable_return_routed_experts",
+    "disable_radix_cache",  # srt/server_args.py:923, bool, default False (Qwen3-Next: family_server_args)
 }
 DTYPE_CHOICES = {"auto", "half", "float16", "bfloat16", "float", "float32"}
 # srt/server_args.py:220 DETERMINISTIC_ATTENTION_BACKEND_CHOICES: an attention_backend set outside it with
@@ -239,6 +241,7 @@ class Engine:
         assert not unknown, f"not ServerArgs fields: {unknown}"
         assert kwargs.get("dtype", "auto") in DTYPE_CHOICES, kwargs.get("dtype")
         assert kwargs.get("moe_runner_backend", "auto") in MOE_RUNNER_BACKEND_CHOICES, kwargs.get("moe_runner_backend")
+        assert isinstance(kwargs.get("disable_radix_cache", False), bool), kwargs.get("disable_radix_cache")
         backend = kwargs.get("attention_backend")
         deterministic = kwargs.get("enable_deterministic_inference")
         if deterministic and backend is not None and backend not in DETERMINISTIC_ATTENTION_BACKEND_CHOICES:
