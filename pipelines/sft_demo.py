@@ -29,6 +29,15 @@ def progress_printer(total: int, start: float) -> Callable[[int, float], None]:
     return report
 
 
+def check_printer(settings: SftSettings, start: float) -> Callable[[int, float], None]:
+    def report(step: int, accuracy: float) -> None:
+        stop = "" if accuracy < (settings.stop_at_accuracy or 0) else f"  >= {settings.stop_at_accuracy:.0%}: stop"
+        print(f"  sft step {step:>4}  train-prompt accuracy {accuracy:.1%}{stop}  {time.monotonic() - start:5.1f}s",
+              flush=True)  # fmt: skip
+
+    return report
+
+
 DEMO_EVAL_MAX_NEW_TOKENS = 48  # a tool task's turn: the calculator call in the Qwen format
 
 
@@ -42,7 +51,7 @@ def sft_demo(out_uri: str, settings: SftSettings) -> float:
           f"prompts, {settings.steps} steps of {settings.batch_size}, seed {settings.seed}")  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="moerl-sft-") as tmp:
         tok = write_tokenizer(settings, Path(tmp))
-        model = train_sft(settings, tok, progress_printer(settings.steps, start))
+        model = train_sft(settings, tok, progress_printer(settings.steps, start), check_printer(settings, start))
         total, active = count_parameters(model)
         heldout = task.prompts("heldout", settings.eval_prompts, settings.seed)
         turn_tokens = DEMO_EVAL_MAX_NEW_TOKENS if settings.environment else 16

@@ -20,10 +20,11 @@ from typing import Any
 
 import torch
 
-from steps.data.tasks import Prompt, get_task, sft_target
+from steps.data.tasks import Prompt, get_task, sft_target, verify_ids
 from steps.data.tokenizer import RAW, CheckpointTokenizer, PromptFormat
 from steps.demo import bpe_tokenizer, char_tokenizer
-from steps.engines.interface import FINISH_STOP, Generation, SamplingParams
+from steps.engines.interface import FINISH_STOP, Generation, GenerationRequest, SamplingParams
+from steps.engines.torch_engine import TorchEngine
 from steps.environments.conversation import EnvironmentSettings, run_conversations
 from steps.environments.tool_calls import parse_turn
 from steps.environments.worker import resolve
@@ -199,6 +200,13 @@ class SftSettings:
     environment: EnvironmentSettings | None = None
     vocab_size: int = bpe_tokenizer.DEFAULT_VOCAB_SIZE  # the BPE's
     max_positions: int = 64  # the model's max_position_embeddings (a conversation with tools is longer)
+    # Stop as soon as greedy accuracy on `check_prompts` train-split prompts (not the held-out ones) reaches this,
+    # checked every `check_every` steps: a skill that appears suddenly (copying the tool's answer) leaves a
+    # checkpoint with room for RL whatever the seed. None: train all `steps`.
+    stop_at_accuracy: float | None = None
+    check_every: int = 10
+    check_after: int = 0  # no check before this step (an early policy's answers are all wrong, and slow to check)
+    check_prompts: int = 64
 
     @property
     def format(self) -> PromptFormat:
@@ -244,6 +252,7 @@ def train_sft(
     settings: SftSettings,
     tok: CheckpointTokenizer | None = None,
     progress: Callable[[int, float], None] | None = None,
+    on_check: Callable[[int, float], None] | None = None,
 ) -> MoeCausalLM:
     """Train the demo model on the task's train split (tok: the checkpoint's tokenizer, by default the demo's
     characters); returns the model in eval mode."""
@@ -263,6 +272,7 @@ def train_sft(
     )
     schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=settings.lr, total_steps=settings.steps)
     order = random.Random(settings.seed)
+    checks = task.prompts("train", settings.check_prompts, settings.seed + 1) if settings.stop_at_accuracy else []
     model.train()
     for step in range(settings.steps):
         inputs, targets, mask = teacher_forced_batch(order.sample(examples, settings.batch_size), tok.pad_id)
@@ -275,7 +285,46 @@ def train_sft(
         schedule.step()
         if progress is not None:
             progress(step + 1, loss.item())
+        if checks and (step + 1) % settings.check_every == 0 and step + 1 >= settings.check_after:
+            accuracy = greedy_accuracy(model.eval(), tok, checks, settings)
+            model.train()
+            if on_check is not None:
+                on_check(step + 1, accuracy)
+            if accuracy >= settings.stop_at_accuracy:  # type: ignore[operator]
+                break
     return model.eval()
+
+
+def greedy_accuracy(
+    model: MoeCausalLM, tok: CheckpointTokenizer, prompts: list[Prompt], settings: SftSettings
+) -> float:
+    """Share of `prompts` the model answers right greedily (a conversation with the environment for a tool task)."""
+    engine = TorchEngine(model)
+    task = get_task(settings.task)
+    turn = max(len(tok.encode_text(t)) for p in prompts for t in sft_turns_or_target(p)) + 2
+    params = SamplingParams(temperature=0.0, max_new_tokens=turn, stop_token_ids=tok.stop_ids)
+    if settings.environment is not None:
+        env = settings.environment
+        with env.open_pool(len(prompts)) as pool:
+            conversations = run_conversations(engine, tok, settings.format, pool, prompts, params, env.limits, _no_seed)
+        finals = [c.last_turn_ids for c in conversations]
+    else:
+        requests = [GenerationRequest(p.prompt_id, tuple(tok.prompt_ids(p.content, settings.format)), 0, 0)
+                    for p in prompts]  # fmt: skip
+        finals = [g.response_ids for g in engine.generate(requests, params)]
+    return sum(verify_ids(task, tok, ids, p.answer).correct for p, ids in zip(prompts, finals, strict=True)) / len(
+        prompts
+    )
+
+
+def _no_seed(prompt_id: str, sample: int) -> int:
+    return 0  # greedy decoding draws nothing
+
+
+def sft_turns_or_target(prompt: Prompt) -> list[str]:
+    """The turns a perfect policy writes for `prompt`: a tool task's sft_turns, else its one answer."""
+    task = get_task(prompt.task)
+    return task.sft_turns(prompt) if hasattr(task, "sft_turns") else [sft_target(prompt)]
 
 
 def write_checkpoint(model: MoeCausalLM, directory: Path) -> Path:
