@@ -21,6 +21,14 @@ FLOPs"), which is Kaplan et al. 2020's / Chinchilla's 6N with the attention term
 with T_layer the sequence length (min(T, window) on a sliding-window layer). With d_qk = d_v = head_dim it is PaLM's
 6N + 12 x layers x heads x head_dim x T; multi-head latent attention (DeepSeek-V3) has d_qk = qk_nope_head_dim +
 qk_rope_head_dim (192) and d_v = v_head_dim (128). The full (not causal-halved) attention is counted, as PaLM does.
+
+Linear attention (Qwen3-Next's gated DeltaNet layers, layer_types "linear_attention"): no term in T. Its projections
+(in_proj_qkvz, in_proj_ba, out_proj) and its depthwise causal conv1d (channels x K multiply-adds a token, as many as
+its weights) are parameters, in the 6N; the state update is counted as the recurrent form's multiply-adds a token
+and value head, 4 x d_k x d_v: the decay of the d_k x d_v state, S^T k (the prediction of v), the rank-one delta-rule
+write k (beta (v - S^T k))^T, and the read S^T q. So a DeltaNet layer adds 6 x 4 x Hv x d_k x d_v to the FLOPs of a
+token, and only the full-attention layers have the heads x (d_qk + d_v) x T term. The chunked kernel training runs
+(chunk 64) does more than the recurrent form (its intra-chunk products, the WY representation): not counted.
 """
 
 from __future__ import annotations
@@ -90,6 +98,11 @@ class ModelSizing:
     # each of kv_heads heads; multi-head latent attention keeps one latent "head" (kv_lora_rank + rope dims)
     kv_heads: int = 0
     kv_elements_per_head: int = 0
+    # (value heads, d_k, d_v) of each linear-attention (gated DeltaNet) layer: its state update in the FLOPs
+    linear_attention: tuple[tuple[int, int, int], ...] = ()
+    # the rollout engine's linear-attention state of one sequence, whatever its length, every DeltaNet layer: conv
+    # state and fp32 recurrent state (bytes, whole model; split over TP by sequence_state_bytes); 0 without any
+    state_bytes_per_sequence: int = 0
 
     @property
     def version_bytes(self) -> float:
@@ -105,6 +118,11 @@ class ModelSizing:
         """One GPU's bf16 KV cache of a token in an engine of TP tp: kv_heads / tp heads (at least one; MLA's
         single latent on every rank) of kv_elements_per_head values (SGLang's cell size, _kv_cache_shape)."""
         return max(1, self.kv_heads // tp) * self.kv_elements_per_head * 2
+
+    def sequence_state_bytes(self, tp: int) -> float:
+        """One GPU's linear-attention state of one sequence in an engine of TP tp (SGLang splits the DeltaNet heads,
+        and so the conv and recurrent states, over TP); 0 for a model without linear attention."""
+        return self.state_bytes_per_sequence / tp
 
     @property
     def active_non_embedding(self) -> int:
@@ -123,7 +141,8 @@ class ModelSizing:
     def flops_per_token(self, seq_len: float) -> float:
         """Training (forward + backward) FLOPs of one token at context `seq_len` (module docstring)."""
         attention = sum(h * (dqk + dv) * (min(seq_len, w) if w else seq_len) for h, dqk, dv, w in self.attention)
-        return 6.0 * self.compute + 6.0 * attention
+        linear = sum(4 * hv * dk * dv for hv, dk, dv in self.linear_attention)
+        return 6.0 * self.compute + 6.0 * attention + 6.0 * linear
 
     def summary(self) -> str:
         def b(n: float) -> str:
@@ -162,13 +181,44 @@ def _dense_intermediate(cfg: Any, layer: int) -> int:
     return int(shared_size or 0)
 
 
+def _is_linear_attention(cfg: Any, layer: int) -> bool:
+    """Whether a layer's token mixer is linear attention (Qwen3-Next's gated DeltaNet), not softmax attention."""
+    check = getattr(cfg, "is_linear_attention", None)
+    return bool(check(layer)) if callable(check) else False
+
+
+def _deltanet_dims(cfg: Any) -> tuple[int, int, int, int, int]:
+    """(key heads, value heads, d_k, d_v, conv channels) of a gated DeltaNet layer."""
+    hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    return hk, hv, dk, dv, 2 * hk * dk + hv * dv
+
+
+def linear_attention_state_bytes(cfg: Any) -> int:
+    """The rollout engine's state of one sequence over every DeltaNet layer (SGLang's mamba state pool for
+    Qwen3-Next): the causal conv1d's last K - 1 inputs of each of its 2 Hk d_k + Hv d_v channels (bf16, the model's
+    dtype; causal_conv1d's initial_states are (channels, K - 1), as vLLM's MambaStateShapeCalculator sizes them;
+    transformers' own cache keeps K) and the delta rule's Hv x d_k x d_v recurrent state (fp32)."""
+    layers = sum(1 for layer in range(cfg.num_hidden_layers) if _is_linear_attention(cfg, layer))
+    if not layers:
+        return 0
+    _, hv, dk, dv, channels = _deltanet_dims(cfg)
+    conv = channels * (cfg.linear_conv_kernel_dim - 1) * 2
+    recurrent = hv * dk * dv * 4
+    return layers * (conv + recurrent)
+
+
 def activation_elements(cfg: Any, layer: int, expert_intermediate: int) -> int:
     """A rough count of the values one layer keeps per token for its backward with every activation kept and a
     flash-style attention (no T x T matrix): the norms' and residual's inputs and outputs (6h), the queries, keys,
     values and attention output (heads x (2 d_qk + d_v) with keys and values at the query heads' count for MLA,
     kv_heads for GQA), the router's logits (E), then per chosen expert its copy of the input and its gate, up and
-    gated products (h + 3I), and the same for the always-on MLP (h + 3I_dense). Korthikanti et al. 2022 ("Reducing
-    Activation Recomputation in Large Transformer Models") count a dense layer so (34 s b h bytes at 16 bits).
+    gated products (h + 3I), and the same for the always-on MLP (h + 3I_dense). Qwen3-Next: a full-attention layer
+    also keeps its output gate (heads x d_v); a gated DeltaNet layer instead of attention keeps its in_proj_qkvz and
+    in_proj_ba outputs (2 Hk d_k + 2 Hv d_v + 2 Hv), the conv1d's output (2 Hk d_k + Hv d_v), the delta rule's output
+    and the gated norm's (2 Hv d_v): the chunked kernel's own intermediates are not counted. Korthikanti et al.
+    2022 ("Reducing Activation Recomputation in Large Transformer Models") count a dense layer so (34 s b h bytes at
+    16 bits).
     Against the bytes autograd saves in moerl's own Qwen3-MoE layer (fp32, CPU; tests/test_simulate_model_sizing.py):
     Qwen3-30B-A3B's layer keeps ~237 KB a token where the formula says 226 KB (the fit's linear term, which also
     holds the embedding's and a small test vocabulary's share), a small layer 8.6 KB against the formula's 9.8 KB.
@@ -179,6 +229,11 @@ def activation_elements(cfg: Any, layer: int, expert_intermediate: int) -> int:
     heads = cfg.num_attention_heads
     kv_heads = heads if getattr(cfg, "qk_nope_head_dim", None) is not None else cfg.num_key_value_heads
     attention = heads * dqk + kv_heads * (dqk + dv) + heads * dv
+    if _is_linear_attention(cfg, layer):
+        hk, hv, dk, dv_lin, channels = _deltanet_dims(cfg)
+        attention = (2 * hk * dk + 2 * hv * dv_lin + 2 * hv) + channels + 2 * hv * dv_lin
+    elif getattr(cfg, "linear_num_value_heads", None) is not None:  # Qwen3-Next's gated softmax attention
+        attention += heads * dv
     mlp = 0
     if cfg.is_moe_layer(layer):
         mlp += cfg.num_experts + cfg.num_experts_per_tok * (h + 3 * expert_intermediate)
@@ -212,9 +267,13 @@ def model_sizing(d: dict[str, Any], source: str = "config.json") -> ModelSizing:
     active = non_expert + expert * cfg.num_experts_per_tok // cfg.num_experts
     dqk, dv = _head_dims(cfg)
     window = getattr(cfg, "window", None)
+    linear_layers = [layer for layer in range(layers) if _is_linear_attention(cfg, layer)]
     attention = tuple(
-        (cfg.num_attention_heads, dqk, dv, window(layer) if callable(window) else None) for layer in range(layers)
+        (cfg.num_attention_heads, dqk, dv, window(layer) if callable(window) else None)
+        for layer in range(layers)
+        if layer not in linear_layers
     )
+    linear_attention = tuple(_deltanet_dims(cfg)[1:4] for _ in linear_layers)
     dtype = declared_dtype(d, source)
     dtype_bytes = _DTYPE_BYTES[str(dtype).removeprefix("torch.")] if dtype is not None else 2
     return ModelSizing(
@@ -234,6 +293,8 @@ def model_sizing(d: dict[str, Any], source: str = "config.json") -> ModelSizing:
         hidden_size=cfg.hidden_size,
         vocab_size=cfg.vocab_size,
         layer_activation_elements=tuple(activation_elements(cfg, i, expert_intermediate) for i in range(layers)),
+        linear_attention=linear_attention,
+        state_bytes_per_sequence=linear_attention_state_bytes(cfg),
         **_kv_cache_shape(cfg),
     )
 
@@ -241,8 +302,10 @@ def model_sizing(d: dict[str, Any], source: str = "config.json") -> ModelSizing:
 def _kv_cache_shape(cfg: Any) -> dict[str, int]:
     """What a token keeps in SGLang's KV cache (v0.5.17, mem_cache/pool_configurator.py _compute_cell_size): for
     MLA one latent of kv_lora_rank + qk_rope_head_dim a layer, not split by TP; otherwise keys and values of each
-    KV head a layer (head_dim each), the heads split by TP."""
-    layers = cfg.num_hidden_layers
+    KV head a layer (head_dim each), the heads split by TP. Only the softmax-attention layers keep keys and values:
+    Qwen3-Next's gated DeltaNet layers keep a state of fixed size a sequence instead (linear_attention_state_bytes;
+    SGLang's HybridLinearKVPool holds the full-attention layers' cache alone)."""
+    layers = sum(1 for layer in range(cfg.num_hidden_layers) if not _is_linear_attention(cfg, layer))
     if getattr(cfg, "kv_lora_rank", None):
         return {"kv_heads": 1, "kv_elements_per_head": (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * layers}
     dqk, dv = _head_dims(cfg)
@@ -368,7 +431,7 @@ def trainer_memory(
         rows.append(("FSDP: embeddings and output projection gathered whole (fp32)",
                      4 * (m.embedding + m.unembedding) / GB))  # fmt: skip
     if shard_experts and dp > 1:
-        moe_layers = max(1, sum(1 for _ in m.attention))  # every layer may be a MoE layer: the bound
+        moe_layers = max(1, len(m.layer_activation_elements))  # every layer may be a MoE layer: the bound
         rows.append(("shard_experts: two layers' local experts gathered whole (fp32)",
                      2 * 4 * m.expert / ep / moe_layers / GB))  # fmt: skip
     if kl_ref:
@@ -442,16 +505,28 @@ def rollout_memory(
     them its KV pool holds at full length at once. SGLang (v0.5.17, kv_cache_configurator.py) sizes its KV pool as
     the memory left under mem_fraction_static once the weights are in: about mem_fraction x GPU - weights; a KV
     token takes kv_heads / tp (at least 1) heads of kv_elements_per_head bf16 values (MLA: one latent, every TP
-    rank). Weights in bf16: the non-expert ones split over tp, the experts over ep."""
+    rank); a model with linear attention (Qwen3-Next) adds its DeltaNet state, a fixed size a sequence (over TP),
+    for each of the chunk's sequences (SGLang's mamba pool, taken from the same budget). Weights in bf16: the
+    non-expert ones split over tp, the experts over ep."""
     weights = m.engine_weight_bytes(tp, ep) / GB
     per_token = m.kv_bytes_per_token(tp)
-    needed = sequences * seq_len * per_token / GB
+    per_sequence = m.sequence_state_bytes(tp)
+    kv = sequences * seq_len * per_token / GB
+    state = sequences * per_sequence / GB
+    needed = kv + state
     pool = mem_fraction * capacity_gb - weights if capacity_gb else 0.0
-    rows = ((f"weights (bf16; non-expert / TP {tp}, experts / EP {ep})", weights),
-            (f"KV cache for the chunk ({sequences:,} sequences x {seq_len:,} tokens)", needed))  # fmt: skip
+    rows: tuple[tuple[str, float], ...] = (
+        (f"weights (bf16; non-expert / TP {tp}, experts / EP {ep})", weights),
+        (f"KV cache for the chunk ({sequences:,} sequences x {seq_len:,} tokens)", kv),
+    )
+    if per_sequence:
+        rows += ((f"linear-attention state for the chunk ({sequences:,} sequences, conv + fp32 recurrent state)",
+                  state),)  # fmt: skip
     held = min(1.0, pool / needed) if capacity_gb and needed else 1.0
+    state_note = (f" + {per_sequence / 1e6:,.2f} MB of linear-attention state a sequence (DeltaNet conv and "
+                  "recurrent states, any length)") if per_sequence else ""  # fmt: skip
     formula = (f"SGLang's KV pool ~ mem_fraction {mem_fraction:g} x GPU - weights"
                + (f" = {pool:,.1f} GB: holds {max(held, 0):.0%} of the chunk's sequences at full length at once"
-                  if capacity_gb else "") + f"; {per_token:,} bytes a token")  # fmt: skip
+                  if capacity_gb else "") + f"; {per_token:,} bytes a token" + state_note)  # fmt: skip
     budget = f"SGLang's mem_fraction {mem_fraction:g} of the {gpu}'s {capacity_gb:,.0f} GB:"
     return MemoryTable(rows, gpu, mem_fraction * capacity_gb, formula, budget), max(held, 0.0)
