@@ -51,6 +51,12 @@ FAMILIES = {
         **SMALL, "num_key_value_heads": 2, "head_dim": 8, "rotary_dim": 4, "num_local_experts": 4,
         "num_experts_per_tok": 2, "use_qk_norm": True, "qk_norm_type": "per_layer", "scoring_func": "sigmoid",
         "use_routing_bias": True}),
+    # gated DeltaNet beside gated softmax attention: the torch engine decodes each row's recurrent state
+    # (steps/engines/state_decoder.py), the trainer runs the chunked form
+    "qwen3_next": ("Qwen3NextConfig", {
+        **SMALL, "num_key_value_heads": 2, "head_dim": 8, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+        "linear_key_head_dim": 8, "linear_value_head_dim": 8, "full_attention_interval": 2, "num_experts": 4,
+        "num_experts_per_tok": 2, "moe_intermediate_size": 16, "shared_expert_intermediate_size": 24}),
 }  # fmt: skip
 
 
