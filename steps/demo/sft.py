@@ -270,7 +270,13 @@ def train_sft(
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=settings.lr, weight_decay=settings.weight_decay, foreach=True
     )
-    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=settings.lr, total_steps=settings.steps)
+    if settings.stop_at_accuracy is None:
+        schedule: torch.optim.lr_scheduler.LRScheduler = torch.optim.lr_scheduler.OneCycleLR(
+            optimizer, max_lr=settings.lr, total_steps=settings.steps
+        )
+    else:  # a run that stops on a check: the rate stays up until the skill appears, however late
+        warmup = max(settings.check_every, 1)
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup))
     order = random.Random(settings.seed)
     checks = task.prompts("train", settings.check_prompts, settings.seed + 1) if settings.stop_at_accuracy else []
     model.train()
