@@ -254,7 +254,7 @@ class Multiplication(DigitTask):
         return f"\\boxed{{{answer.strip()}}}"
 
     def sft_turns(self, prompt: Prompt) -> list[str]:
-        """The two turns of a perfect policy: the calculator call in the Qwen tool-call format, then the boxed result."""
+        """A perfect policy's two turns: the calculator call in the Qwen tool-call format, then the boxed result."""
         call = json.dumps({"name": "calc", "arguments": {"expr": prompt.metadata["expression"]}})
         return [f"<tool_call>\n{call}\n</tool_call>", self.sft_target(prompt.answer)]
 
