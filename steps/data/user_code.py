@@ -3,8 +3,10 @@ worker processes load it and talk to their step (steps/scoring/user_reward.py, s
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
+import subprocess
 import sys
 from typing import Any, TextIO
 
@@ -43,3 +45,20 @@ def protocol_stream() -> TextIO:
     os.dup2(2, 1)
     sys.stdout = sys.stderr
     return protocol
+
+
+def start_worker(module: str, *args: str) -> subprocess.Popen[bytes]:
+    """`python -m module args...` in this directory, speaking on its stdin and stdout (its stderr is the step's)."""
+    return subprocess.Popen([sys.executable, "-m", module, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=None, cwd=os.getcwd())  # fmt: skip
+
+
+def kill_worker(process: subprocess.Popen[bytes]) -> None:
+    """Kill a worker (if it still runs), reap it and close its pipes."""
+    if process.poll() is None:
+        process.kill()
+    process.wait()
+    for stream in (process.stdin, process.stdout):
+        if stream is not None:
+            with contextlib.suppress(OSError):
+                stream.close()

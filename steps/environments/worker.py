@@ -29,12 +29,10 @@ one turn's steps run side by side.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
 import select
-import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -151,10 +149,7 @@ class Call:
 
 class _Worker:
     def __init__(self, spec: str, params: Mapping[str, Any]) -> None:
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "steps.environments.worker", spec, json.dumps(dict(params), default=str)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=None, cwd=os.getcwd(),
-        )  # fmt: skip
+        self.process = user_code.start_worker("steps.environments.worker", spec, json.dumps(dict(params), default=str))
         self.buffer = b""
 
     @property
@@ -178,13 +173,7 @@ class _Worker:
         return json.loads(line)
 
     def kill(self) -> None:
-        if self.process.poll() is None:
-            self.process.kill()
-        self.process.wait()
-        for stream in (self.process.stdin, self.process.stdout):
-            if stream is not None:
-                with contextlib.suppress(OSError):
-                    stream.close()
+        user_code.kill_worker(self.process)
 
 
 class EnvironmentPool:

@@ -20,12 +20,10 @@ log (stderr), never into the protocol.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
 import select
-import subprocess
 import sys
 import time
 from collections.abc import Mapping
@@ -84,10 +82,7 @@ class RewardFunction:
 
     def __init__(self, spec: str, timeout_s: float) -> None:
         self.spec, self.timeout_s = spec, timeout_s
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "steps.scoring.user_reward", spec],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=None, cwd=os.getcwd(),
-        )  # fmt: skip
+        self.process = user_code.start_worker("steps.scoring.user_reward", spec)
         self._buffer = b""
         ready = self._read(user_code.IMPORT_TIMEOUT_S, "while importing it")
         if "error" in ready:
@@ -139,13 +134,7 @@ class RewardFunction:
         raise MoerlError(f"rewards.reward_fn {self.spec} on {where}: {reply['bad']}")
 
     def close(self) -> None:
-        if self.process.poll() is None:
-            self.process.kill()
-        self.process.wait()
-        for stream in (self.process.stdin, self.process.stdout):
-            if stream is not None:
-                with contextlib.suppress(OSError):
-                    stream.close()
+        user_code.kill_worker(self.process)
 
 
 if __name__ == "__main__":
