@@ -112,13 +112,14 @@ def physical_floor(cfg: RunConfig, m: ModelSizing, a: Assumptions) -> Floor | No
     weights_gb = m.engine_weight_bytes(sg.tp_size, sg.ep_size) / GB
     kv_token_gb = m.kv_bytes_per_token(sg.tp_size) / GB
     pool_gb = max(sg.mem_fraction * rollout_capacity - weights_gb, 0.0)
-    full_seq_gb = kv_token_gb * padded_seq_len(cfg, a)
+    state_gb = m.sequence_state_bytes(sg.tp_size) / GB  # a linear-attention layer's state, whatever the length
+    full_seq_gb = kv_token_gb * padded_seq_len(cfg, a) + state_gb
     batch = max(1, min(per_engine, int(pool_gb / full_seq_gb))) if full_seq_gb else per_engine
     waves = -(-per_engine // batch)  # batches one after the other (not a conversation's turns)
     tflops, hbm = rollout_spec
     forward_flops = m.flops_per_token(mean_context) / 3  # a token's forward: a third of forward + backward
     compute_s = batch * forward_flops / (engine_gpus * tflops * 1e12)
-    memory_s = (weights_gb + batch * mean_context * kv_token_gb) / (hbm * 1e3)  # GB at TB/s
+    memory_s = (weights_gb + batch * (mean_context * kv_token_gb + state_gb)) / (hbm * 1e3)  # GB at TB/s
     step_s = max(compute_s, memory_s)
     rollout_s = sampled_tokens(cfg, a, waves) * step_s  # waves x the model's tokens of a sample: its decode steps
     bound = "compute" if compute_s >= memory_s else "HBM"
