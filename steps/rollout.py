@@ -96,7 +96,7 @@ def rollout_shard(
         return result
     start = time.monotonic()
     if served:
-        send_to_servers(work, workflow, shard, todo, len(finished), len(mine), result, log, where)
+        send_to_servers(work, workflow, shard, todo, len(finished), len(mine), result, log, where, preemption)
     else:
         generate_here(work, device, threads, todo, len(finished), len(mine), preemption, result, log, where)
     result.seconds = time.monotonic() - start
@@ -139,7 +139,7 @@ def generate_here(
 
 def send_to_servers(
     work: IterationRollout, workflow: str, shard: int, todo: list[int], finished: int, total: int,
-    result: ShardResult, log: Callable[[str], None], where: str,
+    result: ShardResult, log: Callable[[str], None], where: str, preemption: Preemption | None = None,
 ) -> None:  # fmt: skip
     """The chunks sent, one request each, to rollout server K mod rollout.servers (or its replacement, which
     registers under its name) when it is ready, else to any ready server, else to the first that is ready
@@ -162,7 +162,7 @@ def send_to_servers(
     if work.plan.environment is not None:  # the environment runs here, each turn goes to the server
         engine = RemoteEngine(server, work.run.uri, work.iteration, work.version)
         for done, chunk in enumerate(todo, start=finished + 1):
-            stats = work.generate(engine, chunk)
+            stats = work.generate(engine, chunk, preemption)  # this client writes the chunk: a protected write
             _done(result, chunk, done, total, stats.samples, stats.tokens, stats.seconds, log, where,
                   f" with {server.name}")  # fmt: skip
         return

@@ -163,3 +163,29 @@ def test_a_chunk_must_hold_exactly_its_samples():
     assert "metadata says chunk 1" in chunk_problem(plan, 2, good)
     short = chunk_table(plan, 1, prompt_ids, fake_generations(plan, 1)[:-1])
     assert "holds 14 samples, not exactly the 15" in chunk_problem(plan, 1, short)
+
+
+def test_chunks_written_before_the_multi_turn_columns_read_as_single_turn(tmp_path):
+    run = Store.open(str(tmp_path / "run"))
+    plan = plan_for(config())
+    prompt_ids = {p.prompt_id: [1, 5, 6] for p in plan.chunk_prompts(0)}
+    table = chunk_table(plan, 0, prompt_ids, fake_generations(plan, 0))
+    older = table.drop_columns(["loss_mask", "env_reward", "turns", "env_metrics"])
+    assert chunk_problem(plan, 0, older) is None
+    for chunk in range(plan.num_chunks):
+        write_chunk(run, plan, chunk, older if chunk == 0 else chunk_table(
+            plan, chunk, {p.prompt_id: [1, 5, 6] for p in plan.chunk_prompts(chunk)}, fake_generations(plan, chunk)))
+    read = read_rollout(run, plan, num_shards=2)
+    assert read.schema.remove_metadata() == ROLLOUT_SCHEMA and read.column("loss_mask").null_count == read.num_rows
+
+
+def test_a_multi_turn_plan_refuses_chunks_without_or_with_misaligned_loss_masks():
+    cfg = config(prompt_format="chat", environment={"class_path": "steps.demo.calculator:CalculatorEnv"})
+    plan = plan_for(cfg)
+    prompt_ids = {p.prompt_id: [1, 5, 6] for p in plan.chunk_prompts(0)}
+    single = chunk_table(plan, 0, prompt_ids, fake_generations(plan, 0))
+    assert "without a loss_mask" in chunk_problem(plan, 0, single)
+    masks = pa.array([[1, 0] for _ in range(single.num_rows)], type=pa.list_(pa.int8()))
+    misaligned = single.set_column(single.schema.get_field_index("loss_mask"), "loss_mask", masks)
+    assert "differ in length" in chunk_problem(plan, 0, misaligned)
+    assert "has no environment" in chunk_problem(plan_for(config()), 0, misaligned)

@@ -245,6 +245,8 @@ def scripted_conversation(prompt: Prompt, settings: SftSettings) -> tuple[list[d
         if done:
             break
         messages.extend(observation)
+    if callable(getattr(env, "close", None)):
+        env.close()
     return messages, getattr(env, "tools", None)
 
 
@@ -278,7 +280,9 @@ def train_sft(
         warmup = max(settings.check_every, 1)
         schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup))
     order = random.Random(settings.seed)
-    checks = task.prompts("train", settings.check_prompts, settings.seed + 1) if settings.stop_at_accuracy else []
+    checks = []
+    if settings.stop_at_accuracy is not None:
+        checks = task.prompts("train", settings.check_prompts, settings.seed + 1)
     model.train()
     for step in range(settings.steps):
         inputs, targets, mask = teacher_forced_batch(order.sample(examples, settings.batch_size), tok.pad_id)

@@ -51,12 +51,16 @@ def answer_body(generations: Sequence[Generation]) -> dict[str, Any]:
 def read_generations(answer: dict[str, Any], requests: Sequence[GenerationRequest], server: str) -> list[Generation]:
     rows = answer.get("generations")
     if not isinstance(rows, list) or len(rows) != len(requests):
-        raise MoerlError(f"{server} answered {str(answer)[:200]} to a generate request of {len(requests)} samples")
+        raise MoerlError(
+            f"{server} answered {str(answer)[:200]} to a generate request of {len(requests)} samples: the server runs "
+            "another moerl than this rollout client; run one image version for the servers and the clients"
+        )
     out = []
     for r, (ids, logprobs, finish) in zip(requests, rows, strict=True):
         if len(ids) != len(logprobs) or finish not in (FINISH_STOP, FINISH_LENGTH):
             raise MoerlError(
-                f"{server} answered a malformed generation for prompt {r.prompt_id} sample {r.sample_index}"
+                f"{server} answered a malformed generation for prompt {r.prompt_id} sample {r.sample_index}: the "
+                "server runs another moerl than this rollout client; run one image version for both"
             )
         out.append(Generation(r.prompt_id, r.sample_index, [int(t) for t in ids], [float(x) for x in logprobs], finish))
     return out

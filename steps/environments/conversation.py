@@ -46,9 +46,11 @@ FINISH_TURNS = "turns"  # environment.max_turns model turns, and the environment
 
 @dataclass(frozen=True)
 class ConversationLimits:
-    max_turns: int = 4
-    max_total_tokens: int = 1024
-    tool_call_format: str = "qwen"
+    """environment.max_turns, max_total_tokens and tool_call_format (their defaults are the run config's)."""
+
+    max_turns: int
+    max_total_tokens: int
+    tool_call_format: str
 
 
 @dataclass(frozen=True)
@@ -56,10 +58,10 @@ class EnvironmentSettings:
     """The run's `environment` section as the conversation loop and its worker pool take it."""
 
     class_path: str
-    params: Mapping[str, Any] = field(default_factory=dict)
-    limits: ConversationLimits = ConversationLimits()
-    step_timeout_s: float = 10.0
-    workers: int = 4
+    params: Mapping[str, Any]
+    limits: ConversationLimits
+    step_timeout_s: float
+    workers: int
 
     @classmethod
     def from_config(cls, environment: Any) -> EnvironmentSettings:
@@ -251,7 +253,13 @@ def observation_ids(
     stop = tok.decode(c.last_turn_ids[-1:], skip_special_tokens=False)
     cut = before.rfind(stop) if stop else -1
     tail = before[cut + len(stop) :] if cut >= 0 else ""
-    ids = tok.encode_text(tail + after[len(before) :])
+    text = tail + after[len(before) :]
+    if bad := tok.unencodable(text):
+        raise MoerlError(
+            f"{c.where}: the checkpoint's tokenizer cannot encode {', '.join(map(repr, bad[:8]))} of the environment's "
+            "observation; return text the tokenizer covers"
+        )
+    ids = tok.encode_text(text)
     if not ids:
         raise MoerlError(f"{c.where}: the environment's observation renders to no tokens; return a message with text")
     return ids

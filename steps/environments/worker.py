@@ -8,7 +8,8 @@ The contract (README, "Environments: multi-turn and tools"):
         def __init__(self, **params): ...                # environment.params; one instance per conversation
         def reset(self, prompt, answer, metadata, seed) -> list[dict] | None
             # the conversation's first messages; None keeps the prompt's own (a string prompt is one user message,
-            # after the run's system_prompt). seed: an int of this conversation, for any randomness the
+            # after the run's system_prompt, which goes first in either case). seed: an int of this prompt, the
+            # same for every sample of it (a GRPO group starts from one first prompt), for any randomness the
             # environment has (it must be a function of its arguments: a retried chunk is generated again)
         def step(self, messages) -> (observation, reward, done, metrics)
             # messages: the conversation so far, the model's last turn last, as the chat template reads it
@@ -17,7 +18,8 @@ The contract (README, "Environments: multi-turn and tools"):
             # messages answer tool calls, 'user' messages talk), [] when done; reward: a finite number (this
             # step's, summed over the conversation); done: True ends the conversation; metrics: named finite
             # numbers, whose means over the iteration's conversations land in the metrics as env/<name>
-        def close(self): ...   # optional, called when the conversation ends
+        def close(self): ...   # optional, called once the chunk's conversations have all ended (not after an
+                               # error: the workers are then killed)
 
 Each call must return within environment.step_timeout_s. The worker is a separate Python process (`python -m
 steps.environments.worker SPEC PARAMS_JSON`, one JSON object a line on stdin/stdout, the environment's prints going
@@ -29,6 +31,7 @@ one turn's steps run side by side.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -86,6 +89,8 @@ def step_result(value: Any) -> dict[str, Any] | str:
     metrics = {} if metrics is None else metrics
     if problem := _numbers_problem(metrics, "metrics"):
         return problem
+    if "tool_calls" in metrics:
+        return "returned a metric named 'tool_calls', which is moerl's own count of the model's calls; rename it"
     if not done and not observation:
         return "returned no observation and done False; a conversation that goes on needs the next message"
     return {"observation": [dict(m) for m in observation], "reward": float(reward), "done": done,
@@ -181,8 +186,10 @@ class EnvironmentPool:
 
     def __init__(self, spec: str, params: Mapping[str, Any], workers: int, timeout_s: float) -> None:
         self.spec, self.timeout_s = spec, timeout_s
-        self.workers = [_Worker(spec, params) for _ in range(workers)]
+        self.workers: list[_Worker] = []
         try:
+            for _ in range(workers):  # each kept as it starts: a failure or a SIGTERM here kills those started
+                self.workers.append(_Worker(spec, params))
             for worker in self.workers:
                 reply = self._wait(worker, time.monotonic() + user_code.IMPORT_TIMEOUT_S, "while importing it")
                 if "error" in reply:
@@ -278,7 +285,8 @@ class EnvironmentPool:
 
     def close(self) -> None:
         for worker in self.workers:
-            worker.kill()
+            with contextlib.suppress(Exception):  # the others are killed whatever one does
+                worker.kill()
 
 
 if __name__ == "__main__":

@@ -332,8 +332,24 @@ def write_chunk(run: Store, plan: RolloutPlan, chunk: int, table: pa.Table) -> s
     return key
 
 
+# The multi-turn columns (tables.py): a chunk written before they existed has none, which a run without an
+# environment reads as nulls (with_conversation_columns).
+CONVERSATION_COLUMNS = ("loss_mask", "env_reward", "turns", "env_metrics")
+
+
+def with_conversation_columns(table: pa.Table) -> pa.Table:
+    """`table` with the multi-turn columns it lacks, as nulls."""
+    for name in CONVERSATION_COLUMNS:
+        if name not in table.column_names:
+            field = ROLLOUT_SCHEMA.field(name)
+            table = table.append_column(field, pa.nulls(table.num_rows, field.type))
+    return table
+
+
 def chunk_problem(plan: RolloutPlan, chunk: int, table: pa.Table) -> str | None:
     """What makes `table` not the chunk `chunk` of `plan` (None when it is exactly that chunk)."""
+    if plan.environment is None:
+        table = with_conversation_columns(table)
     for field in ROLLOUT_SCHEMA:
         if field.name not in table.column_names:
             return f"it has no column {field.name!r}"
@@ -421,7 +437,7 @@ def read_rollout(run: Store, plan: RolloutPlan, num_shards: int) -> pa.Table:
                 f"{run.url(key)}: {who(chunk)} does not match this iteration: {problem}; delete the file and "
                 f"rerun rollout shard {chunk % num_shards} of iteration {plan.iteration}"
             )
-        tables.append(table.replace_schema_metadata(None))
+        tables.append(with_conversation_columns(table).replace_schema_metadata(None).select(ROLLOUT_SCHEMA.names))
     return pa.concat_tables(tables).sort_by(CANONICAL_ORDER)
 
 

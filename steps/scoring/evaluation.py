@@ -19,7 +19,7 @@ from torch import nn
 
 from steps.data.tasks import Prompt, Task, get_task, verify_ids
 from steps.data.tokenizer import RAW, CheckpointTokenizer, PromptFormat, load_tokenizer
-from steps.engines.interface import Engine, GenerationRequest, SamplingParams
+from steps.engines.interface import Engine, GenerationRequest, SamplingParams, sample_seed
 from steps.engines.torch_engine import TorchEngine
 from steps.environments.conversation import EnvironmentSettings, run_conversations
 from steps.experience.rollout_plan import heldout_prompts, prompt_format
@@ -66,8 +66,9 @@ def evaluate_accuracy(
         with environment.open_pool(len(prompts)) as pool:
             for start in range(0, len(prompts), batch_size):
                 batch = prompts[start : start + batch_size]
-                conversations = run_conversations(
-                    engine, tokenizer, prompt_format, pool, batch, params, environment.limits, lambda p, k: 0
+                conversations = run_conversations(  # each prompt's environment seeded by its id
+                    engine, tokenizer, prompt_format, pool, batch, params, environment.limits,
+                    lambda p, k: sample_seed(0, 0, p, k),
                 )
                 for prompt, c in zip(batch, conversations, strict=True):
                     correct += verify_ids(verifier_of(prompt), tokenizer, c.last_turn_ids, prompt.answer).correct
