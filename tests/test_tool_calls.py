@@ -160,3 +160,12 @@ def test_without_tools_the_template_is_plain_chatml(tokenizer):
     assert tokenizer.apply_chat_template(conversation, tokenize=False) == (
         f"<|im_start|>system\ns{END}\n<|im_start|>user\nhi{END}\n{ASSISTANT}hello{END}\n"
     )
+
+
+def test_the_configs_tool_call_formats_are_the_parsers():
+    import typing
+
+    from steps.environments.tool_calls import FORMATS
+    from steps.run.config import EnvironmentConfig
+
+    assert typing.get_args(EnvironmentConfig.model_fields["tool_call_format"].annotation) == FORMATS

@@ -282,7 +282,8 @@ def qwen3_next_mismatch(config: dict[str, Any]) -> str | None:
     - RoPE: the top-level rope_theta and partial_rotary_factor, defaults 10000.0 and 0.25 (configs/qwen3_next.py:
       198-200, :234-236; models/qwen3_next.py:631, :637); transformers 5 reads them from rope_parameters;
     - the gated attention output: attn_output_gate, default True (models/qwen3_next.py:640);
-    - an output projection of its own: Qwen3NextForCausalLM never ties lm_head (models/qwen3_next.py:1024-1031)."""
+    - an output projection of its own: Qwen3NextForCausalLM never ties its output head to the embeddings
+      (models/qwen3_next.py:1024-1031)."""
     layers = config.get("num_hidden_layers")
     interval = config.get("full_attention_interval")
     if not isinstance(interval, int) or isinstance(interval, bool) or interval < 1:
