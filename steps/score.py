@@ -80,14 +80,13 @@ def user_rewards(
     return [v["reward"] for v in values], metrics
 
 
-def conversation_metrics(table: pa.Table, env_rewards: list[float]) -> dict[str, float]:
+def conversation_metrics(table: pa.Table, masks: list[list[int]], env_rewards: list[float]) -> dict[str, float]:
     """A multi-turn iteration's figures: turns, the model's tokens, the environment's reward and the means of its
     named metrics (env/<name>, tool_calls included) over the conversations that reported them."""
     named: dict[str, list[float]] = {}
     for text in table.column("env_metrics").to_pylist():
         for name, value in json.loads(text).items():
             named.setdefault(name, []).append(float(value))
-    masks = table.column("loss_mask").to_pylist()
     return {
         "turns_mean": float(np.mean(table.column("turns").to_numpy())),
         "model_tokens_mean": float(np.mean([sum(m) for m in masks])),
@@ -181,7 +180,7 @@ def score_iteration(
         "tied_group_fraction": tied,
     }
     if multi_turn:
-        metrics.update(conversation_metrics(table, env_rewards or []))
+        metrics.update(conversation_metrics(table, masks, env_rewards or []))
     if dynamic is not None:
         metrics["dynamic_sampling"] = {**dynamic, "trained_samples": scored.num_rows}
     if rm_scores is not None:
