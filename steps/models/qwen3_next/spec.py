@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from steps.models.family import ModelFamily
+from steps.models.gated_hybrid import decode_model
 from steps.models.qwen3_next.config import ARCHITECTURE, MODEL_TYPE, Qwen3NextConfig
-from steps.models.qwen3_next.decode import decode_model
 from steps.models.qwen3_next.model import Qwen3NextCausalLM
 from steps.models.qwen3_next.state_dict_adapter import Qwen3NextStateDictAdapter
 
