@@ -18,6 +18,7 @@ from steps.models.registry import FAMILIES, REFUSED, config_from_hf, family_of, 
 
 STEPS = Path(__file__).resolve().parents[1] / "steps"
 QWEN3_MOE_FOLDER = STEPS / "models" / "qwen3_moe"
+SHARED_DECODERS = (STEPS / "models" / "causal_lm.py", STEPS / "models" / "gated_hybrid.py")
 
 # Qwen3-MoE's Hugging Face tensor names, piece by piece: written in steps/models/qwen3_moe/ and nowhere else.
 QWEN3_MOE_TENSOR_NAMES = (
@@ -102,14 +103,15 @@ def test_the_decode_view_reads_the_models_own_modules():
 
 def test_qwen3_moe_tensor_names_are_written_only_in_family_folders():
     """grep: the family's Hugging Face tensor names appear in no file under steps/ outside the family folders
-    (steps/models/<model_type>/, which share many of them) and the shared causal LM's module names
-    (steps/models/causal_lm.py: the model's own names, which each family's state-dict adapter maps): the loader,
+    (steps/models/<model_type>/, which share many of them) and the shared decoders' module names
+    (steps/models/causal_lm.py, steps/models/gated_hybrid.py: the model's own names, which each family's state-dict
+    adapter maps): the loader,
     the trainer's held state, the engine and the MoE block ask the family."""
     pattern = re.compile("|".join(re.escape(name) for name in QWEN3_MOE_TENSOR_NAMES))
     folders = [STEPS / "models" / model_type for model_type in FAMILIES]
     found = []
     for path in sorted(STEPS.rglob("*.py")):
-        if any(folder in path.parents for folder in folders) or path == STEPS / "models" / "causal_lm.py":
+        if any(folder in path.parents for folder in folders) or path in SHARED_DECODERS:
             continue
         for number, line in enumerate(path.read_text().splitlines(), start=1):
             for match in pattern.finditer(line):

@@ -172,7 +172,8 @@ SGLANG_ARCHITECTURES = {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2M
                         "deepseek_v3": "DeepseekV3ForCausalLM", "kimi_k2": "DeepseekV3ForCausalLM",
                         "glm4_moe": "Glm4MoeForCausalLM", "mixtral": "MixtralForCausalLM",
                         "gpt_oss": "GptOssForCausalLM", "minimax_m2": "MiniMaxM2ForCausalLM",
-                        "qwen3_next": "Qwen3NextForCausalLM"}  # fmt: skip
+                        "qwen3_next": "Qwen3NextForCausalLM",
+                        "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration"}  # fmt: skip
 # MiniMax-M2: SGLang turns on TF32 for its matmuls (arg_groups/overrides.py _minimax_m2_overrides, "to improve gate
 # gemm performance"), so its router logits are TF32 where moerl's trainer computes them in fp32: watch the update's
 # router_disagreement, and consider trainer.routing_replay: rollout (which SGLang cannot record for it: below).
@@ -195,9 +196,9 @@ NO_DEEPEP_PATH = {
 # triton runner (layers/moe/moe_runner/triton_utils/fused_moe_triton_config.py:72 get_moe_configs, :190
 # get_default_config), which is what "auto" already is for bf16 weights elsewhere
 # (layers/quantization/unquant.py:568 UnquantizedFusedMoEMethod: MoeRunnerBackend.TRITON).
-# Qwen3-Next is among them (overrides.py:1283-1291 registers _qwen3_moe_family_overrides for Qwen3NextForCausalLM).
+# Qwen3-Next and Qwen3.5-MoE are among them (overrides.py:1283-1291 registers _qwen3_moe_family_overrides for both).
 TRTLLM_MOE_ON_SM100 = frozenset({"DeepseekV3ForCausalLM", "Qwen3MoeForCausalLM", "Glm4MoeForCausalLM",
-                                 "Qwen3NextForCausalLM"})  # fmt: skip
+                                 "Qwen3NextForCausalLM", "Qwen3_5MoeForConditionalGeneration"})  # fmt: skip
 HOPPER_SM = 90
 # Qwen3-Next (gated DeltaNet beside gated softmax attention) on SGLang 0.5.17, on every GPU:
 # - attention_backend "triton". On sm100 SGLang would pick trtllm_mha itself (arg_groups/overrides.py:1240-1265
@@ -229,6 +230,12 @@ HOPPER_SM = 90
 # - DeepEP and recorded routes: its MoE is Qwen2MoeSparseMoeBlock, with a DeepEP forward (models/qwen2_moe.py:461)
 #   and TopK(..., layer_id=layer_id) (qwen2_moe.py:270-274), captured before the fused shared expert is appended
 #   (layers/moe/topk.py:1906): in neither NO_DEEPEP_PATH nor NO_ROUTES_CAPTURE.
+# Qwen3.5-MoE (Qwen3_5MoeForConditionalGeneration, models/qwen3_5.py:2319) is the same hybrid to SGLang: its config
+# class derives from Qwen3NextConfig (configs/qwen3_5.py:15), the same overrides apply (overrides.py:1234-1265
+# _qwen3_5_hybrid_overrides, :1414 _MAMBA_RADIX_CACHE_ARCHS), its MoE is Qwen2MoeSparseMoeBlock (qwen3_5.py:710-726),
+# and update_weights_from_disk runs its load_weights (qwen3_5.py:1991-2300), whose loaders write in place as above;
+# it loads the released fused experts (qwen3_5.py:2035-2038, :2207-2232) and the vision tower (:2284-2287), and
+# skips mtp.* (:2113). So it gets the same arguments.
 QWEN3_NEXT_SERVER_ARGS = {"attention_backend": "triton", "disable_radix_cache": True}
 
 
@@ -250,10 +257,12 @@ def sglang_model_mismatch(config: dict[str, Any]) -> str | None:
     sparse", Qwen2MoeDecoderLayer), the head size is hidden_size // num_attention_heads (Qwen2MoeAttention) and
     output projection is never tied to the embeddings (Qwen2MoeForCausalLM).
 
-    Qwen3NextForCausalLM: qwen3_next_mismatch."""
+    Qwen3NextForCausalLM: qwen3_next_mismatch; Qwen3_5MoeForConditionalGeneration: qwen3_5_moe_mismatch."""
     arch = sglang_architecture(config)
     if arch == "Qwen3NextForCausalLM":
         return qwen3_next_mismatch(config)
+    if arch == "Qwen3_5MoeForConditionalGeneration":
+        return qwen3_5_moe_mismatch(config)
     if arch != "Qwen2MoeForCausalLM":
         return None
     heads, hidden = config.get("num_attention_heads") or 1, config.get("hidden_size") or 0
@@ -316,6 +325,56 @@ def qwen3_next_mismatch(config: dict[str, Any]) -> str | None:
     return None
 
 
+def qwen3_5_moe_mismatch(config: dict[str, Any]) -> str | None:
+    """What SGLang 0.5.17's Qwen3.5-MoE (configs/qwen3_5.py, its Qwen3_5TextConfig a Qwen3NextConfig;
+    models/qwen3_5.py) would compute differently from config.json's text_config as transformers 5.23 reads it, or
+    None:
+
+    - layer kinds: placed by text_config.full_attention_interval alone, without a default, layer_types dropped (as
+      Qwen3-Next's, configs/qwen3_next.py:218, :259-268; models/qwen3_5.py:1351);
+    - RoPE: rope_theta from text_config.rope_parameters only (utils/hf_transformers/common.py:300-302; without it
+      start-up fails with KeyError), partial_rotary_factor from text_config itself, default 0.25
+      (models/qwen3_5.py:872, configs/qwen3_next.py:200), where transformers reads rope_parameters';
+    - the gated attention output: attn_output_gate, default True (models/qwen3_5.py:879);
+    - tied embeddings: the top-level tie_word_embeddings replaces text_config's (models/qwen3_vl.py:1253-1262)."""
+    text = config.get("text_config")
+    if not isinstance(text, dict):
+        return "no text_config: SGLang's Qwen3.5-MoE reads the language model's fields from it"
+    layers, interval = text.get("num_hidden_layers"), text.get("full_attention_interval")
+    if not isinstance(interval, int) or isinstance(interval, bool) or interval < 1:
+        return (
+            f"text_config.full_attention_interval {interval!r}: SGLang's Qwen3.5-MoE places the full-attention layers "
+            "by it alone and has no default for it (write the interval its layer_types follow)"
+        )
+    layer_types = text.get("layer_types")
+    if layer_types is not None and isinstance(layers, int):
+        placed = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(layers)]
+        if list(layer_types) != placed:
+            return (
+                f"text_config.layer_types {list(layer_types)}: SGLang's Qwen3.5-MoE reads full_attention_interval "
+                f"alone and would place {placed}"
+            )
+    rope = text.get("rope_parameters")
+    if not isinstance(rope, dict) or "rope_theta" not in rope:
+        return "text_config.rope_parameters without rope_theta: SGLang's Qwen3.5-MoE reads rope_theta from there only"
+    factor = text.get("partial_rotary_factor", QWEN3_NEXT_ROPE_DEFAULTS["partial_rotary_factor"])
+    if rope.get("partial_rotary_factor", factor) != factor:
+        default = "" if "partial_rotary_factor" in text else ", its default"
+        return (
+            f"text_config.rope_parameters.partial_rotary_factor {rope['partial_rotary_factor']}: SGLang's Qwen3.5-MoE "
+            f"reads text_config.partial_rotary_factor ({factor}{default})"
+        )
+    if text.get("attn_output_gate", True) is not True:
+        return "attn_output_gate false: SGLang's Qwen3.5-MoE reads it, transformers' always gates the attention output"
+    tied = config.get("tie_word_embeddings", False)
+    if "tie_word_embeddings" in text and bool(text["tie_word_embeddings"]) != bool(tied):
+        return (
+            f"text_config.tie_word_embeddings {text['tie_word_embeddings']}: SGLang's Qwen3.5-MoE reads the top-level "
+            f"tie_word_embeddings ({tied})"
+        )
+    return None
+
+
 # Architectures whose SGLang 0.5.17 router records no routes per layer: their TopK is built without layer_id
 # (layers/moe/topk.py TopK keeps layer_id None), which the capturer uses as the layer index
 # (layers/moe/state_capturer/base.py capture: buffer[:batch, layer_id, :] = topk_ids), so None adds an axis: the
@@ -349,8 +408,8 @@ def family_server_args(
     would pick flashinfer_trtllm on sm100 (TRTLLM_MOE_ON_SM100), with moe_a2a_backend "none" only (under
     DeepEP SGLang picks no trtllm runner). Mixtral and gpt-oss have no DeepEP path (NO_DEEPEP_PATH). record_routes
     (rollout.record_routes): refused where SGLang records none per layer (NO_ROUTES_CAPTURE).
-    Qwen3-Next gets QWEN3_NEXT_SERVER_ARGS on every GPU (triton attention, no radix cache: see there), and is refused
-    where SGLang would serve another model (qwen3_next_mismatch)."""
+    Qwen3-Next and Qwen3.5-MoE get QWEN3_NEXT_SERVER_ARGS on every GPU (triton attention, no radix cache: see there),
+    and are refused where SGLang would serve another model (qwen3_next_mismatch, qwen3_5_moe_mismatch)."""
     arch = sglang_architecture(config)
     kwargs: dict[str, Any] = {}
     mismatch = sglang_model_mismatch(config)
@@ -376,7 +435,7 @@ def family_server_args(
         kwargs["attention_backend"] = "triton"
     if arch in TRTLLM_MOE_ON_SM100 and moe_a2a_backend == "none" and not hopper:
         kwargs["moe_runner_backend"] = "triton"
-    if arch == "Qwen3NextForCausalLM":
+    if arch in ("Qwen3NextForCausalLM", "Qwen3_5MoeForConditionalGeneration"):
         kwargs.update(QWEN3_NEXT_SERVER_ARGS)
     return kwargs
 

@@ -175,7 +175,9 @@ class _CombineSlots(torch.autograd.Function):
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: torch.autograd.function.FunctionCtx, grouped_out: torch.Tensor, topk_weight: torch.Tensor,
+        ctx: torch.autograd.function.FunctionCtx,
+        grouped_out: torch.Tensor,
+        topk_weight: torch.Tensor,
         slots: SlotOrder,
     ) -> torch.Tensor:
         out, per_choice, weights = slots.combine_rows(grouped_out, topk_weight)
@@ -189,7 +191,6 @@ class _CombineSlots(torch.autograd.Function):
         slots: SlotOrder = ctx.slots  # type: ignore[attr-defined]
         grad_grouped, grad_weight = slots.combine_rows_backward(grad, per_choice, weights)
         return grad_grouped, grad_weight.to(ctx.weight_dtype), None  # type: ignore[attr-defined]
-
 
 
 class LocalDispatch:
@@ -302,6 +303,9 @@ class SparseMoeBlock(nn.Module):
     """
 
     expert_class: type[RoutedExpert]  # set by the family's subclass
+    # the shared experts' class where it is not expert_class (Qwen3.5-MoE: its routed experts hold their gate and up
+    # projections as one tensor, its shared expert as two)
+    shared_expert_class: type[RoutedExpert] | None = None
 
     def __init__(
         self,
@@ -352,7 +356,9 @@ class SparseMoeBlock(nn.Module):
         # Shared experts every token goes through beside its routed ones (DeepSeek-V3, GLM-4.5: summed; Qwen2-MoE:
         # scaled by sigmoid(shared_expert_gate(x))), replicated on every rank like the router.
         self.shared_experts = (
-            self.expert_class(hidden_size, shared_intermediate_size) if shared_intermediate_size else None
+            (self.shared_expert_class or self.expert_class)(hidden_size, shared_intermediate_size)
+            if shared_intermediate_size
+            else None
         )
         self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False) if shared_expert_gate else None
         if shared_expert_gate and self.shared_experts is None:

@@ -21,12 +21,13 @@ from steps.models.gpt_oss.spec import GPT_OSS
 from steps.models.minimax_m2.spec import MINIMAX_M2
 from steps.models.mixtral.spec import MIXTRAL
 from steps.models.qwen2_moe.spec import QWEN2_MOE
+from steps.models.qwen3_5_moe.spec import QWEN3_5_MOE
 from steps.models.qwen3_moe.spec import QWEN3_MOE
 from steps.models.qwen3_next.spec import QWEN3_NEXT
 
 FAMILIES: dict[str, ModelFamily] = {
     family.model_type: family
-    for family in (QWEN3_MOE, QWEN2_MOE, GLM4_MOE, MIXTRAL, DEEPSEEK_V3, GPT_OSS, MINIMAX_M2, QWEN3_NEXT)
+    for family in (QWEN3_MOE, QWEN2_MOE, GLM4_MOE, MIXTRAL, DEEPSEEK_V3, GPT_OSS, MINIMAX_M2, QWEN3_NEXT, QWEN3_5_MOE)
 }
 
 # model_types a family loads beside its own: Kimi-K2 says "kimi_k2" with architectures DeepseekV3ForCausalLM.
@@ -46,8 +47,8 @@ REFUSED: dict[str, tuple[str, str, str]] = {
     "kimi_k25": ("Kimi-K2.5", "deepseek_v3", "its vision tower (KimiK25ForConditionalGeneration) is not"
                  " implemented; its language model is Kimi-K2's"),
     "olmoe": ("OLMoE", "qwen3_moe", "its q/k norms over the whole projection are not implemented"),
-    "qwen3_5_moe": ("Qwen3.5-MoE", "qwen3_next", "its separate in_proj_qkv/z/b/a projections and its multimodal"
-                    " config (text_config) are not implemented"),
+    "qwen3_5_moe_text": ("Qwen3.5-MoE (text-only)", "qwen3_5_moe", "the text-only layout (Qwen3_5MoeForCausalLM) is"
+                         " not read; use the released vision-language checkpoint"),
     "llama4": ("Llama-4", "qwen3_moe", "interleaved dense and MoE layers, chunked attention and its vision tower are"
                " not implemented"),
     "llama4_text": ("Llama-4", "qwen3_moe", "interleaved dense and MoE layers and chunked attention are not"

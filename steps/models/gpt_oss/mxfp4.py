@@ -30,14 +30,12 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from steps.errors import MoerlError
+from steps.models.checkpoint_rewrite import InputFiles, ShardWriter
 from steps.models.gpt_oss.config import GptOssConfig
 from steps.models.hf_checkpoint import (
     CONFIG_NAME,
-    SAFE_WEIGHTS_INDEX_NAME,
-    SAFE_WEIGHTS_NAME,
     TensorEntry,
     read_config_json,
     tensor_index,
@@ -139,56 +137,6 @@ def _packed_pairs(
     return pairs
 
 
-class _ShardWriter:
-    """Output tensors gathered into shards of at most `limit` bytes (a larger tensor alone), each written under a
-    temporary name as soon as it is full."""
-
-    def __init__(self, directory: Path, limit: int) -> None:
-        self.directory, self.limit = directory, limit
-        self.pending: dict[str, torch.Tensor] = {}
-        self.pending_bytes = 0
-        self.shards: list[list[str]] = []  # tensor names per written shard
-        self.total_bytes = 0
-
-    def temporary(self, i: int) -> Path:
-        return self.directory / f"{_TMP_PREFIX}{i:05d}.safetensors"
-
-    def add(self, name: str, tensor: torch.Tensor) -> None:
-        size = tensor.numel() * tensor.element_size()
-        if self.pending and self.pending_bytes + size > self.limit:
-            self.flush()
-        self.pending[name] = tensor.contiguous()
-        self.pending_bytes += size
-        self.total_bytes += size
-
-    def flush(self) -> None:
-        if self.pending:
-            save_file(self.pending, str(self.temporary(len(self.shards))), metadata={"format": "pt"})
-            self.shards.append(sorted(self.pending))
-            self.pending, self.pending_bytes = {}, 0
-
-    def finish(self) -> None:
-        """The shards moved to their final names (model.safetensors, or model-0000i-of-0000n.safetensors and
-        model.safetensors.index.json), once every input weight file is gone."""
-
-        self.flush()
-        if not self.shards:
-            return  # no tensors: validation says so
-        index = self.directory / SAFE_WEIGHTS_INDEX_NAME
-        if len(self.shards) == 1:
-            os.replace(self.temporary(0), self.directory / SAFE_WEIGHTS_NAME)
-            index.unlink(missing_ok=True)
-            return
-        weight_map: dict[str, str] = {}
-        for i, names in enumerate(self.shards):
-            final = f"model-{i + 1:05d}-of-{len(self.shards):05d}.safetensors"
-            os.replace(self.temporary(i), self.directory / final)
-            weight_map.update(dict.fromkeys(names, final))
-        (self.directory / SAFE_WEIGHTS_NAME).unlink(missing_ok=True)
-        index_json = {"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
-        index.write_text(json.dumps(index_json, indent=2) + "\n")
-
-
 def dequantize_checkpoint(
     directory: str | os.PathLike, say: Callable[[str], None] = print, shard_bytes: int = SHARD_BYTES
 ) -> int:
@@ -212,17 +160,9 @@ def dequantize_checkpoint(
     pairs = _packed_pairs(cfg, entries, directory, source)
 
     packed_names = {name: fused for fused, names in pairs.items() for name in names}
-    remaining: dict[Path, int] = {}
-    for entry in entries.values():
-        remaining[entry.file] = remaining.get(entry.file, 0) + 1
-
-    def consumed(name: str) -> None:
-        file = entries[name].file
-        remaining[file] -= 1
-        if remaining[file] == 0:
-            file.unlink()
-
-    writer = _ShardWriter(directory, shard_bytes)
+    inputs = InputFiles(entries)
+    consumed = inputs.consumed
+    writer = ShardWriter(directory, shard_bytes, _TMP_PREFIX)
     cast: dict[str, int] = {}
     for name, entry in entries.items():  # by file, then by name
         if name in packed_names:
@@ -243,7 +183,6 @@ def dequantize_checkpoint(
             cast[entry.dtype] = cast.get(entry.dtype, 0) + 1
         writer.add(name, tensor)
         consumed(name)
-    (directory / SAFE_WEIGHTS_INDEX_NAME).unlink(missing_ok=True)  # every file it named is gone
     writer.finish()
 
     plain.update(dtype=DTYPE_NAME, torch_dtype=DTYPE_NAME)
