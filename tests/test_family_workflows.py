@@ -57,7 +57,25 @@ FAMILIES = {
         **SMALL, "num_key_value_heads": 2, "head_dim": 8, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
         "linear_key_head_dim": 8, "linear_value_head_dim": 8, "full_attention_interval": 2, "num_experts": 4,
         "num_experts_per_tok": 2, "moe_intermediate_size": 16, "shared_expert_intermediate_size": 24}),
+    # a vision-language checkpoint: the language model (text_config) trains, the vision tower is carried through
+    # unchanged; transformers saves its experts per expert, which import fuses into the released layout
+    "qwen3_5_moe": ("Qwen3_5MoeConfig", {
+        **{k: v for k, v in SMALL.items() if k != "intermediate_size"}, "num_key_value_heads": 2, "head_dim": 8,
+        "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 8, "linear_value_head_dim": 8,
+        "layer_types": ["linear_attention", "full_attention"], "num_experts": 4, "num_experts_per_tok": 2,
+        "moe_intermediate_size": 16, "shared_expert_intermediate_size": 24}),
 }  # fmt: skip
+# vision-language families: model_type -> (transformers' class, a tiny vision_config)
+VISION_LANGUAGE = {"qwen3_5_moe": ("Qwen3_5MoeForConditionalGeneration", {
+    "depth": 1, "hidden_size": 16, "intermediate_size": 24, "num_heads": 2, "out_hidden_size": 32,
+    "num_position_embeddings": 16, "patch_size": 4})}  # fmt: skip
+
+
+def transformers_class(model_type: str) -> type:
+    """The Auto class transformers loads a published checkpoint of the family with."""
+    if model_type in VISION_LANGUAGE:
+        return transformers.AutoModelForImageTextToText
+    return transformers.AutoModelForCausalLM
 
 
 def user_checkpoint(directory: Path, model_type: str) -> Path:
@@ -66,17 +84,32 @@ def user_checkpoint(directory: Path, model_type: str) -> Path:
     tok = CheckpointTokenizer.load(directory)
     class_name, kwargs = FAMILIES[model_type]
     ids = {"bos_token_id": tok.token_id("bos_token"), "eos_token_id": tok.stop_ids[0], "pad_token_id": tok.pad_id}
-    config = getattr(transformers, class_name)(vocab_size=tok.vocab_size, **kwargs, **ids)
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config)
+    if model_type in VISION_LANGUAGE:
+        model_class, vision = VISION_LANGUAGE[model_type]
+        text = {"vocab_size": tok.vocab_size, **kwargs, **ids}
+        config = getattr(transformers, class_name)(text_config=text, vision_config=vision)
+        model = getattr(transformers, model_class)(config)
+    else:
+        config = getattr(transformers, class_name)(vocab_size=tok.vocab_size, **kwargs, **ids)
+        model = transformers.AutoModelForCausalLM.from_config(config)
     model.save_pretrained(directory)
     return directory
 
 
 def run_two_iterations(tmp_path: Path, sft: Path, name: str, server: bool) -> Store:
     run_dir = tmp_path / name
-    trainer = {"ep_backend": "alltoall", "nproc_per_node": 2, "ep_size": 2, "micro_batch_size": 8,
-               "steps_per_epoch": 2, "lr": 1e-2, "expert_placement": "balanced", "router": "train", "server": server}
+    trainer = {
+        "ep_backend": "alltoall",
+        "nproc_per_node": 2,
+        "ep_size": 2,
+        "micro_batch_size": 8,
+        "steps_per_epoch": 2,
+        "lr": 1e-2,
+        "expert_placement": "balanced",
+        "router": "train",
+        "server": server,
+    }
     cfg = RunConfig.model_validate(tiny_config(sft.as_uri(), run_dir.as_uri(), iterations=2, trainer=trainer,
                                                sampling={"max_new_tokens": 4, "temperature": 1.0}))  # fmt: skip
     result = run_local(cfg, tmp_path / f"{name}-work")
@@ -100,10 +133,12 @@ def test_a_family_trains_through_the_workflow_and_publishes_what_transformers_lo
         assert (published["plain"] / file).read_bytes() == (published["served"] / file).read_bytes(), file
 
     ours = load_pretrained(published["plain"]).eval()
-    theirs = transformers.AutoModelForCausalLM.from_pretrained(published["plain"], dtype=torch.float32).eval()
-    before = load_pretrained(sft)
-    trained = zip(ours.state_dict().values(), before.state_dict().values(), strict=True)
-    assert any(not torch.equal(a, b) for a, b in trained)
+    theirs = transformers_class(model_type).from_pretrained(published["plain"], dtype=torch.float32).eval()
+    imported = tmp_path / "plain-v0"
+    plain.download_dir("checkpoints/v000000", imported)
+    before = load_pretrained(imported).state_dict()
+    trained = [name for name, t in ours.state_dict().items() if not torch.equal(t, before[name])]
+    assert trained and all(name in dict(ours.named_parameters()) for name in trained)  # carried buffers unchanged
     ids = torch.randint(0, ours.config.vocab_size, (3, 9), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         torch.testing.assert_close(ours(ids), theirs(input_ids=ids).logits.float(), atol=1e-4, rtol=0)

@@ -23,6 +23,7 @@ from transformers import (
     MiniMaxM2Config,
     MixtralConfig,
     Qwen2MoeConfig,
+    Qwen3_5MoeConfig,
     Qwen3MoeConfig,
     Qwen3NextConfig,
 )
@@ -33,12 +34,14 @@ from steps.engines.sglang_engine import (
     GPT_OSS_ATTENTION_BACKENDS,
     MLA_DETERMINISTIC_ATTENTION_BACKENDS,
     QWEN3_NEXT_SERVER_ARGS,
+    SGLANG_MODELS,
     SGLangEngine,
     SGLangSettings,
     family_server_args,
     sglang_architecture,
 )
 from steps.errors import MoerlError
+from steps.models.registry import FAMILIES
 
 FAKE_SGLANG = Path(__file__).parent / "fake_sglang" / "sglang" / "__init__.py"
 TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -61,6 +64,21 @@ def tiny_qwen3_next(interval: int = 2, **extra) -> dict:
     return {**config, "full_attention_interval": interval}
 
 
+def tiny_qwen3_5_moe(**text_extra) -> dict:
+    """A small Qwen3.5-MoE config.json dict as transformers writes it (text_config with layer_types and
+    rope_parameters, vision_config), with text_config's full_attention_interval beside them, as the releases have it
+    and moerl writes it (steps/models/qwen3_5_moe/config.py)."""
+    text = {**TINY, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 32, "head_dim": 16, "linear_num_key_heads": 2,
+            "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+            "layer_types": ["linear_attention", "full_attention"]}  # fmt: skip
+    del text["intermediate_size"]
+    vision = {"depth": 1, "hidden_size": 16, "intermediate_size": 24, "num_heads": 2, "out_hidden_size": 64}
+    config = Qwen3_5MoeConfig(text_config=text, vision_config=vision).to_dict()
+    config["text_config"].update({"full_attention_interval": 2, **text_extra})
+    return config
+
+
 CONFIGS = {
     "qwen3_moe": tiny(Qwen3MoeConfig, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32),
     "qwen2_moe": tiny(Qwen2MoeConfig, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32),
@@ -71,6 +89,7 @@ CONFIGS = {
     "minimax_m2": tiny(MiniMaxM2Config, num_local_experts=8, num_experts_per_tok=2, head_dim=16, rotary_dim=8,
                        use_qk_norm=True, qk_norm_type="per_layer", scoring_func="sigmoid", use_routing_bias=True),
     "qwen3_next": tiny_qwen3_next(),
+    "qwen3_5_moe": tiny_qwen3_5_moe(),
 }  # fmt: skip
 # Kimi-K2's config.json: model_type kimi_k2, served by SGLang as DeepseekV3ForCausalLM.
 KIMI_K2 = {**CONFIGS["deepseek_v3"], "model_type": "kimi_k2", "architectures": ["DeepseekV3ForCausalLM"]}
@@ -87,6 +106,9 @@ EXPECTED = {
     # triton attention and no radix cache everywhere (QWEN3_NEXT_SERVER_ARGS), the triton MoE runner off Hopper
     "qwen3_next": ({"attention_backend": "triton", "disable_radix_cache": True, "moe_runner_backend": "triton"},
                    {"attention_backend": "triton", "disable_radix_cache": True}),
+    # the same hybrid to SGLang (its config class a Qwen3NextConfig, the same overrides)
+    "qwen3_5_moe": ({"attention_backend": "triton", "disable_radix_cache": True, "moe_runner_backend": "triton"},
+                    {"attention_backend": "triton", "disable_radix_cache": True}),
 }  # fmt: skip
 
 
@@ -135,7 +157,7 @@ def test_the_attention_backends_given_are_ones_upstream_accepts_for_the_family()
 
 
 def test_under_deepep_the_moe_runner_is_left_to_sglang():
-    for family in ("qwen3_moe", "deepseek_v3", "glm4_moe", "qwen2_moe", "minimax_m2", "qwen3_next"):
+    for family in ("qwen3_moe", "deepseek_v3", "glm4_moe", "qwen2_moe", "minimax_m2", "qwen3_next", "qwen3_5_moe"):
         kwargs = family_server_args(CONFIGS[family], moe_a2a_backend="deepep", sm=BLACKWELL)
         assert "moe_runner_backend" not in kwargs
     # Qwen3-Next's Qwen2MoeSparseMoeBlock has a DeepEP forward (models/qwen2_moe.py:461)
@@ -164,7 +186,7 @@ def test_recorded_routes_are_refused_where_sglang_captures_none_per_layer():
     named = {**CONFIGS["minimax_m2"], "architectures": ["MiniMaxM2ForCausalLM"]}
     with pytest.raises(MoerlError, match=r"MiniMaxM2MoE builds TopK\(\.\.\.\) without layer_id"):
         family_server_args(named, moe_a2a_backend="deepep", sm=HOPPER, record_routes=True)
-    for family in ("qwen3_moe", "qwen2_moe", "deepseek_v3", "glm4_moe", "gpt_oss", "qwen3_next"):
+    for family in ("qwen3_moe", "qwen2_moe", "deepseek_v3", "glm4_moe", "gpt_oss", "qwen3_next", "qwen3_5_moe"):
         assert family_server_args(CONFIGS[family], sm=HOPPER, record_routes=True) == family_server_args(
             CONFIGS[family], sm=HOPPER)  # fmt: skip
 
@@ -292,3 +314,47 @@ def test_the_engine_passes_qwen3_nexts_kwargs(tmp_path, monkeypatch):
     with pytest.raises(MoerlError, match="Qwen3NextForCausalLM checkpoint .*full_attention_interval alone"):
         SGLangEngine(model, SGLangSettings())
     assert not record.exists()  # refused before sglang.Engine started
+
+
+def test_every_family_is_a_model_sglang_registers():
+    """Each family's architecture is a model class SGLang 0.5.17 registers (SGLANG_MODELS: its EntryClass lines),
+    and the architecture moerl serves it as; where SGLang is installed (the GPU rollout image), its ModelRegistry
+    has each."""
+    for model_type, family in FAMILIES.items():
+        assert sglang_engine.SGLANG_ARCHITECTURES[model_type] in family.architectures
+        assert all(arch in SGLANG_MODELS for arch in family.architectures), model_type
+    if importlib.util.find_spec("sglang") is None:
+        pytest.skip("SGLang is not installed here (it is in the GPU rollout image): the registry itself is not read")
+    from sglang.srt.models.registry import ModelRegistry
+
+    registered = set(ModelRegistry.get_supported_archs())
+    assert {arch for family in FAMILIES.values() for arch in family.architectures} <= registered
+
+
+@pytest.mark.parametrize(
+    ("config", "why"),
+    [(tiny_qwen3_5_moe(full_attention_interval=None), "text_config.full_attention_interval None: .*no default"),
+     (tiny_qwen3_5_moe(full_attention_interval=1), r"would place \['full_attention', 'full_attention'\]"),
+     (tiny_qwen3_5_moe(rope_parameters={"rope_type": "default"}), "rope_parameters without rope_theta"),
+     (tiny_qwen3_5_moe(partial_rotary_factor=0.5), r"rope_parameters.partial_rotary_factor 0.25: .*\(0.5\)"),
+     (tiny_qwen3_5_moe(attn_output_gate=False), "always gates"),
+     (tiny_qwen3_5_moe(tie_word_embeddings=True), r"reads the top-level tie_word_embeddings \(False\)"),
+     ({k: v for k, v in tiny_qwen3_5_moe().items() if k != "text_config"}, "no text_config")],
+)  # fmt: skip
+def test_qwen3_5_moe_configs_sglang_would_serve_as_another_model_are_refused(config, why):
+    """SGLang 0.5.17's Qwen3_5TextConfig is a Qwen3NextConfig (configs/qwen3_5.py:15): layers placed by
+    full_attention_interval alone, rope_theta read from rope_parameters only, partial_rotary_factor from text_config
+    itself (models/qwen3_5.py:872), the top-level tie_word_embeddings (models/qwen3_vl.py:1253-1262)."""
+    with pytest.raises(MoerlError, match=rf"SGLang 0.5.17 would serve another model .*{why}.*rollout.engine: torch"):
+        family_server_args(config, sm=HOPPER)
+
+
+def test_the_qwen3_5_moe_layout_moerl_publishes_is_served():
+    from steps.models.registry import config_from_hf
+
+    release = tiny_qwen3_5_moe()
+    release["text_config"]["vocab_size"] = 128
+    published = config_from_hf(release).to_hf_dict()
+    assert published["text_config"]["full_attention_interval"] == 2
+    assert family_server_args(published, sm=HOPPER) == QWEN3_NEXT_SERVER_ARGS
+    assert sglang_architecture(published) == "Qwen3_5MoeForConditionalGeneration"

@@ -174,6 +174,18 @@ SGLANG_ARCHITECTURES = {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2M
                         "gpt_oss": "GptOssForCausalLM", "minimax_m2": "MiniMaxM2ForCausalLM",
                         "qwen3_next": "Qwen3NextForCausalLM",
                         "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration"}  # fmt: skip
+# The model classes SGLang 0.5.17 registers (models/*.py EntryClass, where ModelRegistry finds them) for the MoE
+# architectures moerl has a family for or names (steps/models/registry.py); tests/test_sglang_families.py holds
+# every family's architecture to it.
+SGLANG_MODELS = {
+    "Qwen3MoeForCausalLM": "models/qwen3_moe.py:1243", "Qwen2MoeForCausalLM": "models/qwen2_moe.py:1221",
+    "DeepseekV3ForCausalLM": "models/deepseek_v2.py:3224", "DeepseekV32ForCausalLM": "models/deepseek_v2.py:3224",
+    "Glm4MoeForCausalLM": "models/glm4_moe.py:1534", "GlmMoeDsaForCausalLM": "models/glm4_moe.py:1534",
+    "MixtralForCausalLM": "models/mixtral.py:480", "GptOssForCausalLM": "models/gpt_oss.py:1424",
+    "MiniMaxM2ForCausalLM": "models/minimax_m2.py:1436", "Qwen3NextForCausalLM": "models/qwen3_next.py:1293",
+    "Qwen3_5MoeForConditionalGeneration": "models/qwen3_5.py:2319",
+    "DeepseekV4ForCausalLM": "models/deepseek_v4.py:3195", "KimiK25ForConditionalGeneration": "models/kimi_k25.py:980",
+}  # fmt: skip
 # MiniMax-M2: SGLang turns on TF32 for its matmuls (arg_groups/overrides.py _minimax_m2_overrides, "to improve gate
 # gemm performance"), so its router logits are TF32 where moerl's trainer computes them in fp32: watch the update's
 # router_disagreement, and consider trainer.routing_replay: rollout (which SGLang cannot record for it: below).
