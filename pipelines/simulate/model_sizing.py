@@ -8,8 +8,11 @@ from the rest (embeddings, attention, routers, norms, dense layers and shared ex
     total       every tensor of the checkpoint (no multi-token-prediction layers: moerl drops them on import)
     expert      the routed experts of every MoE layer
     non_expert  total - expert
-    active      non_expert + expert x num_experts_per_tok / num_experts: the parameters one token goes through,
-                with the input embedding, as most model cards count "activated parameters"
+    carried     of non_expert, the tensors kept and published unchanged, never computed with on text (a
+                vision-language checkpoint's vision tower: the family's carried tensors): no gradient, no
+                optimizer state, not in active
+    active      non_expert - carried + expert x num_experts_per_tok / num_experts: the parameters one token goes
+                through, with the input embedding, as most model cards count "activated parameters"
     compute     active less the input embedding (a table lookup, no multiply): the N of the FLOPs formula
 
 Training FLOPs per token (forward + backward), the accounting of PaLM (Chowdhery et al. 2022, Appendix B, "model
@@ -103,6 +106,8 @@ class ModelSizing:
     # the rollout engine's linear-attention state of one sequence, whatever its length, every DeltaNet layer: conv
     # state and fp32 recurrent state (bytes, whole model; split over TP by sequence_state_bytes); 0 without any
     state_bytes_per_sequence: int = 0
+    # the tensors carried unchanged (a vision tower; module docstring): in total and non_expert, not in active
+    carried: int = 0
 
     @property
     def version_bytes(self) -> float:
@@ -131,8 +136,9 @@ class ModelSizing:
 
     @property
     def optimizer_bytes(self) -> float:
-        """The AdamW state a candidate carries: fp32 masters, exp_avg and exp_avg_sq (12 bytes a parameter)."""
-        return 12.0 * self.total
+        """The AdamW state a candidate carries: fp32 masters, exp_avg and exp_avg_sq (12 bytes a parameter; the
+        carried tensors have none)."""
+        return 12.0 * (self.total - self.carried)
 
     @property
     def replicated_fraction(self) -> float:
@@ -148,9 +154,10 @@ class ModelSizing:
         def b(n: float) -> str:
             return f"{n / 1e9:,.1f}B"
 
+        carried = f"; {b(self.carried)} carried unchanged (the vision tower)" if self.carried else ""
         return (f"{b(self.total)} parameters ({b(self.expert)} in {self.num_experts} routed experts, "
-                f"{b(self.non_expert)} outside them), {b(self.active)} active a token (top-{self.experts_per_token}), "
-                f"{self.version_bytes / GB:,.1f} GB a version")  # fmt: skip
+                f"{b(self.non_expert)} outside them{carried}), {b(self.active)} active a token "
+                f"(top-{self.experts_per_token}), {self.version_bytes / GB:,.1f} GB a version")  # fmt: skip
 
 
 def _family_config(d: dict[str, Any], source: str) -> Any:
@@ -264,7 +271,8 @@ def model_sizing(d: dict[str, Any], source: str = "config.json") -> ModelSizing:
     if moe_layers:
         expert_intermediate = int(getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size)
     non_expert = total - expert
-    active = non_expert + expert * cfg.num_experts_per_tok // cfg.num_experts
+    carried = sum(math.prod(s) for s in family_of(cfg).carried_shapes(cfg).values())
+    active = non_expert - carried + expert * cfg.num_experts_per_tok // cfg.num_experts
     dqk, dv = _head_dims(cfg)
     window = getattr(cfg, "window", None)
     linear_layers = [layer for layer in range(layers) if _is_linear_attention(cfg, layer)]
@@ -295,6 +303,7 @@ def model_sizing(d: dict[str, Any], source: str = "config.json") -> ModelSizing:
         layer_activation_elements=tuple(activation_elements(cfg, i, expert_intermediate) for i in range(layers)),
         linear_attention=linear_attention,
         state_bytes_per_sequence=linear_attention_state_bytes(cfg),
+        carried=carried,
         **_kv_cache_shape(cfg),
     )
 
@@ -415,7 +424,8 @@ def trainer_memory(
     rank's experts and their state split over its dp replicas (trainer.shard_experts), a layer's gathered the
     same way."""
     ranks = ep * dp
-    non_expert = m.non_expert / ranks if fsdp else m.non_expert
+    trained = m.non_expert - m.carried  # the carried tensors: held below, no gradient or optimizer state
+    non_expert = trained / ranks if fsdp else trained
     expert = m.expert / ep / (dp if shard_experts else 1)
     params = non_expert + expert
     rows: list[tuple[str, float]] = [
@@ -424,9 +434,11 @@ def trainer_memory(
         ("fp32 master weights", 4 * params / GB),
         ("AdamW moments (fp32 exp_avg, exp_avg_sq)", 8 * params / GB),
     ]
+    if m.carried:
+        rows.append(("carried unchanged (the vision tower, fp32 buffers)", 4 * m.carried / GB))
     if fsdp:
         layers = max(1, len(m.layer_activation_elements))
-        per_layer = (m.non_expert - m.embedding - m.unembedding) / layers
+        per_layer = (trained - m.embedding - m.unembedding) / layers
         rows.append(("FSDP: two layers' non-expert parameters gathered whole (fp32)", 2 * 4 * per_layer / GB))
         rows.append(("FSDP: embeddings and output projection gathered whole (fp32)",
                      4 * (m.embedding + m.unembedding) / GB))  # fmt: skip
@@ -435,7 +447,7 @@ def trainer_memory(
         rows.append(("shard_experts: two layers' local experts gathered whole (fp32)",
                      2 * 4 * m.expert / ep / moe_layers / GB))  # fmt: skip
     if kl_ref:
-        rows.append(("reference policy (kl_coef > 0, fp32)", 4 * (m.non_expert + m.expert / ep) / GB))
+        rows.append(("reference policy (kl_coef > 0, fp32)", 4 * (trained + m.expert / ep) / GB))
     tokens = micro_batch * seq_len
     if activation_checkpointing:
         layers = len(m.layer_activation_elements)

@@ -211,3 +211,10 @@ class ModelFamily:
     decode: Callable[[nn.Module], Any]
     attention: AttentionKind
     router: RouterKind
+    # config -> the checkpoint tensors (name -> shape) the family keeps and publishes unchanged without computing
+    # with them (a vision-language checkpoint's vision tower, steps/models/carried.py); None: none
+    carried: Callable[[Any], dict[str, tuple[int, ...]]] | None = None
+
+    def carried_shapes(self, cfg: Any) -> dict[str, tuple[int, ...]]:
+        """The carried checkpoint tensors of `cfg` (name -> shape); {} for a family without any."""
+        return {} if self.carried is None else self.carried(cfg)

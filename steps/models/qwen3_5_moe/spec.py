@@ -6,7 +6,7 @@ from steps.models.family import ModelFamily
 from steps.models.gated_hybrid import decode_model
 from steps.models.qwen3_5_moe.config import ARCHITECTURE, MODEL_TYPE, Qwen3_5MoeConfig
 from steps.models.qwen3_5_moe.model import Qwen3_5MoeCausalLM
-from steps.models.qwen3_5_moe.state_dict_adapter import Qwen3_5MoeStateDictAdapter
+from steps.models.qwen3_5_moe.state_dict_adapter import Qwen3_5MoeStateDictAdapter, vision_tower
 
 QWEN3_5_MOE = ModelFamily(
     name="Qwen3.5-MoE",
@@ -23,4 +23,5 @@ QWEN3_5_MOE = ModelFamily(
     decode=decode_model,
     attention="recurrent_state",
     router="softmax_topk",
+    carried=vision_tower,
 )

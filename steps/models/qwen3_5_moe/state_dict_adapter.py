@@ -52,6 +52,11 @@ def expert_shapes(hidden: int, intermediate: int) -> dict[str, tuple[int, ...]]:
     return {"gate_up_proj": (2 * intermediate, hidden), "down_proj": (hidden, intermediate)}
 
 
+def vision_tower(cfg: Qwen3_5MoeConfig) -> dict[str, tuple[int, ...]]:
+    """The vision tower's checkpoint tensors -> shape: what the family carries through unchanged."""
+    return {VISUAL + name: shape for name, shape in vision_shapes(cfg.vision_config).items()}
+
+
 def _to_hf_name(name: str) -> str:
     if name.startswith(TOWER):
         return VISUAL + name.removeprefix(TOWER)
@@ -135,8 +140,7 @@ class Qwen3_5MoeStateDictAdapter:
         shapes[f"{lm}norm.weight"] = (h,)
         if not cfg.tie_word_embeddings:
             shapes["lm_head.weight"] = (cfg.vocab_size, h)
-        for name, shape in vision_shapes(cfg.vision_config).items():
-            shapes[VISUAL + name] = shape
+        shapes.update(vision_tower(cfg))
         return shapes
 
     def expert_params(self, cfg: Qwen3_5MoeConfig, moe_layer: int, expert: int) -> list[tuple[str, tuple[int, ...]]]:
