@@ -338,13 +338,12 @@ def test_every_family_is_a_model_sglang_registers():
      (tiny_qwen3_5_moe(rope_parameters={"rope_type": "default"}), "rope_parameters without rope_theta"),
      (tiny_qwen3_5_moe(partial_rotary_factor=0.5), r"rope_parameters.partial_rotary_factor 0.25: .*\(0.5\)"),
      (tiny_qwen3_5_moe(attn_output_gate=False), "always gates"),
-     (tiny_qwen3_5_moe(tie_word_embeddings=True), r"reads the top-level tie_word_embeddings \(False\)"),
      ({k: v for k, v in tiny_qwen3_5_moe().items() if k != "text_config"}, "no text_config")],
 )  # fmt: skip
 def test_qwen3_5_moe_configs_sglang_would_serve_as_another_model_are_refused(config, why):
     """SGLang 0.5.17's Qwen3_5TextConfig is a Qwen3NextConfig (configs/qwen3_5.py:15): layers placed by
     full_attention_interval alone, rope_theta read from rope_parameters only, partial_rotary_factor from text_config
-    itself (models/qwen3_5.py:872), the top-level tie_word_embeddings (models/qwen3_vl.py:1253-1262)."""
+    itself (models/qwen3_5.py:872)."""
     with pytest.raises(MoerlError, match=rf"SGLang 0.5.17 would serve another model .*{why}.*rollout.engine: torch"):
         family_server_args(config, sm=HOPPER)
 

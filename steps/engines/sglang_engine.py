@@ -347,8 +347,8 @@ def qwen3_5_moe_mismatch(config: dict[str, Any]) -> str | None:
     - RoPE: rope_theta from text_config.rope_parameters only (utils/hf_transformers/common.py:300-302; without it
       start-up fails with KeyError), partial_rotary_factor from text_config itself, default 0.25
       (models/qwen3_5.py:872, configs/qwen3_next.py:200), where transformers reads rope_parameters';
-    - the gated attention output: attn_output_gate, default True (models/qwen3_5.py:879);
-    - tied embeddings: the top-level tie_word_embeddings replaces text_config's (models/qwen3_vl.py:1253-1262)."""
+    - the gated attention output: attn_output_gate, default True (models/qwen3_5.py:879).
+    Tied embeddings follow the top-level tie_word_embeddings (models/qwen3_vl.py:1253-1262), as in transformers."""
     text = config.get("text_config")
     if not isinstance(text, dict):
         return "no text_config: SGLang's Qwen3.5-MoE reads the language model's fields from it"
@@ -378,12 +378,6 @@ def qwen3_5_moe_mismatch(config: dict[str, Any]) -> str | None:
         )
     if text.get("attn_output_gate", True) is not True:
         return "attn_output_gate false: SGLang's Qwen3.5-MoE reads it, transformers' always gates the attention output"
-    tied = config.get("tie_word_embeddings", False)
-    if "tie_word_embeddings" in text and bool(text["tie_word_embeddings"]) != bool(tied):
-        return (
-            f"text_config.tie_word_embeddings {text['tie_word_embeddings']}: SGLang's Qwen3.5-MoE reads the top-level "
-            f"tie_word_embeddings ({tied})"
-        )
     return None
 
 

@@ -224,14 +224,9 @@ class Qwen3_5MoeConfig:
         for name in MULTIMODAL_TOKEN_IDS:
             if d.get(name) is not None:
                 kwargs[name] = d[name]
-        tied = {name: bool(c["tie_word_embeddings"]) for name, c in (("top-level", d), ("text_config", text))
-                if "tie_word_embeddings" in c}  # fmt: skip
-        if len(set(tied.values())) > 1:
-            raise MoerlError(
-                f"{source}: tie_word_embeddings is {d['tie_word_embeddings']} but text_config.tie_word_embeddings is "
-                f"{text['tie_word_embeddings']} (SGLang reads the former); make them agree"
-            )
-        kwargs["tie_word_embeddings"] = next(iter(tied.values()), False)
+        # transformers and SGLang both tie by the top-level value (transformers' save_pretrained may write another
+        # in text_config)
+        kwargs["tie_word_embeddings"] = bool(d.get("tie_word_embeddings", text.get("tie_word_embeddings", False)))
         kwargs["vision_config"] = copy.deepcopy(d["vision_config"])
         cfg = cls(**kwargs)
         cfg.validate(source)
