@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from steps.models.family import StatefulDecode
+from steps.models.family import STATEFUL_ATTENTION, StatefulDecode
 from steps.models.registry import family_of
 
 
@@ -35,11 +35,12 @@ class StateBatch:
 
 
 class StateDecoder:
-    """Decoder (torch_engine.py) for the recurrent_state attention kind, over the family's StatefulDecode."""
+    """Decoder (torch_engine.py) for the attention kinds a family decodes itself (STATEFUL_ATTENTION: recurrent_state,
+    indexed_kv_cache), over the family's StatefulDecode."""
 
     def __init__(self, model: nn.Module) -> None:
         family = family_of(model)
-        assert family.attention == "recurrent_state", family.attention
+        assert family.attention in STATEFUL_ATTENTION, family.attention
         self.model = model
         self.decode: StatefulDecode = family.decode(model)
         self.routes: list[torch.Tensor] | None = None  # routing replay's record: not kept for these families

@@ -43,7 +43,7 @@ from steps.engines.sampling import sample_next, sample_uniforms
 from steps.engines.state_decoder import StateDecoder
 from steps.errors import MoerlError
 from steps.models.experts import SWIGLU, expert_spans
-from steps.models.family import dtype_name
+from steps.models.family import STATEFUL_ATTENTION, dtype_name
 from steps.models.hf_checkpoint import check_checkpoint, checkpoint_dtype, load_pretrained, load_state_dict_from_dir
 from steps.models.moe import SparseMoeBlock, group_by_expert
 from steps.models.registry import family_of
@@ -107,11 +107,12 @@ class TorchEngine:
     decoder: Decoder | StateDecoder = field(init=False)
 
     def __post_init__(self) -> None:
-        if family_of(self.model).attention == "recurrent_state":
+        if family_of(self.model).attention in STATEFUL_ATTENTION:
             if self.record_routes:
                 raise MoerlError(
                     f"{family_of(self.model).name}: the torch engine does not record routes for a model whose layers "
-                    "keep a recurrent state; turn rollout.record_routes and trainer.routing_replay off"
+                    "it decodes with the family's own state (recurrent or indexed attention); turn "
+                    "rollout.record_routes and trainer.routing_replay off"
                 )
             self.decoder = StateDecoder(self.model)
         else:

@@ -13,23 +13,36 @@ products, and without its FP8 scoring kernel):
 with rope the half-split rotation of the first qk_rope_head_dim dims (the MLA attention itself rotates interleaved
 pairs). Keys a query may not see score -inf and are never selected.
 
-Numerics: the selection is discrete. Near-ties (a relu makes many scores exactly 0) can break differently between
-two call shapes or two dtypes (a one-token decode step against a full forward; an FP8 engine against a bf16 or
-fp32 trainer), which is why the engine's selection has to be replayed in training, as routing replay does for the
-experts. Scores are computed in the same operations as transformers' (one matmul per query head block, the head
-weights applied by a second matmul), so the same shapes give the same bits.
+Numerics: the selection is discrete. Near-ties (a relu makes a score exactly 0 wherever every head's product is
+negative: common with few index heads) can break differently between two call shapes or two dtypes: a one-token
+decode step against a full forward, an FP8 engine against a bf16 or fp32 trainer. transformers' own forward is not
+causal there (appending a token changes the length topk runs over, and with it which of several zero-scored keys an
+earlier query keeps), nor is moerl's. That is why the engine's selection has to be replayed in training, as routing
+replay does for the experts. Scores are computed in the same operations as transformers' (one matmul per query head
+block, the head weights applied by a second matmul), so the same shapes give the same bits.
 
 Training: the indexer runs under no_grad; a log-prob loss gives it no gradient (DeepSeek trains it with a KL to the
-dense attention's distribution, a loss of its own), so its parameters stay frozen (frozen_parameters).
+dense attention's distribution, a loss of its own), so its parameters are frozen (requires_grad off: no gradient,
+no optimizer state; published as loaded).
+
+Read top to bottom: the indexer, multi-head latent attention with an indexer (IndexedMlaAttention), the decoder
+layer that applies the selection (in the training forward, over packed rows, and in the shared-prompt forward), and
+the torch engine's incremental forward (IndexedDecode: a StatefulDecode holding each row's keys, values and index
+keys).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from steps.models.layers import rotate_half
+from steps.models.causal_lm import DecoderLayer, MoeCausalLM
+from steps.models.layers import AttentionMasks, attention_mask_for, rotate_half
+from steps.models.mla import MlaAttention
 
 INDEX_KEY_NORM_EPS = 1e-6  # DeepseekV32Indexer's k_norm: nn.LayerNorm(index_head_dim, eps=1e-6)
 
@@ -106,3 +119,145 @@ class LightningIndexer(nn.Module):
         index = index.masked_fill(~visible, float("-inf"))
         chosen = index.topk(min(self.topk, index.shape[-1]), dim=-1).indices
         return torch.zeros_like(visible).scatter_(-1, chosen, True) & visible
+
+
+class IndexedMlaAttention(MlaAttention):
+    """Multi-head latent attention with a lightning indexer (`indexer`), as DeepseekV32Attention: the indexer reads
+    the layer's input and the query latent q_a_layernorm(q_a_proj(x)) (so q_lora_rank is required)."""
+
+    def __init__(self, cfg: Any, layer_idx: int) -> None:
+        super().__init__(cfg, layer_idx)
+        if self.q_a_proj is None:
+            raise ValueError("DeepSeek sparse attention reads the query latent: q_lora_rank is required")
+        self.indexer = LightningIndexer(
+            cfg.hidden_size, cfg.q_lora_rank, cfg.index_n_heads, cfg.index_head_dim, cfg.qk_rope_head_dim,
+            cfg.index_topk,
+        )  # fmt: skip
+
+    def project_indexed(
+        self, x: torch.Tensor, rope_tables: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """project, and the query latent [B, T, q_lora_rank] the indexer reads."""
+        assert self.q_a_proj is not None and self.q_a_layernorm is not None and self.q_b_proj is not None
+        latent = self.q_a_layernorm(self.q_a_proj(x))
+        return (*self.project_queries(x, self.q_b_proj(latent), rope_tables), latent)
+
+
+class IndexedDecoderLayer(DecoderLayer):
+    """x + self_attn(input_layernorm(x)) over the keys the indexer selects, then + mlp(post_attention_layernorm(x)).
+    self_attn is an IndexedMlaAttention."""
+
+    def forward(self, x: torch.Tensor, rope: Any, masks: AttentionMasks) -> torch.Tensor:
+        attn = self.self_attn
+        h = self.input_layernorm(x)
+        q, k, v, latent = attn.project_indexed(h, rope)
+        selected = attn.indexer.select(h, latent, rope, masks.get(None)[:, 0])
+        x = x + attn.attend(q, k, v, selected[:, None])
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_shared_prompts(
+        self,
+        prompt_x: torch.Tensor,
+        response_x: torch.Tensor,
+        prompt_rope: Any,
+        response_rope: Any,
+        prompt_masks: AttentionMasks,
+        response_masks: AttentionMasks,
+        prompt_index: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """As DecoderLayer.forward_shared_prompts, each response's queries selecting among its prompt's keys and its
+        own (the index keys concatenated as the keys and values are)."""
+        attn = self.self_attn
+        hp, hr = self.input_layernorm(prompt_x), self.input_layernorm(response_x)
+        qp, kp, vp, latent_p = attn.project_indexed(hp, prompt_rope)
+        qr, kr, vr, latent_r = attn.project_indexed(hr, response_rope)
+        k = torch.cat([kp.index_select(0, prompt_index), kr], dim=2)
+        v = torch.cat([vp.index_select(0, prompt_index), vr], dim=2)
+        indexer = attn.indexer
+        with torch.no_grad():
+            index_p, index_r = indexer.keys(hp, *prompt_rope), indexer.keys(hr, *response_rope)
+            index_keys = torch.cat([index_p.index_select(0, prompt_index), index_r], dim=1)
+        prompt_selected = indexer.select(hp, latent_p, prompt_rope, prompt_masks.get(None)[:, 0], keys=index_p)
+        response_selected = indexer.select(hr, latent_r, response_rope, response_masks.get(None)[:, 0],
+                                           keys=index_keys)  # fmt: skip
+        prompt_x = prompt_x + attn.attend(qp, kp, vp, prompt_selected[:, None])
+        response_x = response_x + attn.attend(qr, k, v, response_selected[:, None])
+        hidden = prompt_x.shape[-1]
+        tokens = torch.cat([prompt_x.reshape(-1, hidden), response_x.reshape(-1, hidden)])
+        out = self.mlp(self.post_attention_layernorm(tokens))
+        num_prompt = prompt_x.shape[0] * prompt_x.shape[1]
+        return prompt_x + out[:num_prompt].view_as(prompt_x), response_x + out[num_prompt:].view_as(response_x)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The torch engine's incremental forward (attention kind indexed_kv_cache; steps/engines/state_decoder.py drives it)
+
+
+@dataclass
+class IndexedRows:
+    """Every layer's (keys, values, index keys) of the rows: [R, heads, S, *], [R, heads, S, v_dim], [R, S, Di];
+    `valid` [R, S] the real slots (a prompt's left padding is not)."""
+
+    layers: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    valid: torch.Tensor
+
+
+class IndexedDecode:
+    """StatefulDecode (steps/models/family.py) of a causal LM whose layers are IndexedDecoderLayers, reading its
+    modules (weights updated in place are seen). The prefill runs each layer as the forward does over left-padded
+    prompts; a step feeds one token a row, its indexer choosing among the row's cached index keys, so the logits
+    equal the full forward's up to float rounding and the indexer's tie-breaks (dsa.py's module docstring)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        assert isinstance(model, MoeCausalLM)
+        self.model = model
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(self.model.model.norm(x), self.model.output_weight()).float()
+
+    def prefill(self, ids: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, IndexedRows]:
+        """Left-padded prompts [P, T] -> logits after each prompt's last token [P, V] and the rows' state."""
+        x = self.model.model.embed_tokens(ids)
+        positions = (valid.long().cumsum(dim=1) - 1).clamp(min=0)
+        rope = self.model.rotary(positions, x.dtype)
+        visible = attention_mask_for(valid, 0, ids.shape[1])[:, 0]
+        layers: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        for layer in self.model.model.layers:
+            assert isinstance(layer, IndexedDecoderLayer)
+            attn, h = layer.self_attn, layer.input_layernorm(x)
+            q, k, v, latent = attn.project_indexed(h, rope)
+            index_keys = attn.indexer.keys(h, *rope)
+            selected = attn.indexer.select(h, latent, rope, visible, keys=index_keys)
+            x = x + attn.attend(q, k, v, selected[:, None])
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            layers.append((k, v, index_keys))
+        return self._logits(x[:, -1]), IndexedRows(layers, valid)
+
+    def step(self, tokens: torch.Tensor, positions: torch.Tensor, state: IndexedRows) -> tuple[torch.Tensor, Any]:
+        """One token a row at `positions` [R] -> logits [R, V] and the state after it (a new IndexedRows)."""
+        x = self.model.model.embed_tokens(tokens)[:, None]  # [R, 1, H]
+        rope = self.model.rotary(positions[:, None], x.dtype)
+        valid = torch.cat([state.valid, torch.ones_like(state.valid[:, :1])], dim=1)
+        visible = valid[:, None, :]  # the new token sees every real slot, itself included
+        layers: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        for layer, (keys, values, index_keys) in zip(self.model.model.layers, state.layers, strict=True):
+            attn, h = layer.self_attn, layer.input_layernorm(x)
+            q, k, v, latent = attn.project_indexed(h, rope)
+            keys, values = torch.cat([keys, k], dim=2), torch.cat([values, v], dim=2)
+            index_keys = torch.cat([index_keys, attn.indexer.keys(h, *rope)], dim=1)
+            selected = attn.indexer.select(h, latent, rope, visible, keys=index_keys)
+            x = x + attn.attend(q, keys, values, selected[:, None])
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            layers.append((keys, values, index_keys))
+        return self._logits(x[:, 0]), IndexedRows(layers, valid)
+
+    def select(self, state: IndexedRows, rows: torch.Tensor) -> IndexedRows:
+        return IndexedRows(
+            [tuple(t.index_select(0, rows) for t in layer) for layer in state.layers],  # type: ignore[misc]
+            state.valid.index_select(0, rows),
+        )
+
+
+def decode_model(model: nn.Module) -> Any:
+    """A DSA family's StatefulDecode (its ModelFamily.decode)."""
+    return IndexedDecode(model)

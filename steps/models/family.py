@@ -29,7 +29,11 @@ if TYPE_CHECKING:
 # recurrent_state: some layers keep a state per row instead of a key/value cache (gated DeltaNet's conv window and
 # recurrent matrix, Qwen3-Next and Qwen3.5-MoE, beside softmax layers): the family decodes its own layers through a
 # StatefulDecode, and the torch engine drives it row by row (steps/engines/state_decoder.py).
-AttentionKind = Literal["softmax_kv_cache", "recurrent_state"]
+# indexed_kv_cache: DeepSeek sparse attention (DeepSeek-V3.2): each query attends to the keys a lightning indexer
+# selects among the cached ones (steps/models/dsa.py), decoded through a StatefulDecode as recurrent_state is.
+AttentionKind = Literal["softmax_kv_cache", "recurrent_state", "indexed_kv_cache"]
+# The kinds whose family decodes its own layers (a StatefulDecode), driven by steps/engines/state_decoder.py
+STATEFUL_ATTENTION: tuple[str, ...] = ("recurrent_state", "indexed_kv_cache")
 # softmax_topk: softmax over all experts in fp32, top-k, optional renormalisation (Qwen3-MoE, Qwen2-MoE, Mixtral);
 # sigmoid_group_topk: sigmoid scores, a selection-only correction bias, group-limited top-k (DeepSeek-V3, GLM-4.5);
 # topk_softmax: a router with a bias, top-k of its logits, softmax over the k chosen (gpt-oss)

@@ -109,9 +109,16 @@ class MlaAttention(nn.Module):
         self, x: torch.Tensor, rope_tables: tuple[torch.Tensor, torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [B, T, H] and (cos, sin) [B, T, rope_dim] -> q, k [B, heads, T, qk_head_dim], v [B, heads, T, v_dim]."""
+        return self.project_queries(x, self.queries(x), rope_tables)
+
+    def project_queries(
+        self, x: torch.Tensor, queries: torch.Tensor, rope_tables: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """project, given the queries [B, T, heads * qk_head_dim] before the rotation (a caller that also needs
+        the query latent computes them itself)."""
         batch, seq, _ = x.shape
         cos, sin = (t.unsqueeze(1) for t in rope_tables)  # broadcast over the heads
-        q = self.queries(x).view(batch, seq, self.num_heads, self.qk_dim).transpose(1, 2)
+        q = queries.view(batch, seq, self.num_heads, self.qk_dim).transpose(1, 2)
         q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
         latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         kv = self.kv_b_proj(self.kv_a_layernorm(latent))

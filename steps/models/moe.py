@@ -226,7 +226,9 @@ class LocalDispatch:
 # Tensors kept in float32 whatever the checkpoint's dtype (transformers' _keep_in_fp32_modules_strict): the
 # selection-only correction bias, whose small differences between experts bf16 would erase. Loaded, held and
 # published in float32 beside weights of the run's dtype.
-FLOAT32_TENSOR_SUFFIXES = (".e_score_correction_bias",)
+# the routers' correction bias (DeepSeek-V3, GLM-4.5, MiniMax-M2) and DeepSeek sparse attention's indexer head weights
+# (transformers' DeepseekV32PreTrainedModel._keep_in_fp32_modules)
+FLOAT32_TENSOR_SUFFIXES = (".e_score_correction_bias", ".indexer.weights_proj.weight")
 
 
 def kept_in_float32(name: str) -> bool:

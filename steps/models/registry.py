@@ -15,6 +15,7 @@ from typing import Any
 
 from steps.errors import MoerlError
 from steps.models.deepseek_v3.spec import DEEPSEEK_V3
+from steps.models.deepseek_v32.spec import DEEPSEEK_V32
 from steps.models.family import ModelFamily
 from steps.models.glm4_moe.spec import GLM4_MOE
 from steps.models.gpt_oss.spec import GPT_OSS
@@ -27,7 +28,10 @@ from steps.models.qwen3_next.spec import QWEN3_NEXT
 
 FAMILIES: dict[str, ModelFamily] = {
     family.model_type: family
-    for family in (QWEN3_MOE, QWEN2_MOE, GLM4_MOE, MIXTRAL, DEEPSEEK_V3, GPT_OSS, MINIMAX_M2, QWEN3_NEXT, QWEN3_5_MOE)
+    for family in (
+        QWEN3_MOE, QWEN2_MOE, GLM4_MOE, MIXTRAL, DEEPSEEK_V3, DEEPSEEK_V32, GPT_OSS, MINIMAX_M2, QWEN3_NEXT,
+        QWEN3_5_MOE,
+    )  # fmt: skip
 }
 
 # model_types a family loads beside its own: Kimi-K2 says "kimi_k2" with architectures DeepseekV3ForCausalLM.
@@ -38,8 +42,6 @@ ALIASES: dict[str, str] = {"kimi_k2": DEEPSEEK_V3.model_type}
 REFUSED: dict[str, tuple[str, str, str]] = {
     "deepseek_v2": ("DeepSeek-V2", "deepseek_v3", "its softmax router with greedy or group-limited greedy top-k is"
                     " not implemented"),
-    "deepseek_v32": ("DeepSeek-V3.2", "deepseek_v3", "DeepSeek sparse attention (the lightning indexer's top-k key"
-                     " selection) is not implemented"),
     "deepseek_v4": ("DeepSeek-V4", "deepseek_v3", "its attention and routing beyond DeepSeek-V3's are not"
                     " implemented"),
     "glm_moe_dsa": ("GLM-5", "glm4_moe", "DeepSeek sparse attention over multi-head latent attention is not"
@@ -91,6 +93,9 @@ def config_from_hf(d: dict[str, Any], source: str = "config.json") -> Any:
 def family_of(cfg: Any) -> ModelFamily:
     """The family a config (or a model built from one: anything with a `config`) belongs to."""
     cfg = getattr(cfg, "config", cfg)
+    for family in FAMILIES.values():  # the exact class first: a family's config may extend another's
+        if type(cfg) is family.config:
+            return family
     for family in FAMILIES.values():
         if isinstance(cfg, family.config):
             return family

@@ -19,7 +19,7 @@ DeepSeek-V3's): they load as this family, and the model_type is written back as 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -74,6 +74,7 @@ class DeepseekConfig:
     eos_token_id: int | list[int] | None = 1
     pad_token_id: int | None = None
     model_type: str = MODEL_TYPE  # as the checkpoint says it (MODEL_TYPES), written back unchanged
+    family_name: ClassVar[str] = "DeepSeek-V3"  # as errors name it (DeepSeek-V3.2's config extends this one)
 
     def __post_init__(self) -> None:
         if self.num_key_value_heads is None:
@@ -125,7 +126,7 @@ class DeepseekConfig:
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any], source: str = "config.json") -> DeepseekConfig:
         """Validate a Hugging Face config.json dict (`source` names it in errors) and build the config."""
-        checks.refuse(cls.refusal(d), "DeepSeek-V3", source)
+        checks.refuse(cls.refusal(d), cls.family_name, source)
         checks.refuse_quantized(
             d,
             source,
@@ -153,7 +154,7 @@ class DeepseekConfig:
             "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_experts_per_tok",
             "moe_intermediate_size", "intermediate_size",
         ]  # fmt: skip
-        checks.require(d, required, "DeepSeek-V3", source)
+        checks.require(d, required, cls.family_name, source)
 
         kwargs = checks.known_fields(cls, d)
         kwargs["n_routed_experts"] = d.get("n_routed_experts", d.get("num_local_experts", 256))
