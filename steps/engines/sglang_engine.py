@@ -173,7 +173,8 @@ SGLANG_ARCHITECTURES = {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2M
                         "glm4_moe": "Glm4MoeForCausalLM", "mixtral": "MixtralForCausalLM",
                         "gpt_oss": "GptOssForCausalLM", "minimax_m2": "MiniMaxM2ForCausalLM",
                         "qwen3_next": "Qwen3NextForCausalLM",
-                        "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration"}  # fmt: skip
+                        "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
+                        "deepseek_v32": "DeepseekV32ForCausalLM"}  # fmt: skip
 # The model classes SGLang 0.5.17 registers (models/*.py EntryClass, where ModelRegistry finds them) for the MoE
 # architectures moerl has a family for or names (steps/models/registry.py); tests/test_sglang_families.py holds
 # every family's architecture to it.
@@ -249,6 +250,31 @@ HOPPER_SM = 90
 # it loads the released fused experts (qwen3_5.py:2035-2038, :2207-2232) and the vision tower (:2284-2287), and
 # skips mtp.* (:2113). So it gets the same arguments.
 QWEN3_NEXT_SERVER_ARGS = {"attention_backend": "triton", "disable_radix_cache": True}
+
+
+# DeepSeek sparse attention (DeepSeek-V3.2, GLM-5) on SGLang 0.5.17 cannot run deterministically as the model
+# transformers and moerl compute: SGLang treats these architectures, and a DeepseekV3ForCausalLM config with
+# index_topk, as DSA (configs/model_config.py:106-121 is_deepseek_dsa) and sets attention_backend "dsa" when none is
+# given (arg_groups/overrides.py:551-574), which deterministic inference then refuses (overrides.py:1980-2012: "dsa"
+# is not in server_args.py:215's choices); given "triton", the indexer gets no metadata and returns nothing
+# (layers/attention/base_attn_backend.py:275-281, dsa_indexer.py Indexer.forward_cuda), so every query attends to
+# every key: another model past index_topk tokens. Its indexer also scores in FP8 after a Hadamard rotation
+# (dsa_indexer.py act_quant, rotate_activation, deep_gemm fp8_mqa_logits), which a bf16/fp32 trainer's selection
+# can only match by replaying the engine's (enable_return_indexer_topk, server_args.py:3369).
+DSA_ARCHITECTURES = ("DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM")
+
+
+def dsa_refusal(config: dict[str, Any]) -> str | None:
+    """Why SGLang 0.5.17 cannot serve config.json dict `config` deterministically as the same model (DeepSeek sparse
+    attention, DSA_ARCHITECTURES), or None."""
+    arch = sglang_architecture(config)
+    if arch in DSA_ARCHITECTURES or (arch == "DeepseekV3ForCausalLM" and config.get("index_topk") is not None):
+        return (
+            f"{arch} is DeepSeek sparse attention to SGLang 0.5.17, which serves it only with its 'dsa' attention "
+            "backend, refused under deterministic inference (with 'triton' it attends to every key: another model "
+            "beyond index_topk tokens)"
+        )
+    return None
 
 
 def sglang_architecture(config: dict[str, Any]) -> str | None:
@@ -418,6 +444,9 @@ def family_server_args(
     and are refused where SGLang would serve another model (qwen3_next_mismatch, qwen3_5_moe_mismatch)."""
     arch = sglang_architecture(config)
     kwargs: dict[str, Any] = {}
+    dsa = dsa_refusal(config)
+    if dsa is not None:
+        raise MoerlError(f"rollout.engine 'sglang': {dsa}; set rollout.engine: torch")
     mismatch = sglang_model_mismatch(config)
     if mismatch is not None:
         raise MoerlError(
