@@ -25,6 +25,12 @@ with T_layer the sequence length (min(T, window) on a sliding-window layer). Wit
 6N + 12 x layers x heads x head_dim x T; multi-head latent attention (DeepSeek-V3) has d_qk = qk_nope_head_dim +
 qk_rope_head_dim (192) and d_v = v_head_dim (128). The full (not causal-halved) attention is counted, as PaLM does.
 
+DeepSeek sparse attention (DeepSeek-V3.2: index_topk): each query attends to at most index_topk keys, so the attention
+term's T_layer is min(T, index_topk), as a window's; its lightning indexer scores every earlier key, index_n_heads x
+index_head_dim multiply-adds a key in the forward only (it is frozen, under no_grad): 2 x heads x dim x T a token and
+layer, added to the FLOPs. The engine keeps each token's index key beside the MLA latent: index_head_dim FP8 bytes
+and a float32 scale per 128 (SGLang 0.5.17's DSATokenToKVPool, mem_cache/memory_pool.py:4384-4389).
+
 Linear attention (Qwen3-Next's gated DeltaNet layers, layer_types "linear_attention"): no term in T. Its projections
 (in_proj_qkvz, in_proj_ba, out_proj) and its depthwise causal conv1d (channels x K multiply-adds a token, as many as
 its weights) are parameters, in the 6N; the state update is counted as the recurrent form's multiply-adds a token
@@ -108,6 +114,10 @@ class ModelSizing:
     state_bytes_per_sequence: int = 0
     # the tensors carried unchanged (a vision tower; module docstring): in total and non_expert, not in active
     carried: int = 0
+    # (index heads, index head dim) of each layer with a lightning indexer (DeepSeek sparse attention): its scores
+    index_scoring: tuple[tuple[int, int], ...] = ()
+    # the engine's index keys of one token, every layer (bytes, not split by TP)
+    index_key_bytes_per_token: int = 0
 
     @property
     def version_bytes(self) -> float:
@@ -122,7 +132,7 @@ class ModelSizing:
     def kv_bytes_per_token(self, tp: int) -> int:
         """One GPU's bf16 KV cache of a token in an engine of TP tp: kv_heads / tp heads (at least one; MLA's
         single latent on every rank) of kv_elements_per_head values (SGLang's cell size, _kv_cache_shape)."""
-        return max(1, self.kv_heads // tp) * self.kv_elements_per_head * 2
+        return max(1, self.kv_heads // tp) * self.kv_elements_per_head * 2 + self.index_key_bytes_per_token
 
     def sequence_state_bytes(self, tp: int) -> float:
         """One GPU's linear-attention state of one sequence in an engine of TP tp (SGLang splits the DeltaNet heads,
@@ -148,7 +158,8 @@ class ModelSizing:
         """Training (forward + backward) FLOPs of one token at context `seq_len` (module docstring)."""
         attention = sum(h * (dqk + dv) * (min(seq_len, w) if w else seq_len) for h, dqk, dv, w in self.attention)
         linear = sum(4 * hv * dk * dv for hv, dk, dv in self.linear_attention)
-        return 6.0 * self.compute + 6.0 * attention + 6.0 * linear
+        index = sum(h * d for h, d in self.index_scoring) * seq_len  # forward only: the indexer is frozen
+        return 6.0 * self.compute + 6.0 * attention + 6.0 * linear + 2.0 * index
 
     def summary(self) -> str:
         def b(n: float) -> str:
@@ -275,6 +286,9 @@ def model_sizing(d: dict[str, Any], source: str = "config.json") -> ModelSizing:
     active = non_expert - carried + expert * cfg.num_experts_per_tok // cfg.num_experts
     dqk, dv = _head_dims(cfg)
     window = getattr(cfg, "window", None)
+    index_topk = getattr(cfg, "index_topk", None)  # DeepSeek sparse attention: at most index_topk keys a query
+    if index_topk is not None:
+        window = lambda layer: index_topk  # noqa: E731
     linear_layers = [layer for layer in range(layers) if _is_linear_attention(cfg, layer)]
     attention = tuple(
         (cfg.num_attention_heads, dqk, dv, window(layer) if callable(window) else None)
@@ -304,6 +318,8 @@ def model_sizing(d: dict[str, Any], source: str = "config.json") -> ModelSizing:
         linear_attention=linear_attention,
         state_bytes_per_sequence=linear_attention_state_bytes(cfg),
         carried=carried,
+        index_scoring=tuple((cfg.index_n_heads, cfg.index_head_dim) for _ in range(layers)) if index_topk else (),
+        index_key_bytes_per_token=layers * (cfg.index_head_dim + cfg.index_head_dim // 128 * 4) if index_topk else 0,
         **_kv_cache_shape(cfg),
     )
 
