@@ -10,8 +10,10 @@ products, and without its FP8 scoring kernel):
     I[t, s]  = sum_h w_t,h relu(q_t,h . k_s / sqrt(index_head_dim))  in fp32
     selected = top min(index_topk, S) of I[t, :] over the keys t may see
 
-with rope the half-split rotation of the first qk_rope_head_dim dims (the MLA attention itself rotates interleaved
-pairs). Keys a query may not see score -inf and are never selected.
+with rope the half-split rotation of the first qk_rope_head_dim dims (DeepSeek-V3.2; GLM-5's indexer rotates
+DeepSeek's interleaved pairs, as the MLA attention itself does). Keys a query may not see score -inf and are never
+selected. GLM-5 runs the indexer in some layers only: a "shared" layer attends to the keys the last layer with an
+indexer selected (the config's indexer_source).
 
 Numerics: the selection is discrete. Near-ties (a relu makes a score exactly 0 wherever every head's product is
 negative: common with few index heads) can break differently between two call shapes or two dtypes: a one-token
@@ -42,16 +44,19 @@ from torch import nn
 
 from steps.models.causal_lm import DecoderLayer, MoeCausalLM
 from steps.models.layers import AttentionMasks, attention_mask_for, rotate_half
-from steps.models.mla import MlaAttention
+from steps.models.mla import MlaAttention, deinterleave
 
 INDEX_KEY_NORM_EPS = 1e-6  # DeepseekV32Indexer's k_norm: nn.LayerNorm(index_head_dim, eps=1e-6)
 
 
-def rotate_first(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [..., D] rotated over its first R dims by cos, sin [..., R] (half-split: apply_rotary_pos_emb), the rest
-    kept; cos and sin broadcast against x's leading dims."""
+def rotate_first(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+    """x [..., D] rotated over its first R dims by cos, sin [..., R] (half-split: apply_rotary_pos_emb; interleaved:
+    its pairs de-interleaved first, apply_rotary_pos_emb_interleave), the rest kept; cos and sin broadcast against
+    x's leading dims."""
     rotary = cos.shape[-1]
     rot, rest = x[..., :rotary], x[..., rotary:]
+    if interleaved:
+        rot = deinterleave(rot)
     return torch.cat([rot * cos + rotate_half(rot) * sin, rest], dim=-1)
 
 
@@ -67,8 +72,10 @@ class LightningIndexer(nn.Module):
         index_head_dim: int,
         qk_rope_head_dim: int,
         index_topk: int,
+        interleaved_rope: bool = False,
     ) -> None:
         super().__init__()
+        self.interleaved_rope = interleaved_rope
         if qk_rope_head_dim > index_head_dim:
             raise ValueError(f"qk_rope_head_dim {qk_rope_head_dim} exceeds index_head_dim {index_head_dim}")
         self.num_heads, self.head_dim = index_n_heads, index_head_dim
@@ -82,13 +89,13 @@ class LightningIndexer(nn.Module):
 
     def keys(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """hidden [B, T, H] and the rotary tables [B, T, rope_dim] -> the index keys [B, T, Di]."""
-        return rotate_first(self.k_norm(self.wk(hidden)), cos, sin)
+        return rotate_first(self.k_norm(self.wk(hidden)), cos, sin, self.interleaved_rope)
 
     def queries(self, q_resid: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """The MLA query latent q_resid [B, T, q_lora_rank] -> the index queries [B, T, Hi, Di]."""
         batch, seq, _ = q_resid.shape
         q = self.wq_b(q_resid).view(batch, seq, self.num_heads, self.head_dim)
-        return rotate_first(q, cos.unsqueeze(2), sin.unsqueeze(2))
+        return rotate_first(q, cos.unsqueeze(2), sin.unsqueeze(2), self.interleaved_rope)
 
     def head_weights(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [B, T, H] -> each query head's weight [B, T, Hi] in fp32."""
@@ -121,18 +128,45 @@ class LightningIndexer(nn.Module):
         return torch.zeros_like(visible).scatter_(-1, chosen, True) & visible
 
 
+def indexer_source(cfg: Any, layer: int) -> int:
+    """The layer whose indexer selects layer `layer`'s keys: itself, or (GLM-5's shared layers: the config's
+    indexer_source) an earlier one."""
+    source = getattr(cfg, "indexer_source", None)
+    return layer if source is None else int(source(layer))
+
+
 class IndexedMlaAttention(MlaAttention):
     """Multi-head latent attention with a lightning indexer (`indexer`), as DeepseekV32Attention: the indexer reads
-    the layer's input and the query latent q_a_layernorm(q_a_proj(x)) (so q_lora_rank is required)."""
+    the layer's input and the query latent q_a_layernorm(q_a_proj(x)) (so q_lora_rank is required). A layer that
+    reuses an earlier layer's selection (`source` < layer_idx) has no indexer (GlmMoeDsaAttention)."""
 
     def __init__(self, cfg: Any, layer_idx: int) -> None:
         super().__init__(cfg, layer_idx)
         if self.q_a_proj is None:
             raise ValueError("DeepSeek sparse attention reads the query latent: q_lora_rank is required")
-        self.indexer = LightningIndexer(
-            cfg.hidden_size, cfg.q_lora_rank, cfg.index_n_heads, cfg.index_head_dim, cfg.qk_rope_head_dim,
-            cfg.index_topk,
-        )  # fmt: skip
+        self.source = indexer_source(cfg, layer_idx)
+        self.indexer: LightningIndexer | None = None
+        if self.source == layer_idx:
+            self.indexer = LightningIndexer(
+                cfg.hidden_size, cfg.q_lora_rank, cfg.index_n_heads, cfg.index_head_dim, cfg.qk_rope_head_dim,
+                cfg.index_topk, bool(getattr(cfg, "indexer_rope_interleave", False)),
+            )  # fmt: skip
+
+    def selection(
+        self,
+        hidden: torch.Tensor,
+        latent: torch.Tensor,
+        rope: Any,
+        visible: torch.Tensor,
+        selections: dict[int, torch.Tensor],
+        keys: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The keys this layer's queries attend to [B, T, S]: its indexer's choice (kept in `selections` for the
+        layers that share it), or its source layer's from `selections`."""
+        if self.indexer is None:
+            return selections[self.source]
+        selected = selections[self.layer_idx] = self.indexer.select(hidden, latent, rope, visible, keys)
+        return selected
 
     def project_indexed(
         self, x: torch.Tensor, rope_tables: tuple[torch.Tensor, torch.Tensor]
@@ -151,7 +185,7 @@ class IndexedDecoderLayer(DecoderLayer):
         attn = self.self_attn
         h = self.input_layernorm(x)
         q, k, v, latent = attn.project_indexed(h, rope)
-        selected = attn.indexer.select(h, latent, rope, masks.get(None)[:, 0])
+        selected = attn.selection(h, latent, rope, masks.get(None)[:, 0], masks.selections)
         x = x + attn.attend(q, k, v, selected[:, None])
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -173,13 +207,15 @@ class IndexedDecoderLayer(DecoderLayer):
         qr, kr, vr, latent_r = attn.project_indexed(hr, response_rope)
         k = torch.cat([kp.index_select(0, prompt_index), kr], dim=2)
         v = torch.cat([vp.index_select(0, prompt_index), vr], dim=2)
-        indexer = attn.indexer
-        with torch.no_grad():
-            index_p, index_r = indexer.keys(hp, *prompt_rope), indexer.keys(hr, *response_rope)
-            index_keys = torch.cat([index_p.index_select(0, prompt_index), index_r], dim=1)
-        prompt_selected = indexer.select(hp, latent_p, prompt_rope, prompt_masks.get(None)[:, 0], keys=index_p)
-        response_selected = indexer.select(hr, latent_r, response_rope, response_masks.get(None)[:, 0],
-                                           keys=index_keys)  # fmt: skip
+        index_p = index_keys = None
+        if attn.indexer is not None:
+            with torch.no_grad():
+                index_p, index_r = attn.indexer.keys(hp, *prompt_rope), attn.indexer.keys(hr, *response_rope)
+                index_keys = torch.cat([index_p.index_select(0, prompt_index), index_r], dim=1)
+        prompt_selected = attn.selection(hp, latent_p, prompt_rope, prompt_masks.get(None)[:, 0],
+                                         prompt_masks.selections, keys=index_p)  # fmt: skip
+        response_selected = attn.selection(hr, latent_r, response_rope, response_masks.get(None)[:, 0],
+                                           response_masks.selections, keys=index_keys)  # fmt: skip
         prompt_x = prompt_x + attn.attend(qp, kp, vp, prompt_selected[:, None])
         response_x = response_x + attn.attend(qr, k, v, response_selected[:, None])
         hidden = prompt_x.shape[-1]
@@ -215,6 +251,13 @@ class IndexedDecode:
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(self.model.model.norm(x), self.model.output_weight()).float()
 
+    @staticmethod
+    def _index_keys(attn: IndexedMlaAttention, h: torch.Tensor, rope: Any) -> torch.Tensor:
+        """The tokens' index keys [R, T, Di]; [R, T, 0] for a layer without an indexer (it reuses a selection)."""
+        if attn.indexer is None:
+            return h.new_zeros(*h.shape[:2], 0)
+        return attn.indexer.keys(h, *rope)
+
     def prefill(self, ids: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, IndexedRows]:
         """Left-padded prompts [P, T] -> logits after each prompt's last token [P, V] and the rows' state."""
         x = self.model.model.embed_tokens(ids)
@@ -222,12 +265,13 @@ class IndexedDecode:
         rope = self.model.rotary(positions, x.dtype)
         visible = attention_mask_for(valid, 0, ids.shape[1])[:, 0]
         layers: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        selections: dict[int, torch.Tensor] = {}
         for layer in self.model.model.layers:
             assert isinstance(layer, IndexedDecoderLayer)
             attn, h = layer.self_attn, layer.input_layernorm(x)
             q, k, v, latent = attn.project_indexed(h, rope)
-            index_keys = attn.indexer.keys(h, *rope)
-            selected = attn.indexer.select(h, latent, rope, visible, keys=index_keys)
+            index_keys = self._index_keys(attn, h, rope)
+            selected = attn.selection(h, latent, rope, visible, selections, keys=index_keys)
             x = x + attn.attend(q, k, v, selected[:, None])
             x = x + layer.mlp(layer.post_attention_layernorm(x))
             layers.append((k, v, index_keys))
@@ -240,12 +284,13 @@ class IndexedDecode:
         valid = torch.cat([state.valid, torch.ones_like(state.valid[:, :1])], dim=1)
         visible = valid[:, None, :]  # the new token sees every real slot, itself included
         layers: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        selections: dict[int, torch.Tensor] = {}
         for layer, (keys, values, index_keys) in zip(self.model.model.layers, state.layers, strict=True):
             attn, h = layer.self_attn, layer.input_layernorm(x)
             q, k, v, latent = attn.project_indexed(h, rope)
             keys, values = torch.cat([keys, k], dim=2), torch.cat([values, v], dim=2)
-            index_keys = torch.cat([index_keys, attn.indexer.keys(h, *rope)], dim=1)
-            selected = attn.indexer.select(h, latent, rope, visible, keys=index_keys)
+            index_keys = torch.cat([index_keys, self._index_keys(attn, h, rope)], dim=1)
+            selected = attn.selection(h, latent, rope, visible, selections, keys=index_keys)
             x = x + attn.attend(q, keys, values, selected[:, None])
             x = x + layer.mlp(layer.post_attention_layernorm(x))
             layers.append((keys, values, index_keys))

@@ -97,6 +97,10 @@ class AttentionMasks:
         self.query_positions, self.key_positions = query_positions, key_positions
         self.valid, self.segments = valid, segments
         self._windowed: dict[int, torch.Tensor] = {}
+        # The keys each query of a DeepSeek-sparse-attention layer selected ([B, T, S], by layer index), for the
+        # later layers that reuse a layer's selection (GLM-5's shared indexer layers, steps/models/dsa.py): one
+        # forward's, so that a layer run again by activation checkpointing reads what it read the first time.
+        self.selections: dict[int, torch.Tensor] = {}
 
     @classmethod
     def causal(cls, valid: torch.Tensor, positions: torch.Tensor) -> AttentionMasks:

@@ -75,6 +75,7 @@ class DeepseekConfig:
     pad_token_id: int | None = None
     model_type: str = MODEL_TYPE  # as the checkpoint says it (MODEL_TYPES), written back unchanged
     family_name: ClassVar[str] = "DeepSeek-V3"  # as errors name it (DeepSeek-V3.2's config extends this one)
+    architecture: ClassVar[str] = ARCHITECTURE  # transformers' class, as errors name it
 
     def __post_init__(self) -> None:
         if self.num_key_value_heads is None:
@@ -133,12 +134,12 @@ class DeepseekConfig:
             "dequantize the fp8 weights to bf16 first, e.g. DeepSeek's inference/fp8_cast_bf16.py, and drop "
             "quantization_config",
         )
-        checks.refuse_other_activation(d, source, "DeepSeek-V3's experts use silu")
+        checks.refuse_other_activation(d, source, f"{cls.family_name}'s experts use silu")
         checks.refuse_attention_dropout(d, source)
         for name, value in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc"), ("moe_layer_freq", 1)):
             if d.get(name, value) != value:
                 raise checks.unsupported(
-                    d, name, f"transformers' DeepseekV3ForCausalLM computes {name} {value!r} only", source
+                    d, name, f"transformers' {cls.architecture} computes {name} {value!r} only", source
                 )
         heads = d.get("num_attention_heads")
         if d.get("num_key_value_heads") not in (None, heads):
@@ -148,7 +149,7 @@ class DeepseekConfig:
                 f"multi-head latent attention has one key and value per head; set it to num_attention_heads ({heads})",
                 source,
             )
-        rope_theta, rope_scaling = _rope(d, source)
+        rope_theta, rope_scaling = _rope(d, source, cls.family_name)
 
         required = [
             "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_experts_per_tok",
@@ -158,10 +159,11 @@ class DeepseekConfig:
 
         kwargs = checks.known_fields(cls, d)
         kwargs["n_routed_experts"] = d.get("n_routed_experts", d.get("num_local_experts", 256))
-        kwargs["q_lora_rank"] = d.get("q_lora_rank", 1536)  # None is meaningful: q_proj
+        defaults = cls.__dataclass_fields__  # the class's own (an extending family's differ)
+        kwargs["q_lora_rank"] = d.get("q_lora_rank", defaults["q_lora_rank"].default)  # None is meaningful: q_proj
         kwargs["rope_theta"], kwargs["rope_scaling"] = rope_theta, rope_scaling
-        for name, default in (("bos_token_id", 0), ("eos_token_id", 1), ("pad_token_id", None)):
-            kwargs[name] = d.get(name, default)  # DeepseekV3Config's defaults when absent
+        for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            kwargs[name] = d.get(name, defaults[name].default)  # the config class's defaults when absent
         cfg = cls(**kwargs)
         cfg.validate(source)
         return cfg
@@ -207,7 +209,7 @@ class DeepseekConfig:
         checks.check_yarn_factor(self.rope_scaling, source)
 
 
-def _rope(d: dict[str, Any], source: str) -> tuple[float, dict[str, Any] | None]:
+def _rope(d: dict[str, Any], source: str, family: str) -> tuple[float, dict[str, Any] | None]:
     """(rope_theta, the YaRN parameters or None) of a config.json dict, as transformers v5 reads them:
     rope_scaling wins over rope_parameters; rope_theta inside them over the top-level one."""
     params = d.get("rope_scaling") or d.get("rope_parameters") or {}
@@ -219,7 +221,7 @@ def _rope(d: dict[str, Any], source: str) -> tuple[float, dict[str, Any] | None]
         return theta, None
     if rope_type != "yarn":
         raise MoerlError(
-            f"{source}: rope type {rope_type!r} is not supported by moerl (DeepSeek-V3: default or yarn RoPE)"
+            f"{source}: rope type {rope_type!r} is not supported by moerl ({family}: default or yarn RoPE)"
         )
     yarn = {k: params[k] for k in YARN_KEYS if params.get(k) is not None}
     # transformers' standardize_rope_params: a top-level original_max_position_embeddings wins, else the

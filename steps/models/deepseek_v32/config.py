@@ -32,6 +32,7 @@ class DeepseekV32Config(DeepseekConfig):
     index_topk: int = 2048
     model_type: str = MODEL_TYPE
     family_name: ClassVar[str] = "DeepSeek-V3.2"
+    architecture: ClassVar[str] = ARCHITECTURE
 
     def to_hf_dict(self, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
         """config.json content that transformers 5.23 and SGLang load as DeepseekV32ForCausalLM."""
