@@ -25,11 +25,13 @@ with T_layer the sequence length (min(T, window) on a sliding-window layer). Wit
 6N + 12 x layers x heads x head_dim x T; multi-head latent attention (DeepSeek-V3) has d_qk = qk_nope_head_dim +
 qk_rope_head_dim (192) and d_v = v_head_dim (128). The full (not causal-halved) attention is counted, as PaLM does.
 
-DeepSeek sparse attention (DeepSeek-V3.2: index_topk): each query attends to at most index_topk keys, so the attention
-term's T_layer is min(T, index_topk), as a window's; its lightning indexer scores every earlier key, index_n_heads x
-index_head_dim multiply-adds a key in the forward only (it is frozen, under no_grad): 2 x heads x dim x T a token and
-layer, added to the FLOPs. The engine keeps each token's index key beside the MLA latent: index_head_dim FP8 bytes
-and a float32 scale per 128 (SGLang 0.5.17's DSATokenToKVPool, mem_cache/memory_pool.py:4384-4389).
+DeepSeek sparse attention (DeepSeek-V3.2, GLM-5: index_topk): each query attends to at most index_topk keys, so the
+attention term's T_layer is min(T, index_topk), as a window's; its lightning indexer scores every earlier key,
+index_n_heads x index_head_dim multiply-adds a key in the forward only (it is frozen, under no_grad): 2 x heads x dim
+x T a token and layer, added to the FLOPs. The engine keeps each token's index key beside the MLA latent:
+index_head_dim FP8 bytes and a float32 scale per 128 (SGLang 0.5.17's DSATokenToKVPool, mem_cache/memory_pool.py:
+4384-4389). GLM-5's shared layers run no indexer (they reuse an earlier layer's selection): no scoring and no index
+keys there.
 
 Linear attention (Qwen3-Next's gated DeltaNet layers, layer_types "linear_attention"): no term in T. Its projections
 (in_proj_qkvz, in_proj_ba, out_proj) and its depthwise causal conv1d (channels x K multiply-adds a token, as many as
@@ -287,8 +289,11 @@ def model_sizing(d: dict[str, Any], source: str = "config.json") -> ModelSizing:
     dqk, dv = _head_dims(cfg)
     window = getattr(cfg, "window", None)
     index_topk = getattr(cfg, "index_topk", None)  # DeepSeek sparse attention: at most index_topk keys a query
+    indexed: list[int] = []  # the layers that run an indexer (GLM-5's shared layers reuse another's selection)
     if index_topk is not None:
         window = lambda layer: index_topk  # noqa: E731
+        source = getattr(cfg, "indexer_source", lambda layer: layer)
+        indexed = [layer for layer in range(layers) if source(layer) == layer]
     linear_layers = [layer for layer in range(layers) if _is_linear_attention(cfg, layer)]
     attention = tuple(
         (cfg.num_attention_heads, dqk, dv, window(layer) if callable(window) else None)
@@ -318,8 +323,8 @@ def model_sizing(d: dict[str, Any], source: str = "config.json") -> ModelSizing:
         linear_attention=linear_attention,
         state_bytes_per_sequence=linear_attention_state_bytes(cfg),
         carried=carried,
-        index_scoring=tuple((cfg.index_n_heads, cfg.index_head_dim) for _ in range(layers)) if index_topk else (),
-        index_key_bytes_per_token=layers * (cfg.index_head_dim + cfg.index_head_dim // 128 * 4) if index_topk else 0,
+        index_scoring=tuple((cfg.index_n_heads, cfg.index_head_dim) for _ in indexed),
+        index_key_bytes_per_token=len(indexed) * (cfg.index_head_dim + cfg.index_head_dim // 128 * 4) if indexed else 0,
         **_kv_cache_shape(cfg),
     )
 

@@ -174,7 +174,7 @@ SGLANG_ARCHITECTURES = {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2M
                         "gpt_oss": "GptOssForCausalLM", "minimax_m2": "MiniMaxM2ForCausalLM",
                         "qwen3_next": "Qwen3NextForCausalLM",
                         "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
-                        "deepseek_v32": "DeepseekV32ForCausalLM"}  # fmt: skip
+                        "deepseek_v32": "DeepseekV32ForCausalLM", "glm_moe_dsa": "GlmMoeDsaForCausalLM"}  # fmt: skip
 # The model classes SGLang 0.5.17 registers (models/*.py EntryClass, where ModelRegistry finds them) for the MoE
 # architectures moerl has a family for or names (steps/models/registry.py); tests/test_sglang_families.py holds
 # every family's architecture to it.

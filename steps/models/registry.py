@@ -18,6 +18,7 @@ from steps.models.deepseek_v3.spec import DEEPSEEK_V3
 from steps.models.deepseek_v32.spec import DEEPSEEK_V32
 from steps.models.family import ModelFamily
 from steps.models.glm4_moe.spec import GLM4_MOE
+from steps.models.glm_moe_dsa.spec import GLM_MOE_DSA
 from steps.models.gpt_oss.spec import GPT_OSS
 from steps.models.minimax_m2.spec import MINIMAX_M2
 from steps.models.mixtral.spec import MIXTRAL
@@ -30,7 +31,7 @@ FAMILIES: dict[str, ModelFamily] = {
     family.model_type: family
     for family in (
         QWEN3_MOE, QWEN2_MOE, GLM4_MOE, MIXTRAL, DEEPSEEK_V3, DEEPSEEK_V32, GPT_OSS, MINIMAX_M2, QWEN3_NEXT,
-        QWEN3_5_MOE,
+        QWEN3_5_MOE, GLM_MOE_DSA,
     )  # fmt: skip
 }
 
@@ -43,8 +44,6 @@ REFUSED: dict[str, tuple[str, str, str]] = {
     "deepseek_v2": ("DeepSeek-V2", "deepseek_v3", "its softmax router with greedy or group-limited greedy top-k is"
                     " not implemented"),
     "deepseek_v4": ("DeepSeek-V4", "deepseek_v3", "its attention and routing beyond DeepSeek-V3's are not"
-                    " implemented"),
-    "glm_moe_dsa": ("GLM-5", "glm4_moe", "DeepSeek sparse attention over multi-head latent attention is not"
                     " implemented"),
     "kimi_k25": ("Kimi-K2.5", "deepseek_v3", "its vision tower (KimiK25ForConditionalGeneration) is not"
                  " implemented; its language model is Kimi-K2's"),

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from steps.models.deepseek_v3.state_dict_adapter import DeepseekV3StateDictAdapter
 from steps.models.deepseek_v32.config import DeepseekV32Config
+from steps.models.dsa import indexer_source
 
 if TYPE_CHECKING:
     from steps.models.placement import ExpertPlacement
@@ -35,9 +36,11 @@ class DeepseekV32StateDictAdapter(DeepseekV3StateDictAdapter):
     def expected_shapes(
         self, cfg: DeepseekV32Config, placement: ExpertPlacement | None = None, ep_rank: int = 0
     ) -> dict[str, tuple[int, ...]]:
-        """DeepSeek-V3's tensors and every layer's indexer."""
+        """DeepSeek-V3's tensors and the indexer of every layer that runs one (all, but GLM-5's shared layers)."""
         shapes = super().expected_shapes(cfg, placement, ep_rank)
         for layer in range(cfg.num_hidden_layers):
+            if indexer_source(cfg, layer) != layer:
+                continue  # GLM-5's shared layers have no indexer
             for name, shape in indexer_shapes(cfg).items():
                 shapes[f"model.layers.{layer}.self_attn.indexer.{name}"] = shape
         return shapes
