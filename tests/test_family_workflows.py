@@ -43,6 +43,12 @@ FAMILIES = {
         "n_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 2, "topk_group": 1, "q_lora_rank": 16,
         "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 8, "index_n_heads": 16,
         "index_head_dim": 8, "index_topk": 4, "routed_scaling_factor": 1.0}),
+    # DeepSeek-V3.2's sparse attention with a shared indexer layer (layer 1 reuses layer 0's selection)
+    "glm_moe_dsa": ("GlmMoeDsaConfig", {
+        **SMALL, "num_key_value_heads": 4, "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+        "n_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 2, "topk_group": 1, "q_lora_rank": 16,
+        "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 8, "index_n_heads": 16,
+        "index_head_dim": 8, "index_topk": 4, "routed_scaling_factor": 1.0, "indexer_types": ["full", "shared"]}),
     "glm4_moe": ("Glm4MoeConfig", {
         **SMALL, "num_key_value_heads": 2, "head_dim": 8, "n_routed_experts": 4, "num_experts_per_tok": 2,
         "moe_intermediate_size": 16, "n_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1,
