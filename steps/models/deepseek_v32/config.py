@@ -59,7 +59,7 @@ class DeepseekV32Config(DeepseekConfig):
         """Validate a Hugging Face config.json dict (`source` names it in errors) and build the config."""
         if d.get("rope_interleave") is False:
             raise checks.unsupported(
-                d, "rope_interleave", "DeepSeek-V3.2's attention always rotates interleaved pairs; drop the field",
+                d, "rope_interleave", f"{cls.family_name}'s attention always rotates interleaved pairs; drop the field",
                 source,
             )  # fmt: skip
         if "q_lora_rank" in d and d["q_lora_rank"] is None:
@@ -68,7 +68,7 @@ class DeepseekV32Config(DeepseekConfig):
         layer_types = d.get("layer_types")
         if layer_types is not None and (not isinstance(layer_types, list) or set(layer_types) != {INDEXED}
                                         or len(layer_types) != layers):  # fmt: skip
-            raise checks.unsupported(d, "layer_types", f"every DeepSeek-V3.2 layer is {INDEXED!r}", source)
+            raise checks.unsupported(d, "layer_types", f"every {cls.family_name} layer is {INDEXED!r}", source)
         mlp_layer_types = d.get("mlp_layer_types")
         if mlp_layer_types is not None and isinstance(layers, int):
             dense = min(d.get("first_k_dense_replace", 3), layers)
@@ -93,4 +93,4 @@ class DeepseekV32Config(DeepseekConfig):
                 "(the indexer rotates its first qk_rope_head_dim dims)",
             )  # fmt: skip
         if not self.rope_interleave:
-            raise checks.invalid(source, "rope_interleave = False: DeepSeek-V3.2's attention always interleaves")
+            raise checks.invalid(source, f"rope_interleave = False: {self.family_name}'s attention always interleaves")
