@@ -175,11 +175,14 @@ class ModelSizing:
 
 def _family_config(d: dict[str, Any], source: str) -> Any:
     """The family's validated config of a config.json dict, sized as the float checkpoint moerl would hold: a
-    quantization_config (DeepSeek-V3's fp8, gpt-oss's MXFP4, which import dequantizes) is set aside, as are the
-    multi-token-prediction layers (moerl's import drops them)."""
+    quantization_config (DeepSeek-V3's fp8, gpt-oss's MXFP4, which import dequantizes, Kimi-K2.5's INT4 experts, at
+    the top level or in text_config) is set aside, as are the multi-token-prediction layers (moerl's import drops
+    them)."""
     from steps.models.registry import config_from_hf
 
     d = {k: v for k, v in d.items() if k != "quantization_config"}
+    if isinstance(d.get("text_config"), dict):
+        d["text_config"] = {k: v for k, v in d["text_config"].items() if k != "quantization_config"}
     return config_from_hf(d, source=source)
 
 

@@ -174,7 +174,8 @@ SGLANG_ARCHITECTURES = {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2M
                         "gpt_oss": "GptOssForCausalLM", "minimax_m2": "MiniMaxM2ForCausalLM",
                         "qwen3_next": "Qwen3NextForCausalLM",
                         "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
-                        "deepseek_v32": "DeepseekV32ForCausalLM", "glm_moe_dsa": "GlmMoeDsaForCausalLM"}  # fmt: skip
+                        "deepseek_v32": "DeepseekV32ForCausalLM", "glm_moe_dsa": "GlmMoeDsaForCausalLM",
+                        "kimi_k25": "KimiK25ForConditionalGeneration"}  # fmt: skip
 # The model classes SGLang 0.5.17 registers (models/*.py EntryClass, where ModelRegistry finds them) for the MoE
 # architectures moerl has a family for or names (steps/models/registry.py); tests/test_sglang_families.py holds
 # every family's architecture to it.
@@ -210,8 +211,10 @@ NO_DEEPEP_PATH = {
 # get_default_config), which is what "auto" already is for bf16 weights elsewhere
 # (layers/quantization/unquant.py:568 UnquantizedFusedMoEMethod: MoeRunnerBackend.TRITON).
 # Qwen3-Next and Qwen3.5-MoE are among them (overrides.py:1283-1291 registers _qwen3_moe_family_overrides for both).
+# Kimi-K2.5 is among them (overrides.py:1667 _DEEPSEEK_FAMILY_ARCHS; with no quantization_config, :1726, :1740).
 TRTLLM_MOE_ON_SM100 = frozenset({"DeepseekV3ForCausalLM", "Qwen3MoeForCausalLM", "Glm4MoeForCausalLM",
-                                 "Qwen3NextForCausalLM", "Qwen3_5MoeForConditionalGeneration"})  # fmt: skip
+                                 "Qwen3NextForCausalLM", "Qwen3_5MoeForConditionalGeneration",
+                                 "KimiK25ForConditionalGeneration"})  # fmt: skip
 HOPPER_SM = 90
 # Qwen3-Next (gated DeltaNet beside gated softmax attention) on SGLang 0.5.17, on every GPU:
 # - attention_backend "triton". On sm100 SGLang would pick trtllm_mha itself (arg_groups/overrides.py:1240-1265
@@ -301,6 +304,8 @@ def sglang_model_mismatch(config: dict[str, Any]) -> str | None:
         return qwen3_next_mismatch(config)
     if arch == "Qwen3_5MoeForConditionalGeneration":
         return qwen3_5_moe_mismatch(config)
+    if arch == "KimiK25ForConditionalGeneration":
+        return kimi_k25_mismatch(config)
     if arch != "Qwen2MoeForCausalLM":
         return None
     heads, hidden = config.get("num_attention_heads") or 1, config.get("hidden_size") or 0
@@ -407,6 +412,44 @@ def qwen3_5_moe_mismatch(config: dict[str, Any]) -> str | None:
     return None
 
 
+# SGLang 0.5.17's Kimi-K2.5 tower (configs/kimi_k25.py:44ff KimiK25VisionConfig) reads transformers' names, with
+# these defaults, never the release's vt_* keys (which the projector reads: models/kimi_k25.py:604, :615)
+KIMI_K25_TOWER = {"hidden_size": ("vt_hidden_size", 1152), "num_hidden_layers": ("vt_num_hidden_layers", 27),
+                  "num_attention_heads": ("vt_num_attention_heads", 16),
+                  "intermediate_size": ("vt_intermediate_size", 4304)}  # fmt: skip
+
+
+def kimi_k25_mismatch(config: dict[str, Any]) -> str | None:
+    """What SGLang 0.5.17's Kimi-K2.5 (configs/kimi_k25.py, models/kimi_k25.py) would build differently from
+    transformers 5.23's reading of config.json, or None:
+
+    - tied embeddings: SGLang's language model (DeepseekV3ForCausalLM, deepseek_v2.py:2933) reads text_config's
+      tie_word_embeddings (DeepseekV3Config's default false: configs/kimi_k25.py:143), transformers the top-level one
+      (Kimi_K25Config's default true);
+    - the tower: built from vision_config's hidden_size, num_hidden_layers, num_attention_heads, intermediate_size
+      (defaults 1152, 27, 16, 4304), where the release writes vt_* (KIMI_K25_TOWER); a tower of other sizes is
+      built full size and its weights fail to load; the projector's text_hidden_size defaults to 7168."""
+    text, vision = config.get("text_config") or {}, config.get("vision_config") or {}
+    top, own = bool(config.get("tie_word_embeddings", True)), bool(text.get("tie_word_embeddings", False))
+    if top != own:
+        return (
+            f"tie_word_embeddings {top} at the top level but {own} in text_config: SGLang's Kimi-K2.5 ties by "
+            "text_config's, transformers by the top-level one (write both)"
+        )
+    for key, (released, default) in KIMI_K25_TOWER.items():
+        read = vision.get(key, default)
+        meant = vision.get(released, vision.get(key, default))
+        if read != meant:
+            return (
+                f"vision_config.{key} {read} (SGLang's reading; the tower has {meant}, {released}): SGLang would build "
+                "another tower (write both keys)"
+            )
+    hidden, projected = text.get("hidden_size"), vision.get("text_hidden_size", 7168)
+    if projected != hidden:
+        return f"vision_config.text_hidden_size {projected}: SGLang's projector would not output text_config's {hidden}"
+    return None
+
+
 # Architectures whose SGLang 0.5.17 router records no routes per layer: their TopK is built without layer_id
 # (layers/moe/topk.py TopK keeps layer_id None), which the capturer uses as the layer index
 # (layers/moe/state_capturer/base.py capture: buffer[:batch, layer_id, :] = topk_ids), so None adds an axis: the
@@ -466,7 +509,10 @@ def family_server_args(
             "rollout.record_routes: false and trainer.routing_replay: none, or rollout.engine: torch"
         )
     hopper = sm == HOPPER_SM
-    if arch in ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM", "GptOssForCausalLM") and not hopper:
+    # Kimi-K2.5's language model is DeepSeek-V3's, and it gets DeepSeek's sm100 override (overrides.py:554, :639)
+    mla_or_sinks = ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM", "KimiK25ForConditionalGeneration",
+                    "GptOssForCausalLM")
+    if arch in mla_or_sinks and not hopper:
         kwargs["attention_backend"] = "triton"
     if arch in TRTLLM_MOE_ON_SM100 and moe_a2a_backend == "none" and not hopper:
         kwargs["moe_runner_backend"] = "triton"

@@ -20,6 +20,7 @@ from steps.models.family import ModelFamily
 from steps.models.glm4_moe.spec import GLM4_MOE
 from steps.models.glm_moe_dsa.spec import GLM_MOE_DSA
 from steps.models.gpt_oss.spec import GPT_OSS
+from steps.models.kimi_k25.spec import KIMI_K25
 from steps.models.minimax_m2.spec import MINIMAX_M2
 from steps.models.mixtral.spec import MIXTRAL
 from steps.models.qwen2_moe.spec import QWEN2_MOE
@@ -31,7 +32,7 @@ FAMILIES: dict[str, ModelFamily] = {
     family.model_type: family
     for family in (
         QWEN3_MOE, QWEN2_MOE, GLM4_MOE, MIXTRAL, DEEPSEEK_V3, DEEPSEEK_V32, GPT_OSS, MINIMAX_M2, QWEN3_NEXT,
-        QWEN3_5_MOE, GLM_MOE_DSA,
+        QWEN3_5_MOE, GLM_MOE_DSA, KIMI_K25,
     )  # fmt: skip
 }
 
@@ -45,8 +46,6 @@ REFUSED: dict[str, tuple[str, str, str]] = {
                     " not implemented"),
     "deepseek_v4": ("DeepSeek-V4", "deepseek_v3", "its attention and routing beyond DeepSeek-V3's are not"
                     " implemented"),
-    "kimi_k25": ("Kimi-K2.5", "deepseek_v3", "its vision tower (KimiK25ForConditionalGeneration) is not"
-                 " implemented; its language model is Kimi-K2's"),
     "olmoe": ("OLMoE", "qwen3_moe", "its q/k norms over the whole projection are not implemented"),
     "qwen3_5_moe_text": ("Qwen3.5-MoE (text-only)", "qwen3_5_moe", "the text-only layout (Qwen3_5MoeForCausalLM) is"
                          " not read; use the released vision-language checkpoint"),

@@ -1,0 +1,56 @@
+"""A Kimi-K2.5 checkpoint as transformers 5.23's save_pretrained writes it, renamed on import to the release's layout,
+which transformers, SGLang and moerl read. transformers' conversion mapping "kimi_k25" renames the release's tensors
+when it loads them (language_model.model -> model.language_model, a vision block's blocks -> layers, ...) and saves
+by reversing those renames one by one, which turns three groups into names the release never had:
+language_model.model.blocks.N (the vision tower's blocks -> layers reversed on the language model's layers too),
+model.mm_projector.pre_norm, vision_tower.encoder.patch_embed. They are renamed back (RENAMES); the tensors are
+unchanged. Its conversion in steps/models/import_conversions.py; a checkpoint in the release's layout is untouched.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+from safetensors import safe_open
+
+from steps.models.checkpoint_rewrite import InputFiles, ShardWriter
+from steps.models.hf_checkpoint import tensor_index
+
+SHARD_BYTES = 5 * 2**30
+_TMP_PREFIX = ".moerl-renamed-"
+# transformers 5.23's saved prefix -> the release's
+RENAMES = (
+    ("language_model.model.blocks.", "language_model.model.layers."),
+    ("model.mm_projector.", "mm_projector."),
+    ("vision_tower.encoder.patch_embed.", "vision_tower.patch_embed."),
+)
+
+
+def release_name(name: str) -> str:
+    for saved, released in RENAMES:
+        if name.startswith(saved):
+            return released + name.removeprefix(saved)
+    return name
+
+
+def rename_to_release_layout(
+    directory: str | os.PathLike, say: Callable[[str], None] = print, shard_bytes: int = SHARD_BYTES
+) -> int:
+    """Rewrite the checkpoint in `directory` in place under the release's names; says so in one line and returns
+    the number of tensors renamed (0: already the release's layout, nothing done)."""
+    directory = Path(directory)
+    entries = tensor_index(directory)
+    renamed = {name: release_name(name) for name in entries if release_name(name) != name}
+    if not renamed:
+        return 0
+    inputs = InputFiles(entries)
+    writer = ShardWriter(directory, shard_bytes, _TMP_PREFIX)
+    for name, entry in entries.items():
+        with safe_open(entry.file, framework="pt") as f:
+            writer.add(renamed.get(name, name), f.get_tensor(name))
+        inputs.consumed(name)
+    writer.finish()
+    say(f"{directory}: renamed {len(renamed)} tensors from transformers' saved layout to the Kimi-K2.5 release's")
+    return len(renamed)
