@@ -49,6 +49,13 @@ FAMILIES = {
         "n_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 2, "topk_group": 1, "q_lora_rank": 16,
         "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 8, "index_n_heads": 16,
         "index_head_dim": 8, "index_topk": 4, "routed_scaling_factor": 1.0, "indexer_types": ["full", "shared"]}),
+    # a vision-language checkpoint whose language model is DeepSeek-V3's: the MoonViT tower and projector carried;
+    # transformers saves three groups of names the release never had, which import renames
+    "kimi_k25": ("Kimi_K25Config", {
+        **SMALL, "model_type": "deepseek_v3", "num_key_value_heads": 4, "n_routed_experts": 4, "num_experts_per_tok": 2,
+        "moe_intermediate_size": 16, "n_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 2, "topk_group": 1,
+        "q_lora_rank": 16, "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 8,
+        "routed_scaling_factor": 1.0}),
     "glm4_moe": ("Glm4MoeConfig", {
         **SMALL, "num_key_value_heads": 2, "head_dim": 8, "n_routed_experts": 4, "num_experts_per_tok": 2,
         "moe_intermediate_size": 16, "n_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1,
@@ -78,10 +85,15 @@ FAMILIES = {
         "layer_types": ["linear_attention", "full_attention"], "num_experts": 4, "num_experts_per_tok": 2,
         "moe_intermediate_size": 16, "shared_expert_intermediate_size": 24}),
 }  # fmt: skip
-# vision-language families: model_type -> (transformers' class, a tiny vision_config)
-VISION_LANGUAGE = {"qwen3_5_moe": ("Qwen3_5MoeForConditionalGeneration", {
-    "depth": 1, "hidden_size": 16, "intermediate_size": 24, "num_heads": 2, "out_hidden_size": 32,
-    "num_position_embeddings": 16, "patch_size": 4})}  # fmt: skip
+# vision-language families: model_type -> (transformers' class, a tiny vision_config, other config fields)
+VISION_LANGUAGE = {
+    "qwen3_5_moe": ("Qwen3_5MoeForConditionalGeneration", {
+        "depth": 1, "hidden_size": 16, "intermediate_size": 24, "num_heads": 2, "out_hidden_size": 32,
+        "num_position_embeddings": 16, "patch_size": 4}, {}),
+    "kimi_k25": ("Kimi_K25ForConditionalGeneration", {
+        "num_hidden_layers": 1, "hidden_size": 16, "intermediate_size": 24, "num_attention_heads": 2,
+        "pos_emb_height": 4, "pos_emb_width": 4, "pos_emb_time": 2}, {"projection_hidden_size": 16}),
+}  # fmt: skip
 
 
 def transformers_class(model_type: str) -> type:
@@ -99,9 +111,10 @@ def user_checkpoint(directory: Path, model_type: str) -> Path:
     ids = {"bos_token_id": tok.token_id("bos_token"), "eos_token_id": tok.stop_ids[0], "pad_token_id": tok.pad_id}
     torch.manual_seed(0)
     if model_type in VISION_LANGUAGE:
-        model_class, vision = VISION_LANGUAGE[model_type]
+        model_class, vision, extra = VISION_LANGUAGE[model_type]
         text = {"vocab_size": tok.vocab_size, **kwargs, **ids}
-        config = getattr(transformers, class_name)(text_config=text, vision_config=vision)
+        tied = {"tie_word_embeddings": False}  # the release's (SGLang ties Kimi-K2.5 by text_config's, default false)
+        config = getattr(transformers, class_name)(text_config=text, vision_config=vision, **extra, **tied)
         model = getattr(transformers, model_class)(config)
     else:
         config = getattr(transformers, class_name)(vocab_size=tok.vocab_size, **kwargs, **ids)

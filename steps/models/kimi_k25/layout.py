@@ -4,11 +4,14 @@ when it loads them (language_model.model -> model.language_model, a vision block
 by reversing those renames one by one, which turns three groups into names the release never had:
 language_model.model.blocks.N (the vision tower's blocks -> layers reversed on the language model's layers too),
 model.mm_projector.pre_norm, vision_tower.encoder.patch_embed. They are renamed back (RENAMES); the tensors are
-unchanged. Its conversion in steps/models/import_conversions.py; a checkpoint in the release's layout is untouched.
+unchanged. Its config.json names the architecture by transformers' class, Kimi_K25ForConditionalGeneration, which
+SGLang 0.5.17 does not register: it gets the release's name, KimiK25ForConditionalGeneration (SGLang's, and what
+moerl writes). Its conversion in steps/models/import_conversions.py; a checkpoint in the release's layout is untouched.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -16,10 +19,12 @@ from pathlib import Path
 from safetensors import safe_open
 
 from steps.models.checkpoint_rewrite import InputFiles, ShardWriter
-from steps.models.hf_checkpoint import tensor_index
+from steps.models.hf_checkpoint import CONFIG_NAME, read_config_json, tensor_index
+from steps.models.kimi_k25.config import ARCHITECTURE
 
 SHARD_BYTES = 5 * 2**30
 _TMP_PREFIX = ".moerl-renamed-"
+TRANSFORMERS_ARCHITECTURE = "Kimi_K25ForConditionalGeneration"  # transformers 5.23's class name
 # transformers 5.23's saved prefix -> the release's
 RENAMES = (
     ("language_model.model.blocks.", "language_model.model.layers."),
@@ -38,9 +43,14 @@ def release_name(name: str) -> str:
 def rename_to_release_layout(
     directory: str | os.PathLike, say: Callable[[str], None] = print, shard_bytes: int = SHARD_BYTES
 ) -> int:
-    """Rewrite the checkpoint in `directory` in place under the release's names; says so in one line and returns
-    the number of tensors renamed (0: already the release's layout, nothing done)."""
+    """Rewrite the checkpoint in `directory` in place under the release's names (and config.json's architecture);
+    says so in one line and returns the number of tensors renamed (0: already the release's layout)."""
     directory = Path(directory)
+    config = read_config_json(directory)
+    if config.get("architectures") == [TRANSFORMERS_ARCHITECTURE]:
+        config["architectures"] = [ARCHITECTURE]
+        (directory / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
+        say(f"{directory}: config.json's architectures {TRANSFORMERS_ARCHITECTURE} -> {ARCHITECTURE} (the release's)")
     entries = tensor_index(directory)
     renamed = {name: release_name(name) for name in entries if release_name(name) != name}
     if not renamed:
