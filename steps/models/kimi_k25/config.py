@@ -35,6 +35,13 @@ INT4_FIX = (
 
 
 @dataclass
+class _LanguageModelConfig(DeepseekConfig):
+    """text_config read as DeepSeek-V3's, its errors naming Kimi-K2.5."""
+
+    family_name: ClassVar[str] = "Kimi-K2.5"
+
+
+@dataclass
 class KimiK25Config(DeepseekConfig):
     """Kimi-K2.5: the language model's DeepSeek-V3 hyper-parameters (DeepseekConfig's fields, flat), the vision
     tower's config as config.json has it, and the projector's width."""
@@ -89,7 +96,9 @@ class KimiK25Config(DeepseekConfig):
                 f"{source} text_config",
             )  # fmt: skip
         ids = {key: d[key] for key in checks.TOKEN_IDS if key in d and key not in text}
-        language = DeepseekConfig.from_hf_dict({**text, "model_type": "deepseek_v3", **ids}, f"{source} text_config")
+        language = _LanguageModelConfig.from_hf_dict(
+            {**text, "model_type": "deepseek_v3", **ids}, f"{source} text_config"
+        )
         kwargs = {f.name: getattr(language, f.name) for f in fields(DeepseekConfig) if f.name != "model_type"}
         kwargs["tie_word_embeddings"] = bool(d.get("tie_word_embeddings", True))
         vision = d["vision_config"]

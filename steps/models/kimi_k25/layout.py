@@ -6,7 +6,10 @@ language_model.model.blocks.N (the vision tower's blocks -> layers reversed on t
 model.mm_projector.pre_norm, vision_tower.encoder.patch_embed. They are renamed back (RENAMES); the tensors are
 unchanged. Its config.json names the architecture by transformers' class, Kimi_K25ForConditionalGeneration, which
 SGLang 0.5.17 does not register: it gets the release's name, KimiK25ForConditionalGeneration (SGLang's, and what
-moerl writes). Its conversion in steps/models/import_conversions.py; a checkpoint in the release's layout is untouched.
+moerl writes); and its vision_config holds transformers' size keys only, where SGLang's projector reads the
+release's (vt_hidden_size, text_hidden_size, mm_hidden_size: models/kimi_k25.py:604, :615): they are added, with
+the same values. Its conversion in steps/models/import_conversions.py; a checkpoint in the release's layout is
+untouched.
 """
 
 from __future__ import annotations
@@ -25,6 +28,13 @@ from steps.models.kimi_k25.config import ARCHITECTURE
 SHARD_BYTES = 5 * 2**30
 _TMP_PREFIX = ".moerl-renamed-"
 TRANSFORMERS_ARCHITECTURE = "Kimi_K25ForConditionalGeneration"  # transformers 5.23's class name
+# transformers' vision_config key -> the release's (what SGLang's projector reads)
+RELEASE_VISION_KEYS = (
+    ("hidden_size", "vt_hidden_size"),
+    ("intermediate_size", "vt_intermediate_size"),
+    ("num_attention_heads", "vt_num_attention_heads"),
+    ("num_hidden_layers", "vt_num_hidden_layers"),
+)
 # transformers 5.23's saved prefix -> the release's
 RENAMES = (
     ("language_model.model.blocks.", "language_model.model.layers."),
@@ -49,8 +59,17 @@ def rename_to_release_layout(
     config = read_config_json(directory)
     if config.get("architectures") == [TRANSFORMERS_ARCHITECTURE]:
         config["architectures"] = [ARCHITECTURE]
+        vision, text = config.get("vision_config"), config.get("text_config")
+        if isinstance(vision, dict) and isinstance(text, dict):
+            released = {release_key: vision[key] for key, release_key in RELEASE_VISION_KEYS if key in vision}
+            released["text_hidden_size"] = text.get("hidden_size")
+            released["mm_hidden_size"] = config.get("projection_hidden_size", vision.get("hidden_size"))
+            config["vision_config"] = {**released, **vision}  # a key the config already has keeps its value
         (directory / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
-        say(f"{directory}: config.json's architectures {TRANSFORMERS_ARCHITECTURE} -> {ARCHITECTURE} (the release's)")
+        say(
+            f"{directory}: config.json as the release writes it (architectures {ARCHITECTURE}, vision_config's "
+            "vt_* sizes beside transformers' keys)"
+        )
     entries = tensor_index(directory)
     renamed = {name: release_name(name) for name in entries if release_name(name) != name}
     if not renamed:
