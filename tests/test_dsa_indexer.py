@@ -123,3 +123,16 @@ def test_index_topk_beyond_the_visible_keys_selects_them_all():
     ours.topk = 64
     hidden, q_resid, rope = inputs(seed=6)
     assert torch.equal(ours.select(hidden, q_resid, rope, causal()), causal())
+
+
+def test_scoring_the_queries_in_blocks_selects_what_scoring_them_at_once_does(monkeypatch):
+    """A long sequence's per-head products are scored a block of queries at a time (dsa.SCORE_BLOCK_ELEMENTS): the
+    selection is the same whatever the block."""
+    import steps.models.dsa as dsa
+
+    _, ours = indexers(seed=7)
+    hidden, q_resid, rope = inputs(seed=8)
+    whole = ours.select(hidden, q_resid, rope, causal())
+    for queries_a_block in (1, 2, 5):
+        monkeypatch.setattr(dsa, "SCORE_BLOCK_ELEMENTS", BATCH * SIZES["index_n_heads"] * SEQ * queries_a_block)
+        assert torch.equal(ours.select(hidden, q_resid, rope, causal()), whole)

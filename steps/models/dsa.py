@@ -47,6 +47,7 @@ from steps.models.layers import AttentionMasks, attention_mask_for, rotate_half
 from steps.models.mla import MlaAttention, deinterleave
 
 INDEX_KEY_NORM_EPS = 1e-6  # DeepseekV32Indexer's k_norm: nn.LayerNorm(index_head_dim, eps=1e-6)
+SCORE_BLOCK_ELEMENTS = 2**26  # per-head products scored at once (fp32: 256 MB), see LightningIndexer.select
 
 
 def rotate_first(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
@@ -118,14 +119,23 @@ class LightningIndexer(nn.Module):
         """The keys each query attends to: a bool mask [B, T, S], True at the top min(index_topk, S) scores among
         the keys the query may see (visible [B, T, S]: causality, padding, a packed row's own sequence).
         hidden, q_resid and rope are the queries' tokens'; keys [B, S, Di] (a decode step's cache) defaults to
-        these tokens' own keys (a full forward: S = T)."""
+        these tokens' own keys (a full forward: S = T).
+
+        The per-head products [B, queries, Hi, S] are what a long sequence's memory goes to (8k tokens and 64 heads:
+        17 GB a row at once), so the queries are scored SCORE_BLOCK_ELEMENTS at a time; a query's scores do not
+        depend on the other queries of its block."""
         cos, sin = rope
         if keys is None:
             keys = self.keys(hidden, cos, sin)
-        index = self.scores(self.queries(q_resid, cos, sin), self.head_weights(hidden), keys)
-        index = index.masked_fill(~visible, float("-inf"))
-        chosen = index.topk(min(self.topk, index.shape[-1]), dim=-1).indices
-        return torch.zeros_like(visible).scatter_(-1, chosen, True) & visible
+        queries, weights = self.queries(q_resid, cos, sin), self.head_weights(hidden)
+        count = min(self.topk, keys.shape[1])
+        selected = torch.zeros_like(visible)
+        block = max(1, SCORE_BLOCK_ELEMENTS // (hidden.shape[0] * self.num_heads * keys.shape[1]))
+        for start in range(0, queries.shape[1], block):
+            rows = slice(start, start + block)
+            index = self.scores(queries[:, rows], weights[:, rows], keys).masked_fill(~visible[:, rows], float("-inf"))
+            selected[:, rows].scatter_(-1, index.topk(count, dim=-1).indices, True)
+        return selected & visible
 
 
 def indexer_source(cfg: Any, layer: int) -> int:
