@@ -19,8 +19,10 @@ Numerics: the selection is discrete. Near-ties (a relu makes a score exactly 0 w
 negative: common with few index heads) can break differently between two call shapes or two dtypes: a one-token
 decode step against a full forward, an FP8 engine against a bf16 or fp32 trainer. transformers' own forward is not
 causal there (appending a token changes the length topk runs over, and with it which of several zero-scored keys an
-earlier query keeps), nor is moerl's. That is why the engine's selection has to be replayed in training, as routing
-replay does for the experts. Scores are computed in the same operations as transformers' (one matmul per query head
+earlier query keeps), nor is moerl's. Exact agreement needs the engine's selection replayed in training, as routing
+replay does for the experts; moerl does not replay it yet: the trainer selects again (with the torch engine, the only
+engine that serves these families, the two differ only on such ties).
+Scores are computed in the same operations as transformers' (one matmul per query head
 block, the head weights applied by a second matmul), so the same shapes give the same bits.
 
 Training: the indexer runs under no_grad; a log-prob loss gives it no gradient (DeepSeek trains it with a KL to the
@@ -155,6 +157,10 @@ class IndexedMlaAttention(MlaAttention):
         if self.q_a_proj is None:
             raise ValueError("DeepSeek sparse attention reads the query latent: q_lora_rank is required")
         self.source = indexer_source(cfg, layer_idx)
+        # whether a later layer reuses this layer's selection (GLM-5): only then is it kept for the forward
+        self.shared = any(
+            indexer_source(cfg, later) == layer_idx for later in range(layer_idx + 1, cfg.num_hidden_layers)
+        )
         self.indexer: LightningIndexer | None = None
         if self.source == layer_idx:
             self.indexer = LightningIndexer(
@@ -175,7 +181,9 @@ class IndexedMlaAttention(MlaAttention):
         layers that share it), or its source layer's from `selections`."""
         if self.indexer is None:
             return selections[self.source]
-        selected = selections[self.layer_idx] = self.indexer.select(hidden, latent, rope, visible, keys)
+        selected = self.indexer.select(hidden, latent, rope, visible, keys)
+        if self.shared:  # [B, T, S] a layer: kept only for the layers that read it
+            selections[self.layer_idx] = selected
         return selected
 
     def project_indexed(

@@ -5,8 +5,9 @@ layout, one fused tensor per weight and layer (`mlp.experts.gate_up_proj` [E, 2I
 then its up rows; `mlp.experts.down_proj` [E, H, I]), which transformers and SGLang load and moerl trains and
 publishes. Its conversion in steps/models/import_conversions.py; a checkpoint in the released layout is untouched.
 
-The rewrite streams (steps/models/checkpoint_rewrite.py): one fused tensor is filled expert by expert, written when
-its shard fills, and an input file is deleted once every tensor it held has been written again.
+The rewrite streams (steps/models/checkpoint_rewrite.py), layer by layer: a layer's fused tensors are filled expert by
+expert, then the layer's other tensors follow, so that an input file (save_pretrained shards by layer) is deleted as
+soon as every tensor it held has been written again: disk stays near the checkpoint's size.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from steps.models.qwen3_5_moe.config import Qwen3_5MoeConfig
 from steps.models.qwen3_5_moe.state_dict_adapter import LANGUAGE_MODEL
 
 SHARD_BYTES = 5 * 2**30  # the output shards' size bound (one tensor larger than it is a shard of its own)
+FLOAT_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 _TMP_PREFIX = ".moerl-fused-"
 
 
@@ -72,30 +74,48 @@ def fuse_per_expert_checkpoint(
                         f"{entry.file}: tensor {name} has shape {list(entry.shape)}, expected {list(shapes[proj])} "
                         "from config.json; the weights do not match config.json: re-export the checkpoint"
                     )
+                first = entries[per_expert_names(layer, 0)["gate_proj"]].dtype
+                if entry.dtype != first or entry.dtype not in FLOAT_DTYPES:
+                    raise MoerlError(
+                        f"{entry.file}: tensor {name} has dtype {entry.dtype} beside {first}; the experts are fused "
+                        f"in one of {sorted(FLOAT_DTYPES)}: re-save the checkpoint in one dtype"
+                    )
     per_expert = {name for layer in layers for x in range(e) for name in per_expert_names(layer, x).values()}
     inputs = InputFiles(entries)
     writer = ShardWriter(directory, shard_bytes, _TMP_PREFIX)
-    codes = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
-    for layer in layers:
-        dtype = codes.get(entries[per_expert_names(layer, 0)["gate_proj"]].dtype, torch.float32)
-        gate_up, down = torch.empty(e, 2 * inter, h, dtype=dtype), torch.empty(e, h, inter, dtype=dtype)
-        for expert in range(e):
-            names = per_expert_names(layer, expert)
-            rows = {"gate_proj": gate_up[expert, :inter], "up_proj": gate_up[expert, inter:], "down_proj": down[expert]}
-            for proj, name in names.items():
-                with safe_open(entries[name].file, framework="pt") as f:
-                    rows[proj].copy_(f.get_tensor(name))
-        prefix = f"{LANGUAGE_MODEL}layers.{layer}.mlp.experts."
-        writer.add(prefix + "gate_up_proj", gate_up)
-        writer.add(prefix + "down_proj", down)
-        for expert in range(e):
-            for name in per_expert_names(layer, expert).values():
-                inputs.consumed(name)
-    for name, entry in entries.items():
-        if name not in per_expert:
+
+    def write_others(prefix: str | None) -> None:
+        """The tensors other than the per-expert ones, under `prefix` (None: all that remain), so that an input
+        file is deleted as soon as the layers it holds are written (save_pretrained shards by layer)."""
+        for name, entry in entries.items():
+            if name in per_expert or name in written or (prefix is not None and not name.startswith(prefix)):
+                continue
             with safe_open(entry.file, framework="pt") as f:
                 writer.add(name, f.get_tensor(name))
+            written.add(name)
             inputs.consumed(name)
+
+    written: set[str] = set()
+    for layer in layers:
+        dtype = FLOAT_DTYPES[entries[per_expert_names(layer, 0)["gate_proj"]].dtype]
+        gate_up, down = torch.empty(e, 2 * inter, h, dtype=dtype), torch.empty(e, h, inter, dtype=dtype)
+        by_file: dict[Path, list[tuple[int, str, str]]] = {}
+        for expert in range(e):
+            for proj, name in per_expert_names(layer, expert).items():
+                by_file.setdefault(entries[name].file, []).append((expert, proj, name))
+        for file, tensors in by_file.items():  # one open of each file a layer's experts are in
+            with safe_open(file, framework="pt") as f:
+                for expert, proj, name in tensors:
+                    rows = {"gate_proj": gate_up[expert, :inter], "up_proj": gate_up[expert, inter:],
+                            "down_proj": down[expert]}  # fmt: skip
+                    rows[proj].copy_(f.get_tensor(name))
+        prefix = f"{LANGUAGE_MODEL}layers.{layer}."
+        writer.add(prefix + "mlp.experts.gate_up_proj", gate_up)
+        writer.add(prefix + "mlp.experts.down_proj", down)
+        for _, _, name in (t for tensors in by_file.values() for t in tensors):
+            inputs.consumed(name)
+        write_others(prefix)
+    write_others(None)
     writer.finish()
     say(
         f"{directory}: fused the per-expert tensors of {len(layers)} layers into the released layout "
