@@ -248,6 +248,31 @@ def test_the_conversion_refuses_a_damaged_per_expert_checkpoint(tmp_path):
         load_pretrained(directory)
 
 
+def test_the_conversion_refuses_experts_in_another_dtype_and_streams_by_layer(tmp_path):
+    """One expert tensor in another dtype is refused before anything is written; a sharded per-expert checkpoint is
+    rewritten layer by layer into shards of the released layout, with the same tensors."""
+    directory = tmp_path / "hf"
+    hf_model(CONFIGS["interval4_tied"], seed=2).save_pretrained(directory)
+    odd = "model.language_model.layers.3.mlp.experts.5.down_proj.weight"
+    rewrite_weights(directory, lambda t: t.update({odd: t[odd].to(torch.bfloat16)}))
+    before = tensor_shapes(directory)
+    with pytest.raises(MoerlError, match=rf"tensor {re.escape(odd)} has dtype BF16 beside F32") as err:
+        convert(directory)
+    assert "\n" not in str(err.value) and tensor_shapes(directory) == before
+    sharded = tmp_path / "sharded"
+    hf = hf_model(CONFIGS["interval4_tied"], seed=2)
+    hf.save_pretrained(sharded, max_shard_size="40KB")
+    inputs = sorted(p.name for p in sharded.glob("*.safetensors"))
+    assert len(inputs) > 2
+    fuse_per_expert_checkpoint(sharded, say=lambda line: None, shard_bytes=60_000)
+    assert len(list(sharded.glob("*.safetensors"))) > 1 and not list(sharded.glob(".moerl-*"))
+    assert tensor_shapes(sharded) == expected_tensor_shapes(load_pretrained(sharded).config)
+    model = load_pretrained(sharded)
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert_same_logits(model(ids), hf.eval()(input_ids=ids).logits, torch.ones_like(ids), atol=ATOL)
+
+
 def test_the_family_is_registered_and_its_config_round_trips(tmp_path, config):
     """moerl's config.json is the one transformers reads as the same Qwen3_5MoeConfig (text and vision), carries
     full_attention_interval for SGLang (which transformers' own config.json lacks) and has no SGLang mismatch."""
