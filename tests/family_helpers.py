@@ -93,3 +93,22 @@ def saved_activation_bytes(model: torch.nn.Module, input_ids: torch.Tensor) -> i
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         model(input_ids)
     return sum(saved.values())
+
+
+def right_padded_batch(
+    vocab: int, seed: int, length: int = 11, real: tuple[int, int] = (7, 4)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids and mask [3, length]: row 0 whole, rows 1 and 2 right-padded after real[0] and real[1] real tokens (the
+    trainer's rows)."""
+    ids = torch.randint(0, vocab, (3, length), generator=torch.Generator().manual_seed(seed))
+    mask = torch.ones(3, length, dtype=torch.long)
+    mask[1, real[0] :], mask[2, real[1] :] = 0, 0
+    return ids, mask
+
+
+def assert_close_to_scale(got: torch.Tensor, want: torch.Tensor, name: str, rel: float = 1e-4) -> None:
+    """Gradients equal up to fp32 rounding: max |got - want| <= rel * max |want| (summed log-probs' gradients reach
+    hundreds, where an elementwise atol of 1e-5 is below fp32's resolution)."""
+    scale = float(want.abs().max())
+    assert scale > 0, name
+    assert float((got - want).abs().max()) <= rel * scale, (name, float((got - want).abs().max()), scale)

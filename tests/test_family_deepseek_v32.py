@@ -18,12 +18,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest
 import torch
 from family_helpers import (
+    assert_close_to_scale,
     assert_same_logits,
     edit_config,
     expert_grads,
     left_padded_batch,
     probe_batch,
     rewrite_weights,
+    right_padded_batch,
 )
 from model_helpers import randomize_, response_logits
 from safetensors import safe_open
@@ -107,21 +109,6 @@ def written_config(kwargs: dict, tmp_path) -> dict:
 @pytest.fixture(params=sorted(CONFIGS))
 def config_kwargs(request):
     return dict(CONFIGS[request.param])
-
-
-def assert_close_to_scale(got: torch.Tensor, want: torch.Tensor, name: str, rel: float = 1e-4) -> None:
-    """Gradients equal up to fp32 rounding: max |got - want| <= rel * max |want|."""
-    scale = float(want.abs().max())
-    assert scale > 0, name
-    assert float((got - want).abs().max()) <= rel * scale, (name, float((got - want).abs().max()), scale)
-
-
-def right_padded_batch(vocab: int, seed: int, length: int = 14) -> tuple[torch.Tensor, torch.Tensor]:
-    """ids and mask [3, length]: row 0 whole, rows 1 and 2 right-padded after 9 and 6 real tokens (the trainer's)."""
-    ids = torch.randint(0, vocab, (3, length), generator=torch.Generator().manual_seed(seed))
-    mask = torch.ones(3, length, dtype=torch.long)
-    mask[1, 9:], mask[2, 6:] = 0, 0
-    return ids, mask
 
 
 def indexers(model: torch.nn.Module) -> list[LightningIndexer]:
@@ -227,7 +214,7 @@ def test_transformers_checkpoint_loads_in_ours_with_equal_logits(tmp_path, confi
     hf.save_pretrained(tmp_path / "sharded", max_shard_size="20KB")
     assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
     vocab = config_kwargs["vocab_size"]
-    right_ids, right_mask = right_padded_batch(vocab, seed=3)
+    right_ids, right_mask = right_padded_batch(vocab, seed=3, length=14, real=(9, 6))
     left_ids, left_mask, positions = left_padded_batch(vocab, seed=4, length=16)
     with torch.no_grad():
         theirs_right = hf(input_ids=right_ids, attention_mask=right_mask).logits
@@ -349,7 +336,7 @@ def test_our_checkpoint_loads_in_transformers_with_equal_logits(tmp_path, config
     model = load_pretrained(tmp_path / "sft")
     before = {n: t.clone() for n, t in model.state_dict().items()}
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    ids, mask = right_padded_batch(config_kwargs["vocab_size"], seed=12)
+    ids, mask = right_padded_batch(config_kwargs["vocab_size"], seed=12, length=14, real=(9, 6))
     (token_logprobs(model(ids, mask), torch.roll(ids, -1, 1)) * mask).sum().backward()
     optimizer.step()
     after = model.state_dict()

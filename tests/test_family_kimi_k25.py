@@ -21,12 +21,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest
 import torch
 from family_helpers import (
+    assert_close_to_scale,
     assert_same_logits,
     edit_config,
     expert_grads,
     left_padded_batch,
     probe_batch,
     rewrite_weights,
+    right_padded_batch,
 )
 from model_helpers import randomize_, response_logits
 from safetensors.torch import load_file, save_file
@@ -138,21 +140,6 @@ def load_file_all(directory: Path) -> dict[str, torch.Tensor]:
 def hf_name(name: str) -> str:
     """moerl's parameter name -> transformers' in-memory one (the routed experts aside)."""
     return "model.language_model." + name.removeprefix("model.") if name.startswith("model.") else name
-
-
-def right_padded_batch(vocab: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """ids and mask [3, 11]: row 0 whole, rows 1 and 2 right-padded after 7 and 4 real tokens (the trainer's)."""
-    ids = torch.randint(0, vocab, (3, 11), generator=torch.Generator().manual_seed(seed))
-    mask = torch.ones(3, 11, dtype=torch.long)
-    mask[1, 7:], mask[2, 4:] = 0, 0
-    return ids, mask
-
-
-def assert_close_to_scale(got: torch.Tensor, want: torch.Tensor, name: str, rel: float = 1e-4) -> None:
-    """Gradients equal up to fp32 rounding: max |got - want| <= rel * max |want|."""
-    scale = float(want.abs().max())
-    assert scale > 0, name
-    assert float((got - want).abs().max()) <= rel * scale, (name, float((got - want).abs().max()), scale)
 
 
 def moerl_hf_dict(tmp_path: Path) -> dict:

@@ -19,12 +19,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest
 import torch
 from family_helpers import (
+    assert_close_to_scale,
     assert_same_logits,
     edit_config,
     expert_grads,
     left_padded_batch,
     probe_batch,
     rewrite_weights,
+    right_padded_batch,
     save_rows_and_expert_grads,
 )
 from model_helpers import randomize_, response_logits
@@ -90,22 +92,6 @@ def written_config(kwargs: dict, tmp_path) -> dict:
 @pytest.fixture(params=sorted(CONFIGS))
 def config_kwargs(request):
     return dict(CONFIGS[request.param])
-
-
-def assert_close_to_scale(got: torch.Tensor, want: torch.Tensor, name: str, rel: float = 1e-4) -> None:
-    """Gradients equal up to fp32 rounding: max |got - want| <= rel * max |want| (the summed log-probs' gradients
-    reach hundreds, where an elementwise atol of 1e-5 is below fp32's resolution)."""
-    scale = float(want.abs().max())
-    assert scale > 0, name
-    assert float((got - want).abs().max()) <= rel * scale, (name, float((got - want).abs().max()), scale)
-
-
-def right_padded_batch(vocab: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """ids and mask [3, 11]: row 0 whole, rows 1 and 2 right-padded after 7 and 4 real tokens (the trainer's)."""
-    ids = torch.randint(0, vocab, (3, 11), generator=torch.Generator().manual_seed(seed))
-    mask = torch.ones(3, 11, dtype=torch.long)
-    mask[1, 7:], mask[2, 4:] = 0, 0
-    return ids, mask
 
 
 # --- names and config ----------------------------------------------------------------------------------------------
