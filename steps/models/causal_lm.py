@@ -84,13 +84,20 @@ class DecoderLayer(nn.Module):
         window = attn.sliding_window
         prompt_x = prompt_x + attn.attend(qp, kp, vp, prompt_masks.get(window))
         response_x = response_x + attn.attend(qr, k, v, response_masks.get(window))
-        # One MLP call over the prompt and the response tokens: an MoE layer routes and exchanges them in a
-        # single dispatch, exactly once per layer as in forward (every EP rank must make the same calls).
-        hidden = prompt_x.shape[-1]
-        tokens = torch.cat([prompt_x.reshape(-1, hidden), response_x.reshape(-1, hidden)])
-        out = self.mlp(self.post_attention_layernorm(tokens))
-        num_prompt = prompt_x.shape[0] * prompt_x.shape[1]
-        return prompt_x + out[:num_prompt].view_as(prompt_x), response_x + out[num_prompt:].view_as(response_x)
+        return mlp_over_prompts_and_responses(self, prompt_x, response_x)
+
+
+def mlp_over_prompts_and_responses(
+    layer: nn.Module, prompt_x: torch.Tensor, response_x: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The second half of a layer's forward_shared_prompts: x + layer.mlp(layer.post_attention_layernorm(x)) over the
+    prompts [G, P, H] and the responses [R, T, H] in ONE MLP call, so that an MoE layer routes and exchanges them in
+    a single dispatch, exactly once per layer as in forward (every EP rank must make the same calls)."""
+    hidden = prompt_x.shape[-1]
+    tokens = torch.cat([prompt_x.reshape(-1, hidden), response_x.reshape(-1, hidden)])
+    out = layer.mlp(layer.post_attention_layernorm(tokens))
+    num_prompt = prompt_x.shape[0] * prompt_x.shape[1]
+    return prompt_x + out[:num_prompt].view_as(prompt_x), response_x + out[num_prompt:].view_as(response_x)
 
 
 class BlockSparseDecoderLayer(DecoderLayer):

@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from steps.models.causal_lm import DecoderLayer, MoeCausalLM
+from steps.models.causal_lm import DecoderLayer, MoeCausalLM, mlp_over_prompts_and_responses
 from steps.models.layers import AttentionMasks, attention_mask_for, rotate_half
 from steps.models.mla import MlaAttention, deinterleave
 
@@ -236,11 +236,7 @@ class IndexedDecoderLayer(DecoderLayer):
                                            response_masks.selections, keys=index_keys)  # fmt: skip
         prompt_x = prompt_x + attn.attend(qp, kp, vp, prompt_selected[:, None])
         response_x = response_x + attn.attend(qr, k, v, response_selected[:, None])
-        hidden = prompt_x.shape[-1]
-        tokens = torch.cat([prompt_x.reshape(-1, hidden), response_x.reshape(-1, hidden)])
-        out = self.mlp(self.post_attention_layernorm(tokens))
-        num_prompt = prompt_x.shape[0] * prompt_x.shape[1]
-        return prompt_x + out[:num_prompt].view_as(prompt_x), response_x + out[num_prompt:].view_as(response_x)
+        return mlp_over_prompts_and_responses(self, prompt_x, response_x)
 
 
 # ---------------------------------------------------------------------------------------------------------------

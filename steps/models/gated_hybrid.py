@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from steps.models.causal_lm import MoeCausalLM
+from steps.models.causal_lm import MoeCausalLM, mlp_over_prompts_and_responses
 from steps.models.gated_deltanet import GatedDeltaNet
 from steps.models.layers import (
     AttentionMasks,
@@ -195,12 +195,7 @@ class HybridDecoderLayer(nn.Module):
             v = torch.cat([vp.index_select(0, prompt_index), vr], dim=2)
             prompt_x = prompt_x + attn.attend(qp, kp, vp, gp, prompt_masks.get(None))
             response_x = response_x + attn.attend(qr, k, v, gr, response_masks.get(None))
-        # One MLP call over the prompt and the response tokens (one expert dispatch per layer, as forward).
-        hidden = prompt_x.shape[-1]
-        tokens = torch.cat([prompt_x.reshape(-1, hidden), response_x.reshape(-1, hidden)])
-        out = self.mlp(self.post_attention_layernorm(tokens))
-        num_prompt = prompt_x.shape[0] * prompt_x.shape[1]
-        return prompt_x + out[:num_prompt].view_as(prompt_x), response_x + out[num_prompt:].view_as(response_x)
+        return mlp_over_prompts_and_responses(self, prompt_x, response_x)
 
 
 def hybrid_layer(cfg: Any, layer_idx: int, linear_attention: type[CheckpointDeltaNet], mlp: nn.Module) -> nn.Module:
