@@ -16,6 +16,8 @@ from safetensors.torch import save_file
 
 from steps.models.hf_checkpoint import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, TensorEntry
 
+SHARD_BYTES = 5 * 2**30  # a rewrite's output shards' size bound (one tensor larger than it is a shard of its own)
+
 
 class InputFiles:
     """The input weight files of a rewrite: consumed(name) once tensor `name` has been written again; a file is

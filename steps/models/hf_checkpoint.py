@@ -40,7 +40,7 @@ SAFE_WEIGHTS_NAME = "model.safetensors"
 SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
 META_BUILD_MIN_PARAMS = 50_000_000  # see load_pretrained
 PICKLE_WEIGHT_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
-_SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+SAFETENSORS_FLOAT_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 CONFIG_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -161,7 +161,7 @@ def tensor_index(directory: str | os.PathLike) -> dict[str, TensorEntry]:
 
 
 def _check_float(name: str, entry: TensorEntry) -> None:
-    if entry.dtype not in _SAFETENSORS_DTYPES:
+    if entry.dtype not in SAFETENSORS_FLOAT_DTYPES:
         raise MoerlError(
             f"{entry.file}: tensor {name} has dtype {entry.dtype}; moerl loads F32, BF16 or F16 weights "
             "(dequantize the checkpoint first)"
@@ -242,7 +242,7 @@ def weights_dtype(config: dict[str, Any], entries: dict[str, TensorEntry], sourc
             f"{source}: the weights are stored in several dtypes ({counts}); moerl trains and publishes one "
             "dtype — save the model in one (model.to(torch.bfloat16).save_pretrained(dir))"
         )
-    dtype = _SAFETENSORS_DTYPES[next(iter(stored))]
+    dtype = SAFETENSORS_FLOAT_DTYPES[next(iter(stored))]
     declared = declared_dtype(config, f"{source}/{CONFIG_NAME}")
     if declared is not None and declared != dtype:
         raise MoerlError(

@@ -32,7 +32,7 @@ import torch
 from safetensors import safe_open
 
 from steps.errors import MoerlError
-from steps.models.checkpoint_rewrite import InputFiles, ShardWriter
+from steps.models.checkpoint_rewrite import SHARD_BYTES, InputFiles, ShardWriter
 from steps.models.gpt_oss.config import GptOssConfig
 from steps.models.hf_checkpoint import (
     CONFIG_NAME,
@@ -47,7 +47,6 @@ PROJECTIONS = ("gate_up_proj", "down_proj")  # the expert weights the Hub's chec
 BLOCK = 32  # values per block (one scale each); 16 bytes
 DTYPE = torch.bfloat16
 DTYPE_NAME = "bfloat16"
-SHARD_BYTES = 5 * 2**30  # the output shards' size bound (one tensor larger than it is a shard of its own)
 CAST_TO_BF16 = ("F32", "F16")  # unquantized tensors stored in these are cast to bf16 with the experts
 CONVERTER = "transformers' convert_moe_packed_tensors"
 _TMP_PREFIX = ".moerl-dequantized-"

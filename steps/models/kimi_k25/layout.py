@@ -21,11 +21,10 @@ from pathlib import Path
 
 from safetensors import safe_open
 
-from steps.models.checkpoint_rewrite import InputFiles, ShardWriter
+from steps.models.checkpoint_rewrite import SHARD_BYTES, InputFiles, ShardWriter
 from steps.models.hf_checkpoint import CONFIG_NAME, read_config_json, tensor_index
 from steps.models.kimi_k25.config import ARCHITECTURE
 
-SHARD_BYTES = 5 * 2**30
 _TMP_PREFIX = ".moerl-renamed-"
 TRANSFORMERS_ARCHITECTURE = "Kimi_K25ForConditionalGeneration"  # transformers 5.23's class name
 # transformers' vision_config key -> the release's (what SGLang's projector reads)

@@ -20,13 +20,11 @@ import torch
 from safetensors import safe_open
 
 from steps.errors import MoerlError
-from steps.models.checkpoint_rewrite import InputFiles, ShardWriter
-from steps.models.hf_checkpoint import CONFIG_NAME, read_config_json, tensor_index
+from steps.models.checkpoint_rewrite import SHARD_BYTES, InputFiles, ShardWriter
+from steps.models.hf_checkpoint import CONFIG_NAME, SAFETENSORS_FLOAT_DTYPES, read_config_json, tensor_index
 from steps.models.qwen3_5_moe.config import Qwen3_5MoeConfig
 from steps.models.qwen3_5_moe.state_dict_adapter import LANGUAGE_MODEL
 
-SHARD_BYTES = 5 * 2**30  # the output shards' size bound (one tensor larger than it is a shard of its own)
-FLOAT_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 _TMP_PREFIX = ".moerl-fused-"
 
 
@@ -75,10 +73,10 @@ def fuse_per_expert_checkpoint(
                         "from config.json; the weights do not match config.json: re-export the checkpoint"
                     )
                 first = entries[per_expert_names(layer, 0)["gate_proj"]].dtype
-                if entry.dtype != first or entry.dtype not in FLOAT_DTYPES:
+                if entry.dtype != first or entry.dtype not in SAFETENSORS_FLOAT_DTYPES:
                     raise MoerlError(
                         f"{entry.file}: tensor {name} has dtype {entry.dtype} beside {first}; the experts are fused "
-                        f"in one of {sorted(FLOAT_DTYPES)}: re-save the checkpoint in one dtype"
+                        f"in one of {sorted(SAFETENSORS_FLOAT_DTYPES)}: re-save the checkpoint in one dtype"
                     )
     per_expert = {name for layer in layers for x in range(e) for name in per_expert_names(layer, x).values()}
     inputs = InputFiles(entries)
@@ -97,7 +95,7 @@ def fuse_per_expert_checkpoint(
 
     written: set[str] = set()
     for layer in layers:
-        dtype = FLOAT_DTYPES[entries[per_expert_names(layer, 0)["gate_proj"]].dtype]
+        dtype = SAFETENSORS_FLOAT_DTYPES[entries[per_expert_names(layer, 0)["gate_proj"]].dtype]
         gate_up, down = torch.empty(e, 2 * inter, h, dtype=dtype), torch.empty(e, h, inter, dtype=dtype)
         by_file: dict[Path, list[tuple[int, str, str]]] = {}
         for expert in range(e):
