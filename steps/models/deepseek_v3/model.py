@@ -27,6 +27,7 @@ from steps.models.placement import layer_share
 if TYPE_CHECKING:
     from steps.models.placement import ExpertPlacement
 
+
 class Expert(SwiGLUExpert):
     """One SwiGLU feed-forward expert, down(silu(gate(x)) * up(x)), named as DeepseekV3MLP writes it (also the
     shared experts and the dense MLP of the first first_k_dense_replace layers)."""
@@ -49,9 +50,15 @@ class MoeBlock(SparseMoeBlock):
 
 
 def decoder_layer(
-    cfg: DeepseekConfig, layer_idx: int, placement: ExpertPlacement | None = None, ep_rank: int = 0
+    cfg: DeepseekConfig,
+    layer_idx: int,
+    placement: ExpertPlacement | None = None,
+    ep_rank: int = 0,
+    layer_class: type[DecoderLayer] = DecoderLayer,
+    attention_class: type[MlaAttention] = MlaAttention,
 ) -> DecoderLayer:
-    """DeepseekV3DecoderLayer: attention, then the MoE block (or, in the first layers, the dense MLP)."""
+    """DeepseekV3DecoderLayer: attention, then the MoE block (or, in the first layers, the dense MLP); an extending
+    family gives its own layer and attention classes (DeepSeek-V3.2's indexed ones)."""
     mlp: nn.Module
     if cfg.is_moe_layer(layer_idx):
         slots, ep_size = layer_share(cfg, placement, layer_idx)
@@ -64,7 +71,7 @@ def decoder_layer(
     else:
         mlp = Expert(cfg.hidden_size, cfg.intermediate_size)
     norms = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps), RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-    return DecoderLayer(MlaAttention(cfg, layer_idx), mlp, *norms)
+    return layer_class(attention_class(cfg, layer_idx), mlp, *norms)
 
 
 class DeepseekV3ForCausalLM(MoeCausalLM):
@@ -73,11 +80,13 @@ class DeepseekV3ForCausalLM(MoeCausalLM):
     (in state_dict, never among the parameters the optimizer steps)."""
 
     config: DeepseekConfig
+    layer_class: type[DecoderLayer] = DecoderLayer
+    attention_class: type[MlaAttention] = MlaAttention
 
     def __init__(self, config: DeepseekConfig, placement: ExpertPlacement | None = None, ep_rank: int = 0) -> None:
         super().__init__(config, placement, ep_rank)
         self.build(
-            lambda layer: decoder_layer(config, layer, placement, ep_rank),
+            lambda layer: decoder_layer(config, layer, placement, ep_rank, self.layer_class, self.attention_class),
             lambda: RMSNorm(config.hidden_size, config.rms_norm_eps),
         )
 
