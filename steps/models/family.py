@@ -96,6 +96,51 @@ class FusedExperts:
     dim: int = 0
 
 
+def stack_expert_slices(
+    state: dict[str, torch.Tensor], expert_slice: re.Pattern[str], rename: Callable[[str], str], family: str
+) -> dict[str, torch.Tensor]:
+    """A to_hf for a family whose checkpoint fuses a layer's experts (FusedExperts): each expert's slice (a model
+    name `expert_slice` matches as (experts' prefix, expert, weight)) stacked into the fused tensor rename(prefix +
+    "." + weight), every other name through rename. Writing a fused tensor needs every expert 0..E-1 of its layer (a
+    full model's state): an expert-parallel rank's subset is refused."""
+    out: dict[str, torch.Tensor] = {}
+    slices: dict[str, dict[int, torch.Tensor]] = {}
+    for name, tensor in state.items():
+        match = expert_slice.match(name)
+        if match is None:
+            out[rename(name)] = tensor
+            continue
+        fused = rename(f"{match.group(1)}.{match.group(3)}")
+        slices.setdefault(fused, {})[int(match.group(2))] = tensor
+        out.setdefault(fused, tensor)  # a placeholder keeps the state's order
+    for fused, by_expert in slices.items():
+        if sorted(by_expert) != list(range(len(by_expert))):
+            raise ValueError(
+                f"{family} stores a layer's experts as one tensor ({fused}): writing it needs every expert, "
+                f"this state holds experts {sorted(by_expert)} (an expert-parallel rank's subset)"
+            )
+        out[fused] = torch.stack([by_expert[e] for e in range(len(by_expert))])
+    return out
+
+
+def split_fused_experts(
+    state: dict[str, torch.Tensor], fused_tensor: re.Pattern[str], rename: Callable[[str], str]
+) -> dict[str, torch.Tensor]:
+    """stack_expert_slices' inverse (a from_hf): each fused tensor (a checkpoint name `fused_tensor` matches as
+    (experts' prefix, weight)) split into its experts' slices rename(prefix).{e}.weight (copies: an expert does not
+    keep the others' memory alive), every other name through rename."""
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in state.items():
+        match = fused_tensor.match(name)
+        if match is None:
+            out[rename(name)] = tensor
+            continue
+        base = rename(match.group(1))
+        for e, part in enumerate(tensor.unbind(0)):
+            out[f"{base}.{e}.{match.group(2)}"] = part.clone()
+    return out
+
+
 class StateDictAdapter(Protocol):
     """A family's Hugging Face tensor names: the only place they are written (torchtitan's StateDictAdapter).
 

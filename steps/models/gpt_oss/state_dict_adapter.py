@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from steps.models.family import FusedExperts
+from steps.models.family import FusedExperts, split_fused_experts, stack_expert_slices
 from steps.models.gpt_oss.config import GptOssConfig
 
 if TYPE_CHECKING:
@@ -34,6 +34,14 @@ EXPERT_WEIGHTS = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_b
 ROUTER_MODEL, ROUTER_HF = ".mlp.gate.", ".mlp.router."
 _EXPERT_SLICE = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(\w+)$")  # model name of one expert's slice
 _FUSED = re.compile(r"^(.*\.mlp\.experts)\.(" + "|".join(EXPERT_WEIGHTS) + r")$")  # checkpoint name of a fused one
+
+
+def _router_to_hf(name: str) -> str:
+    return name.replace(ROUTER_MODEL, ROUTER_HF, 1)
+
+
+def _router_from_hf(name: str) -> str:
+    return name.replace(ROUTER_HF, ROUTER_MODEL, 1)
 
 
 def expert_shapes(hidden: int, intermediate: int) -> dict[str, tuple[int, ...]]:
@@ -101,34 +109,9 @@ class GptOssStateDictAdapter:
     def to_hf(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Model state_dict names -> checkpoint names: the experts' slices stacked into the fused tensors (every
         expert 0..E-1 of a layer must be there), `mlp.gate.` -> `mlp.router.`."""
-        out: dict[str, torch.Tensor] = {}
-        slices: dict[str, dict[int, torch.Tensor]] = {}
-        for name, tensor in state.items():
-            match = _EXPERT_SLICE.match(name)
-            if match is None:
-                out[name.replace(ROUTER_MODEL, ROUTER_HF, 1)] = tensor
-                continue
-            fused = f"{match.group(1)}.{match.group(3)}"
-            slices.setdefault(fused, {})[int(match.group(2))] = tensor
-            out.setdefault(fused, tensor)  # a placeholder keeps the state's order
-        for fused, by_expert in slices.items():
-            if sorted(by_expert) != list(range(len(by_expert))):
-                raise ValueError(
-                    f"gpt-oss stores a layer's experts as one tensor ({fused}): writing it needs every expert, "
-                    f"this state holds experts {sorted(by_expert)} (an expert-parallel rank's subset)"
-                )
-            out[fused] = torch.stack([by_expert[e] for e in range(len(by_expert))])
-        return out
+        return stack_expert_slices(state, _EXPERT_SLICE, _router_to_hf, "gpt-oss")
 
     def from_hf(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Checkpoint names -> model state_dict names: each fused expert tensor split into its experts' slices
-        (copies: an expert does not keep the others' memory alive), `mlp.router.` -> `mlp.gate.`."""
-        out: dict[str, torch.Tensor] = {}
-        for name, tensor in state.items():
-            match = _FUSED.match(name)
-            if match is None:
-                out[name.replace(ROUTER_HF, ROUTER_MODEL, 1)] = tensor
-                continue
-            for e, part in enumerate(tensor.unbind(0)):
-                out[f"{match.group(1)}.{e}.{match.group(2)}"] = part.clone()
-        return out
+        """Checkpoint names -> model state_dict names: each fused expert tensor split into its experts' slices,
+        `mlp.router.` -> `mlp.gate.`."""
+        return split_fused_experts(state, _FUSED, _router_from_hf)

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from steps.models.family import MTP_DROPPED, FusedExperts
+from steps.models.family import MTP_DROPPED, FusedExperts, split_fused_experts, stack_expert_slices
 from steps.models.qwen3_5_moe.config import Qwen3_5MoeConfig
 from steps.models.qwen3_5_moe.vision import vision_shapes
 
@@ -152,35 +152,9 @@ class Qwen3_5MoeStateDictAdapter:
     def to_hf(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Model state_dict names -> checkpoint names: the experts' slices stacked into the fused tensors (every
         expert 0..E-1 of a layer must be there), the prefixes and the shared expert renamed."""
-        out: dict[str, torch.Tensor] = {}
-        slices: dict[str, dict[int, torch.Tensor]] = {}
-        for name, tensor in state.items():
-            match = _EXPERT_SLICE.match(name)
-            if match is None:
-                out[_to_hf_name(name)] = tensor
-                continue
-            fused = _to_hf_name(f"{match.group(1)}.{match.group(3)}")
-            slices.setdefault(fused, {})[int(match.group(2))] = tensor
-            out.setdefault(fused, tensor)  # a placeholder keeps the state's order
-        for fused, by_expert in slices.items():
-            if sorted(by_expert) != list(range(len(by_expert))):
-                raise ValueError(
-                    f"Qwen3.5-MoE stores a layer's experts as one tensor ({fused}): writing it needs every expert, "
-                    f"this state holds experts {sorted(by_expert)} (an expert-parallel rank's subset)"
-                )
-            out[fused] = torch.stack([by_expert[e] for e in range(len(by_expert))])
-        return out
+        return stack_expert_slices(state, _EXPERT_SLICE, _to_hf_name, "Qwen3.5-MoE")
 
     def from_hf(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Checkpoint names -> model state_dict names: each fused expert tensor split into its experts' slices
-        (copies: an expert does not keep the others' memory alive), the prefixes and the shared expert renamed."""
-        out: dict[str, torch.Tensor] = {}
-        for name, tensor in state.items():
-            match = _FUSED.match(name)
-            if match is None:
-                out[_from_hf_name(name)] = tensor
-                continue
-            base = _from_hf_name(match.group(1))
-            for e, part in enumerate(tensor.unbind(0)):
-                out[f"{base}.{e}.{match.group(2)}"] = part.clone()
-        return out
+        """Checkpoint names -> model state_dict names: each fused expert tensor split into its experts' slices, the
+        prefixes and the shared expert renamed."""
+        return split_fused_experts(state, _FUSED, _from_hf_name)
