@@ -92,6 +92,7 @@ from steps.engines.interface import (
     SamplingParams,
 )
 from steps.errors import MoerlError
+from steps.models.gated_hybrid import interval_layer_types
 
 if TYPE_CHECKING:
     from steps.run.config import SGLangConfig
@@ -345,7 +346,7 @@ def qwen3_next_mismatch(config: dict[str, Any]) -> str | None:
         )
     layer_types = config.get("layer_types")
     if layer_types is not None and isinstance(layers, int):
-        placed = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(layers)]
+        placed = interval_layer_types(layers, interval)
         if list(layer_types) != placed:
             return (
                 f"layer_types {list(layer_types)}: SGLang's Qwen3-Next reads full_attention_interval alone and "
@@ -391,7 +392,7 @@ def qwen3_5_moe_mismatch(config: dict[str, Any]) -> str | None:
         )
     layer_types = text.get("layer_types")
     if layer_types is not None and isinstance(layers, int):
-        placed = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(layers)]
+        placed = interval_layer_types(layers, interval)
         if list(layer_types) != placed:
             return (
                 f"text_config.layer_types {list(layer_types)}: SGLang's Qwen3.5-MoE reads full_attention_interval "

@@ -36,6 +36,14 @@ from steps.models.layers import (
     softmax_attention,
 )
 
+LINEAR, FULL = "linear_attention", "full_attention"  # config.json's layer_types
+
+
+def interval_layer_types(num_layers: int, interval: int) -> list[str]:
+    """transformers' (and SGLang's) layer kinds from full_attention_interval: layer i is full attention when
+    (i + 1) % interval == 0."""
+    return [LINEAR if (i + 1) % interval else FULL for i in range(num_layers)]
+
 
 class ZeroCentredRMSNorm(nn.Module):
     """Qwen3NextRMSNorm / Qwen3_5MoeRMSNorm: x / rms(x) * (1 + weight), all in fp32, cast back last; the weight

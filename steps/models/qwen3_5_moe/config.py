@@ -28,12 +28,12 @@ import torch
 from steps.errors import MoerlError
 from steps.models import config_checks as checks
 from steps.models.family import dtype_name
+from steps.models.gated_hybrid import FULL, LINEAR, interval_layer_types
 
 MODEL_TYPE = "qwen3_5_moe"
 TEXT_MODEL_TYPE = "qwen3_5_moe_text"
 VISION_MODEL_TYPE = "qwen3_5_moe_vision"
 ARCHITECTURE = "Qwen3_5MoeForConditionalGeneration"
-LINEAR, FULL = "linear_attention", "full_attention"
 DEFAULT_INTERVAL = 4
 DEFAULT_PARTIAL_ROTARY = 0.25  # Qwen3_5MoeTextConfig's default
 # Qwen3_5MoeConfig's top-level fields beside the two sub-configs, with its defaults
@@ -41,12 +41,6 @@ MULTIMODAL_TOKEN_IDS = {
     "image_token_id": 248056, "video_token_id": 248057, "vision_start_token_id": 248053,
     "vision_end_token_id": 248054,
 }  # fmt: skip
-
-
-def interval_layer_types(num_layers: int, interval: int) -> list[str]:
-    """transformers' layer kinds from full_attention_interval: layer i is full attention when (i + 1) % interval
-    == 0."""
-    return [LINEAR if (i + 1) % interval else FULL for i in range(num_layers)]
 
 
 @dataclass

@@ -24,18 +24,12 @@ import torch
 
 from steps.errors import MoerlError
 from steps.models import config_checks as checks
+from steps.models.gated_hybrid import FULL, LINEAR, interval_layer_types
 
 MODEL_TYPE = "qwen3_next"
 ARCHITECTURE = "Qwen3NextForCausalLM"
-LINEAR, FULL = "linear_attention", "full_attention"
 DEFAULT_INTERVAL = 4  # Qwen3NextConfig's full_attention_interval default
 DEFAULT_PARTIAL_ROTARY = 0.25  # Qwen3NextConfig's partial_rotary_factor default
-
-
-def interval_layer_types(num_layers: int, interval: int) -> list[str]:
-    """transformers' (and SGLang's) layer kinds from full_attention_interval: layer i is full attention when
-    (i + 1) % interval == 0."""
-    return [LINEAR if (i + 1) % interval else FULL for i in range(num_layers)]
 
 
 @dataclass
