@@ -66,11 +66,13 @@ def save_rows_and_expert_grads(
     model: torch.nn.Module, rank: int, rows: slice, batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor], out_dir
 ) -> None:
     """An EP rank's part: the logits of its `rows` of `batch` (probe_batch), the backward of sum(logits * probe),
-    and out_dir/rank{rank}.safetensors with the logits and its experts' gradients (grad.NAME)."""
+    and out_dir/rank{rank}.safetensors with the logits and its experts' gradients (grad.NAME; zeros for an expert no
+    row chose, which has none: group-limited routing leaves some)."""
     ids, mask, probe = batch
     logits = model(ids[rows], mask[rows])
     (logits * probe[rows]).sum().backward()
-    out = {f"grad.{n}": p.grad for n, p in model.named_parameters() if is_expert_param(n)}
+    out = {f"grad.{n}": torch.zeros_like(p) if p.grad is None else p.grad
+           for n, p in model.named_parameters() if is_expert_param(n)}  # fmt: skip
     save_file({"logits": logits.detach(), **out}, str(out_dir / f"rank{rank}.safetensors"))
 
 

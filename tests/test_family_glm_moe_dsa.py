@@ -28,10 +28,11 @@ from family_helpers import (
     probe_batch,
     rewrite_weights,
     right_padded_batch,
+    save_rows_and_expert_grads,
 )
 from model_helpers import randomize_, response_logits
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from test_expert_parallel import run_gloo
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers import GlmMoeDsaConfig as HfConfig
@@ -56,7 +57,7 @@ from steps.models.hf_checkpoint import (
     save_pretrained,
 )
 from steps.models.kernels import token_logprobs
-from steps.models.placement import ExpertPlacement, is_expert_param
+from steps.models.placement import ExpertPlacement
 from steps.models.registry import config_from_hf, family_of, resolve
 
 # A: default RoPE, one dense layer, 2 groups choose 1, untied; indexer_types from index_topk_freq 2 and
@@ -437,14 +438,7 @@ def ep_worker(rank: int, world: int, out_dir) -> None:
     cfg = model.config
     assert set(model.state_dict()) == set(expected_tensor_shapes(cfg, EP_PLACEMENT, mesh.ep_rank))
     model.set_dispatch(make_dispatch("alltoall", mesh, cfg.num_experts))
-    ids, mask, probe = probe_batch(EP_CONFIG["vocab_size"], seed=16)
-    rows = EP_ROWS[rank]
-    logits = model(ids[rows], mask[rows])
-    (logits * probe[rows]).sum().backward()
-    # group routing (2 groups choose 1) leaves some experts unchosen by every row: no gradient, saved as zeros
-    grads = {f"grad.{n}": torch.zeros_like(p) if p.grad is None else p.grad
-             for n, p in model.named_parameters() if is_expert_param(n)}  # fmt: skip
-    save_file({"logits": logits.detach(), **grads}, str(out_dir / f"rank{rank}.safetensors"))
+    save_rows_and_expert_grads(model, rank, EP_ROWS[rank], probe_batch(EP_CONFIG["vocab_size"], seed=16), out_dir)
 
 
 def test_ep2_forward_over_gloo_equals_the_full_model(tmp_path):

@@ -29,9 +29,10 @@ from family_helpers import (
     probe_batch,
     rewrite_weights,
     right_padded_batch,
+    save_rows_and_expert_grads,
 )
 from model_helpers import randomize_, response_logits
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from test_expert_parallel import run_gloo
 from transformers import AutoConfig
 from transformers import Kimi_K25Config as HfConfig
@@ -57,7 +58,7 @@ from steps.models.kimi_k25.config import KimiK25Config
 from steps.models.kimi_k25.layout import rename_to_release_layout
 from steps.models.kimi_k25.model import KimiK25ForCausalLM
 from steps.models.kimi_k25.spec import KIMI_K25
-from steps.models.placement import ExpertPlacement, is_expert_param
+from steps.models.placement import ExpertPlacement
 from steps.models.registry import config_from_hf, family_of, resolve
 
 TEXT = dict(
@@ -395,14 +396,7 @@ def ep_worker(rank: int, world: int, out_dir) -> None:
     held = set(KIMI_K25.state_dict_adapter.to_hf(model.state_dict()))
     assert held == set(expected_tensor_shapes(cfg, EP_PLACEMENT, mesh.ep_rank))
     model.set_dispatch(make_dispatch("alltoall", mesh, cfg.num_experts))
-    ids, mask, probe = probe_batch(TEXT["vocab_size"], seed=16)
-    rows = EP_ROWS[rank]
-    logits = model(ids[rows], mask[rows])
-    (logits * probe[rows]).sum().backward()
-    # an expert no row chose has no gradient: saved as zeros
-    grads = {f"grad.{n}": torch.zeros_like(p) if p.grad is None else p.grad
-             for n, p in model.named_parameters() if is_expert_param(n)}  # fmt: skip
-    save_file({"logits": logits.detach(), **grads}, str(out_dir / f"rank{rank}.safetensors"))
+    save_rows_and_expert_grads(model, rank, EP_ROWS[rank], probe_batch(TEXT["vocab_size"], seed=16), out_dir)
 
 
 def test_ep2_forward_over_gloo_equals_the_full_model(tmp_path):
