@@ -114,3 +114,35 @@ def assert_close_to_scale(got: torch.Tensor, want: torch.Tensor, name: str, rel:
     scale = float(want.abs().max())
     assert scale > 0, name
     assert float((got - want).abs().max()) <= rel * scale, (name, float((got - want).abs().max()), scale)
+
+
+def assert_engine_records_the_routers_choice(directory: Path, vocab: int) -> None:
+    """The torch engine opened with record_routes on checkpoint `directory` records, for every sample, every MoE
+    layer's experts at every position fed (prompt + response - 1), as the model's routers choose them in one
+    training forward over the sample (a family it decodes with its own state runs every layer at every position)."""
+    import numpy as np
+
+    from steps.engines.interface import GenerationRequest, SamplingParams
+    from steps.engines.torch_engine import TorchEngine
+
+    engine = TorchEngine.from_checkpoint(directory, record_routes=True)
+    model = engine.model
+    prompts = [(3, 7, 11, 5), (vocab - 2,), (9, 8, 7, 6, 5, 4, 3)]
+    requests = [GenerationRequest(f"p{i}", p, k, seed=10 * i + k) for i, p in enumerate(prompts) for k in range(2)]
+    generations = engine.generate(requests, SamplingParams(temperature=1.0, max_new_tokens=8))
+    blocks = model.moe_blocks()
+    for request, g in zip(requests, generations, strict=True):
+        ids = list(request.prompt_ids) + g.response_ids[:-1]
+        chosen: list[torch.Tensor] = []
+        for block in blocks:
+            block.recorded_choices = chosen
+        try:
+            with torch.no_grad():
+                model(torch.tensor([ids]))
+        finally:
+            for block in blocks:
+                block.recorded_choices = None
+        own = torch.stack(chosen, dim=1).numpy()
+        routes = g.routed_experts
+        assert routes.shape == (len(ids), len(blocks), blocks[0].top_k) and (routes >= 0).all()
+        assert np.array_equal(np.sort(routes, -1), np.sort(own, -1))

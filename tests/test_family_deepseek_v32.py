@@ -439,14 +439,6 @@ def test_the_torch_engine_decodes_as_one_full_forward(tmp_path, name):
     assert longest > kwargs["index_topk"] + 3
 
 
-def test_the_torch_engine_refuses_to_record_routes(tmp_path):
-    """Routes of an indexed-attention model are not recorded: one line saying so."""
-    hf_model(CONFIGS["yarn_tied_all_sparse"], seed=17).save_pretrained(tmp_path)
-    with pytest.raises(MoerlError, match="DeepSeek-V3.2: the torch engine does not record routes") as err:
-        TorchEngine.from_checkpoint(tmp_path, record_routes=True)
-    assert "\n" not in str(err.value)
-
-
 # --- checkpoints moerl refuses or trims -----------------------------------------------------------------------------
 
 

@@ -20,6 +20,7 @@ import pytest
 import torch
 from family_helpers import (
     assert_close_to_scale,
+    assert_engine_records_the_routers_choice,
     assert_same_logits,
     edit_config,
     expert_grads,
@@ -348,11 +349,9 @@ def test_the_torch_engine_decodes_with_each_layers_state_as_one_full_forward(tmp
                 assert generation.response_ids == logits.argmax(dim=-1).tolist()
 
 
-def test_the_torch_engine_refuses_to_record_routes_for_a_recurrent_state_model(tmp_path):
+def test_the_torch_engine_records_the_routes_of_a_recurrent_state_model(tmp_path):
     hf_model(CONFIGS["interval4_tied"], seed=17).save_pretrained(tmp_path)
-    with pytest.raises(MoerlError, match="does not record routes") as err:
-        TorchEngine.from_checkpoint(tmp_path, record_routes=True)
-    assert "\n" not in str(err.value)
+    assert_engine_records_the_routers_choice(tmp_path, CONFIGS["interval4_tied"]["vocab_size"])
 
 
 # --- checkpoints moerl refuses or trims -----------------------------------------------------------------------------

@@ -16,7 +16,8 @@ behaviour and trainer policy is 1 up to numerics when nothing is stale. With the
 
 Routing replay: an engine opened to record routes fills Generation.routed_experts, the experts its routers chose
 for every token it ran (the torch engine from its routers, SGLang from its routed-experts output), which the
-trainer can replay (trainer.routing_replay) and compares with its own routers' choice.
+trainer can replay (trainer.routing_replay) and compares with its own routers' choice; for a model with DeepSeek
+sparse attention also Generation.selected_keys, the keys its indexers selected (the torch engine), replayed alike.
 
 Nothing here imports torch or an engine: the engines import this module (the rollout step opens the one the
 run config names).
@@ -91,6 +92,12 @@ class Generation:
     # 0 .. len(prompt) + len(response) - 2 of prompt + response (every token fed through the model; the last
     # sampled token never is), -1 where the engine recorded none. Otherwise None.
     routed_experts: np.ndarray | None = None
+    # With an engine that records routes, for a model with DeepSeek sparse attention: the keys each query attended
+    # to, [queries, indexer layers, ceil(fed / 8)] uint8, fed = len(prompt) + len(response) - 1, the queries those
+    # at positions index_topk .. fed - 1 (every query before sees at most index_topk keys and attends to all), the
+    # layers those with an indexer of their own (layer order), key s of a query at bit s of its row
+    # (np.packbits, big-endian: bit 7 of byte 0 is key 0). Otherwise None.
+    selected_keys: np.ndarray | None = None
 
 
 class Engine(Protocol):

@@ -1,5 +1,6 @@
-"""What the torch engine records for routing replay: each sample's routed experts (Generation.routed_experts), from
-the experts its decoder's MoE layers chose in one generate call (steps/engines/torch_engine.py Decoder.routes)."""
+"""What the torch engine records for replay in training: each sample's routed experts (Generation.routed_experts),
+from the experts its decoder's MoE layers chose in one generate call (steps/engines/torch_engine.py Decoder.routes),
+and for a DeepSeek-sparse-attention model the keys its indexers selected (Generation.selected_keys)."""
 
 from __future__ import annotations
 
@@ -60,3 +61,66 @@ class RouteRecorder:
         """[prompt_len + tokens - 1, MoE layers, k] int16 of sample `row` (of `tokens` response tokens)."""
         prompt = self.prompts[self.prompt_of[row], self.prompts.shape[1] - prompt_len :]
         return torch.cat([prompt, self.responses[row, : tokens - 1]]).numpy()
+
+
+class SelectionRecorder:
+    """Each sample's selected keys (Generation.selected_keys) for a model with DeepSeek sparse attention, from the
+    selections its decode (steps/models/dsa.py IndexedDecode.recorded) made in one generate call: each forward
+    appends, for every layer with an indexer of its own (layer order), the keys each query attended to, a bool
+    [rows, queries, slots] over the rows' slots (a prompt's left padding first).
+
+    Only queries that see more than `topk` keys are recorded: one at position t sees t + 1 keys, and below topk
+    it attends to all of them whatever the indexer scores. Positions are the sequence's (padding left out)."""
+
+    def __init__(self, layers: int, topk: int, samples: int) -> None:
+        self.layers, self.topk = layers, topk
+        self.taken: list[torch.Tensor] = []
+        self.prompt_of: list[int] = []
+        self.prompts: list[np.ndarray] = []  # per prompt: [n - topk, layers, n] bool, its queries past topk
+        self.pads = np.zeros(0, dtype=np.int64)  # per prompt: its left padding in the prefill
+        self.responses: list[dict[int, np.ndarray]] = [{} for _ in range(samples)]  # step -> [layers, keys] bool
+
+    def _taken(self) -> torch.Tensor:
+        taken = list(self.taken)
+        self.taken.clear()
+        if len(taken) != self.layers:
+            raise RuntimeError(f"recorded {len(taken)} indexer layers' selections in a forward over {self.layers}")
+        return torch.stack(taken, dim=1)  # [rows, layers, queries, slots]
+
+    def prefilled(self, valid: torch.Tensor, prompt_of: torch.Tensor) -> None:
+        """After the prefill of the left-padded prompts valid [P, W]; prompt_of [samples]: each one's prompt."""
+        self.prompt_of = prompt_of.tolist()
+        taken = self._taken().cpu().numpy()
+        lengths = valid.sum(dim=1).cpu().numpy()
+        self.pads = valid.shape[1] - lengths
+        self.prompts = [
+            taken[p, :, pad + self.topk :, pad:].transpose(1, 0, 2) for p, pad in enumerate(self.pads.tolist())
+        ]
+
+    def stepped(self, step: int, samples: torch.Tensor, rows: torch.Tensor) -> None:
+        """After decode step `step` fed response token `step` of `samples` through batch rows `rows`."""
+        taken = self._taken()[:, :, 0].index_select(0, rows).cpu().numpy()  # [samples, layers, slots]
+        for sample, chosen in zip(samples.tolist(), taken, strict=True):
+            pad = int(self.pads[self.prompt_of[sample]])
+            if chosen.shape[-1] - pad > self.topk:  # the query at position slots - pad - 1 sees more than topk
+                self.responses[sample][step] = chosen[:, pad:]
+
+    def sample(self, row: int, prompt_len: int, tokens: int) -> np.ndarray:
+        """[max(0, fed - topk), layers, ceil(fed / 8)] uint8 of sample `row` (of `tokens` response tokens), fed =
+        prompt_len + tokens - 1: query t's keys as bits (np.packbits, big-endian), key s at bit s."""
+        fed = prompt_len + tokens - 1
+        selected = np.zeros((max(0, fed - self.topk), self.layers, fed), dtype=bool)
+        prompt = self.prompts[self.prompt_of[row]]
+        selected[: len(prompt), :, :prompt_len] = prompt
+        for step, chosen in self.responses[row].items():
+            if step < tokens - 1:
+                selected[prompt_len + step - self.topk, :, : chosen.shape[-1]] = chosen
+        return np.packbits(selected, axis=-1)
+
+
+def indexed_selection_recorder(model: nn.Module, samples: int) -> SelectionRecorder | None:
+    """The SelectionRecorder of a model with indexed attention (MoeCausalLM.indexed_attention); None without."""
+    attention = model.indexed_attention()  # type: ignore[operator]
+    if not attention:
+        return None
+    return SelectionRecorder(len(attention), attention[0].indexer.topk, samples)

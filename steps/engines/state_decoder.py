@@ -8,6 +8,9 @@ softmax models: `prefill(ids, valid, room)` -> (batch, logits) and `step(tokens,
 selects rows (samples that drew different tokens split a row; finished ones are dropped). Each sample's
 randomness, stop tokens and log-probs stay the engine's. A row's state is its own: nothing is shared between the
 samples of a prompt beyond the prefill, which runs once per distinct prompt and is then selected per sample.
+
+Recording for replay in training (rollout.record_routes): the MoE blocks append their routers' choices (`routes`),
+and an indexed-attention decode its indexers' selections (`selections`), as the engine's recorders read them.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import torch
 from torch import nn
 
 from steps.models.family import STATEFUL_ATTENTION, StatefulDecode
+from steps.models.moe import SparseMoeBlock
 from steps.models.registry import family_of
 
 
@@ -43,7 +47,31 @@ class StateDecoder:
         assert family.attention in STATEFUL_ATTENTION, family.attention
         self.model = model
         self.decode: StatefulDecode = family.decode(model)
-        self.routes: list[torch.Tensor] | None = None  # routing replay's record: not kept for these families
+        self._routes: list[torch.Tensor] | None = None
+
+    @property
+    def routes(self) -> list[torch.Tensor] | None:
+        """Routing replay's record (steps/engines/route_recorder.py RouteRecorder.taken): while a list, every MoE
+        layer's forward appends its routers' choice [tokens, k] to it, in layer order."""
+        return self._routes
+
+    @routes.setter
+    def routes(self, taken: list[torch.Tensor] | None) -> None:
+        self._routes = taken
+        for layer in self.model.model.layers:
+            if isinstance(getattr(layer, "mlp", None), SparseMoeBlock):
+                layer.mlp.recorded_choices = taken
+
+    @property
+    def selections(self) -> list[torch.Tensor] | None:
+        """The record of the keys an indexed-attention model's queries selected (SelectionRecorder.taken)."""
+        return getattr(self.decode, "recorded", None)
+
+    @selections.setter
+    def selections(self, taken: list[torch.Tensor] | None) -> None:
+        if not hasattr(self.decode, "recorded"):
+            raise RuntimeError(f"{type(self.decode).__name__} selects no keys: nothing to record")
+        self.decode.recorded = taken  # type: ignore[attr-defined]
 
     @property
     def device(self) -> torch.device:

@@ -38,7 +38,7 @@ from steps.engines.interface import (
     GenerationRequest,
     SamplingParams,
 )
-from steps.engines.route_recorder import RouteRecorder
+from steps.engines.route_recorder import RouteRecorder, indexed_selection_recorder
 from steps.engines.sampling import sample_next, sample_uniforms
 from steps.engines.state_decoder import StateDecoder
 from steps.errors import MoerlError
@@ -108,12 +108,6 @@ class TorchEngine:
 
     def __post_init__(self) -> None:
         if family_of(self.model).attention in STATEFUL_ATTENTION:
-            if self.record_routes:
-                raise MoerlError(
-                    f"{family_of(self.model).name}: the torch engine does not record routes for a model whose layers "
-                    "it decodes with the family's own state (recurrent or indexed attention); turn "
-                    "rollout.record_routes and trainer.routing_replay off"
-                )
             self.decoder = StateDecoder(self.model)
         else:
             self.decoder = Decoder(self.model)
@@ -172,13 +166,20 @@ class TorchEngine:
         if not requests:
             return []
         device, steps, vocab = self.device, params.max_new_tokens, self.model.config.vocab_size
-        recorder = None
-        if self.record_routes and isinstance(self.decoder, Decoder):
-            recorder = RouteRecorder(self.decoder.parts.layers, len(requests), steps)
+        recorder = selections = None
+        if self.record_routes:
+            stateful = isinstance(self.decoder, StateDecoder)
+            layers = self.model.model.layers if stateful else self.decoder.parts.layers  # type: ignore[union-attr]
+            recorder = RouteRecorder(layers, len(requests), steps)
+            selections = indexed_selection_recorder(self.model, len(requests))
         self.decoder.routes = None if recorder is None else recorder.taken
-        batch, logits, state = self._prefill(requests, steps)  # state: each sample's row in the batch
+        if selections is not None:
+            self.decoder.selections = selections.taken  # type: ignore[union-attr]
+        batch, logits, state, valid = self._prefill(requests, steps)  # state: each sample's row in the batch
         if recorder is not None:
-            recorder.prefilled(*batch.prompt_bias.shape, prompt_of=state.clone())
+            recorder.prefilled(*valid.shape, prompt_of=state.clone())
+        if selections is not None:
+            selections.prefilled(valid, prompt_of=state.clone())
 
         uniforms = sample_uniforms([r.seed for r in requests], steps).to(device)
         out_tokens = torch.full((len(requests), steps), FILLER_ID, dtype=torch.long, device=device)
@@ -216,6 +217,8 @@ class TorchEngine:
             logits = self.decoder.step(next_tokens, batch)
             if recorder is not None:
                 recorder.stepped(step, live, state[live])
+            if selections is not None:
+                selections.stepped(step, live, state[live])
 
         token_lists, logprob_lists = out_tokens.tolist(), out_logprobs.tolist()
         return [
@@ -226,15 +229,17 @@ class TorchEngine:
                 logprobs=logprob_lists[row][:n],
                 finish_reason=FINISH_STOP if done else FINISH_LENGTH,
                 routed_experts=None if recorder is None else recorder.sample(row, len(request.prompt_ids), n),
+                selected_keys=None if selections is None else selections.sample(row, len(request.prompt_ids), n),
             )
             for row, (request, n, done) in enumerate(zip(requests, lengths.tolist(), stopped.tolist(), strict=True))
         ]
 
     def _prefill(
         self, requests: Sequence[GenerationRequest], steps: int
-    ) -> tuple[DecodeBatch, torch.Tensor, torch.Tensor]:
+    ) -> tuple[DecodeBatch, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Left-padded prefill of the distinct prompts (Decoder.prefill). Returns the decode batch (one row
-        per distinct prompt), its next-token logits [P, V] and each request's row [R]."""
+        per distinct prompt), its next-token logits [P, V], each request's row [R] and the prompts' real
+        columns [P, W] (bool, on the CPU)."""
         distinct: dict[tuple[int, ...], int] = {}
         parent = [distinct.setdefault(tuple(r.prompt_ids), len(distinct)) for r in requests]
         prompts = list(distinct)
@@ -247,7 +252,7 @@ class TorchEngine:
         # Room for the first decode steps' nodes (DecodeBatch): at most one per sample of a prompt and step.
         group = max(Counter(parent).values())
         batch, logits = self.decoder.prefill(ids.to(self.device), valid.to(self.device), room=group * min(steps, 8))
-        return batch, logits, torch.tensor(parent, device=self.device)
+        return batch, logits, torch.tensor(parent, device=self.device), valid
 
 
 class PromptGrid:

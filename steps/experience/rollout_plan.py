@@ -291,6 +291,7 @@ def chunk_table(
         "finish_reason": [g.finish_reason for g in rows],
         "policy_version": [plan.policy_version] * len(rows),
         "routed_experts": [None if g.routed_experts is None else g.routed_experts.reshape(-1) for g in rows],
+        "selected_keys": [None if g.selected_keys is None else g.selected_keys.reshape(-1) for g in rows],
     }
     return _with_plan_metadata(plan, chunk, columns)
 
@@ -309,6 +310,7 @@ def conversation_table(plan: RolloutPlan, chunk: int, conversations: Sequence[Co
         "finish_reason": [c.finish_reason for c in rows],
         "policy_version": [plan.policy_version] * len(rows),
         "routed_experts": [None] * len(rows),
+        "selected_keys": [None] * len(rows),
         "loss_mask": [c.loss_mask for c in rows],
         "env_reward": [c.reward for c in rows],
         "turns": [c.turns for c in rows],
@@ -376,6 +378,14 @@ def chunk_problem(plan: RolloutPlan, chunk: int, table: pa.Table) -> str | None:
         lengths = pc.list_value_length(routes)
         if not pc.all(pc.equal(pc.multiply(pc.divide(lengths, positions), positions), lengths)).as_py():
             return "its routed_experts do not hold a whole number of routes for each token of prompt + response - 1"
+    selected = table.column("selected_keys")
+    if selected.null_count < len(selected):  # whole rows of ceil(positions / 8) bytes (the trainer checks the rest)
+        positions = pc.subtract(pc.add(pc.list_value_length(table.column("prompt_ids")),
+                                       pc.list_value_length(table.column("response_ids"))), 1)  # fmt: skip
+        row_bytes = pc.divide(pc.add(positions, 7), 8)
+        lengths = pc.list_value_length(selected)
+        if not pc.all(pc.equal(pc.multiply(pc.divide(lengths, row_bytes), row_bytes), lengths)).as_py():
+            return "its selected_keys do not hold whole rows of key bits (one bit a token of prompt + response - 1)"
     meta = table.schema.metadata or {}
     if meta.get(META_PLAN) != plan.digest.encode():
         return (

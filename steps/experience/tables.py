@@ -3,19 +3,21 @@
     <run>/experience/iter-000001/rollout/chunk-000003.parquet    ROLLOUT_SCHEMA, written by rollout
     <run>/experience/iter-000001/scored.parquet                  SCORED_SCHEMA, written by score
 
-Columns: prompt_id string, sample_index int32, prompt_ids / response_ids list<int32>, behavior_logprobs
-list<float32> (one per response token; steps/engines/interface.py says what they are), policy_version int64; plus
-task, answer, finish_reason (strings); routed_experts list<int16>, null unless the run records routes
-(rollout.record_routes): the array [positions, MoE layers, top_k] of Generation.routed_experts flattened row-major,
-positions = len(prompt_ids) + len(response_ids) - 1, global expert ids, -1 where the engine recorded none (a table
-without the column records none). A run with an environment (multi-turn, steps/environments/conversation.py) stores
-each conversation after its first prompt as the response: loss_mask list<int8>, one per response token, 1 for the
-model's own tokens (trained) and 0 for the environment's (context only; their behavior_logprobs are 0), env_reward
-float32 (the sum of the environment's step rewards), turns int32 (the model's turns) and env_metrics (a JSON object:
-the environment's named metrics and tool_calls); all four are null for single-turn rows. Scored files add correct
-and well_formed (bool), rm_score (float32, null without a reward model), reward and advantage (float32). Readers use
-the canonical order: sorted by (prompt_id, sample_index). The trainer imports this file alone of the experience
-package: `Sample` and `read_scored_experience` are all it sees of rollout.
+Columns: prompt_id string, sample_index int32, prompt_ids / response_ids list<int32>, behavior_logprobs list<float32>
+(one per response token; steps/engines/interface.py says what they are), policy_version int64; plus task, answer,
+finish_reason (strings); routed_experts list<int16>, null unless the run records routes (rollout.record_routes): the
+array [positions, MoE layers, top_k] of Generation.routed_experts flattened row-major, positions = len(prompt_ids) +
+len(response_ids) - 1, global expert ids, -1 where the engine recorded none (a table without the column records none);
+selected_keys list<uint8>, for a model with DeepSeek sparse attention recorded with the routes, null otherwise:
+Generation.selected_keys flattened row-major (the bits of the keys each query past index_topk attended to, per layer
+with an indexer; steps/engines/interface.py). A run with an environment (multi-turn,
+steps/environments/conversation.py) stores each conversation after its first prompt as the response: loss_mask
+list<int8>, one per response token, 1 for the model's own tokens (trained) and 0 for the environment's (context only;
+their behavior_logprobs are 0), env_reward float32 (the sum of the environment's step rewards), turns int32 (the
+model's turns) and env_metrics (a JSON object: the environment's named metrics and tool_calls); all four are null for
+single-turn rows. Scored files add correct and well_formed (bool), rm_score (float32, null without a reward model),
+reward and advantage (float32). Readers use the canonical order: sorted by (prompt_id, sample_index). The trainer
+imports this file alone of the experience package: `Sample` and `read_scored_experience` are all it sees of rollout.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ ROLLOUT_SCHEMA = pa.schema(
         ("finish_reason", pa.string()),
         ("policy_version", pa.int64()),
         ("routed_experts", pa.list_(pa.int16())),
+        ("selected_keys", pa.list_(pa.uint8())),
         ("loss_mask", pa.list_(pa.int8())),
         ("env_reward", pa.float32()),
         ("turns", pa.int32()),
@@ -93,6 +96,7 @@ class Sample:
     behavior_logprobs: list[float]
     advantage: float
     routed_experts: np.ndarray | None = None  # int16, flat (the routed_experts column), None when not recorded
+    selected_keys: np.ndarray | None = None  # uint8, flat (the selected_keys column), None when not recorded
     # multi-turn: one per response token, True where the model wrote it (trained); None: every response token
     loss_mask: np.ndarray | None = None
 
@@ -133,6 +137,9 @@ def read_scored_experience(run: Store, iteration: int, expected_version: int) ->
     cols = {c: table.column(c).to_pylist() for c in SCORED_COLUMNS}
     # routed_experts: optional (a table written without it records no routes)
     routes = _int16_lists(table.column("routed_experts")) if "routed_experts" in table.column_names else None
+    selected = (
+        _int_lists(table.column("selected_keys"), np.uint8) if "selected_keys" in table.column_names else None
+    )
     masks = table.column("loss_mask").to_pylist() if "loss_mask" in table.column_names else [None] * table.num_rows
 
     versions = sorted({int(v) for v in cols["policy_version"]})
@@ -169,6 +176,7 @@ def read_scored_experience(run: Store, iteration: int, expected_version: int) ->
                 behavior_logprobs=[float(x) for x in logprobs],
                 advantage=float(cols["advantage"][i]),
                 routed_experts=None if routes is None else routes[i],
+                selected_keys=None if selected is None else selected[i],
                 loss_mask=None if mask is None else np.asarray(mask, dtype=bool),
             )
         )
@@ -178,10 +186,15 @@ def read_scored_experience(run: Store, iteration: int, expected_version: int) ->
 
 def _int16_lists(column: pa.ChunkedArray) -> list[np.ndarray | None]:
     """A list<int16> column as one numpy array a row (None for a null row), without a Python int per value."""
+    return _int_lists(column, np.int16)
+
+
+def _int_lists(column: pa.ChunkedArray, dtype: type[np.integer]) -> list[np.ndarray | None]:
+    """A list<int> column as one numpy array of `dtype` a row (None for a null row)."""
     lists = column.combine_chunks()
     if isinstance(lists, pa.ChunkedArray):  # an empty column
         lists = pa.array([], type=column.type)
-    values = lists.values.to_numpy(zero_copy_only=False).astype(np.int16, copy=False)
+    values = lists.values.to_numpy(zero_copy_only=False).astype(dtype, copy=False)
     offsets = lists.offsets.to_numpy()
     valid = lists.is_valid().to_numpy(zero_copy_only=False)
     return [values[offsets[i] : offsets[i + 1]].copy() if valid[i] else None for i in range(len(lists))]

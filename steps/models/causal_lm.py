@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from steps.models.layers import AttentionMasks, RMSNorm
+from steps.models.layers import AttentionMasks, RecordedSelection, RMSNorm
 from steps.models.moe import SparseMoeBlock
 from steps.models.placement import check_placement
 
@@ -153,6 +153,9 @@ class MoeCausalLM(nn.Module):
         # trainer.activation_checkpointing: a training forward keeps only each decoder layer's input and runs the
         # layer again in the backward (run_layer)
         self.activation_checkpointing = False
+        # The rollout engine's recorded key selections for the next forwards (set_engine_selections), by call:
+        # "forward" (forward, plain or packed rows), "prompts" and "responses" (forward_shared_prompts)
+        self.engine_selections: dict[str, RecordedSelection] | None = None
 
     def build(self, layer: Callable[[int], nn.Module], norm: Callable[[], nn.Module]) -> None:
         """self.model (the embeddings, layer(i) for every decoder layer i, the final norm()) and self.lm_head
@@ -200,6 +203,12 @@ class MoeCausalLM(nn.Module):
     def moe_blocks(self) -> list[SparseMoeBlock]:
         return [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, SparseMoeBlock)]
 
+    def indexed_attention(self) -> list[nn.Module]:
+        """The attention modules that select their keys with an indexer of their own (DeepSeek sparse attention,
+        steps/models/dsa.py), in layer order; empty for every other model."""
+        attention = [getattr(layer, "self_attn", None) for layer in self.model.layers]
+        return [a for a in attention if getattr(a, "indexer", None) is not None]  # type: ignore[misc]
+
     def router_parameters(self) -> list[nn.Parameter]:
         """The routers' parameters (trainer.router: freeze keeps them at their SFT values)."""
         return [p for block in self.moe_blocks() for p in block.gate.parameters()]
@@ -235,6 +244,34 @@ class MoeCausalLM(nn.Module):
         for index, block in enumerate(blocks):
             block.engine_routes = None if routes is None else routes[index]
             block.replay_routes = replay and routes is not None
+
+    def set_engine_selections(
+        self, selections: dict[str, tuple[torch.Tensor, torch.Tensor]] | None, replay: bool = False
+    ) -> None:
+        """For the forward passes until the next call, the keys the rollout engine's indexers selected (a model
+        with DeepSeek sparse attention, steps/models/dsa.py): per call ("forward", or "prompts" and "responses" of
+        forward_shared_prompts) the (bits, recorded) of a RecordedSelection in that call's layout; replay: the
+        forward attends to them instead of its indexers' choice. None: the indexers choose alone."""
+        attention = self.indexed_attention()
+        if selections is not None:
+            for call, (bits, _) in selections.items():
+                if bits.shape[0] != len(attention):
+                    raise ValueError(f"{call}: selections for {bits.shape[0]} indexer layers, the model has "
+                                     f"{len(attention)}")  # fmt: skip
+        self.engine_selections = None if selections is None else {
+            call: RecordedSelection(bits, recorded, replay) for call, (bits, recorded) in selections.items()
+        }  # fmt: skip
+
+    def selection_disagreement(self) -> torch.Tensor | None:
+        """[indexer layers, 2] int64: (recorded queries whose indexer's own top-k differs from the engine's,
+        recorded queries) of the forwards since set_engine_selections (this process's); None without them."""
+        if self.engine_selections is None:
+            return None
+        counts = torch.zeros(len(self.indexed_attention()), 2, dtype=torch.int64)
+        for selection in self.engine_selections.values():
+            for index, count in selection.disagreement.items():
+                counts[index] += count.cpu()
+        return counts
 
     def count_route_disagreement(self) -> None:
         """Start (or restart) counting, per MoE layer, the tokens whose router's own top-k set differs from the
@@ -339,6 +376,7 @@ class MoeCausalLM(nn.Module):
             # Left padding: a row's first real token gets position 0; padding gets 0 too (it is masked anyway).
             positions = (valid.long().cumsum(dim=1) - 1).clamp(min=0)
             masks = AttentionMasks.causal(valid, positions)
+        masks.engine_selection = None if self.engine_selections is None else self.engine_selections.get("forward")
         x = self.model.embed_tokens(input_ids)
         rope = self.rotary(positions, x.dtype)
         self._balance(valid.reshape(-1))
@@ -387,6 +425,9 @@ class MoeCausalLM(nn.Module):
             prompt_valid.index_select(0, prompt_index), prompt_positions.index_select(0, prompt_index),
             response_valid, response_positions,
         )  # fmt: skip
+        if self.engine_selections is not None:
+            prompt_masks.engine_selection = self.engine_selections.get("prompts")
+            response_masks.engine_selection = self.engine_selections.get("responses")
 
         prompt_x = self.model.embed_tokens(prompt_ids)
         response_x = self.model.embed_tokens(response_ids)

@@ -20,8 +20,10 @@ negative: common with few index heads) can break differently between two call sh
 decode step against a full forward, an FP8 engine against a bf16 or fp32 trainer. transformers' own forward is not
 causal there (appending a token changes the length topk runs over, and with it which of several zero-scored keys an
 earlier query keeps), nor is moerl's. Exact agreement needs the engine's selection replayed in training, as routing
-replay does for the experts; moerl does not replay it yet: the trainer selects again (with the torch engine, the only
-engine that serves these families, the two differ only on such ties).
+replay does for the experts: with rollout.record_routes the torch engine records, beside the routes, the keys every
+query past index_topk attended to in each layer with an indexer (IndexedDecode.recorded; Generation.selected_keys),
+and the trainer's forward compares its indexers' choice with it (RecordedSelection.disagreement) and, with
+trainer.routing_replay: rollout, attends to the engine's keys instead (IndexedMlaAttention.with_engine_selection).
 Scores are computed in the same operations as transformers' (one matmul per query head
 block, the head weights applied by a second matmul), so the same shapes give the same bits.
 
@@ -45,7 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from steps.models.causal_lm import DecoderLayer, MoeCausalLM, mlp_over_prompts_and_responses
-from steps.models.layers import AttentionMasks, attention_mask_for, rotate_half
+from steps.models.layers import AttentionMasks, RecordedSelection, attention_mask_for, rotate_half
 from steps.models.mla import MlaAttention, deinterleave
 
 INDEX_KEY_NORM_EPS = 1e-6  # DeepseekV32Indexer's k_norm: nn.LayerNorm(index_head_dim, eps=1e-6)
@@ -157,6 +159,8 @@ class IndexedMlaAttention(MlaAttention):
         if self.q_a_proj is None:
             raise ValueError("DeepSeek sparse attention reads the query latent: q_lora_rank is required")
         self.source = indexer_source(cfg, layer_idx)
+        # its place among the layers with an indexer of their own (the engine's record is in that order)
+        self.indexer_index = sum(indexer_source(cfg, earlier) == earlier for earlier in range(layer_idx))
         # whether a later layer reuses this layer's selection (GLM-5): only then is it kept for the forward
         self.shared = any(
             indexer_source(cfg, later) == layer_idx for later in range(layer_idx + 1, cfg.num_hidden_layers)
@@ -176,15 +180,30 @@ class IndexedMlaAttention(MlaAttention):
         visible: torch.Tensor,
         selections: dict[int, torch.Tensor],
         keys: torch.Tensor | None = None,
+        engine: RecordedSelection | None = None,
     ) -> torch.Tensor:
-        """The keys this layer's queries attend to [B, T, S]: its indexer's choice (kept in `selections` for the
-        layers that share it), or its source layer's from `selections`."""
+        """The keys this layer's queries attend to [B, T, S]: its indexer's choice, or with the engine's record
+        replayed (`engine` with replay) the engine's at every recorded query (kept in `selections` for the layers
+        that share it); a layer without an indexer takes its source layer's from `selections`."""
         if self.indexer is None:
             return selections[self.source]
         selected = self.indexer.select(hidden, latent, rope, visible, keys)
+        if engine is not None:
+            selected = self.with_engine_selection(selected, visible, engine)
         if self.shared:  # [B, T, S] a layer: kept only for the layers that read it
             selections[self.layer_idx] = selected
         return selected
+
+    def with_engine_selection(
+        self, own: torch.Tensor, visible: torch.Tensor, engine: RecordedSelection
+    ) -> torch.Tensor:
+        """own [B, T, S] with the engine's recorded selection at its recorded queries when engine.replay (own
+        otherwise); counts the recorded queries where the two differ (RecordedSelection.disagreement)."""
+        chosen = engine.layer(self.indexer_index, own.shape[-1]).to(own.device) & visible
+        recorded = engine.recorded.to(own.device)
+        differs = ((chosen != own).any(dim=-1) & recorded).sum()
+        engine.disagreement[self.indexer_index] = torch.stack([differs, recorded.sum()])
+        return torch.where(recorded[..., None], chosen, own) if engine.replay else own
 
     def project_indexed(
         self, x: torch.Tensor, rope_tables: tuple[torch.Tensor, torch.Tensor]
@@ -203,7 +222,8 @@ class IndexedDecoderLayer(DecoderLayer):
         attn = self.self_attn
         h = self.input_layernorm(x)
         q, k, v, latent = attn.project_indexed(h, rope)
-        selected = attn.selection(h, latent, rope, masks.get(None)[:, 0], masks.selections)
+        selected = attn.selection(h, latent, rope, masks.get(None)[:, 0], masks.selections,
+                                  engine=masks.engine_selection)  # fmt: skip
         x = x + attn.attend(q, k, v, selected[:, None])
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -231,9 +251,11 @@ class IndexedDecoderLayer(DecoderLayer):
                 index_p, index_r = attn.indexer.keys(hp, *prompt_rope), attn.indexer.keys(hr, *response_rope)
                 index_keys = torch.cat([index_p.index_select(0, prompt_index), index_r], dim=1)
         prompt_selected = attn.selection(hp, latent_p, prompt_rope, prompt_masks.get(None)[:, 0],
-                                         prompt_masks.selections, keys=index_p)  # fmt: skip
+                                         prompt_masks.selections, keys=index_p,
+                                         engine=prompt_masks.engine_selection)  # fmt: skip
         response_selected = attn.selection(hr, latent_r, response_rope, response_masks.get(None)[:, 0],
-                                           response_masks.selections, keys=index_keys)  # fmt: skip
+                                           response_masks.selections, keys=index_keys,
+                                           engine=response_masks.engine_selection)  # fmt: skip
         prompt_x = prompt_x + attn.attend(qp, kp, vp, prompt_selected[:, None])
         response_x = response_x + attn.attend(qr, k, v, response_selected[:, None])
         return mlp_over_prompts_and_responses(self, prompt_x, response_x)
@@ -261,6 +283,9 @@ class IndexedDecode:
     def __init__(self, model: nn.Module) -> None:
         assert isinstance(model, MoeCausalLM)
         self.model = model
+        # While a list (the torch engine's record, steps/engines/route_recorder.py SelectionRecorder): every forward
+        # appends the selection [R, T, S] of each layer with an indexer of its own, in layer order
+        self.recorded: list[torch.Tensor] | None = None
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(self.model.model.norm(x), self.model.output_weight()).float()
@@ -271,6 +296,10 @@ class IndexedDecode:
         if attn.indexer is None:
             return h.new_zeros(*h.shape[:2], 0)
         return attn.indexer.keys(h, *rope)
+
+    def _record(self, attn: IndexedMlaAttention, selected: torch.Tensor) -> None:
+        if self.recorded is not None and attn.indexer is not None:
+            self.recorded.append(selected)
 
     def prefill(self, ids: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, IndexedRows]:
         """Left-padded prompts [P, T] -> logits after each prompt's last token [P, V] and the rows' state."""
@@ -286,6 +315,7 @@ class IndexedDecode:
             q, k, v, latent = attn.project_indexed(h, rope)
             index_keys = self._index_keys(attn, h, rope)
             selected = attn.selection(h, latent, rope, visible, selections, keys=index_keys)
+            self._record(attn, selected)
             x = x + attn.attend(q, k, v, selected[:, None])
             x = x + layer.mlp(layer.post_attention_layernorm(x))
             layers.append((k, v, index_keys))
@@ -305,6 +335,7 @@ class IndexedDecode:
             keys, values = torch.cat([keys, k], dim=2), torch.cat([values, v], dim=2)
             index_keys = torch.cat([index_keys, self._index_keys(attn, h, rope)], dim=1)
             selected = attn.selection(h, latent, rope, visible, selections, keys=index_keys)
+            self._record(attn, selected)
             x = x + attn.attend(q, keys, values, selected[:, None])
             x = x + layer.mlp(layer.post_attention_layernorm(x))
             layers.append((keys, values, index_keys))

@@ -4,6 +4,8 @@ windows) and its arithmetic. A family's layers hold the parameters under its own
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -76,6 +78,27 @@ def attention_mask_for(key_valid: torch.Tensor, start: int, seq: int) -> torch.T
     return mask[:, None]
 
 
+@dataclass
+class RecordedSelection:
+    """The keys the rollout engine's indexers selected for one forward call's queries (DeepSeek sparse attention,
+    steps/models/dsa.py; recorded and replayed with the routes, trainer.routing_replay), laid out as the call's
+    queries [B, T] and keys [S] are: `bits` [indexer layers, B, T, ceil(S / 8)] uint8, key s of a query at bit s
+    (np.packbits, big-endian); `recorded` [B, T] the queries with a record (those that see more than index_topk
+    keys). With `replay` the forward attends to those keys instead of its own indexers' choice. `disagreement`
+    holds, per indexer layer, [recorded queries whose own top-k differs from the engine's, recorded queries],
+    written (not added) by the layer's forward, so a rerun by activation checkpointing does not count twice."""
+
+    bits: torch.Tensor
+    recorded: torch.Tensor
+    replay: bool
+    disagreement: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def layer(self, index: int, keys: int) -> torch.Tensor:
+        """Indexer layer `index`'s selection as a bool [B, T, keys]."""
+        shifts = torch.arange(7, -1, -1, dtype=torch.uint8, device=self.bits.device)
+        return ((self.bits[index].unsqueeze(-1) >> shifts) & 1).bool().flatten(-2)[..., :keys]
+
+
 class AttentionMasks:
     """The boolean attention masks [B, 1, T, S] of one forward: the causal one every layer starts from, and per
     sliding window the same restricted to keys fewer than `window` positions before the query (as transformers'
@@ -101,6 +124,8 @@ class AttentionMasks:
         # later layers that reuse a layer's selection (GLM-5's shared indexer layers, steps/models/dsa.py): one
         # forward's, so that a layer run again by activation checkpointing reads what it read the first time.
         self.selections: dict[int, torch.Tensor] = {}
+        # The rollout engine's recorded selection for this forward's queries (selection replay), set by the model
+        self.engine_selection: RecordedSelection | None = None
 
     @classmethod
     def causal(cls, valid: torch.Tensor, positions: torch.Tensor) -> AttentionMasks:

@@ -381,6 +381,9 @@ class SparseMoeBlock(nn.Module):
         self.engine_routes: torch.Tensor | None = None
         self.replay_routes = False
         self.route_disagreement: torch.Tensor | None = None
+        # While a list (the torch engine's record of one generate call over a family it decodes with the family's
+        # own state, steps/engines/state_decoder.py): each forward appends the router's choice [T, k]
+        self.recorded_choices: list[torch.Tensor] | None = None
 
     def route(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """hidden [T, H] -> (router_logits [T, E], topk_idx [T, k], topk_weight [T, k]), by the router's kind
@@ -495,6 +498,8 @@ class SparseMoeBlock(nn.Module):
         shape = x.shape
         hidden = x.reshape(-1, self.hidden_size)
         router_logits, scores, topk_idx = self.choose(hidden)
+        if self.recorded_choices is not None:
+            self.recorded_choices.append(topk_idx)
         if self.engine_routes is not None:
             topk_idx = self.recorded_choice(topk_idx)
         topk_weight = self.weigh(router_logits, scores, topk_idx, hidden.dtype)

@@ -32,7 +32,15 @@ from steps.models.placement import moe_layer_indices
 from steps.training.mismatch import MismatchStats
 from steps.training.optim import AdamW, AnyOptimizer
 from steps.training.rl_loss import LossSettings, aggregate, token_entropy, token_terms
-from steps.training.routes import check_routes, routes_tensor, sample_routes
+from steps.training.routes import (
+    SelectionEntry,
+    check_routes,
+    check_selections,
+    routes_tensor,
+    sample_routes,
+    sample_selection,
+    selection_grid,
+)
 
 if TYPE_CHECKING:
     from steps.run.config import RunConfig
@@ -234,6 +242,10 @@ class MicroBatch:
     # [MoE layers, T, k] the experts the engine routed the forward's T tokens to (in the order the MoE layers see
     # them: the packed row's, else input_ids flattened, or the shared prompts then the responses), -1 where none
     routes: torch.Tensor | None = None
+    # The keys the engine's indexers selected (a model with DeepSeek sparse attention): per forward call ("forward",
+    # or "prompts" and "responses" with shared prompts) the (bits, recorded) of its RecordedSelection
+    # (steps/models/layers.py), laid out as that call's queries and keys
+    selections: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
 
     @property
     def num_response_tokens(self) -> int:
@@ -254,18 +266,23 @@ def collate(
     old_logps: dict[int, torch.Tensor] | None = None,
     packed: bool = False,
     route_shape: tuple[int, int] | None = None,
+    selection_shape: tuple[int, int] | None = None,
 ) -> MicroBatch:
     """The plain micro-batch (MicroBatch) of samples `ids`; packed=True also packs its real tokens into one row
-    for the forward (PackedRow); route_shape (MoE layers, top_k): with the samples' recorded routes."""
+    for the forward (PackedRow); route_shape (MoE layers, top_k): with the samples' recorded routes;
+    selection_shape (indexer layers, index_topk): with their recorded key selections."""
     if not ids:  # see rank_micro_batches: one padding token, no loss, still takes part in the exchanges
         zero_long = torch.full((1, 1), pad_id, dtype=torch.long, device=device)
         zero = torch.zeros((1, 1), device=device)
-        routes = None
+        routes = selections = None
         if route_shape is not None:
             routes = torch.full((route_shape[0], 1, route_shape[1]), -1, dtype=torch.long, device=device)
+        if selection_shape is not None:
+            selections = {"forward": selection_grid([], selection_shape[0], (1, 1, 1), device)}
         return MicroBatch(
             [], zero_long, torch.ones_like(zero_long), zero_long, torch.zeros_like(zero, dtype=torch.bool),
             zero, torch.zeros(1, device=device), zero if old_logps is not None else None, routes=routes,
+            selections=selections,
         )  # fmt: skip
     # Built in numpy from flat token lists and masks: a torch op per row costs ~10 us, and this runs for every
     # micro-batch of every step (it was a tenth of the update's CPU time).
@@ -298,6 +315,17 @@ def collate(
         grid = np.full((*attention.shape, *route_shape), -1, dtype=np.int16)
         grid[attention] = np.concatenate([sample_routes(s, route_shape) for s in rows])
         routes = grid.reshape(-1, *route_shape)
+    selections = None
+    if selection_shape is not None:  # a row's slot p is its sequence's position p; packed: after the earlier rows'
+        layers, topk = selection_shape
+        fed, entries = attention.sum(axis=1), []
+        starts_packed = np.concatenate([[0], np.cumsum(fed)[:-1]])
+        for b, s in enumerate(rows):
+            row_index, offset = (0, int(starts_packed[b])) if packed else (b, 0)
+            entries.append(SelectionEntry(sample_selection(s, layers, topk), row_index,
+                                          offset + np.arange(topk, fed[b]), offset + np.arange(fed[b])))  # fmt: skip
+        shape = (1, int(fed.sum()), int(fed.sum())) if packed else (len(rows), attention.shape[1], attention.shape[1])
+        selections = {"forward": selection_grid(entries, layers, shape, device)}
     row = None
     if packed:  # the real slots in row-major order: each sequence whole, one after another
         index = np.flatnonzero(attention)
@@ -314,6 +342,7 @@ def collate(
         torch.from_numpy(np.ascontiguousarray(tokens[:, 1:])).to(**to), torch.from_numpy(loss_mask).to(**to),
         torch.from_numpy(behavior).to(**to), torch.from_numpy(advantages).to(**to),
         None if old is None else old.to(**to), packed=row, routes=routes_tensor(routes, device),
+        selections=selections,
     )  # fmt: skip
 
 
@@ -324,11 +353,13 @@ def collate_groups(
     pad_id: int = 0,
     old_logps: dict[int, torch.Tensor] | None = None,
     route_shape: tuple[int, int] | None = None,
+    selection_shape: tuple[int, int] | None = None,
 ) -> MicroBatch:
-    """A shared-prompt micro-batch (see MicroBatch) of whole groups: each prompt_id's prompt once (its routes
-    those its first sample recorded: the engine ran the prompt once for its group)."""
+    """A shared-prompt micro-batch (see MicroBatch) of whole groups: each prompt_id's prompt once (its routes and
+    key selections those its first sample recorded: the engine ran the prompt once for its group)."""
     if not ids:
-        return collate(samples, ids, device, pad_id, old_logps, route_shape=route_shape)
+        return collate(samples, ids, device, pad_id, old_logps, route_shape=route_shape,
+                       selection_shape=selection_shape)  # fmt: skip
     prompts: dict[str, list[int]] = {}
     for i in ids:
         s = samples[i]
@@ -380,12 +411,55 @@ def collate_groups(
             n, p = len(samples[i].response_ids), len(samples[i].prompt_ids)
             response_routes[row, : n - 1] = sample_routes(samples[i], route_shape)[p:]
         routes = np.concatenate([prompt_routes.reshape(-1, *route_shape), response_routes.reshape(-1, *route_shape)])
+    selections = None
+    if selection_shape is not None:
+        selections = shared_prompt_selections(samples, ids, list(prompts), prompt_len, length - 1, selection_shape,
+                                              device)  # fmt: skip
     to = {"device": device}
     return MicroBatch(
         list(ids), input_ids.to(**to), attention.to(**to), targets.to(**to), loss_mask.to(**to),
         behavior.to(**to), advantages.to(**to), None if old is None else old.to(**to),
         prompt_ids.to(**to), prompt_mask.to(**to), prompt_index.to(**to), routes=routes_tensor(routes, device),
+        selections=selections,
     )  # fmt: skip
+
+
+def shared_prompt_selections(
+    samples: list[Sample],
+    ids: list[int],
+    prompt_order: list[str],
+    prompt_len: int,
+    response_len: int,
+    selection_shape: tuple[int, int],
+    device: torch.device,
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """The recorded key selections of a shared-prompt micro-batch (collate_groups): "prompts" [G, P, P] from each
+    prompt's first sample (queries and keys of the left-padded prompt row), "responses" [B, T, P + T] (a response
+    query's keys: its prompt's columns, then its own)."""
+    layers, topk = selection_shape
+    first: dict[str, Sample] = {}
+    for i in ids:
+        first.setdefault(samples[i].prompt_id, samples[i])
+    prompt_entries = []
+    for row, prompt_id in enumerate(prompt_order):
+        s = first[prompt_id]
+        n, pad = len(s.prompt_ids), prompt_len - len(s.prompt_ids)
+        queries = np.arange(topk, n)
+        prompt_entries.append(SelectionEntry(sample_selection(s, layers, topk)[: len(queries)], row, pad + queries,
+                                             pad + np.arange(n)))  # fmt: skip
+    response_entries = []
+    for row, i in enumerate(ids):
+        s = samples[i]
+        n, fed = len(s.prompt_ids), len(s.prompt_ids) + len(s.response_ids) - 1
+        queries, keys = np.arange(max(n, topk), fed), np.arange(fed)
+        columns = np.where(keys < n, prompt_len - n + keys, prompt_len + keys - n)
+        response_entries.append(SelectionEntry(sample_selection(s, layers, topk)[queries - topk], row, queries - n,
+                                               columns))  # fmt: skip
+    return {
+        "prompts": selection_grid(prompt_entries, layers, (len(prompt_order), prompt_len, prompt_len), device),
+        "responses": selection_grid(response_entries, layers, (len(ids), response_len, prompt_len + response_len),
+                                    device),
+    }  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -440,6 +514,10 @@ class PolicyTrainer:
         self.pad_id = pad_id if pad_id is not None else 0
         self.optimizer = optimizer or new_adamw(model, settings)
         self.route_shape: tuple[int, int] | None = None  # (MoE layers, top_k) while the samples' routes are read
+        # (indexer layers, index_topk) while the samples' key selections are read (DeepSeek sparse attention), and
+        # [indexer layers, 2] the indexers' disagreement with them while counted (route_disagreement)
+        self.selection_shape: tuple[int, int] | None = None
+        self.selection_counts: torch.Tensor | None = None
 
     # -- forward pieces ------------------------------------------------------------------------------
 
@@ -448,13 +526,20 @@ class PolicyTrainer:
         packed row (token_entropies reads either). The policy's forward sees the micro-batch's engine routes
         (compared with its routers', and replayed with routing_replay: rollout); the reference model's routers
         choose alone, as in slime, Miles and verl."""
-        if model is not self.model or mb.routes is None:
+        if model is not self.model or (mb.routes is None and mb.selections is None):
             return self._forward_logprobs(model, mb)
-        self.model.set_engine_routes(mb.routes, replay=self.settings.routing_replay == "rollout")
+        replay = self.settings.routing_replay == "rollout"
+        self.model.set_engine_routes(mb.routes, replay=replay)
+        self.model.set_engine_selections(mb.selections, replay=replay)
         try:
-            return self._forward_logprobs(model, mb)
+            result = self._forward_logprobs(model, mb)
+            counts = self.model.selection_disagreement()
+            if counts is not None and self.selection_counts is not None:
+                self.selection_counts += counts
+            return result
         finally:
             self.model.set_engine_routes(None)
+            self.model.set_engine_selections(None)
 
     def _forward_logprobs(self, model: nn.Module, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
         if mb.packed is not None:
@@ -605,24 +690,27 @@ class PolicyTrainer:
     ) -> list[MicroBatch]:
         """This rank's micro-batches of one step (grouped ones with shared_prompts), with the samples' routes
         once train() found them usable (route_shape)."""
-        size, device, shape = self.settings.micro_batch_size, self.mesh.device, self.route_shape
+        size, device = self.settings.micro_batch_size, self.mesh.device
+        recorded = {"route_shape": self.route_shape, "selection_shape": self.selection_shape}
         if self.settings.shared_prompts:
             return [
-                collate_groups(samples, ids, device, self.pad_id, old, route_shape=shape)
+                collate_groups(samples, ids, device, self.pad_id, old, **recorded)
                 for ids in rank_group_micro_batches(step_indices, samples, self.mesh, size)
             ]
         return [
-            collate(samples, ids, device, self.pad_id, old, packed=self.settings.sequence_packing, route_shape=shape)
+            collate(samples, ids, device, self.pad_id, old, packed=self.settings.sequence_packing, **recorded)
             for ids in rank_micro_batches(step_indices, self.mesh, size)
         ]
 
     def use_routes(self, samples: list[Sample]) -> None:
         """Read the samples' recorded routes from now on (route_shape) when they all have them (check_routes)."""
-        blocks = self.model.moe_blocks()
-        self.route_shape = None
-        if blocks and check_routes(samples, len(blocks), blocks[0].top_k, blocks[0].num_experts,
-                                   replay=self.settings.routing_replay == "rollout"):  # fmt: skip
+        blocks, replay = self.model.moe_blocks(), self.settings.routing_replay == "rollout"
+        self.route_shape = self.selection_shape = None
+        if blocks and check_routes(samples, len(blocks), blocks[0].top_k, blocks[0].num_experts, replay=replay):
             self.route_shape = (len(blocks), blocks[0].top_k)
+        attention = self.model.indexed_attention()
+        if attention and check_selections(samples, len(attention), attention[0].indexer.topk, replay=replay):
+            self.selection_shape = (len(attention), attention[0].indexer.topk)
 
     def route_disagreement(self) -> dict[str, Any] | None:
         """The routing figures counted since model.count_route_disagreement (every rank's tokens; every rank
@@ -632,12 +720,19 @@ class PolicyTrainer:
         layer, keyed by its decoder layer's index (a tracker logs update/routing/layers/<index>/...). None without
         routes."""
         counts = self.model.route_disagreement()
+        selected, self.selection_counts = self.selection_counts, None
         if counts is None or self.route_shape is None:
             return None
         total = all_reduce_sum(counts.to(self.mesh.device), self.mesh).cpu().double()
         router, used, tokens = total[:, 0], total[:, 1], total[:, 2]
         indices = moe_layer_indices(self.model.config)
+        indexer = None
+        if selected is not None:  # every rank has it when one has: the samples decide (use_routes)
+            differs, queries = all_reduce_sum(selected.to(self.mesh.device), self.mesh).cpu().double().unbind(1)
+            indexer = {"disagreement": float(differs.sum() / queries.sum().clamp(min=1)), "queries": int(queries.sum()),
+                       "layers": [float(d / max(q, 1)) for d, q in zip(differs, queries, strict=True)]}  # fmt: skip
         return {
+            "indexer": indexer,
             "replay": self.settings.routing_replay == "rollout",
             "router_disagreement": float(router.sum() / tokens.sum().clamp(min=1)),
             "disagreement": float(used.sum() / tokens.sum().clamp(min=1)),
@@ -664,6 +759,8 @@ class PolicyTrainer:
         # forward runs before any update
         mismatch, recomputed, routing = MismatchStats(), False, None
         self.model.count_route_disagreement()
+        if self.selection_shape is not None:
+            self.selection_counts = torch.zeros(self.selection_shape[0], 2, dtype=torch.int64)
         if len(plan) > 1 and self.settings.old_logprobs == "behavior":  # the engine's: no extra forward pass
             old = {i: torch.tensor(s.trained(s.behavior_logprobs), dtype=torch.float32) for i, s in enumerate(samples)}
         elif len(plan) > 1:
@@ -683,7 +780,7 @@ class PolicyTrainer:
                 routing = self.route_disagreement()
             if on_step is not None:
                 on_step(len(results), len(plan))
-        self.route_shape = None
+        self.route_shape = self.selection_shape = None
         seconds = time.perf_counter() - start
         metrics = iteration_metrics(results, seconds)
         metrics["mismatch"] = mismatch.reduce(self.mesh)
