@@ -42,6 +42,7 @@ from steps.models.hf_checkpoint import (
     CONFIG_NAME,
     SAFE_WEIGHTS_INDEX_NAME,
     SAFE_WEIGHTS_NAME,
+    SAFETENSORS_DTYPE_BYTES,
     TensorEntry,
     check_tensors,
     declared_dtype,
@@ -187,7 +188,7 @@ def assemble_hf_dir(
             for d in entry.shape:
                 numel *= d
             total_parameters += numel
-            total_size += numel * {"F32": 4, "BF16": 2, "F16": 2}[entry.dtype]
+            total_size += numel * SAFETENSORS_DTYPE_BYTES[entry.dtype]
         (candidate_dir / old).rename(out_dir / new)
     hf_index = {
         "metadata": {"total_parameters": total_parameters, "total_size": total_size},

@@ -77,7 +77,7 @@ def test_max_new_tokens_is_checked_with_the_checkpoints_tokenizer(tmp_path, char
            "tokenizer) and its stop token; use at least 9" in err  # fmt: skip
 
 
-@pytest.mark.parametrize("model_type, name", [("deepseek_v4", "DeepSeek-V4"), ("llama4", "Llama-4"),
+@pytest.mark.parametrize("model_type, name", [("deepseek_v2", "DeepSeek-V2"), ("llama4", "Llama-4"),
                                               ("olmoe", "OLMoE"), ("llama", None)])  # fmt: skip
 def test_other_architectures_are_refused_by_name(tmp_path, char_checkpoint, capsys, model_type, name):
     sft = tmp_path / "sft"

@@ -281,9 +281,17 @@ def test_the_workflow_records_and_replays_the_selection_through_the_experience(t
     from steps.store.object_store import Store
 
     sft = user_checkpoint(tmp_path / "sft", "deepseek_v32")
-    trainer = {"ep_backend": "alltoall", "nproc_per_node": 2, "ep_size": 2, "micro_batch_size": 8,
-               "steps_per_epoch": 2, "lr": 1e-2, "routing_replay": "rollout", "sequence_packing": True,
-               "kl_coef": 0.01}  # fmt: skip  (a KL term: no sample is left out for a zero advantage)
+    trainer = {
+        "ep_backend": "alltoall",
+        "nproc_per_node": 2,
+        "ep_size": 2,
+        "micro_batch_size": 8,
+        "steps_per_epoch": 2,
+        "lr": 1e-2,
+        "routing_replay": "rollout",
+        "sequence_packing": True,
+        "kl_coef": 0.01,
+    }  # fmt: skip  (a KL term: no sample is left out for a zero advantage)
     cfg = RunConfig.model_validate(tiny_config(sft.as_uri(), (tmp_path / "run").as_uri(), trainer=trainer,
                                                sampling={"max_new_tokens": 4, "temperature": 1.0}))  # fmt: skip
     assert cfg.records_routes

@@ -84,7 +84,18 @@ FAMILIES = {
         "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 8, "linear_value_head_dim": 8,
         "layer_types": ["linear_attention", "full_attention"], "num_experts": 4, "num_experts_per_tok": 2,
         "moe_intermediate_size": 16, "shared_expert_intermediate_size": 24}),
+    # hyper-connections, a sliding window with sinks, compressed entries (a CSA layer's chosen by its indexer) and a
+    # hash-routed first layer; transformers saves names the release never had, which import renames
+    "deepseek_v4": ("DeepseekV4Config", {
+        "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "max_position_embeddings": 64,
+        "head_dim": 16, "q_lora_rank": 16, "partial_rotary_factor": 0.5, "n_routed_experts": 4,
+        "num_experts_per_tok": 2, "moe_intermediate_size": 16, "layer_types": ["compressed_sparse_attention",
+        "heavily_compressed_attention"], "mlp_layer_types": ["hash_moe", "moe"], "compress_rates": {
+        "compressed_sparse_attention": 2, "heavily_compressed_attention": 4}, "sliding_window": 4, "index_topk": 2,
+        "index_n_heads": 8, "index_head_dim": 8, "hc_mult": 2, "o_groups": 2, "o_lora_rank": 8}),
 }  # fmt: skip
+# families whose transformers-initialised checkpoint leaves a table the release fills: model_type -> what fills it
+FILLED = {"deepseek_v4": "tid2eid"}  # the hash layers' token -> experts table (zero from transformers' init)
 # vision-language families: model_type -> (transformers' class, a tiny vision_config, other config fields)
 VISION_LANGUAGE = {
     "qwen3_5_moe": ("Qwen3_5MoeForConditionalGeneration", {
@@ -119,6 +130,13 @@ def user_checkpoint(directory: Path, model_type: str) -> Path:
     else:
         config = getattr(transformers, class_name)(vocab_size=tok.vocab_size, **kwargs, **ids)
         model = transformers.AutoModelForCausalLM.from_config(config)
+    if model_type in FILLED:  # distinct experts per token, each token's own, as a release's table has
+        experts = config.num_local_experts
+        with torch.no_grad():
+            for name, table in model.named_buffers():
+                if name.endswith(FILLED[model_type]):
+                    tokens = torch.arange(table.shape[0])[:, None]
+                    table.copy_((tokens + torch.arange(table.shape[1])[None] * (1 + tokens % 3)) % experts)
     model.save_pretrained(directory)
     return directory
 

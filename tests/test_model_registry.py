@@ -18,7 +18,8 @@ from steps.models.registry import FAMILIES, REFUSED, config_from_hf, family_of, 
 
 STEPS = Path(__file__).resolve().parents[1] / "steps"
 QWEN3_MOE_FOLDER = STEPS / "models" / "qwen3_moe"
-SHARED_DECODERS = tuple(STEPS / "models" / name for name in ("causal_lm.py", "gated_hybrid.py", "mla.py", "dsa.py"))
+SHARED_DECODERS = tuple(STEPS / "models" / name for name in ("causal_lm.py", "gated_hybrid.py", "mla.py", "dsa.py",
+                                                             "compressed_attention.py", "hyper_connections.py"))
 
 # Qwen3-MoE's Hugging Face tensor names, piece by piece: written in steps/models/qwen3_moe/ and nowhere else.
 QWEN3_MOE_TENSOR_NAMES = (
@@ -104,7 +105,8 @@ def test_the_decode_view_reads_the_models_own_modules():
 def test_qwen3_moe_tensor_names_are_written_only_in_family_folders():
     """grep: the family's Hugging Face tensor names appear in no file under steps/ outside the family folders
     (steps/models/<model_type>/, which share many of them) and the shared decoders' module names
-    (steps/models/causal_lm.py, gated_hybrid.py, mla.py, dsa.py: the model's own names, which each family's state-dict
+    (steps/models/causal_lm.py, gated_hybrid.py, mla.py, dsa.py, compressed_attention.py, hyper_connections.py: the
+    model's own names, which each family's state-dict
     adapter maps): the loader,
     the trainer's held state, the engine and the MoE block ask the family."""
     pattern = re.compile("|".join(re.escape(name) for name in QWEN3_MOE_TENSOR_NAMES))

@@ -334,13 +334,26 @@ def test_deepseek_sparse_attention_is_refused_for_sglang_with_the_reason(config)
         assert "\n" not in str(err.value)
 
 
+@pytest.mark.parametrize("config", [{"model_type": "deepseek_v4"}, {"architectures": ["DeepseekV4ForCausalLM"]}],
+                         ids=["by_model_type", "by_architecture"])  # fmt: skip
+def test_deepseek_v4_is_refused_for_sglang_with_the_reason(config):
+    """SGLang 0.5.17 sets the 'dsv4' backend over any other for DeepSeek-V4 (arg_groups/overrides.py:1081-1090),
+    which deterministic inference refuses (:2004-2008)."""
+    for sm in (HOPPER, BLACKWELL):
+        with pytest.raises(MoerlError, match=r"DeepseekV4ForCausalLM is compressed attention to SGLang 0.5.17, .*"
+                                             r"'dsv4' .*refused under deterministic inference.*rollout.engine: torch"
+                           ) as err:  # fmt: skip
+            family_server_args(config, sm=sm)
+        assert "\n" not in str(err.value)
+
+
 def test_every_family_is_a_model_sglang_registers():
     """Each family's architecture is a model class SGLang 0.5.17 registers (SGLANG_MODELS: its EntryClass lines),
     and the architecture moerl serves it as; where SGLang is installed (the GPU rollout image), its ModelRegistry
     has each."""
     for model_type, family in FAMILIES.items():
         assert sglang_engine.SGLANG_ARCHITECTURES[model_type] in family.architectures
-        if model_type in ("deepseek_v32", "glm_moe_dsa"):  # registered, refused (test_deepseek_sparse_attention_...)
+        if model_type in ("deepseek_v32", "glm_moe_dsa", "deepseek_v4"):  # registered, refused (the tests above)
             continue
         assert all(arch in SGLANG_MODELS for arch in family.architectures), model_type
     if importlib.util.find_spec("sglang") is None:

@@ -114,12 +114,22 @@ class ModelSizing:
     # the rollout engine's linear-attention state of one sequence, whatever its length, every DeltaNet layer: conv
     # state and fp32 recurrent state (bytes, whole model; split over TP by sequence_state_bytes); 0 without any
     state_bytes_per_sequence: int = 0
+    # what that state is (the memory table's words), and whether TP splits it (DeltaNet's heads are; DeepSeek-V4's one
+    # shared key=value head of its sliding windows is on every rank)
+    sequence_state: str = "linear-attention state"
+    sequence_state_detail: str = "DeltaNet conv and fp32 recurrent states"
+    sequence_state_split_by_tp: bool = True
     # the tensors carried unchanged (a vision tower; module docstring): in total and non_expert, not in active
     carried: int = 0
     # (index heads, index head dim) of each layer with a lightning indexer (DeepSeek sparse attention): its scores
     index_scoring: tuple[tuple[int, int], ...] = ()
     # the engine's index keys of one token, every layer (bytes, not split by TP)
     index_key_bytes_per_token: int = 0
+    # (heads, d_qk + d_v, rate, top-k or None) of each layer's compressed entries (DeepSeek-V4): a query attends to
+    # T / rate of them (at most top-k, CSA's indexer), beside its sliding window (in `attention`)
+    compressed_attention: tuple[tuple[int, int, int, int | None], ...] = ()
+    # (index heads, index head dim, rate) of each compressed sparse layer's indexer: it scores T / rate entries
+    compressed_index_scoring: tuple[tuple[int, int, int], ...] = ()
 
     @property
     def version_bytes(self) -> float:
@@ -137,9 +147,10 @@ class ModelSizing:
         return max(1, self.kv_heads // tp) * self.kv_elements_per_head * 2 + self.index_key_bytes_per_token
 
     def sequence_state_bytes(self, tp: int) -> float:
-        """One GPU's linear-attention state of one sequence in an engine of TP tp (SGLang splits the DeltaNet heads,
-        and so the conv and recurrent states, over TP); 0 for a model without linear attention."""
-        return self.state_bytes_per_sequence / tp
+        """One GPU's fixed state of one sequence in an engine of TP tp (SGLang splits the DeltaNet heads, and so the
+        conv and recurrent states, over TP; DeepSeek-V4's sliding windows are whole on every rank); 0 for a model
+        without one."""
+        return self.state_bytes_per_sequence / (tp if self.sequence_state_split_by_tp else 1)
 
     @property
     def active_non_embedding(self) -> int:
@@ -160,8 +171,12 @@ class ModelSizing:
         """Training (forward + backward) FLOPs of one token at context `seq_len` (module docstring)."""
         attention = sum(h * (dqk + dv) * (min(seq_len, w) if w else seq_len) for h, dqk, dv, w in self.attention)
         linear = sum(4 * hv * dk * dv for hv, dk, dv in self.linear_attention)
+        compressed = sum(
+            h * d * (min(seq_len / r, k) if k else seq_len / r) for h, d, r, k in self.compressed_attention
+        )
         index = sum(h * d for h, d in self.index_scoring) * seq_len  # forward only: the indexer is frozen
-        return 6.0 * self.compute + 6.0 * attention + 6.0 * linear + 2.0 * index
+        index += sum(h * d * seq_len / r for h, d, r in self.compressed_index_scoring)
+        return 6.0 * self.compute + 6.0 * (attention + compressed) + 6.0 * linear + 2.0 * index
 
     def summary(self) -> str:
         def b(n: float) -> str:
@@ -239,7 +254,8 @@ def activation_elements(cfg: Any, layer: int, expert_intermediate: int) -> int:
     gated products (h + 3I), and the same for the always-on MLP (h + 3I_dense). Qwen3-Next: a full-attention layer
     also keeps its output gate (heads x d_v); a gated DeltaNet layer instead of attention keeps its in_proj_qkvz and
     in_proj_ba outputs (2 Hk d_k + 2 Hv d_v + 2 Hv), the conv1d's output (2 Hk d_k + Hv d_v), the delta rule's output
-    and the gated norm's (2 Hv d_v): the chunked kernel's own intermediates are not counted. Korthikanti et al.
+    and the gated norm's (2 Hv d_v): the chunked kernel's own intermediates are not counted; DeepSeek-V4 keeps its
+    blocks' hc_mult-wide residual streams (4 (hc_mult - 1) h more). Korthikanti et al.
     2022 ("Reducing Activation Recomputation in Large Transformer Models") count a dense layer so (34 s b h bytes at
     16 bits).
     Against the bytes autograd saves in moerl's own Qwen3-MoE layer (fp32, CPU; tests/test_simulate_model_sizing.py):
@@ -263,7 +279,9 @@ def activation_elements(cfg: Any, layer: int, expert_intermediate: int) -> int:
     dense = _dense_intermediate(cfg, layer)
     if dense:
         mlp += h + 3 * dense
-    return 6 * h + attention + mlp
+    # DeepSeek-V4's hyper-connections: each block's input and output are hc_mult streams, not one
+    streams = 4 * (getattr(cfg, "hc_mult", 1) - 1) * h
+    return 6 * h + attention + mlp + streams
 
 
 def model_sizing(d: dict[str, Any], source: str = "config.json") -> ModelSizing:
@@ -275,8 +293,10 @@ def model_sizing(d: dict[str, Any], source: str = "config.json") -> ModelSizing:
     adapter = family_of(cfg).state_dict_adapter
     shapes = expected_tensor_shapes(cfg)
     total = sum(math.prod(s) for s in shapes.values())
-    embedding = sum(math.prod(s) for name, s in shapes.items() if name.endswith("embed_tokens.weight"))
-    unembedding = sum(math.prod(s) for name, s in shapes.items() if name == "lm_head.weight")
+    # (DeepSeek-V4's release names them embed.weight and head.weight)
+    embedding = sum(math.prod(s) for name, s in shapes.items() if name.endswith("embed_tokens.weight")
+                    or name == "embed.weight")  # fmt: skip
+    unembedding = sum(math.prod(s) for name, s in shapes.items() if name in ("lm_head.weight", "head.weight"))
     layers = cfg.num_hidden_layers
     moe_layers = [layer for layer in range(layers) if cfg.is_moe_layer(layer)]
     expert_intermediate = 0
@@ -291,7 +311,8 @@ def model_sizing(d: dict[str, Any], source: str = "config.json") -> ModelSizing:
     active = non_expert - carried + expert * cfg.num_experts_per_tok // cfg.num_experts
     dqk, dv = _head_dims(cfg)
     window = getattr(cfg, "window", None)
-    index_topk = getattr(cfg, "index_topk", None)  # DeepSeek sparse attention: at most index_topk keys a query
+    compressed = _compressed_attention(cfg)  # DeepSeek-V4 (its index_topk is its CSA layers' entries: below)
+    index_topk = None if compressed else getattr(cfg, "index_topk", None)  # DSA: at most index_topk keys a query
     indexed: list[int] = []  # the layers that run an indexer (GLM-5's shared layers reuse another's selection)
     if index_topk is not None:
         window = lambda layer: index_topk  # noqa: E731
@@ -304,9 +325,11 @@ def model_sizing(d: dict[str, Any], source: str = "config.json") -> ModelSizing:
         if layer not in linear_layers
     )
     linear_attention = tuple(_deltanet_dims(cfg)[1:4] for _ in linear_layers)
+    if compressed:  # DeepSeek-V4: every layer's own keys within its sliding window, beside the compressed entries
+        attention = tuple((cfg.num_attention_heads, dqk, dv, cfg.sliding_window) for _ in range(layers))
     dtype = declared_dtype(d, source)
     dtype_bytes = _DTYPE_BYTES[str(dtype).removeprefix("torch.")] if dtype is not None else 2
-    return ModelSizing(
+    sizes: dict[str, Any] = dict(
         name=source,
         model_type=str(d.get("model_type")),
         total=total,
@@ -330,6 +353,46 @@ def model_sizing(d: dict[str, Any], source: str = "config.json") -> ModelSizing:
         index_key_bytes_per_token=len(indexed) * (cfg.index_head_dim + cfg.index_head_dim // 128 * 4) if indexed else 0,
         **_kv_cache_shape(cfg),
     )
+    sizes.update(compressed)  # DeepSeek-V4's cache and attention terms replace the softmax ones
+    return ModelSizing(**sizes)
+
+
+def _compressed_attention(cfg: Any) -> dict[str, Any]:
+    """DeepSeek-V4's attention terms and engine cache (steps/models/compressed_attention.py), {} for other models.
+
+    FLOPs: each layer's sliding window of one shared key=value head (as a window in `attention`), and each compressed
+    layer's entries (T / rate, CSA's at most index_topk) at every head; the CSA indexer scores T / rate entries.
+    The engine's cache a token (SGLang 0.5.17 keeps DeepSeek-V4's in FP8 by default: moerl counts bf16, as for every
+    model): one compressed entry of head_dim every `rate` tokens per compressed layer, and CSA's index key of
+    index_head_dim (FP8 + a 4-byte scale a 128 values, as DeepSeek-V3.2's) every 4; the sliding windows are a fixed
+    state a sequence (sliding_window keys of head_dim, every layer)."""
+    rates = getattr(cfg, "compress_rates", None)
+    if rates is None:
+        return {}
+    layers = range(cfg.num_hidden_layers)
+    kinds = [cfg.layer_types[layer] for layer in layers]
+    compressed = [layer for layer in layers if kinds[layer] != "sliding_attention"]
+    sparse = [layer for layer in compressed if kinds[layer] == "compressed_sparse_attention"]
+    heads, d = cfg.num_attention_heads, cfg.head_dim
+    entries = sum(d / cfg.compress_rate(layer) for layer in compressed)
+    index_key = cfg.index_head_dim + cfg.index_head_dim // 128 * 4
+    index_bytes = sum(index_key / cfg.compress_rate(layer) for layer in sparse)
+    return {
+        "compressed_attention": tuple(
+            (heads, 2 * d, cfg.compress_rate(layer), cfg.index_topk if layer in sparse else None)
+            for layer in compressed
+        ),
+        "compressed_index_scoring": tuple(
+            (cfg.index_n_heads, cfg.index_head_dim, cfg.compress_rate(layer)) for layer in sparse
+        ),
+        "kv_heads": 1,
+        "kv_elements_per_head": math.ceil(entries),
+        "index_key_bytes_per_token": math.ceil(index_bytes),
+        "state_bytes_per_sequence": cfg.sliding_window * d * cfg.num_hidden_layers * 2,
+        "sequence_state": "sliding-window keys",
+        "sequence_state_detail": "one shared key=value head, every layer",
+        "sequence_state_split_by_tp": False,
+    }
 
 
 def _kv_cache_shape(cfg: Any) -> dict[str, int]:
@@ -556,11 +619,10 @@ def rollout_memory(
         (f"KV cache for the chunk ({sequences:,} sequences x {seq_len:,} tokens)", kv),
     )
     if per_sequence:
-        rows += ((f"linear-attention state for the chunk ({sequences:,} sequences, conv + fp32 recurrent state)",
-                  state),)  # fmt: skip
+        rows += ((f"{m.sequence_state} for the chunk ({sequences:,} sequences, {m.sequence_state_detail})", state),)
     held = min(1.0, pool / needed) if capacity_gb and needed else 1.0
-    state_note = (f" + {per_sequence / 1e6:,.2f} MB of linear-attention state a sequence (DeltaNet conv and "
-                  "recurrent states, any length)") if per_sequence else ""  # fmt: skip
+    state_note = (f" + {per_sequence / 1e6:,.2f} MB of {m.sequence_state} a sequence ({m.sequence_state_detail}, "
+                  "any length)") if per_sequence else ""  # fmt: skip
     formula = (f"SGLang's KV pool ~ mem_fraction {mem_fraction:g} x GPU - weights"
                + (f" = {pool:,.1f} GB: holds {max(held, 0):.0%} of the chunk's sequences at full length at once"
                   if capacity_gb else "") + f"; {per_token:,} bytes a token" + state_note)  # fmt: skip

@@ -176,7 +176,8 @@ SGLANG_ARCHITECTURES = {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2M
                         "qwen3_next": "Qwen3NextForCausalLM",
                         "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
                         "deepseek_v32": "DeepseekV32ForCausalLM", "glm_moe_dsa": "GlmMoeDsaForCausalLM",
-                        "kimi_k25": "KimiK25ForConditionalGeneration"}  # fmt: skip
+                        "kimi_k25": "KimiK25ForConditionalGeneration",
+                        "deepseek_v4": "DeepseekV4ForCausalLM"}  # fmt: skip
 # The model classes SGLang 0.5.17 registers (models/*.py EntryClass, where ModelRegistry finds them) for the MoE
 # architectures moerl has a family for or names (steps/models/registry.py); tests/test_sglang_families.py holds
 # every family's architecture to it.
@@ -268,15 +269,29 @@ QWEN3_NEXT_SERVER_ARGS = {"attention_backend": "triton", "disable_radix_cache": 
 DSA_ARCHITECTURES = ("DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM")
 
 
+# DeepSeek-V4 on SGLang 0.5.17: its model-specific override sets attention_backend "dsv4" over any given backend
+# (arg_groups/overrides.py:1081-1090, no "if unset" guard), which deterministic inference refuses (overrides.py:2004-
+# 2008: not in server_args.py:220-226's choices); its attention calls methods only the dsv4 backends have
+# (models/deepseek_v4.py:765, :778, :861, :901: store_cache, forward_core_compressor), and it serves an FP8 KV cache
+# (overrides.py:1811-1834), an FP8 indexer (layers/attention/dsv4/indexer.py:623) and an FP8 wo_a GEMM.
+DSV4_ARCHITECTURES = ("DeepseekV4ForCausalLM",)
+
+
 def dsa_refusal(config: dict[str, Any]) -> str | None:
     """Why SGLang 0.5.17 cannot serve config.json dict `config` deterministically as the same model (DeepSeek sparse
-    attention, DSA_ARCHITECTURES), or None."""
+    attention, DSA_ARCHITECTURES; DeepSeek-V4's compressed attention, DSV4_ARCHITECTURES), or None."""
     arch = sglang_architecture(config)
     if arch in DSA_ARCHITECTURES or (arch == "DeepseekV3ForCausalLM" and config.get("index_topk") is not None):
         return (
             f"{arch} is DeepSeek sparse attention to SGLang 0.5.17, which serves it only with its 'dsa' attention "
             "backend, refused under deterministic inference (with 'triton' it attends to every key: another model "
             "beyond index_topk tokens)"
+        )
+    if arch in DSV4_ARCHITECTURES:
+        return (
+            f"{arch} is compressed attention to SGLang 0.5.17, which serves it only with its 'dsv4' attention backend "
+            "(set over any other, arg_groups/overrides.py:1090), refused under deterministic inference "
+            "(overrides.py:2004-2008), with an FP8 KV cache and FP8 indexer"
         )
     return None
 

@@ -22,7 +22,6 @@ import torch
 from torch import nn
 
 from steps.models.family import STATEFUL_ATTENTION, StatefulDecode
-from steps.models.moe import SparseMoeBlock
 from steps.models.registry import family_of
 
 
@@ -58,9 +57,8 @@ class StateDecoder:
     @routes.setter
     def routes(self, taken: list[torch.Tensor] | None) -> None:
         self._routes = taken
-        for layer in self.model.model.layers:
-            if isinstance(getattr(layer, "mlp", None), SparseMoeBlock):
-                layer.mlp.recorded_choices = taken
+        for block in self.model.moe_blocks():  # type: ignore[operator]
+            block.recorded_choices = taken
 
     @property
     def selections(self) -> list[torch.Tensor] | None:

@@ -169,7 +169,7 @@ class TorchEngine:
         recorder = selections = None
         if self.record_routes:
             stateful = isinstance(self.decoder, StateDecoder)
-            layers = self.model.model.layers if stateful else self.decoder.parts.layers  # type: ignore[union-attr]
+            layers = self.model.decoder_layers() if stateful else self.decoder.parts.layers  # type: ignore[union-attr,operator]
             recorder = RouteRecorder(layers, len(requests), steps)
             selections = indexed_selection_recorder(self.model, len(requests))
         self.decoder.routes = None if recorder is None else recorder.taken

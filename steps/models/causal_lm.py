@@ -377,13 +377,23 @@ class MoeCausalLM(nn.Module):
             positions = (valid.long().cumsum(dim=1) - 1).clamp(min=0)
             masks = AttentionMasks.causal(valid, positions)
         masks.engine_selection = None if self.engine_selections is None else self.engine_selections.get("forward")
-        x = self.model.embed_tokens(input_ids)
+        masks.token_ids = input_ids
+        x = self.embed(input_ids)
         rope = self.rotary(positions, x.dtype)
         self._balance(valid.reshape(-1))
         for layer in self.model.layers:
             x = self.run_layer(layer, layer, x, rope, masks)
         self._balance(None)
-        return F.linear(self.model.norm(x), self.output_weight()).float()
+        return F.linear(self.final_norm(x), self.output_weight()).float()
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The first layer's input for tokens input_ids [B, T]: their embeddings [B, T, H] (a family with a wider
+        residual stream widens them: DeepSeek-V4's hyper-connections)."""
+        return self.model.embed_tokens(input_ids)
+
+    def final_norm(self, x: torch.Tensor) -> torch.Tensor:
+        """The last layer's output -> the hidden states the output projection reads (the final norm)."""
+        return self.model.norm(x)
 
     def forward_shared_prompts(
         self,
@@ -429,8 +439,9 @@ class MoeCausalLM(nn.Module):
             prompt_masks.engine_selection = self.engine_selections.get("prompts")
             response_masks.engine_selection = self.engine_selections.get("responses")
 
-        prompt_x = self.model.embed_tokens(prompt_ids)
-        response_x = self.model.embed_tokens(response_ids)
+        prompt_masks.token_ids, response_masks.token_ids = prompt_ids, response_ids
+        prompt_x = self.embed(prompt_ids)
+        response_x = self.embed(response_ids)
         prompt_rope = self.rotary(prompt_positions, prompt_x.dtype)
         response_rope = self.rotary(response_positions, response_x.dtype)
         self._balance(torch.cat([prompt_valid.reshape(-1), response_valid.reshape(-1)]))  # the MLPs' token order
@@ -442,5 +453,5 @@ class MoeCausalLM(nn.Module):
         self._balance(None)
         # Only the prompts' last positions are needed from the prompts: norm and lm_head run per token.
         last = prompt_x[:, -1:].index_select(0, prompt_index)  # [R, 1, H]
-        x = self.model.norm(torch.cat([last, response_x], dim=1))
+        x = self.final_norm(torch.cat([last, response_x], dim=1))
         return F.linear(x, self.output_weight()).float()

@@ -195,10 +195,11 @@ def fuse_expert_weights(weights: Sequence[torch.Tensor]) -> SwiGLUWeights:
 
 
 def swiglu_forward(
-    x: torch.Tensor, spans: list[tuple[int, int, int]], w: SwiGLUWeights, out: torch.Tensor
+    x: torch.Tensor, spans: list[tuple[int, int, int]], w: SwiGLUWeights, out: torch.Tensor, limit: float | None = None
 ) -> SwiGLURows:
     """out[s:e] = down(silu(gate(x[s:e])) * up(x[s:e])) with expert j's weights, for each span (j, s, e).
-    The spans must cover x's rows; writes `out` (same rows as x) and returns what the backward needs."""
+    The spans must cover x's rows; writes `out` (same rows as x) and returns what the backward needs. With a
+    `limit` (LimitedSwiGLU), gate clamped to at most limit and up to [-limit, limit] first."""
     inter = w.down[0].shape[1]
     if w.grouped and spans:
         offs = group_offsets(spans, len(w.down), x.device)
@@ -207,8 +208,12 @@ def swiglu_forward(
         gate_up = x.new_empty((x.shape[0], 2 * inter))
         for j, s, e in spans:
             torch.mm(x[s:e], w.gate_up[j].t(), out=gate_up[s:e])
-    silu_gate = F.silu(gate_up[:, :inter])
-    act = silu_gate * gate_up[:, inter:]
+    if limit is None:
+        silu_gate = F.silu(gate_up[:, :inter])
+        act = silu_gate * gate_up[:, inter:]
+    else:
+        silu_gate = F.silu(gate_up[:, :inter].clamp(max=limit))
+        act = silu_gate * gate_up[:, inter:].clamp(min=-limit, max=limit)
     if w.grouped and spans:
         out.copy_(F.grouped_mm(act, w.down.transpose(1, 2), offs=offs))  # type: ignore[union-attr]
     else:
@@ -218,10 +223,11 @@ def swiglu_forward(
 
 
 def swiglu_backward_input(
-    run: SwiGLURows, grad_out: torch.Tensor, w: SwiGLUWeights, grad_x: torch.Tensor
+    run: SwiGLURows, grad_out: torch.Tensor, w: SwiGLUWeights, grad_x: torch.Tensor, limit: float | None = None
 ) -> torch.Tensor:
     """Writes the input gradient of the run's rows into grad_x (same rows as grad_out); returns the
-    gradient of [gate | up] [N, 2I], which the weight gradients need."""
+    gradient of [gate | up] [N, 2I], which the weight gradients need. With a `limit`, as clamp's backward: no
+    gradient through a gate above it or an up outside [-limit, limit]."""
     inter = run.act.shape[1]
     grouped = w.grouped and bool(run.spans)
     offs = group_offsets(run.spans, len(w.down), grad_out.device) if grouped else None
@@ -232,9 +238,18 @@ def swiglu_backward_input(
         for j, s, e in run.spans:
             torch.mm(grad_out[s:e], w.down[j], out=d_act[s:e])
     d_gate_up = torch.empty_like(run.gate_up)
-    torch.mul(d_act, run.silu_gate, out=d_gate_up[:, inter:])  # d up
-    d_silu_gate = d_act.mul_(run.gate_up[:, inter:])
-    torch.ops.aten.silu_backward.grad_input(d_silu_gate, run.gate_up[:, :inter], grad_input=d_gate_up[:, :inter])
+    if limit is None:
+        torch.mul(d_act, run.silu_gate, out=d_gate_up[:, inter:])  # d up
+        d_silu_gate = d_act.mul_(run.gate_up[:, inter:])
+        torch.ops.aten.silu_backward.grad_input(d_silu_gate, run.gate_up[:, :inter], grad_input=d_gate_up[:, :inter])
+    else:
+        gate, up = run.gate_up[:, :inter], run.gate_up[:, inter:]
+        torch.mul(d_act, run.silu_gate, out=d_gate_up[:, inter:])
+        d_gate_up[:, inter:].mul_((up >= -limit) & (up <= limit))
+        d_silu_gate = d_act.mul_(up.clamp(min=-limit, max=limit))
+        clamped = gate.clamp(max=limit)
+        torch.ops.aten.silu_backward.grad_input(d_silu_gate, clamped, grad_input=d_gate_up[:, :inter])
+        d_gate_up[:, :inter].mul_(gate <= limit)
     if grouped:
         grad_x.copy_(F.grouped_mm(d_gate_up, w.gate_up, offs=offs))  # type: ignore[arg-type]
     else:
@@ -301,6 +316,21 @@ class SwiGLU:
 
 SWIGLU = SwiGLU()
 SwiGLUExpert.arithmetic = SWIGLU
+
+
+@dataclass(frozen=True)
+class LimitedSwiGLU(SwiGLU):
+    """SwiGLU with its pre-activations clamped (DeepSeek-V4's experts, transformers' DeepseekV4Experts._apply_gate):
+    down(silu(min(gate, limit)) * clamp(up, -limit, limit)); the same weights (gate, up, down) per expert, no biases
+    (gpt-oss's clamped kind, ClampedSwiGLU, has biases and another activation)."""
+
+    limit: float
+
+    def forward(self, x: torch.Tensor, spans: list[tuple[int, int, int]], fused: Any, out: torch.Tensor) -> Any:
+        return swiglu_forward(x, spans, fused, out, self.limit)
+
+    def backward_input(self, rows: Any, grad_out: torch.Tensor, fused: Any, grad_x: torch.Tensor) -> Any:
+        return swiglu_backward_input(rows, grad_out, fused, grad_x, self.limit)
 
 
 @dataclass

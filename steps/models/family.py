@@ -31,13 +31,18 @@ if TYPE_CHECKING:
 # StatefulDecode, and the torch engine drives it row by row (steps/engines/state_decoder.py).
 # indexed_kv_cache: DeepSeek sparse attention (DeepSeek-V3.2): each query attends to the keys a lightning indexer
 # selects among the cached ones (steps/models/dsa.py), decoded through a StatefulDecode as recurrent_state is.
-AttentionKind = Literal["softmax_kv_cache", "recurrent_state", "indexed_kv_cache"]
+# compressed_kv_cache: DeepSeek-V4's attention (steps/models/compressed_attention.py): a sliding window of one shared
+# key=value head plus entries that each pool a window of tokens (some layers' chosen by an indexer), and
+# hyper-connections; decoded through a StatefulDecode holding each row's keys and the compressors' inputs.
+AttentionKind = Literal["softmax_kv_cache", "recurrent_state", "indexed_kv_cache", "compressed_kv_cache"]
 # The kinds whose family decodes its own layers (a StatefulDecode), driven by steps/engines/state_decoder.py
-STATEFUL_ATTENTION: tuple[str, ...] = ("recurrent_state", "indexed_kv_cache")
+STATEFUL_ATTENTION: tuple[str, ...] = ("recurrent_state", "indexed_kv_cache", "compressed_kv_cache")
 # softmax_topk: softmax over all experts in fp32, top-k, optional renormalisation (Qwen3-MoE, Qwen2-MoE, Mixtral);
 # sigmoid_group_topk: sigmoid scores, a selection-only correction bias, group-limited top-k (DeepSeek-V3, GLM-4.5);
-# topk_softmax: a router with a bias, top-k of its logits, softmax over the k chosen (gpt-oss)
-RouterKind = Literal["softmax_topk", "sigmoid_group_topk", "topk_softmax"]
+# topk_softmax: a router with a bias, top-k of its logits, softmax over the k chosen (gpt-oss);
+# sqrtsoftplus_topk: sqrt(softplus) scores, a selection-only correction bias, top-k (DeepSeek-V4; its first layers
+# choose by a fixed token-to-experts table instead)
+RouterKind = Literal["softmax_topk", "sigmoid_group_topk", "topk_softmax", "sqrtsoftplus_topk"]
 
 
 # Why a family drops the tensors of its multi-token-prediction layers on import (DeepSeek-V3, GLM-4-MoE, MiniMax-M2).

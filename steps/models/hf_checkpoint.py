@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 
 from steps.errors import MoerlError
 from steps.models.family import dtype_name
-from steps.models.moe import kept_in_float32
+from steps.models.moe import kept_as_integers, kept_in_float32, stored_dtype
 from steps.models.placement import check_placement, is_expert_param
 from steps.models.registry import config_from_hf, family_of
 
@@ -41,6 +41,8 @@ SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
 META_BUILD_MIN_PARAMS = 50_000_000  # see load_pretrained
 PICKLE_WEIGHT_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 SAFETENSORS_FLOAT_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+SAFETENSORS_INTEGER_DTYPES = ("I64", "I32")  # an integer table's (steps/models/moe.py kept_as_integers)
+SAFETENSORS_DTYPE_BYTES = {"F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4}  # an element's, of every dtype above
 CONFIG_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -161,6 +163,13 @@ def tensor_index(directory: str | os.PathLike) -> dict[str, TensorEntry]:
 
 
 def _check_float(name: str, entry: TensorEntry) -> None:
+    if kept_as_integers(name):
+        if entry.dtype not in SAFETENSORS_INTEGER_DTYPES:
+            raise MoerlError(
+                f"{entry.file}: tensor {name} has dtype {entry.dtype}; it is an integer table (moerl reads it as "
+                f"{' or '.join(SAFETENSORS_INTEGER_DTYPES)}): re-export the checkpoint with the release's table"
+            )
+        return
     if entry.dtype not in SAFETENSORS_FLOAT_DTYPES:
         raise MoerlError(
             f"{entry.file}: tensor {name} has dtype {entry.dtype}; moerl loads F32, BF16 or F16 weights "
@@ -228,8 +237,8 @@ def weights_dtype(config: dict[str, Any], entries: dict[str, TensorEntry], sourc
     stored: dict[str, list[str]] = {}
     for name, entry in sorted(entries.items()):
         _check_float(name, entry)
-        if kept_in_float32(name) and entry.dtype == "F32":
-            continue  # float32 beside any weights' dtype (steps/models/moe.py kept_in_float32)
+        if kept_in_float32(name) and entry.dtype == "F32" or kept_as_integers(name):
+            continue  # float32 or integers beside any weights' dtype (steps/models/moe.py stored_dtype)
         stored.setdefault(entry.dtype, []).append(name)
     if not stored:
         raise MoerlError(f"{source}: the checkpoint holds no tensors; re-export it with save_pretrained")
@@ -382,7 +391,7 @@ def model_from_state(
     # any offset, and CPU kernels round differently on unaligned data, so the same weights would train other bits.
     def copied(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {
-            name: t.to(device=device, dtype=torch.float32 if kept_in_float32(name) else dtype, copy=True)
+            name: t.to(device=device, dtype=stored_dtype(name, dtype), copy=True)
             for name, t in tensors.items()
         }
 
@@ -418,7 +427,7 @@ def save_pretrained(
     cfg: Any = model.config
     named = family_of(cfg).state_dict_adapter.to_hf(model.state_dict())
     state = {name: t.detach().to("cpu").contiguous() for name, t in named.items()}
-    dtype = next(t.dtype for name, t in state.items() if not kept_in_float32(name))
+    dtype = next(t.dtype for name, t in state.items() if not kept_in_float32(name) and not kept_as_integers(name))
     written: list[Path] = []
 
     shards: list[dict[str, torch.Tensor]] = [{}]

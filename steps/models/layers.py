@@ -26,6 +26,16 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
 
+class Float32RMSNorm(RMSNorm):
+    """x / rms(x) computed in fp32, times the weight still in fp32, then cast back (GptOssRMSNorm, DeepseekV4RMSNorm;
+    Qwen3's casts before the weight)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = x.float()
+        hidden = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight * hidden).to(x.dtype)
+
+
 def rotary_cos_sin(
     positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -119,6 +129,7 @@ class AttentionMasks:
         self.base = base
         self.query_positions, self.key_positions = query_positions, key_positions
         self.valid, self.segments = valid, segments
+        self.key_valid = valid  # the keys' real tokens [B, S] (after_prompt: the prompt's, then the queries')
         self._windowed: dict[int, torch.Tensor] = {}
         # The keys each query of a DeepSeek-sparse-attention layer selected ([B, T, S], by layer index), for the
         # later layers that reuse a layer's selection (GLM-5's shared indexer layers, steps/models/dsa.py): one
@@ -126,6 +137,11 @@ class AttentionMasks:
         self.selections: dict[int, torch.Tensor] = {}
         # The rollout engine's recorded selection for this forward's queries (selection replay), set by the model
         self.engine_selection: RecordedSelection | None = None
+        # The queries' token ids [B, T] (set by the model: DeepSeek-V4's hash-routed MoE layers choose experts by
+        # token), and layouts a family derives from this forward's tokens once for all its layers (DeepSeek-V4's
+        # compression windows, by rate)
+        self.token_ids: torch.Tensor | None = None
+        self.layouts: dict[object, object] = {}
 
     @classmethod
     def causal(cls, valid: torch.Tensor, positions: torch.Tensor) -> AttentionMasks:
@@ -144,7 +160,9 @@ class AttentionMasks:
         comes first), then to their own causally: [R, 1, T, P + T]."""
         sees_prompt = prompt_valid[:, None, None, :].expand(-1, 1, valid.shape[1], prompt_valid.shape[1])
         base = torch.cat([sees_prompt, attention_mask_for(valid, 0, valid.shape[1])], dim=-1)
-        return cls(base, positions, torch.cat([prompt_positions, positions], dim=1), valid)
+        masks = cls(base, positions, torch.cat([prompt_positions, positions], dim=1), valid)
+        masks.key_valid = torch.cat([prompt_valid, valid], dim=1)
+        return masks
 
     @classmethod
     def packed(cls, valid: torch.Tensor, segments: torch.Tensor, positions: torch.Tensor) -> AttentionMasks:
@@ -163,3 +181,22 @@ class AttentionMasks:
             near = self.key_positions[:, None, None, :] > self.query_positions[:, None, :, None] - window
             mask = self._windowed[window] = self.base & near
         return mask
+
+
+def sink_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, sinks: torch.Tensor, scaling: float
+) -> torch.Tensor:
+    """Attention with sinks (transformers' eager_attention_forward of gpt-oss and DeepSeek-V4): q [B, heads, T, D]
+    over k/v [B, kv_heads, S, D] under a boolean mask [B, 1, T, S] (or [B, heads, T, S]), with sinks [heads] as one
+    more logit per head and query, dropped after the softmax -> [B, heads, T, D]. One key/value head (DeepSeek-V4's
+    shared K=V) is broadcast over the query heads, not copied."""
+    if k.shape[1] > 1:
+        groups = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(q, k.transpose(2, 3)) * scaling
+    scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    sink = sinks.to(scores.dtype).reshape(1, -1, 1, 1).expand(q.shape[0], -1, q.shape[2], -1)
+    combined = torch.cat([scores, sink], dim=-1)
+    combined = combined - combined.max(dim=-1, keepdim=True).values
+    probs = F.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1]
+    return torch.matmul(probs.to(v.dtype), v)

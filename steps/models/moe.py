@@ -18,6 +18,7 @@ dispatcher sees contiguous slot ranges per rank (the contract DeepEP needs too),
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -226,14 +227,34 @@ class LocalDispatch:
 # Tensors kept in float32 whatever the checkpoint's dtype (transformers' _keep_in_fp32_modules_strict): the
 # selection-only correction bias, whose small differences between experts bf16 would erase. Loaded, held and
 # published in float32 beside weights of the run's dtype.
-# the routers' correction bias (DeepSeek-V3, GLM-4.5, MiniMax-M2) and DeepSeek sparse attention's indexer head weights
-# (transformers' DeepseekV32PreTrainedModel._keep_in_fp32_modules)
-FLOAT32_TENSOR_SUFFIXES = (".e_score_correction_bias", ".indexer.weights_proj.weight")
+# the routers' correction bias (DeepSeek-V3, GLM-4.5, MiniMax-M2), DeepSeek sparse attention's indexer head weights
+# (transformers' DeepseekV32PreTrainedModel._keep_in_fp32_modules) and DeepSeek-V4's (its _keep_in_fp32_modules_strict):
+# the hyper-connections' fn/base/scale (model names hc_attn.fn, release names hc_attn_fn), the attention sinks
+# (attn_sink) and the compressors' gate biases (ape); DeepSeek-V4's release names its router bias gate.bias
+FLOAT32_TENSOR_SUFFIXES = (".e_score_correction_bias", ".indexer.weights_proj.weight", ".attn_sink", ".ape",
+                           ".ffn.gate.bias")  # fmt: skip
+_HYPER_CONNECTION = re.compile(r"(^|\.)hc_(attn|ffn|head)[._](fn|base|scale)$")
+# Integer tables a model routes by, loaded, held and published as integers (DeepSeek-V4's hash layers: the token ->
+# experts table, a buffer no optimizer step changes)
+INTEGER_TENSOR_SUFFIXES = (".gate.tid2eid",)
 
 
 def kept_in_float32(name: str) -> bool:
     """Whether tensor `name` (a model or checkpoint name) stays float32 whatever the checkpoint's dtype."""
-    return name.endswith(FLOAT32_TENSOR_SUFFIXES)
+    return name.endswith(FLOAT32_TENSOR_SUFFIXES) or _HYPER_CONNECTION.search(name) is not None
+
+
+def kept_as_integers(name: str) -> bool:
+    """Whether tensor `name` is an integer table (INTEGER_TENSOR_SUFFIXES), held as int64 beside any weights."""
+    return name.endswith(INTEGER_TENSOR_SUFFIXES)
+
+
+def stored_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype tensor `name` is held and written in beside weights of `dtype`: float32 for kept_in_float32, int64
+    for the integer tables, else dtype."""
+    if kept_as_integers(name):
+        return torch.int64
+    return torch.float32 if kept_in_float32(name) else dtype
 
 
 @dataclass(frozen=True)
@@ -245,6 +266,8 @@ class RouterSettings:
     the best topk_group of them), weights renormalised when norm_topk_prob (DeepSeek-V3, Kimi-K2, GLM-4.5).
     topk_softmax: a router with a bias; top k of its logits, then softmax over those k in the logits' dtype
     (gpt-oss).
+    sqrtsoftplus_topk: sqrt(softplus) scores, a selection-only correction bias, top-k, the weights renormalised
+    (DeepSeek-V4).
     All multiply the weights by routed_scaling_factor."""
 
     kind: str = "softmax_topk"
@@ -253,7 +276,7 @@ class RouterSettings:
     routed_scaling_factor: float = 1.0
 
     def check(self, num_experts: int, top_k: int) -> None:
-        if self.kind not in ("softmax_topk", "sigmoid_group_topk", "topk_softmax"):
+        if self.kind not in ("softmax_topk", "sigmoid_group_topk", "topk_softmax", "sqrtsoftplus_topk"):
             raise ValueError(f"router kind {self.kind!r} is not implemented")
         if self.n_group < 1 or num_experts % self.n_group or not 1 <= self.topk_group <= self.n_group:
             raise ValueError(
@@ -346,7 +369,7 @@ class SparseMoeBlock(nn.Module):
         self.router.check(num_experts, num_experts_per_tok)
         # the router, replicated on every rank
         self.gate = nn.Linear(hidden_size, num_experts, bias=self.router.kind == "topk_softmax")
-        if self.router.kind == "sigmoid_group_topk":
+        if self.router.kind in ("sigmoid_group_topk", "sqrtsoftplus_topk"):
             # Selection-only bias (DeepSeek-V3's aux-loss-free balancing): a buffer, as in transformers, so the
             # policy gradient never changes it; it is loaded, held and published with the weights unchanged.
             self.gate.register_buffer("e_score_correction_bias", torch.zeros(num_experts, dtype=torch.float32))
@@ -399,10 +422,17 @@ class SparseMoeBlock(nn.Module):
         topk_softmax: the top k logits of gate(hidden) with its bias, in hidden's dtype (GptOssTopKRouter).
         sigmoid_group_topk: fp32 logits, sigmoid scores; the selection adds e_score_correction_bias, keeps the
         topk_group groups with the best sum of their two best scores and takes the top k experts in them
-        (DeepseekV3TopkRouter)."""
+        (DeepseekV3TopkRouter).
+        sqrtsoftplus_topk: fp32 logits, scores sqrt(softplus(logits)); the top k of scores + e_score_correction_bias
+        (DeepseekV4TopKRouter, which scores in the weights' dtype: the same in fp32)."""
         if self.router.kind == "topk_softmax":
             router_logits = self.gate(hidden)
             return router_logits, router_logits, torch.topk(router_logits, self.top_k, dim=-1)[1]
+        if self.router.kind == "sqrtsoftplus_topk":
+            router_logits = F.linear(hidden.float(), self.gate.weight.float())
+            scores = F.softplus(router_logits).sqrt()
+            for_choice = scores + self.gate.e_score_correction_bias
+            return router_logits, scores, torch.topk(for_choice, k=self.top_k, dim=-1, sorted=False)[1]
         if self.router.kind == "sigmoid_group_topk":
             settings, num_experts = self.router, self.num_experts
             router_logits = F.linear(hidden.float(), self.gate.weight.float())
@@ -442,7 +472,7 @@ class SparseMoeBlock(nn.Module):
             topk_weight = torch.softmax(top_value, dim=1, dtype=top_value.dtype)
             return (topk_weight * scale if scale != 1.0 else topk_weight).to(dtype)
         topk_weight = scores.gather(1, topk_idx)
-        if self.router.kind == "sigmoid_group_topk":
+        if self.router.kind in ("sigmoid_group_topk", "sqrtsoftplus_topk"):
             if self.norm_topk_prob:
                 topk_weight = topk_weight / (topk_weight.sum(dim=-1, keepdim=True) + 1e-20)
             return (topk_weight * scale).to(dtype)

@@ -15,6 +15,7 @@ from typing import Any
 
 from steps.errors import MoerlError
 from steps.models.deepseek_v3.spec import DEEPSEEK_V3
+from steps.models.deepseek_v4.spec import DEEPSEEK_V4
 from steps.models.deepseek_v32.spec import DEEPSEEK_V32
 from steps.models.family import ModelFamily
 from steps.models.glm4_moe.spec import GLM4_MOE
@@ -32,7 +33,7 @@ FAMILIES: dict[str, ModelFamily] = {
     family.model_type: family
     for family in (
         QWEN3_MOE, QWEN2_MOE, GLM4_MOE, MIXTRAL, DEEPSEEK_V3, DEEPSEEK_V32, GPT_OSS, MINIMAX_M2, QWEN3_NEXT,
-        QWEN3_5_MOE, GLM_MOE_DSA, KIMI_K25,
+        QWEN3_5_MOE, GLM_MOE_DSA, KIMI_K25, DEEPSEEK_V4,
     )  # fmt: skip
 }
 
@@ -44,8 +45,6 @@ ALIASES: dict[str, str] = {"kimi_k2": DEEPSEEK_V3.model_type}
 REFUSED: dict[str, tuple[str, str, str]] = {
     "deepseek_v2": ("DeepSeek-V2", "deepseek_v3", "its softmax router with greedy or group-limited greedy top-k is"
                     " not implemented"),
-    "deepseek_v4": ("DeepSeek-V4", "deepseek_v3", "its attention and routing beyond DeepSeek-V3's are not"
-                    " implemented"),
     "olmoe": ("OLMoE", "qwen3_moe", "its q/k norms over the whole projection are not implemented"),
     "qwen3_5_moe_text": ("Qwen3.5-MoE (text-only)", "qwen3_5_moe", "the text-only layout (Qwen3_5MoeForCausalLM) is"
                          " not read; use the released vision-language checkpoint"),

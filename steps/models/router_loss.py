@@ -20,8 +20,9 @@ import torch
 
 def router_probabilities(router_logits: torch.Tensor, kind: str) -> torch.Tensor:
     """[T, E] fp32 probabilities of the router kind (see the module docstring)."""
-    if kind == "sigmoid_group_topk":
-        scores = router_logits.float().sigmoid()
+    if kind in ("sigmoid_group_topk", "sqrtsoftplus_topk"):
+        logits = router_logits.float()
+        scores = logits.sigmoid() if kind == "sigmoid_group_topk" else torch.nn.functional.softplus(logits).sqrt()
         return scores / scores.sum(dim=-1, keepdim=True)
     return torch.softmax(router_logits.float(), dim=-1)
 

@@ -32,7 +32,7 @@ from steps.expert_parallel.mesh import Mesh
 from steps.models.causal_lm import MoeCausalLM
 from steps.models.family import FusedExperts
 from steps.models.hf_checkpoint import CONFIG_NAME, GENERATION_CONFIG_NAME, SAFE_WEIGHTS_INDEX_NAME
-from steps.models.moe import kept_in_float32
+from steps.models.moe import stored_dtype
 from steps.models.placement import is_expert_param
 from steps.models.registry import family_of
 from steps.run import candidate, checkpoint, weight_delta
@@ -69,7 +69,7 @@ def _fused_owner(mesh: Mesh, fused: FusedExperts) -> int:
 
 
 def _as_stored(name: str, t: torch.Tensor, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
-    return t.detach().to(device, torch.float32 if kept_in_float32(name) else dtype).contiguous()
+    return t.detach().to(device, stored_dtype(name, dtype)).contiguous()
 
 
 def _gather_fused(

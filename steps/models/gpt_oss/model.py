@@ -1,7 +1,7 @@
 """gpt-oss's layers in plain PyTorch, matching transformers 5.23's GptOssForCausalLM: its experts and sparse block,
 attention with sinks, decoder layer and causal LM.
 
-Read top to bottom: the norm (RMSNorm with the weight applied in fp32 before the cast back, GptOssRMSNorm), the
+Read top to bottom: the norm (RMSNorm with the weight applied in fp32 before the cast back, Float32RMSNorm), the
 experts (the shared expert kind ClampedSwiGLU, steps/models/moe.py: biased, gate and up interleaved in one
 [H, 2I] matrix, x @ W layout, as GptOssExperts holds expert e's slice) and the MoE block (the shared
 SparseMoeBlock with router kind "topk_softmax": a router with a bias, top-k of the logits, softmax over the k),
@@ -18,29 +18,18 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from steps.models.causal_lm import DecoderLayer, MoeCausalLM
 from steps.models.experts import ClampedSwiGLU, RoutedExpert
 from steps.models.gpt_oss.config import GptOssConfig
 from steps.models.gpt_oss.rope import rotary_cos_sin
-from steps.models.layers import RMSNorm
+from steps.models.layers import Float32RMSNorm, sink_attention
 from steps.models.moe import RouterSettings, SparseMoeBlock
 from steps.models.placement import layer_share
 
 if TYPE_CHECKING:
     from steps.models.placement import ExpertPlacement
-
-
-class GptOssRMSNorm(RMSNorm):
-    """x / rms(x) computed in fp32, times the weight still in fp32, then cast back (GptOssRMSNorm; Qwen3's casts
-    before the weight)."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        hidden = x.float()
-        hidden = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight * hidden).to(x.dtype)
 
 
 class Expert(RoutedExpert):
@@ -80,22 +69,6 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
-
-def sink_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, sinks: torch.Tensor, scaling: float
-) -> torch.Tensor:
-    """transformers' eager_attention_forward of gpt-oss: q [B, heads, T, D] over k/v [B, kv_heads, S, D] under a
-    boolean mask [B, 1, T, S], with sinks [heads] as one more logit per head and query, dropped after the softmax
-    -> [B, heads, T, D]."""
-    groups = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    scores = torch.matmul(q, k.transpose(2, 3)) * scaling
-    scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
-    sink = sinks.to(scores.dtype).reshape(1, -1, 1, 1).expand(q.shape[0], -1, q.shape[2], -1)
-    combined = torch.cat([scores, sink], dim=-1)
-    combined = combined - combined.max(dim=-1, keepdim=True).values
-    probs = F.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1]
-    return torch.matmul(probs.to(v.dtype), v)
 
 
 class Attention(nn.Module):
@@ -143,7 +116,7 @@ def decoder_layer(
 ) -> DecoderLayer:
     """GptOssDecoderLayer: attention, then the sparse block (every layer is sparse)."""
     slots, ep_size = layer_share(cfg, placement, layer_idx)
-    norms = GptOssRMSNorm(cfg.hidden_size, cfg.rms_norm_eps), GptOssRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+    norms = Float32RMSNorm(cfg.hidden_size, cfg.rms_norm_eps), Float32RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
     return DecoderLayer(Attention(cfg, layer_idx), moe_block(cfg, slots, ep_rank, ep_size), *norms)
 
 
@@ -157,7 +130,7 @@ class GptOssCausalLM(MoeCausalLM):
         super().__init__(config, placement, ep_rank)
         self.build(
             lambda layer: decoder_layer(config, layer, placement, ep_rank),
-            lambda: GptOssRMSNorm(config.hidden_size, config.rms_norm_eps),
+            lambda: Float32RMSNorm(config.hidden_size, config.rms_norm_eps),
         )
 
     @torch.no_grad()
