@@ -48,6 +48,7 @@ from steps.models.deepseek_v32.config import DeepseekV32Config
 from steps.models.deepseek_v32.model import DeepseekV32ForCausalLM
 from steps.models.deepseek_v32.spec import DEEPSEEK_V32
 from steps.models.dsa import LightningIndexer
+from steps.models.family import is_frozen
 from steps.models.hf_checkpoint import (
     check_checkpoint,
     checkpoint_dtype,
@@ -301,6 +302,7 @@ def test_gradients_match_transformers_and_the_indexer_is_frozen(tmp_path, config
     inter = config_kwargs["moe_intermediate_size"]
     trainable = unchosen = 0
     for name, p in ours.named_parameters():
+        assert p.requires_grad != is_frozen(name), name  # the sizing's rule (steps/models/family.py FROZEN_MODULES)
         if ".self_attn.indexer." in name:
             assert not p.requires_grad and p.grad is None, name
             their = hf_grads[name]

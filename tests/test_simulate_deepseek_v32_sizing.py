@@ -35,6 +35,7 @@ def test_counts_match_transformers_meta_model():
     m = model_sizing(SMALL)
     buffers = 2 * 8  # the MoE layers' correction bias: a tensor of the checkpoint, a buffer to transformers
     assert m.total == model.num_parameters() + buffers and indexer > 0
+    assert m.frozen == indexer and m.optimizer_bytes == 12 * (m.total - indexer)  # frozen: no AdamW state
     assert m.expert == sum(p.numel() for name, p in params.items() if ".mlp.experts." in name)
 
 

@@ -38,6 +38,8 @@ def test_counts_match_transformers_meta_model():
     assert m.total == model.num_parameters() + buffers
     assert m.expert == sum(p.numel() for name, p in params.items() if ".mlp.experts." in name)
     assert m.embedding == 64 * 32 and m.unembedding == 64 * 32
+    indexers = sum(p.numel() for name, p in params.items() if ".indexer." in name)
+    assert m.frozen == indexers > 0 and m.optimizer_bytes == 12 * (m.total - indexers)
 
 
 def test_attention_is_the_window_plus_the_compressed_entries():

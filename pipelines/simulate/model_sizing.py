@@ -121,6 +121,9 @@ class ModelSizing:
     sequence_state_split_by_tp: bool = True
     # the tensors carried unchanged (a vision tower; module docstring): in total and non_expert, not in active
     carried: int = 0
+    # the frozen parameters (the lightning indexers, steps/models/family.py FROZEN_MODULES): in total, non_expert
+    # and active (they run every token), held as weights, with no gradient or optimizer state
+    frozen: int = 0
     # (index heads, index head dim) of each layer with a lightning indexer (DeepSeek sparse attention): its scores
     index_scoring: tuple[tuple[int, int], ...] = ()
     # the engine's index keys of one token, every layer (bytes, not split by TP)
@@ -160,8 +163,8 @@ class ModelSizing:
     @property
     def optimizer_bytes(self) -> float:
         """The AdamW state a candidate carries: fp32 masters, exp_avg and exp_avg_sq (12 bytes a parameter; the
-        carried tensors have none)."""
-        return 12.0 * (self.total - self.carried)
+        carried and the frozen tensors have none)."""
+        return 12.0 * (self.total - self.carried - self.frozen)
 
     @property
     def replicated_fraction(self) -> float:
@@ -286,6 +289,7 @@ def activation_elements(cfg: Any, layer: int, expert_intermediate: int) -> int:
 
 def model_sizing(d: dict[str, Any], source: str = "config.json") -> ModelSizing:
     """The sizes of the model a config.json dict describes (any family moerl loads); one MoerlError otherwise."""
+    from steps.models.family import is_frozen
     from steps.models.hf_checkpoint import declared_dtype, expected_tensor_shapes
     from steps.models.registry import family_of
 
@@ -308,6 +312,7 @@ def model_sizing(d: dict[str, Any], source: str = "config.json") -> ModelSizing:
         expert_intermediate = int(getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size)
     non_expert = total - expert
     carried = sum(math.prod(s) for s in family_of(cfg).carried_shapes(cfg).values())
+    frozen = sum(math.prod(s) for name, s in shapes.items() if is_frozen(name))
     active = non_expert - carried + expert * cfg.num_experts_per_tok // cfg.num_experts
     dqk, dv = _head_dims(cfg)
     window = getattr(cfg, "window", None)
@@ -349,6 +354,7 @@ def model_sizing(d: dict[str, Any], source: str = "config.json") -> ModelSizing:
         linear_attention=linear_attention,
         state_bytes_per_sequence=linear_attention_state_bytes(cfg),
         carried=carried,
+        frozen=frozen,
         index_scoring=tuple((cfg.index_n_heads, cfg.index_head_dim) for _ in indexed),
         index_key_bytes_per_token=len(indexed) * (cfg.index_head_dim + cfg.index_head_dim // 128 * 4) if indexed else 0,
         **_kv_cache_shape(cfg),
@@ -515,11 +521,12 @@ def trainer_memory(
     non_expert = trained / ranks if fsdp else trained
     expert = m.expert / ep / (dp if shard_experts else 1)
     params = non_expert + expert
+    frozen = m.frozen / ranks if fsdp else m.frozen  # weights only (the indexers: no gradient, no AdamW state)
     rows: list[tuple[str, float]] = [
         ("weights (bf16)", 2 * params / GB),
-        ("gradients (bf16)", 2 * params / GB),
-        ("fp32 master weights", 4 * params / GB),
-        ("AdamW moments (fp32 exp_avg, exp_avg_sq)", 8 * params / GB),
+        ("gradients (bf16)", 2 * (params - frozen) / GB),
+        ("fp32 master weights", 4 * (params - frozen) / GB),
+        ("AdamW moments (fp32 exp_avg, exp_avg_sq)", 8 * (params - frozen) / GB),
     ]
     if m.carried:
         rows.append(("carried unchanged (the vision tower, fp32 buffers)", 4 * m.carried / GB))

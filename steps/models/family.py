@@ -45,6 +45,18 @@ STATEFUL_ATTENTION: tuple[str, ...] = ("recurrent_state", "indexed_kv_cache", "c
 RouterKind = Literal["softmax_topk", "sigmoid_group_topk", "topk_softmax", "sqrtsoftplus_topk"]
 
 
+# Modules whose parameters every family that has them keeps frozen (requires_grad off: no gradient, no optimizer
+# state, published as loaded): the lightning indexers of DeepSeek sparse attention (steps/models/dsa.py) and of
+# DeepSeek-V4's compressed sparse attention (steps/models/compressed_attention.py), whose discrete choice gives them
+# no gradient from a log-prob loss. By module name, in model and checkpoint names alike.
+FROZEN_MODULES = ("indexer",)
+
+
+def is_frozen(name: str) -> bool:
+    """Whether parameter or checkpoint tensor `name` belongs to a frozen module (FROZEN_MODULES)."""
+    return any(f".{module}." in f".{name}" for module in FROZEN_MODULES)
+
+
 # Why a family drops the tensors of its multi-token-prediction layers on import (DeepSeek-V3, GLM-4-MoE, MiniMax-M2).
 MTP_DROPPED = "a multi-token-prediction layer: moerl trains and publishes the model without it"
 
