@@ -201,7 +201,8 @@ def one_trainer_step(directory: Path, device: str, autocast_bf16: bool) -> tuple
     from bench.update import synthetic_samples
     from steps.expert_parallel.mesh import Mesh
     from steps.models.hf_checkpoint import load_pretrained
-    from steps.training.trainer import PolicyTrainer, TrainSettings, collate
+    from steps.training.micro_batch import collate
+    from steps.training.trainer import PolicyTrainer, TrainSettings
 
     torch.manual_seed(0)
     model = load_pretrained(directory, dtype=torch.float32, device=device)
@@ -370,8 +371,9 @@ def sharded_step(directory: Path, device: str, fsdp: bool) -> dict:
     from bench.update import synthetic_samples
     from steps.expert_parallel.mesh import Mesh
     from steps.models.hf_checkpoint import load_pretrained
+    from steps.training.micro_batch import collate
     from steps.training.sharding import full_tensor, shard_non_experts
-    from steps.training.trainer import PolicyTrainer, TrainSettings, collate
+    from steps.training.trainer import PolicyTrainer, TrainSettings
 
     torch.manual_seed(0)
     model = load_pretrained(directory, dtype=torch.float32, device=device)

@@ -107,7 +107,7 @@ def expert_loads(args: argparse.Namespace) -> list[list[int]]:
     forward pass, as the update counts them)."""
     import torch
 
-    from steps.training.trainer import collate
+    from steps.training.micro_batch import collate
 
     torch.set_num_threads(1)
     model = bench_model(args)
@@ -145,7 +145,8 @@ def worker(
     from steps.expert_parallel.mesh import build_mesh
     from steps.expert_parallel.timing import CommTimer
     from steps.models.placement import ExpertPlacement
-    from steps.training.trainer import PolicyTrainer, TrainSettings, collate, rank_micro_batches
+    from steps.training.micro_batch import collate
+    from steps.training.trainer import PolicyTrainer, TrainSettings, rank_micro_batches
 
     if world > 1:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)

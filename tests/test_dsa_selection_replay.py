@@ -27,9 +27,11 @@ from steps.errors import MoerlError
 from steps.experience.tables import Sample, _int_lists
 from steps.expert_parallel.mesh import Mesh
 from steps.models.hf_checkpoint import load_pretrained
+from steps.models.layers import SelectionShape
+from steps.training.micro_batch import collate, collate_groups
 from steps.training.rl_loss import LossSettings
 from steps.training.routes import check_selections
-from steps.training.trainer import PolicyTrainer, TrainSettings, collate, collate_groups
+from steps.training.trainer import PolicyTrainer, TrainSettings
 
 V32 = V32_CONFIGS["default_rope_dense_layer"]  # index_topk 5, 16 index heads: no ties
 GLM = GLM_CONFIGS["freq_offset_dense_layer"]  # layers full, shared, full, shared
@@ -195,8 +197,8 @@ def test_replay_attends_to_the_engine_keys_in_every_layout(tmp_path):
     samples = moved(samples_of(*generate(model)), layers, topk, layer=layers - 1)
     want = forced_logprobs(model, samples, layer=layers - 1, topk=topk)
     ids = list(range(len(samples)))
-    shape = (layers, topk)
-    assert check_selections(samples, layers, topk, replay=True)
+    shape = model.selection_shape()
+    assert shape == SelectionShape(layers, topk) and check_selections(samples, shape, replay=True)
     for replay in ("rollout", "none"):
         trainer = PolicyTrainer(model, Mesh(), settings(replay))
         for make in (lambda: collate(samples, ids, torch.device("cpu"), selection_shape=shape),
@@ -227,11 +229,11 @@ def test_with_tied_index_scores_the_trainer_matches_the_engine_only_with_replay(
     model = load_pretrained(directory)
     samples = samples_of(*generate(model, max_new_tokens=12))
     ids = list(range(len(samples)))
-    shape = (len(model.indexed_attention()), 3)
+    shape = model.selection_shape()
     gaps = {}
     for replay in ("rollout", "none"):
         trainer = PolicyTrainer(model, Mesh(), settings(replay))
-        trainer.selection_counts = torch.zeros(shape[0], 2, dtype=torch.int64)
+        trainer.selection_counts = torch.zeros(shape.layers, 2, dtype=torch.int64)
         mb = collate(samples, ids, torch.device("cpu"), selection_shape=shape)
         with torch.no_grad():
             logp, _ = trainer.forward_logprobs(model, mb)
@@ -245,17 +247,20 @@ def test_with_tied_index_scores_the_trainer_matches_the_engine_only_with_replay(
 def test_selections_of_another_model_or_none_are_refused_in_one_line(tmp_path):
     directory = checkpoint(tmp_path, V32)
     model = load_pretrained(directory)
-    layers, topk = len(model.indexed_attention()), V32["index_topk"]
+    layers = len(model.indexed_attention())
     samples = samples_of(*generate(model, samples=1))
-    assert not check_selections([dataclasses.replace(samples[0], selected_keys=None)], layers, topk, replay=False)
+    shape = model.selection_shape()
+    assert not check_selections([dataclasses.replace(samples[0], selected_keys=None)], shape, replay=False)
     cases = {
         "records no selected keys": [dataclasses.replace(samples[0], selected_keys=None)],
         "bytes, not": [dataclasses.replace(samples[0], selected_keys=samples[0].selected_keys[:-1])],
-        "selects other than 5 keys": [dataclasses.replace(samples[0], selected_keys=samples[0].selected_keys * 0)],
+        "selects other than 5 keys a query sees": [
+            dataclasses.replace(samples[0], selected_keys=samples[0].selected_keys * 0)
+        ],
     }
     for message, bad in cases.items():
         with pytest.raises(MoerlError, match=message) as err:
-            check_selections(bad, layers, topk, replay=True)
+            check_selections(bad, shape, replay=True)
         assert "\n" not in str(err.value)
     s = samples[2]  # a key after the query: the last key of the first recorded query's row
     fed = len(s.prompt_ids) + len(s.response_ids) - 1
@@ -263,8 +268,8 @@ def test_selections_of_another_model_or_none_are_refused_in_one_line(tmp_path):
     keys = np.unpackbits(rows[0, 0], count=fed).astype(bool)
     keys[np.flatnonzero(keys)[0]], keys[-1] = False, True
     rows[0, 0] = np.packbits(keys)
-    with pytest.raises(MoerlError, match="at or before a query's position"):
-        check_selections([dataclasses.replace(s, selected_keys=rows.reshape(-1))], layers, topk, replay=True)
+    with pytest.raises(MoerlError, match="other than 5 keys a query sees"):
+        check_selections([dataclasses.replace(s, selected_keys=rows.reshape(-1))], shape, replay=True)
 
 
 @pytest.mark.slow

@@ -18,8 +18,9 @@ from steps.expert_parallel.dispatch import make_dispatch
 from steps.expert_parallel.mesh import all_reduce_sum, build_mesh, sync_gradients
 from steps.models.placement import ExpertPlacement, is_expert_param
 from steps.models.qwen3_moe.model import MoeForCausalLM
+from steps.training.micro_batch import collate
 from steps.training.rl_loss import LossSettings
-from steps.training.trainer import PolicyTrainer, TrainSettings, collate, rank_micro_batches
+from steps.training.trainer import PolicyTrainer, TrainSettings, rank_micro_batches
 
 MICRO_BATCH = 3
 

@@ -13,7 +13,8 @@ from model_helpers import response_logprobs
 from steps.experience.tables import Sample
 from steps.expert_parallel.mesh import Mesh
 from steps.models.kernels import token_logprobs
-from steps.training.trainer import PolicyTrainer, TrainSettings, collate, collate_groups
+from steps.training.micro_batch import collate, collate_groups
+from steps.training.trainer import PolicyTrainer, TrainSettings
 
 # response = model turn (3 tokens) + environment (2) + model turn (2)
 MASK = np.array([1, 1, 1, 0, 0, 1, 1], dtype=bool)

@@ -28,9 +28,10 @@ from steps.experience.tables import Sample, _int16_lists
 from steps.expert_parallel.dispatch import make_dispatch
 from steps.expert_parallel.mesh import Mesh, build_mesh
 from steps.models.placement import ExpertPlacement
+from steps.training.micro_batch import collate, collate_groups
 from steps.training.rl_loss import LossSettings
 from steps.training.routes import check_routes
-from steps.training.trainer import PolicyTrainer, TrainSettings, collate, collate_groups
+from steps.training.trainer import PolicyTrainer, TrainSettings
 
 
 def per_layer(routing: dict, key: str) -> list:

@@ -21,8 +21,9 @@ from steps.models.registry import family_of
 from steps.run.config import validate_config
 from steps.run.keys import update_metrics_key
 from steps.store.object_store import Store
+from steps.training.micro_batch import collate
 from steps.training.rl_loss import LossSettings
-from steps.training.trainer import PolicyTrainer, TrainSettings, collate
+from steps.training.trainer import PolicyTrainer, TrainSettings
 
 
 def test_the_packed_mask_is_each_sequences_causal_mask_on_the_diagonal():

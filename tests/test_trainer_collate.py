@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from steps.experience.tables import Sample
-from steps.training.trainer import collate
+from steps.training.micro_batch import collate
 
 
 def test_collate_lays_out_rows_of_different_lengths():

@@ -28,10 +28,11 @@ from steps.run.candidate import MARKER
 from steps.run.config import RunConfig
 from steps.run.keys import candidate_prefix
 from steps.store.object_store import Store
+from steps.training.micro_batch import collate
 from steps.training.optimizer_state import optimizer_state_tensors
 from steps.training.rl_loss import LossSettings
 from steps.training.sharding import full_tensor, shard_experts, shard_non_experts
-from steps.training.trainer import PolicyTrainer, TrainSettings, collate, rank_micro_batches
+from steps.training.trainer import PolicyTrainer, TrainSettings, rank_micro_batches
 
 # name -> the settings on; "plain" (none) is what the others must equal
 SETTINGS: dict[str, set[str]] = {
@@ -303,7 +304,8 @@ def test_a_trainer_that_stays_up_with_fsdp_trains_the_bytes_of_plain_fsdp_update
 
 def shared_prompt_step(rank: int, world: int, out_dir: Path, ep: int) -> None:
     """One trainer step on GRPO groups (forward_shared_prompts), plain and with fsdp + checkpointing."""
-    from steps.training.trainer import collate_groups, rank_group_micro_batches
+    from steps.training.micro_batch import collate_groups
+    from steps.training.trainer import rank_group_micro_batches
 
     mesh, placement, dispatch, batch, everything = ep_rank_setup(rank, world, ep)
     micro = [collate_groups(batch, ids, mesh.device) for ids in rank_group_micro_batches(everything, batch, mesh, 6)]

@@ -19,11 +19,11 @@ from steps.expert_parallel.dispatch import make_dispatch
 from steps.expert_parallel.mesh import Mesh, build_mesh
 from steps.models.placement import ExpertPlacement
 from steps.models.qwen3_moe.model import MoeForCausalLM
+from steps.training.micro_batch import collate_groups
 from steps.training.rl_loss import LossSettings
 from steps.training.trainer import (
     PolicyTrainer,
     TrainSettings,
-    collate_groups,
     plan_group_steps,
     prompt_groups,
     rank_group_micro_batches,

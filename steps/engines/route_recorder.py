@@ -10,6 +10,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from steps.models.layers import SelectionShape
 from steps.models.moe import SparseMoeBlock
 
 
@@ -64,20 +65,22 @@ class RouteRecorder:
 
 
 class SelectionRecorder:
-    """Each sample's selected keys (Generation.selected_keys) for a model with DeepSeek sparse attention, from the
-    selections its decode (steps/models/dsa.py IndexedDecode.recorded) made in one generate call: each forward
-    appends, for every layer with an indexer of its own (layer order), the keys each query attended to, a bool
-    [rows, queries, slots] over the rows' slots (a prompt's left padding first).
+    """Each sample's selected keys (Generation.selected_keys) for a model with indexers (MoeCausalLM.selection_shape:
+    DeepSeek sparse attention's keys, DeepSeek-V4's compressed entries), from the selections its decode made in one
+    generate call: each forward appends, for every indexer (layer order), the keys each query attended to, a bool
+    [rows, queries, columns] over the rows' slots (DeepSeek sparse attention: a prompt's left padding first) or over
+    the row's windows (DeepSeek-V4: window w at column w).
 
-    Only queries that see more than `topk` keys are recorded: one at position t sees t + 1 keys, and below topk
-    it attends to all of them whatever the indexer scores. Positions are the sequence's (padding left out)."""
+    Only queries that see more than `topk` keys are recorded (SelectionShape.first_query on): before, a query
+    attends to all it sees whatever the indexer scores. Keys are the sequence's (padding left out)."""
 
-    def __init__(self, layers: int, topk: int, samples: int) -> None:
-        self.layers, self.topk = layers, topk
+    def __init__(self, shape: SelectionShape, samples: int) -> None:
+        self.shape, self.layers = shape, shape.layers
         self.taken: list[torch.Tensor] = []
         self.prompt_of: list[int] = []
-        self.prompts: list[np.ndarray] = []  # per prompt: [n - topk, layers, n] bool, its queries past topk
+        self.prompts: list[np.ndarray] = []  # per prompt: [n - first, layers, its keys] bool
         self.pads = np.zeros(0, dtype=np.int64)  # per prompt: its left padding in the prefill
+        self.lengths = np.zeros(0, dtype=np.int64)  # per prompt: its tokens
         self.responses: list[dict[int, np.ndarray]] = [{} for _ in range(samples)]  # step -> [layers, keys] bool
 
     def _taken(self) -> torch.Tensor:
@@ -85,42 +88,48 @@ class SelectionRecorder:
         self.taken.clear()
         if len(taken) != self.layers:
             raise RuntimeError(f"recorded {len(taken)} indexer layers' selections in a forward over {self.layers}")
-        return torch.stack(taken, dim=1)  # [rows, layers, queries, slots]
+        return torch.stack(taken, dim=1)  # [rows, layers, queries, columns]
+
+    def _keys(self, chosen: np.ndarray, pad: int, seen: int) -> np.ndarray:
+        """A row's columns [..., columns] -> the sequence's keys [..., seen]."""
+        return chosen[..., :seen] if self.shape.over_windows else chosen[..., pad : pad + seen]
 
     def prefilled(self, valid: torch.Tensor, prompt_of: torch.Tensor) -> None:
         """After the prefill of the left-padded prompts valid [P, W]; prompt_of [samples]: each one's prompt."""
         self.prompt_of = prompt_of.tolist()
         taken = self._taken().cpu().numpy()
-        lengths = valid.sum(dim=1).cpu().numpy()
-        self.pads = valid.shape[1] - lengths
+        self.lengths = valid.sum(dim=1).cpu().numpy()
+        self.pads = valid.shape[1] - self.lengths
+        first = self.shape.first_query
         self.prompts = [
-            taken[p, :, pad + self.topk :, pad:].transpose(1, 0, 2) for p, pad in enumerate(self.pads.tolist())
+            self._keys(taken[p, :, pad + first :], int(pad), self.shape.keys(int(n))).transpose(1, 0, 2)
+            for p, (pad, n) in enumerate(zip(self.pads.tolist(), self.lengths.tolist(), strict=True))
         ]
 
     def stepped(self, step: int, samples: torch.Tensor, rows: torch.Tensor) -> None:
         """After decode step `step` fed response token `step` of `samples` through batch rows `rows`."""
-        taken = self._taken()[:, :, 0].index_select(0, rows).cpu().numpy()  # [samples, layers, slots]
+        taken = self._taken()[:, :, 0].index_select(0, rows).cpu().numpy()  # [samples, layers, columns]
         for sample, chosen in zip(samples.tolist(), taken, strict=True):
-            pad = int(self.pads[self.prompt_of[sample]])
-            if chosen.shape[-1] - pad > self.topk:  # the query at position slots - pad - 1 sees more than topk
-                self.responses[sample][step] = chosen[:, pad:]
+            prompt = self.prompt_of[sample]
+            position = int(self.lengths[prompt]) + step
+            if position >= self.shape.first_query:
+                self.responses[sample][step] = self._keys(chosen, int(self.pads[prompt]), self.shape.keys(position + 1))
 
     def sample(self, row: int, prompt_len: int, tokens: int) -> np.ndarray:
-        """[max(0, fed - topk), layers, ceil(fed / 8)] uint8 of sample `row` (of `tokens` response tokens), fed =
-        prompt_len + tokens - 1: query t's keys as bits (np.packbits, big-endian), key s at bit s."""
-        fed = prompt_len + tokens - 1
-        selected = np.zeros((max(0, fed - self.topk), self.layers, fed), dtype=bool)
+        """[queries, layers, ceil(keys / 8)] uint8 of sample `row` (of `tokens` response tokens), fed = prompt_len +
+        tokens - 1, the queries SelectionShape.queries(fed), keys SelectionShape.keys(fed): query t's keys as bits
+        (np.packbits, big-endian), key s at bit s."""
+        fed, first = prompt_len + tokens - 1, self.shape.first_query
+        selected = np.zeros((self.shape.queries(fed), self.layers, self.shape.keys(fed)), dtype=bool)
         prompt = self.prompts[self.prompt_of[row]]
-        selected[: len(prompt), :, :prompt_len] = prompt
+        selected[: len(prompt), :, : prompt.shape[-1]] = prompt
         for step, chosen in self.responses[row].items():
             if step < tokens - 1:
-                selected[prompt_len + step - self.topk, :, : chosen.shape[-1]] = chosen
+                selected[prompt_len + step - first, :, : chosen.shape[-1]] = chosen
         return np.packbits(selected, axis=-1)
 
 
 def indexed_selection_recorder(model: nn.Module, samples: int) -> SelectionRecorder | None:
-    """The SelectionRecorder of a model with indexed attention (MoeCausalLM.indexed_attention); None without."""
-    attention = model.indexed_attention()  # type: ignore[operator]
-    if not attention:
-        return None
-    return SelectionRecorder(len(attention), attention[0].indexer.topk, samples)
+    """The SelectionRecorder of a model with indexers (MoeCausalLM.selection_shape); None without."""
+    shape = model.selection_shape()  # type: ignore[operator]
+    return None if shape is None else SelectionRecorder(shape, samples)

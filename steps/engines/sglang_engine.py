@@ -269,11 +269,9 @@ QWEN3_NEXT_SERVER_ARGS = {"attention_backend": "triton", "disable_radix_cache": 
 DSA_ARCHITECTURES = ("DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM")
 
 
-# DeepSeek-V4 on SGLang 0.5.17: its model-specific override sets attention_backend "dsv4" over any given backend
-# (arg_groups/overrides.py:1081-1090, no "if unset" guard), which deterministic inference refuses (overrides.py:2004-
-# 2008: not in server_args.py:220-226's choices); its attention calls methods only the dsv4 backends have
-# (models/deepseek_v4.py:765, :778, :861, :901: store_cache, forward_core_compressor), and it serves an FP8 KV cache
-# (overrides.py:1811-1834), an FP8 indexer (layers/attention/dsv4/indexer.py:623) and an FP8 wo_a GEMM.
+# DeepSeek-V4 on SGLang 0.5.17: its override sets attention_backend "dsv4" over any given one (arg_groups/overrides.py
+# :1081-1090), which deterministic inference refuses (:2004-2008); its attention calls dsv4-only backend methods
+# (models/deepseek_v4.py:765, :861) and it serves an FP8 KV cache, FP8 indexer and FP8 wo_a GEMM.
 DSV4_ARCHITECTURES = ("DeepseekV4ForCausalLM",)
 
 

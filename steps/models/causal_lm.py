@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from steps.models.layers import AttentionMasks, RecordedSelection, RMSNorm
+from steps.models.layers import AttentionMasks, RecordedSelection, RMSNorm, SelectionShape
 from steps.models.moe import SparseMoeBlock
 from steps.models.placement import check_placement
 
@@ -209,6 +209,12 @@ class MoeCausalLM(nn.Module):
         attention = [getattr(layer, "self_attn", None) for layer in self.model.layers]
         return [a for a in attention if getattr(a, "indexer", None) is not None]  # type: ignore[misc]
 
+    def selection_shape(self) -> SelectionShape | None:
+        """What the model's indexers choose (steps/models/layers.py SelectionShape), as the engine records it for
+        replay; None without indexers. DeepSeek sparse attention's here; a family with other indexers overrides."""
+        attention = self.indexed_attention()
+        return SelectionShape(len(attention), attention[0].indexer.topk) if attention else None  # type: ignore[union-attr]
+
     def router_parameters(self) -> list[nn.Parameter]:
         """The routers' parameters (trainer.router: freeze keeps them at their SFT values)."""
         return [p for block in self.moe_blocks() for p in block.gate.parameters()]
@@ -252,12 +258,12 @@ class MoeCausalLM(nn.Module):
         with DeepSeek sparse attention, steps/models/dsa.py): per call ("forward", or "prompts" and "responses" of
         forward_shared_prompts) the (bits, recorded) of a RecordedSelection in that call's layout; replay: the
         forward attends to them instead of its indexers' choice. None: the indexers choose alone."""
-        attention = self.indexed_attention()
+        shape = self.selection_shape()
+        layers = 0 if shape is None else shape.layers
         if selections is not None:
             for call, (bits, _) in selections.items():
-                if bits.shape[0] != len(attention):
-                    raise ValueError(f"{call}: selections for {bits.shape[0]} indexer layers, the model has "
-                                     f"{len(attention)}")  # fmt: skip
+                if bits.shape[0] != layers:
+                    raise ValueError(f"{call}: selections for {bits.shape[0]} indexer layers, the model has {layers}")
         self.engine_selections = None if selections is None else {
             call: RecordedSelection(bits, recorded, replay) for call, (bits, recorded) in selections.items()
         }  # fmt: skip
@@ -267,7 +273,8 @@ class MoeCausalLM(nn.Module):
         recorded queries) of the forwards since set_engine_selections (this process's); None without them."""
         if self.engine_selections is None:
             return None
-        counts = torch.zeros(len(self.indexed_attention()), 2, dtype=torch.int64)
+        shape = self.selection_shape()
+        counts = torch.zeros(0 if shape is None else shape.layers, 2, dtype=torch.int64)
         for selection in self.engine_selections.values():
             for index, count in selection.disagreement.items():
                 counts[index] += count.cpu()
@@ -325,13 +332,14 @@ class MoeCausalLM(nn.Module):
         return checkpoint(method, *args, use_reentrant=False, context_fn=lambda: (contextlib.nullcontext(), rerun()))
 
     def _balance(self, real_tokens: torch.Tensor | None) -> None:
-        """Before a forward (real_tokens [T], in the order the MoE layers see the tokens): have every MoE layer
-        compute its load-balancing loss when router_aux_loss_coef > 0. After it (None): aux_loss = the coefficient
-        times their mean."""
+        """Before a forward (real_tokens [T], in the order the MoE layers see the tokens): have every MoE layer whose
+        router chooses its experts (not DeepSeek-V4's hash layers, SparseMoeBlock.router_chooses) compute its
+        load-balancing loss when router_aux_loss_coef > 0. After it (None): aux_loss = the coefficient times their
+        mean."""
         if self.router_aux_loss_coef <= 0:
             self.aux_loss = None
             return
-        blocks = self.moe_blocks()
+        blocks = [block for block in self.moe_blocks() if block.router_chooses]
         if real_tokens is not None:
             for block in blocks:
                 block.balance_mask, block.balance_loss = real_tokens, None

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from steps.models.hyper_connections import unweighted_rms_norm
-from steps.models.layers import Float32RMSNorm, sink_attention
+from steps.models.layers import Float32RMSNorm, RecordedSelection, sink_attention
 
 SCORE_BLOCK_ELEMENTS = 2**26  # the indexer's per-head products scored at once (fp32: 256 MB)
 
@@ -224,6 +224,8 @@ class CompressedAttention(nn.Module):
             csa = self.kind == "compressed_sparse_attention"
             self.compressor = Compressor(h, self.head_dim, rate, csa, self.eps)
             self.indexer = Indexer(c, rate) if csa else None
+        # its place among the layers with an indexer (the engine's record is in that order)
+        self.indexer_index = sum(kind == "compressed_sparse_attention" for kind in c.layer_types[:layer_idx])  # type: ignore[attr-defined]
 
     @property
     def rate(self) -> int | None:
@@ -311,12 +313,16 @@ def compressed_attention(
     windows: CompressionWindows | None,
     visible: torch.Tensor | None,
     keys: KeyInputs | None = None,
+    engine: RecordedSelection | None = None,
+    record: list[torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """The attention block on its normed input x [B, T, H] -> [B, T, H]: the queries over the keys (`keys`, else
     x's own tokens) under `mask` [B, 1, T, S] (causality and the sliding window), then over the windows' entries
     the queries see (visible [B, T, W]) or, under CSA, the indexer chose among them. rope: this layer's rotary at
     the queries; compress_rope: the compress rotary at the queries (the indexer's); window_rope(positions): the
-    compress rotary at the windows' first positions."""
+    compress rotary at the windows' first positions. CSA only: `engine`, the rollout engine's recorded choice
+    (compared with the indexer's, and with replay used instead: engine_choice); `record` (the torch engine's), a
+    list the choice [B, T, W] is appended to."""
     q, q_residual = attn.queries(x, rope)
     keys = keys if keys is not None else attn.key_inputs(x, rope)
     kv = keys.kv
@@ -329,9 +335,26 @@ def compressed_attention(
             assert keys.indexed is not None
             index_keys = attn.indexer.compressor.pool(*keys.indexed, windows, at)
             chosen = attn.indexer.select(x, attn.indexer.queries(q_residual, compress_rope), index_keys, visible)
+            if engine is not None:
+                chosen = engine.replayed(attn.indexer_index, chosen, engine_choice(engine, attn.indexer_index,
+                                                                                   windows, visible))  # fmt: skip
+            if record is not None:
+                record.append(chosen)
         kv = torch.cat([kv, entries.unsqueeze(1)], dim=2)
         mask = torch.cat([mask, chosen.unsqueeze(1)], dim=-1)
     return attn.attend(q, kv, mask, rope)
+
+
+def engine_choice(
+    engine: RecordedSelection, index: int, windows: CompressionWindows, visible: torch.Tensor
+) -> torch.Tensor:
+    """The engine's recorded entries [B, T, W] in this call's windows: its record holds each query's choice by the
+    sequence's window index (SelectionShape.over_windows), which a window's first position / rate gives."""
+    recorded = engine.layer(index).to(visible.device)  # [B, T, columns]
+    if recorded.shape[-1] == 0:
+        return torch.zeros_like(visible)
+    column = (windows.positions // windows.rate).clamp(max=recorded.shape[-1] - 1)
+    return recorded.gather(-1, column[:, None, :].expand(-1, recorded.shape[1], -1)) & visible
 
 
 def init_compressed_attention(module: nn.Module, std: float) -> None:

@@ -200,10 +200,7 @@ class IndexedMlaAttention(MlaAttention):
         """own [B, T, S] with the engine's recorded selection at its recorded queries when engine.replay (own
         otherwise); counts the recorded queries where the two differ (RecordedSelection.disagreement)."""
         chosen = engine.layer(self.indexer_index, own.shape[-1]).to(own.device) & visible
-        recorded = engine.recorded.to(own.device)
-        differs = ((chosen != own).any(dim=-1) & recorded).sum()
-        engine.disagreement[self.indexer_index] = torch.stack([differs, recorded.sum()])
-        return torch.where(recorded[..., None], chosen, own) if engine.replay else own
+        return engine.replayed(self.indexer_index, own, chosen)
 
     def project_indexed(
         self, x: torch.Tensor, rope_tables: tuple[torch.Tensor, torch.Tensor]

@@ -88,11 +88,39 @@ def attention_mask_for(key_valid: torch.Tensor, start: int, seq: int) -> torch.T
     return mask[:, None]
 
 
+@dataclass(frozen=True)
+class SelectionShape:
+    """What a model's indexers choose, as the engine records it and the trainer checks and lays it out: `layers`
+    indexers, each query past the first few choosing `topk` of its keys. DeepSeek sparse attention (steps/models/
+    dsa.py) chooses among the sequence's tokens (rate 1; a query at position t sees t + 1 keys); DeepSeek-V4's
+    compressed sparse attention (steps/models/compressed_attention.py) among its compressed entries, one every `rate`
+    tokens (a query at t sees (t + 1) // rate), recorded by the sequence's window index (`over_windows`)."""
+
+    layers: int
+    topk: int
+    rate: int = 1
+    over_windows: bool = False
+
+    def keys(self, fed: int) -> int:
+        """The keys the last of `fed` tokens sees: a sample's key columns."""
+        return fed // self.rate
+
+    @property
+    def first_query(self) -> int:
+        """The first position that sees more than topk keys: the queries recorded start there."""
+        return self.rate * (self.topk + 1) - 1
+
+    def queries(self, fed: int) -> int:
+        """A sample's recorded queries, positions first_query .. fed - 1."""
+        return max(0, fed - self.first_query)
+
+
 @dataclass
 class RecordedSelection:
     """The keys the rollout engine's indexers selected for one forward call's queries (DeepSeek sparse attention,
-    steps/models/dsa.py; recorded and replayed with the routes, trainer.routing_replay), laid out as the call's
-    queries [B, T] and keys [S] are: `bits` [indexer layers, B, T, ceil(S / 8)] uint8, key s of a query at bit s
+    steps/models/dsa.py, and DeepSeek-V4's compressed sparse attention; recorded and replayed with the routes,
+    trainer.routing_replay), laid out as the call's queries [B, T] and keys [S] are (DeepSeek-V4's: by the
+    sequence's window index): `bits` [indexer layers, B, T, ceil(S / 8)] uint8, key s of a query at bit s
     (np.packbits, big-endian); `recorded` [B, T] the queries with a record (those that see more than index_topk
     keys). With `replay` the forward attends to those keys instead of its own indexers' choice. `disagreement`
     holds, per indexer layer, [recorded queries whose own top-k differs from the engine's, recorded queries],
@@ -103,10 +131,18 @@ class RecordedSelection:
     replay: bool
     disagreement: dict[int, torch.Tensor] = field(default_factory=dict)
 
-    def layer(self, index: int, keys: int) -> torch.Tensor:
-        """Indexer layer `index`'s selection as a bool [B, T, keys]."""
+    def layer(self, index: int, keys: int | None = None) -> torch.Tensor:
+        """Indexer layer `index`'s selection as a bool [B, T, keys] (every recorded column when None)."""
         shifts = torch.arange(7, -1, -1, dtype=torch.uint8, device=self.bits.device)
         return ((self.bits[index].unsqueeze(-1) >> shifts) & 1).bool().flatten(-2)[..., :keys]
+
+    def replayed(self, index: int, own: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        """Indexer layer `index`'s choice [B, T, S] given its own `own` and the engine's `chosen` in the same
+        layout: the engine's at the recorded queries with replay, else own; counts where they differ."""
+        recorded = self.recorded.to(own.device)
+        differs = ((chosen != own).any(dim=-1) & recorded).sum()
+        self.disagreement[index] = torch.stack([differs, recorded.sum()])
+        return torch.where(recorded[..., None], chosen, own) if self.replay else own
 
 
 class AttentionMasks:

@@ -396,6 +396,9 @@ class SparseMoeBlock(nn.Module):
         # the routers' load-balancing loss into balance_loss (steps/models/router_loss.py)
         self.balance_mask: torch.Tensor | None = None
         self.balance_loss: torch.Tensor | None = None
+        # Whether the router chooses the experts (False: a fixed table does, DeepSeek-V4's hash layers, whose routing
+        # no load-balancing loss can move: transformers collects no router logits there either)
+        self.router_chooses = True
         # While a tensor [T, k] (set by the model for the next forward: MoeCausalLM.set_engine_routes): the experts
         # the rollout engine routed each of the forward's T tokens to, global ids, a row of -1 where it recorded
         # none. With replay_routes the forward uses them (routing replay); route_disagreement, while a tensor, adds

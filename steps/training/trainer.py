@@ -1,9 +1,9 @@
 """The policy-update loop: scored experience -> mini-batches -> PPO steps over the dp x ep mesh.
 
 Read top to bottom: the settings, the deterministic batch plan (which samples each optimizer step sees, which
-rank gets which, in which micro-batch), micro-batch tensors, the trainer itself, and the optimizer with its
-learning-rate schedule. The samples come from steps/experience/rollout_plan.py (read_scored_experience); the optimizer
-state's files are steps/training/optimizer_state.py.
+rank gets which, in which micro-batch; their tensors: steps/training/micro_batch.py), the trainer itself, and the
+optimizer with its learning-rate schedule. The samples come from steps/experience/rollout_plan.py
+(read_scored_experience); the optimizer state's files are steps/training/optimizer_state.py.
 
 Determinism: the plan depends only on the experience, the run seed and the iteration (never on timing or
 the number of rollout shards); every reduction has a fixed order; so a restarted update repeats the same
@@ -28,19 +28,13 @@ from steps.experience.tables import Sample
 from steps.expert_parallel.mesh import Mesh, all_reduce_sum, clip_grad_norm, gather_ranks, sync_gradients
 from steps.models.causal_lm import MoeCausalLM
 from steps.models.kernels import token_logprobs
+from steps.models.layers import SelectionShape
 from steps.models.placement import moe_layer_indices
+from steps.training.micro_batch import MicroBatch, collate, collate_groups
 from steps.training.mismatch import MismatchStats
 from steps.training.optim import AdamW, AnyOptimizer
 from steps.training.rl_loss import LossSettings, aggregate, token_entropy, token_terms
-from steps.training.routes import (
-    SelectionEntry,
-    check_routes,
-    check_selections,
-    routes_tensor,
-    sample_routes,
-    sample_selection,
-    selection_grid,
-)
+from steps.training.routes import check_routes, check_selections
 
 if TYPE_CHECKING:
     from steps.run.config import RunConfig
@@ -188,281 +182,6 @@ def rank_group_micro_batches(
 
 
 # ----------------------------------------------------------------------------------------------------
-# Micro-batches
-# ----------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class PackedRow:
-    """A micro-batch's sequences in one row [1, N] without padding: input_ids and targets of every real token,
-    segment_ids the row of [B, L] each came from, and index each one's flat slot in [B, L] (row-major), so
-    per-token values of the packed forward go back to the [B, L] layout (unpack)."""
-
-    input_ids: torch.Tensor  # [1, N] long
-    segment_ids: torch.Tensor  # [1, N] long
-    targets: torch.Tensor  # [1, N] long
-    index: torch.Tensor  # [N] long
-    shape: tuple[int, int]  # (B, L)
-
-    def unpack(self, values: torch.Tensor) -> torch.Tensor:
-        """values [N] (one per packed token) -> [B, L], zero at the padding slots (differentiable)."""
-        rows, length = self.shape
-        return values.new_zeros(rows * length).index_put((self.index,), values).view(rows, length)
-
-
-@dataclass
-class MicroBatch:
-    """One row per sample. Plain (collate): right-padded sequences prompt + response, shifted for next-token
-    targets; position p predicts targets[p] = token p+1.
-
-    Shared prompts (collate_groups, prompt_ids set): the group's prompts once, left-padded, in prompt_ids;
-    input_ids holds each response without its last token, right-padded ([B, T]); targets and the per-token
-    tensors are [B, T + 1] with slot t predicting response token t (see MoeCausalLM.forward_shared_prompts).
-
-    Either way loss_mask marks the slots whose target is a response token, where behavior_logp holds the
-    engine's log-prob of that token.
-
-    Packed (collate with packed=True, trainer.sequence_packing): the per-token tensors keep the [B, L] layout
-    the loss reads, and `packed` holds what the forward runs instead: the rows' real tokens one sequence after
-    another in one row, without padding.
-    """
-
-    sample_ids: list[int]
-    input_ids: torch.Tensor  # [B, L] long
-    attention_mask: torch.Tensor  # [B, L] long
-    targets: torch.Tensor  # [B, L] long
-    loss_mask: torch.Tensor  # [B, L] bool
-    behavior_logp: torch.Tensor  # [B, L] float32
-    advantages: torch.Tensor  # [B] float32
-    old_logp: torch.Tensor | None = None  # [B, L], set when the update has more than one optimizer step
-    prompt_ids: torch.Tensor | None = None  # [G, P] long, shared prompts only
-    prompt_mask: torch.Tensor | None = None  # [G, P] long
-    prompt_index: torch.Tensor | None = None  # [B] long: each row's prompt row
-    packed: PackedRow | None = None  # sequence packing only
-    # [MoE layers, T, k] the experts the engine routed the forward's T tokens to (in the order the MoE layers see
-    # them: the packed row's, else input_ids flattened, or the shared prompts then the responses), -1 where none
-    routes: torch.Tensor | None = None
-    # The keys the engine's indexers selected (a model with DeepSeek sparse attention): per forward call ("forward",
-    # or "prompts" and "responses" with shared prompts) the (bits, recorded) of its RecordedSelection
-    # (steps/models/layers.py), laid out as that call's queries and keys
-    selections: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
-
-    @property
-    def num_response_tokens(self) -> int:
-        return int(self.loss_mask.sum())
-
-    @property
-    def num_real_tokens(self) -> int:
-        """Tokens the forward runs (padding excluded): a shared prompt counts once."""
-        prompt_tokens = 0 if self.prompt_mask is None else int(self.prompt_mask.sum())
-        return int(self.attention_mask.sum()) + prompt_tokens
-
-
-def collate(
-    samples: list[Sample],
-    ids: list[int],
-    device: torch.device,
-    pad_id: int = 0,
-    old_logps: dict[int, torch.Tensor] | None = None,
-    packed: bool = False,
-    route_shape: tuple[int, int] | None = None,
-    selection_shape: tuple[int, int] | None = None,
-) -> MicroBatch:
-    """The plain micro-batch (MicroBatch) of samples `ids`; packed=True also packs its real tokens into one row
-    for the forward (PackedRow); route_shape (MoE layers, top_k): with the samples' recorded routes;
-    selection_shape (indexer layers, index_topk): with their recorded key selections."""
-    if not ids:  # see rank_micro_batches: one padding token, no loss, still takes part in the exchanges
-        zero_long = torch.full((1, 1), pad_id, dtype=torch.long, device=device)
-        zero = torch.zeros((1, 1), device=device)
-        routes = selections = None
-        if route_shape is not None:
-            routes = torch.full((route_shape[0], 1, route_shape[1]), -1, dtype=torch.long, device=device)
-        if selection_shape is not None:
-            selections = {"forward": selection_grid([], selection_shape[0], (1, 1, 1), device)}
-        return MicroBatch(
-            [], zero_long, torch.ones_like(zero_long), zero_long, torch.zeros_like(zero, dtype=torch.bool),
-            zero, torch.zeros(1, device=device), zero if old_logps is not None else None, routes=routes,
-            selections=selections,
-        )  # fmt: skip
-    # Built in numpy from flat token lists and masks: a torch op per row costs ~10 us, and this runs for every
-    # micro-batch of every step (it was a tenth of the update's CPU time).
-    rows = [samples[i] for i in ids]
-    lengths = np.array([s.num_tokens for s in rows])  # prompt + response
-    starts = np.array([len(s.prompt_ids) - 1 for s in rows])  # the first response token is predicted here
-    columns = np.arange(lengths.max())
-    tokens = np.full((len(rows), len(columns)), pad_id, dtype=np.int64)
-    tokens[columns < lengths[:, None]] = np.fromiter(
-        (t for s in rows for t in (*s.prompt_ids, *s.response_ids)), dtype=np.int64, count=int(lengths.sum())
-    )
-    columns = columns[:-1]
-    attention = columns < (lengths - 1)[:, None]
-    loss_mask = attention & (columns >= starts[:, None])
-    if any(s.loss_mask is not None for s in rows):  # multi-turn: the environment's tokens are context only
-        loss_mask[loss_mask] = np.concatenate(
-            [np.ones(len(s.response_ids), dtype=bool) if s.loss_mask is None else s.loss_mask for s in rows]
-        )
-    behavior = np.zeros(loss_mask.shape, dtype=np.float32)
-    behavior[loss_mask] = np.fromiter((x for s in rows for x in s.trained(s.behavior_logprobs)), dtype=np.float32)
-    old = None
-    if old_logps is not None:
-        old = torch.zeros(loss_mask.shape, dtype=torch.float32)
-        old[torch.from_numpy(loss_mask)] = torch.cat([old_logps[i] for i in ids]).to(torch.float32)
-    input_ids = np.where(attention, tokens[:, :-1], pad_id)
-    advantages = np.array([s.advantage for s in rows], dtype=np.float32)
-    to = {"device": device}
-    routes = None
-    if route_shape is not None:  # position p of a row is its sequence's position p: the first length - 1 slots
-        grid = np.full((*attention.shape, *route_shape), -1, dtype=np.int16)
-        grid[attention] = np.concatenate([sample_routes(s, route_shape) for s in rows])
-        routes = grid.reshape(-1, *route_shape)
-    selections = None
-    if selection_shape is not None:  # a row's slot p is its sequence's position p; packed: after the earlier rows'
-        layers, topk = selection_shape
-        fed, entries = attention.sum(axis=1), []
-        starts_packed = np.concatenate([[0], np.cumsum(fed)[:-1]])
-        for b, s in enumerate(rows):
-            row_index, offset = (0, int(starts_packed[b])) if packed else (b, 0)
-            entries.append(SelectionEntry(sample_selection(s, layers, topk), row_index,
-                                          offset + np.arange(topk, fed[b]), offset + np.arange(fed[b])))  # fmt: skip
-        shape = (1, int(fed.sum()), int(fed.sum())) if packed else (len(rows), attention.shape[1], attention.shape[1])
-        selections = {"forward": selection_grid(entries, layers, shape, device)}
-    row = None
-    if packed:  # the real slots in row-major order: each sequence whole, one after another
-        index = np.flatnonzero(attention)
-        if routes is not None:
-            routes = routes[index]
-        segments = np.repeat(np.arange(len(rows)), attention.sum(axis=1))
-        row = PackedRow(
-            torch.from_numpy(input_ids.reshape(-1)[index][None]).to(**to), torch.from_numpy(segments[None]).to(**to),
-            torch.from_numpy(np.ascontiguousarray(tokens[:, 1:]).reshape(-1)[index][None]).to(**to),
-            torch.from_numpy(index).to(**to), attention.shape,
-        )  # fmt: skip
-    return MicroBatch(
-        list(ids), torch.from_numpy(input_ids).to(**to), torch.from_numpy(attention.astype(np.int64)).to(**to),
-        torch.from_numpy(np.ascontiguousarray(tokens[:, 1:])).to(**to), torch.from_numpy(loss_mask).to(**to),
-        torch.from_numpy(behavior).to(**to), torch.from_numpy(advantages).to(**to),
-        None if old is None else old.to(**to), packed=row, routes=routes_tensor(routes, device),
-        selections=selections,
-    )  # fmt: skip
-
-
-def collate_groups(
-    samples: list[Sample],
-    ids: list[int],
-    device: torch.device,
-    pad_id: int = 0,
-    old_logps: dict[int, torch.Tensor] | None = None,
-    route_shape: tuple[int, int] | None = None,
-    selection_shape: tuple[int, int] | None = None,
-) -> MicroBatch:
-    """A shared-prompt micro-batch (see MicroBatch) of whole groups: each prompt_id's prompt once (its routes and
-    key selections those its first sample recorded: the engine ran the prompt once for its group)."""
-    if not ids:
-        return collate(samples, ids, device, pad_id, old_logps, route_shape=route_shape,
-                       selection_shape=selection_shape)  # fmt: skip
-    prompts: dict[str, list[int]] = {}
-    for i in ids:
-        s = samples[i]
-        prompt = prompts.setdefault(s.prompt_id, s.prompt_ids)
-        if prompt != s.prompt_ids:
-            raise MoerlError(
-                f"samples of prompt_id {s.prompt_id!r} have different prompt_ids; trainer.shared_prompts needs "
-                "one prompt per prompt_id: fix the experience or turn shared_prompts off"
-            )
-    row_of = {prompt_id: row for row, prompt_id in enumerate(prompts)}
-    prompt_len = max(len(p) for p in prompts.values())
-    prompt_ids = torch.full((len(prompts), prompt_len), pad_id, dtype=torch.long)
-    prompt_mask = torch.zeros((len(prompts), prompt_len), dtype=torch.long)
-    for row, prompt in enumerate(prompts.values()):  # left padding: the last column is the last prompt token
-        prompt_ids[row, prompt_len - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
-        prompt_mask[row, prompt_len - len(prompt) :] = 1
-
-    batch, length = len(ids), max(len(samples[i].response_ids) for i in ids)
-    input_ids = torch.full((batch, length - 1), pad_id, dtype=torch.long)
-    attention = torch.zeros((batch, length - 1), dtype=torch.long)
-    targets = torch.full((batch, length), pad_id, dtype=torch.long)
-    loss_mask = torch.zeros((batch, length), dtype=torch.bool)
-    behavior = torch.zeros((batch, length), dtype=torch.float32)
-    old = torch.zeros((batch, length), dtype=torch.float32) if old_logps is not None else None
-    for row, i in enumerate(ids):
-        s = samples[i]
-        n = len(s.response_ids)
-        response = torch.tensor(s.response_ids, dtype=torch.long)
-        input_ids[row, : n - 1] = response[:-1]
-        attention[row, : n - 1] = 1
-        targets[row, :n] = response
-        loss_mask[row, :n] = True if s.loss_mask is None else torch.from_numpy(s.loss_mask)
-        behavior[row, :n] = torch.tensor(s.behavior_logprobs, dtype=torch.float32)
-        if old is not None:
-            old[row][loss_mask[row]] = old_logps[i]  # type: ignore[index]
-    prompt_index = torch.tensor([row_of[samples[i].prompt_id] for i in ids], dtype=torch.long)
-    advantages = torch.tensor([samples[i].advantage for i in ids], dtype=torch.float32)
-    routes = None
-    if route_shape is not None:
-        first: dict[str, Sample] = {}
-        for i in ids:
-            first.setdefault(samples[i].prompt_id, samples[i])
-        prompt_routes = np.full((len(prompts), prompt_len, *route_shape), -1, dtype=np.int16)
-        for row, prompt_id in enumerate(prompts):
-            n = len(prompts[prompt_id])
-            prompt_routes[row, prompt_len - n :] = sample_routes(first[prompt_id], route_shape)[:n]
-        response_routes = np.full((batch, length - 1, *route_shape), -1, dtype=np.int16)
-        for row, i in enumerate(ids):
-            n, p = len(samples[i].response_ids), len(samples[i].prompt_ids)
-            response_routes[row, : n - 1] = sample_routes(samples[i], route_shape)[p:]
-        routes = np.concatenate([prompt_routes.reshape(-1, *route_shape), response_routes.reshape(-1, *route_shape)])
-    selections = None
-    if selection_shape is not None:
-        selections = shared_prompt_selections(samples, ids, list(prompts), prompt_len, length - 1, selection_shape,
-                                              device)  # fmt: skip
-    to = {"device": device}
-    return MicroBatch(
-        list(ids), input_ids.to(**to), attention.to(**to), targets.to(**to), loss_mask.to(**to),
-        behavior.to(**to), advantages.to(**to), None if old is None else old.to(**to),
-        prompt_ids.to(**to), prompt_mask.to(**to), prompt_index.to(**to), routes=routes_tensor(routes, device),
-        selections=selections,
-    )  # fmt: skip
-
-
-def shared_prompt_selections(
-    samples: list[Sample],
-    ids: list[int],
-    prompt_order: list[str],
-    prompt_len: int,
-    response_len: int,
-    selection_shape: tuple[int, int],
-    device: torch.device,
-) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """The recorded key selections of a shared-prompt micro-batch (collate_groups): "prompts" [G, P, P] from each
-    prompt's first sample (queries and keys of the left-padded prompt row), "responses" [B, T, P + T] (a response
-    query's keys: its prompt's columns, then its own)."""
-    layers, topk = selection_shape
-    first: dict[str, Sample] = {}
-    for i in ids:
-        first.setdefault(samples[i].prompt_id, samples[i])
-    prompt_entries = []
-    for row, prompt_id in enumerate(prompt_order):
-        s = first[prompt_id]
-        n, pad = len(s.prompt_ids), prompt_len - len(s.prompt_ids)
-        queries = np.arange(topk, n)
-        prompt_entries.append(SelectionEntry(sample_selection(s, layers, topk)[: len(queries)], row, pad + queries,
-                                             pad + np.arange(n)))  # fmt: skip
-    response_entries = []
-    for row, i in enumerate(ids):
-        s = samples[i]
-        n, fed = len(s.prompt_ids), len(s.prompt_ids) + len(s.response_ids) - 1
-        queries, keys = np.arange(max(n, topk), fed), np.arange(fed)
-        columns = np.where(keys < n, prompt_len - n + keys, prompt_len + keys - n)
-        response_entries.append(SelectionEntry(sample_selection(s, layers, topk)[queries - topk], row, queries - n,
-                                               columns))  # fmt: skip
-    return {
-        "prompts": selection_grid(prompt_entries, layers, (len(prompt_order), prompt_len, prompt_len), device),
-        "responses": selection_grid(response_entries, layers, (len(ids), response_len, prompt_len + response_len),
-                                    device),
-    }  # fmt: skip
-
-
-# ----------------------------------------------------------------------------------------------------
 # The trainer
 # ----------------------------------------------------------------------------------------------------
 
@@ -516,7 +235,7 @@ class PolicyTrainer:
         self.route_shape: tuple[int, int] | None = None  # (MoE layers, top_k) while the samples' routes are read
         # (indexer layers, index_topk) while the samples' key selections are read (DeepSeek sparse attention), and
         # [indexer layers, 2] the indexers' disagreement with them while counted (route_disagreement)
-        self.selection_shape: tuple[int, int] | None = None
+        self.selection_shape: SelectionShape | None = None
         self.selection_counts: torch.Tensor | None = None
 
     # -- forward pieces ------------------------------------------------------------------------------
@@ -708,9 +427,9 @@ class PolicyTrainer:
         self.route_shape = self.selection_shape = None
         if blocks and check_routes(samples, len(blocks), blocks[0].top_k, blocks[0].num_experts, replay=replay):
             self.route_shape = (len(blocks), blocks[0].top_k)
-        attention = self.model.indexed_attention()
-        if attention and check_selections(samples, len(attention), attention[0].indexer.topk, replay=replay):
-            self.selection_shape = (len(attention), attention[0].indexer.topk)
+        shape = self.model.selection_shape()
+        if shape is not None and check_selections(samples, shape, replay=replay):
+            self.selection_shape = shape
 
     def route_disagreement(self) -> dict[str, Any] | None:
         """The routing figures counted since model.count_route_disagreement (every rank's tokens; every rank
@@ -760,7 +479,7 @@ class PolicyTrainer:
         mismatch, recomputed, routing = MismatchStats(), False, None
         self.model.count_route_disagreement()
         if self.selection_shape is not None:
-            self.selection_counts = torch.zeros(self.selection_shape[0], 2, dtype=torch.int64)
+            self.selection_counts = torch.zeros(self.selection_shape.layers, 2, dtype=torch.int64)
         if len(plan) > 1 and self.settings.old_logprobs == "behavior":  # the engine's: no extra forward pass
             old = {i: torch.tensor(s.trained(s.behavior_logprobs), dtype=torch.float32) for i, s in enumerate(samples)}
         elif len(plan) > 1:

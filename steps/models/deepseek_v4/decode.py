@@ -37,6 +37,9 @@ class CompressedDecode:
     def __init__(self, model: nn.Module) -> None:
         assert isinstance(model, DeepseekV4ForCausalLM)
         self.model = model
+        # While a list (the torch engine's record, steps/engines/route_recorder.py SelectionRecorder): every forward
+        # appends each CSA layer's choice of entries [R, T, W] (layer order; W the row's windows in position order)
+        self.recorded: list[torch.Tensor] | None = None
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(self.model.final_norm(x), self.model.output_weight()).float()
@@ -49,7 +52,7 @@ class CompressedDecode:
         h = layer.attn_norm(collapsed)
         mine = layer.attn.key_inputs(h, rope[layer.attn.rope_kind])
         keys = mine if keys is None else keys.then(mine)
-        x = HyperConnection.mix(post, comb, layer.attention(h, rope, masks, keys), x)
+        x = HyperConnection.mix(post, comb, layer.attention(h, rope, masks, keys, self.recorded), x)
         return layer.feed_forward(x, masks.token_ids), keys
 
     def prefill(self, ids: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, CompressedRows]:

@@ -32,10 +32,10 @@ from steps.models.compressed_attention import (
     compressed_attention,
     init_compressed_attention,
 )
-from steps.models.deepseek_v4.config import DeepseekV4Config
+from steps.models.deepseek_v4.config import CSA, DeepseekV4Config
 from steps.models.experts import LimitedSwiGLU, SwiGLUExpert
 from steps.models.hyper_connections import HyperConnection, HyperHead, init_hyper_connection
-from steps.models.layers import AttentionMasks, Float32RMSNorm
+from steps.models.layers import AttentionMasks, Float32RMSNorm, SelectionShape
 from steps.models.moe import RouterSettings, SparseMoeBlock
 from steps.models.placement import layer_share
 from steps.models.rope import yarn_frequencies
@@ -77,6 +77,7 @@ class MoeBlock(SparseMoeBlock):
         assert isinstance(self.shared_experts, Expert)
         self.shared_experts.arithmetic = LimitedSwiGLU(cfg.swiglu_limit)  # the shared block builds it without kwargs
         self.hash_routed = cfg.is_hash_layer(layer_idx)
+        self.router_chooses = not self.hash_routed
         if self.hash_routed:
             del self.gate.e_score_correction_bias
             self.gate.register_buffer("tid2eid", torch.zeros(cfg.vocab_size, cfg.num_experts_per_tok, dtype=torch.long))
@@ -155,11 +156,17 @@ class DecoderLayer(nn.Module):
         return self.ffn
 
     def attention(
-        self, h: torch.Tensor, rope: Rotaries, masks: AttentionMasks, keys: KeyInputs | None = None
+        self,
+        h: torch.Tensor,
+        rope: Rotaries,
+        masks: AttentionMasks,
+        keys: KeyInputs | None = None,
+        record: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """The attention block on its normed input h [B, T, H], over the keys `masks` describes (keys: their
         inputs, else h's tokens): the sliding window's, then the compressed entries the queries see (or their
-        indexer chose)."""
+        indexer chose; the engine's recorded choice in masks.engine_selection compared and replayed; record: the
+        torch engine's list of choices)."""
         attn = self.attn
         windows = visible = None
         if attn.rate is not None:
@@ -167,7 +174,7 @@ class DecoderLayer(nn.Module):
             visible = windows.visible(masks.query_positions, masks.segments)
         return compressed_attention(
             attn, h, rope[attn.rope_kind], rope["compress"], lambda at: rope.at(at, "compress"),
-            masks.get(attn.sliding_window), windows, visible, keys,
+            masks.get(attn.sliding_window), windows, visible, keys, masks.engine_selection, record,
         )  # fmt: skip
 
     def feed_forward(self, streams: torch.Tensor, token_ids: torch.Tensor | None) -> torch.Tensor:
@@ -252,6 +259,12 @@ class DeepseekV4ForCausalLM(MoeCausalLM):
                 module.gate.tid2eid.zero_()
             else:
                 module.gate.e_score_correction_bias.zero_()
+
+    def selection_shape(self) -> SelectionShape | None:
+        """The CSA layers' indexers choose index_topk of their compressed entries, recorded by window index."""
+        layers = sum(kind == CSA for kind in self.config.layer_types)
+        rate = self.config.compress_rates[CSA]
+        return SelectionShape(layers, self.config.index_topk, rate, over_windows=True) if layers else None
 
     def rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> Rotaries:  # type: ignore[override]
         return rotaries(self.config, positions, dtype)
