@@ -9,8 +9,10 @@ against transformers' forward, and the refusals."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
+import numpy as np
 import pytest
 import torch
 from family_helpers import (
@@ -407,3 +409,132 @@ def test_mtp_tensors_are_dropped_and_a_float_hash_table_refused(tmp_path):
     with pytest.raises(MoerlError, match=r"layers.0.ffn.gate.tid2eid has dtype F32; it is an integer table") as err:
         load_pretrained(tmp_path / "ckpt")
     assert "\n" not in str(err.value)
+
+
+# --- replaying the CSA indexer's choice ----------------------------------------------------------------------------
+
+
+def v4_samples(model, max_new_tokens: int = 16):
+    from steps.engines.interface import GenerationRequest
+    from steps.experience.tables import Sample
+
+    engine = TorchEngine(model, record_routes=True)
+    prompts = [("a", (5, 9, 17, 3, 8, 1)), ("b", (40, 41)), ("c", (7, 8, 9, 10, 11, 12, 13, 14, 15))]
+    requests = [
+        GenerationRequest(pid, ids, k, seed=10 * i + k) for i, (pid, ids) in enumerate(prompts) for k in range(2)
+    ]
+    generations = engine.generate(requests, SamplingParams(temperature=1.0, max_new_tokens=max_new_tokens))
+    return [
+        Sample(r.prompt_id, r.sample_index, list(r.prompt_ids), g.response_ids, g.logprobs,
+               advantage=1.0 if i % 2 else -1.0, routed_experts=g.routed_experts,
+               selected_keys=g.selected_keys.reshape(-1))
+        for i, (r, g) in enumerate(zip(requests, generations, strict=True))
+    ]  # fmt: skip
+
+
+def own_entries(model, ids: list[int]) -> torch.Tensor:
+    """[fed, CSA layers, windows] bool: the entries the CSA indexers choose over `ids` in one forward."""
+    from steps.models.compressed_attention import Indexer
+
+    chosen, original = [], Indexer.select
+
+    def select(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        chosen.append(out[0])
+        return out
+
+    Indexer.select = select
+    try:
+        with torch.no_grad():
+            model(torch.tensor([ids]))
+    finally:
+        Indexer.select = original
+    return torch.stack(chosen, dim=1)
+
+
+def test_the_engine_records_the_csa_indexers_choice_as_the_trainer_makes_it(tmp_path):
+    release_checkpoint(CONFIGS["every_kind"], seed=17, directory=tmp_path)
+    model = load_pretrained(tmp_path).eval()
+    shape = model.selection_shape()
+    assert (shape.layers, shape.topk, shape.rate, shape.over_windows, shape.first_query) == (2, 2, 4, True, 11)
+    recorded = 0
+    for s in v4_samples(model):
+        fed = len(s.prompt_ids) + len(s.response_ids) - 1
+        rows = s.selected_keys.reshape(shape.queries(fed), 2, -1)
+        chosen = np.unpackbits(rows, axis=-1, count=shape.keys(fed)).astype(bool)
+        assert (chosen.sum(-1) == 2).all()
+        own = own_entries(model, s.prompt_ids + s.response_ids[:-1])[shape.first_query :, :, : shape.keys(fed)]
+        assert np.array_equal(chosen, own.numpy())
+        recorded += len(chosen)
+    assert recorded > 20
+
+
+@pytest.mark.parametrize("layout", ["plain", "packed", "shared_prompts"])
+def test_replaying_its_own_csa_choice_is_the_plain_update(tmp_path, layout):
+    from steps.expert_parallel.mesh import Mesh
+    from steps.training.rl_loss import LossSettings
+    from steps.training.trainer import PolicyTrainer, TrainSettings
+
+    release_checkpoint(CONFIGS["every_kind"], seed=18, directory=tmp_path)
+    samples = v4_samples(load_pretrained(tmp_path).eval())
+    changes = {"packed": {"sequence_packing": True}, "shared_prompts": {"shared_prompts": True}}.get(layout, {})
+    results = {}
+    for replay in ("none", "rollout"):
+        model = load_pretrained(tmp_path).train()
+        settings = TrainSettings(micro_batch_size=3, steps_per_epoch=1, lr=1e-2, loss=LossSettings(kl_coef=0.0),
+                                 routing_replay=replay, **changes)  # fmt: skip
+        metrics = PolicyTrainer(model, Mesh(), settings).train(samples, iteration=1)
+        assert metrics["routing"]["indexer"]["queries"] > 0 and metrics["routing"]["indexer"]["disagreement"] == 0
+        results[replay] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    assert all(torch.equal(results["rollout"][n], w) for n, w in results["none"].items())
+
+
+def test_replay_attends_to_the_engines_entries(tmp_path):
+    """The last CSA layer's recorded entries moved to the earliest ones: with replay the trainer's log-probs are a
+    forward's whose last CSA layer attends to those; the disagreement is counted there only."""
+    from steps.expert_parallel.mesh import Mesh
+    from steps.models.compressed_attention import Indexer
+    from steps.training.micro_batch import collate
+    from steps.training.trainer import PolicyTrainer, TrainSettings
+
+    release_checkpoint(CONFIGS["every_kind"], seed=19, directory=tmp_path)
+    model = load_pretrained(tmp_path).eval()
+    shape = model.selection_shape()
+    samples = v4_samples(model)
+    moved = []
+    for s in samples:
+        fed = len(s.prompt_ids) + len(s.response_ids) - 1
+        rows = s.selected_keys.reshape(shape.queries(fed), 2, -1).copy()
+        earliest = np.zeros(shape.keys(fed), dtype=bool)
+        earliest[:2] = True
+        rows[:, 1] = np.packbits(earliest)
+        moved.append(dataclasses.replace(s, selected_keys=rows.reshape(-1)))
+    last = model.model.layers[3].attn.indexer
+    original = Indexer.select
+
+    def forced(self, x, queries, keys, visible):
+        own = original(self, x, queries, keys, visible)
+        if self is not last:
+            return own
+        earliest = torch.zeros_like(visible)
+        earliest[..., :2] = True
+        seen = visible.sum(-1, keepdim=True) > shape.topk
+        return torch.where(seen, earliest & visible, own)
+
+    want = []
+    Indexer.select = forced
+    try:
+        for s in moved:
+            logits = response_logits(model, s.prompt_ids, s.response_ids)
+            want.append(token_logprobs(logits, torch.tensor(s.response_ids)))
+    finally:
+        Indexer.select = original
+    trainer = PolicyTrainer(model, Mesh(), TrainSettings(routing_replay="rollout"))
+    trainer.selection_counts = torch.zeros(2, 2, dtype=torch.int64)
+    mb = collate(moved, list(range(len(moved))), torch.device("cpu"), selection_shape=shape)
+    with torch.no_grad():
+        logp, _ = trainer.forward_logprobs(model, mb)
+    for row, expected in enumerate(want):
+        torch.testing.assert_close(logp[row][mb.loss_mask[row]], expected, atol=1e-5, rtol=0)
+    differs, queries = trainer.selection_counts.unbind(1)
+    assert differs[0] == 0 and 0 < differs[1] <= queries[1]
