@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import save_file
 
-from steps.models.hf_checkpoint import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, TensorEntry
+from steps.models.hf_checkpoint import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, TensorEntry, tensor_index
 
 SHARD_BYTES = 5 * 2**30  # a rewrite's output shards' size bound (one tensor larger than it is a shard of its own)
 
@@ -83,3 +85,22 @@ class ShardWriter:
         (self.directory / SAFE_WEIGHTS_NAME).unlink(missing_ok=True)
         index_json = {"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
         index.write_text(json.dumps(index_json, indent=2) + "\n")
+
+
+def rename_tensors(
+    directory: str | os.PathLike, rename: Callable[[str], str], shard_bytes: int, tmp_prefix: str
+) -> int:
+    """Rewrite the checkpoint in `directory` in place with each tensor under rename(name), the tensors unchanged;
+    returns how many were renamed (0: nothing to do, nothing written)."""
+    entries = tensor_index(directory)
+    renamed = {name: rename(name) for name in entries if rename(name) != name}
+    if not renamed:
+        return 0
+    inputs = InputFiles(entries)
+    writer = ShardWriter(Path(directory), shard_bytes, tmp_prefix)
+    for name, entry in entries.items():
+        with safe_open(entry.file, framework="pt") as f:
+            writer.add(renamed.get(name, name), f.get_tensor(name))
+        inputs.consumed(name)
+    writer.finish()
+    return len(renamed)

@@ -242,13 +242,7 @@ def _layer_types(d: dict[str, Any], layers: int, source: str) -> list[str]:
         types = [LEGACY_RATIOS[r] for r in ratios]
     if types is None:
         types = [HCA] * min(layers, 2) + [CSA if i % 2 else HCA for i in range(max(layers - 2, 0))]
-    types = list(types)[:layers]
-    if len(types) != layers or any(t not in LAYER_TYPES for t in types):
-        raise MoerlError(
-            f"{source}: layer_types = {types!r} must give one of {list(LAYER_TYPES)} for each of the "
-            f"num_hidden_layers = {layers} layers; fix config.json"
-        )
-    return types
+    return _per_layer("layer_types", types, LAYER_TYPES, layers, source)
 
 
 def _mlp_layer_types(d: dict[str, Any], layers: int, source: str) -> list[str]:
@@ -259,11 +253,17 @@ def _mlp_layer_types(d: dict[str, Any], layers: int, source: str) -> list[str]:
         if not isinstance(hashed, int) or isinstance(hashed, bool) or hashed < 0:
             raise MoerlError(f"{source}: num_hash_layers = {hashed!r} must be an integer >= 0; fix config.json")
         types = ["hash_moe"] * min(layers, hashed) + ["moe"] * max(0, layers - hashed)
-    types = list(types)[:layers]
-    if len(types) != layers or any(t not in MLP_LAYER_TYPES for t in types):
+    return _per_layer("mlp_layer_types", types, MLP_LAYER_TYPES, layers, source)
+
+
+def _per_layer(name: str, types: Any, allowed: tuple[str, ...], layers: int, source: str) -> list[str]:
+    """A per-layer list of kinds, cut to num_hidden_layers as transformers cuts it; refused unless it gives one of
+    `allowed` for every layer."""
+    types = list(types)[:layers] if isinstance(types, list | tuple) else types
+    if not isinstance(types, list) or len(types) != layers or any(t not in allowed for t in types):
         raise MoerlError(
-            f"{source}: mlp_layer_types = {types!r} must give one of {list(MLP_LAYER_TYPES)} for each of the "
-            f"num_hidden_layers = {layers} layers; fix config.json"
+            f"{source}: {name} = {types!r} must give one of {list(allowed)} for each of the num_hidden_layers = "
+            f"{layers} layers; fix config.json"
         )
     return types
 

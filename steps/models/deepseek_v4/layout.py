@@ -11,12 +11,8 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Callable
-from pathlib import Path
 
-from safetensors import safe_open
-
-from steps.models.checkpoint_rewrite import SHARD_BYTES, InputFiles, ShardWriter
-from steps.models.hf_checkpoint import tensor_index
+from steps.models.checkpoint_rewrite import SHARD_BYTES, rename_tensors
 
 _TMP_PREFIX = ".moerl-renamed-"
 _WHOLE = {"model.embed_tokens.weight": "embed.weight", "model.norm.weight": "norm.weight"}
@@ -38,17 +34,7 @@ def rename_to_release_layout(
 ) -> int:
     """Rewrite the checkpoint in `directory` in place under the release's names; says so in one line and returns the
     number of tensors renamed (0: already the release's layout)."""
-    directory = Path(directory)
-    entries = tensor_index(directory)
-    renamed = {name: release_name(name) for name in entries if release_name(name) != name}
-    if not renamed:
-        return 0
-    inputs = InputFiles(entries)
-    writer = ShardWriter(directory, shard_bytes, _TMP_PREFIX)
-    for name, entry in entries.items():
-        with safe_open(entry.file, framework="pt") as f:
-            writer.add(renamed.get(name, name), f.get_tensor(name))
-        inputs.consumed(name)
-    writer.finish()
-    say(f"{directory}: renamed {len(renamed)} tensors from transformers' saved layout to the DeepSeek-V4 release's")
-    return len(renamed)
+    renamed = rename_tensors(directory, release_name, shard_bytes, _TMP_PREFIX)
+    if renamed:
+        say(f"{directory}: renamed {renamed} tensors from transformers' saved layout to the DeepSeek-V4 release's")
+    return renamed

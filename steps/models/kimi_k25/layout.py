@@ -19,10 +19,8 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from safetensors import safe_open
-
-from steps.models.checkpoint_rewrite import SHARD_BYTES, InputFiles, ShardWriter
-from steps.models.hf_checkpoint import CONFIG_NAME, read_config_json, tensor_index
+from steps.models.checkpoint_rewrite import SHARD_BYTES, rename_tensors
+from steps.models.hf_checkpoint import CONFIG_NAME, read_config_json
 from steps.models.kimi_k25.config import ARCHITECTURE
 
 _TMP_PREFIX = ".moerl-renamed-"
@@ -69,16 +67,7 @@ def rename_to_release_layout(
             f"{directory}: config.json as the release writes it (architectures {ARCHITECTURE}, vision_config's "
             "vt_* sizes beside transformers' keys)"
         )
-    entries = tensor_index(directory)
-    renamed = {name: release_name(name) for name in entries if release_name(name) != name}
-    if not renamed:
-        return 0
-    inputs = InputFiles(entries)
-    writer = ShardWriter(directory, shard_bytes, _TMP_PREFIX)
-    for name, entry in entries.items():
-        with safe_open(entry.file, framework="pt") as f:
-            writer.add(renamed.get(name, name), f.get_tensor(name))
-        inputs.consumed(name)
-    writer.finish()
-    say(f"{directory}: renamed {len(renamed)} tensors from transformers' saved layout to the Kimi-K2.5 release's")
-    return len(renamed)
+    renamed = rename_tensors(directory, release_name, shard_bytes, _TMP_PREFIX)
+    if renamed:
+        say(f"{directory}: renamed {renamed} tensors from transformers' saved layout to the Kimi-K2.5 release's")
+    return renamed
