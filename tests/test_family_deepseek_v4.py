@@ -311,17 +311,30 @@ def test_our_checkpoint_loads_in_transformers_with_equal_logits(tmp_path, kwargs
     assert all(torch.equal(back[name], t) for name, t in after.items())
 
 
-def test_a_bf16_checkpoint_keeps_the_hyper_connections_sinks_and_gate_biases_in_float32(tmp_path):
-    release_checkpoint(CONFIGS["every_kind"], seed=11, directory=tmp_path / "ckpt")
+def test_a_bf16_checkpoint_keeps_the_hyper_connections_sinks_gate_biases_and_norms_in_float32(tmp_path):
+    """As transformers holds them (_keep_in_fp32_modules_strict), and as its save of a bf16 model stores them: a bf16
+    checkpoint saved by transformers loads, and moerl publishes them in float32 too."""
+    hf = hf_model(CONFIGS["every_kind"], seed=11)
+    hf.save_pretrained(tmp_path / "fp32")
+    HfModel.from_pretrained(tmp_path / "fp32", dtype=torch.bfloat16).save_pretrained(tmp_path / "ckpt")
+    convert_on_import(tmp_path / "ckpt", say=lambda line: None)
+    with safe_open(str(next((tmp_path / "ckpt").glob("*.safetensors"))), "pt") as f:
+        stored = {name: f.get_slice(name).get_dtype() for name in f.keys()}
+    assert stored["layers.0.attn.kv_norm.weight"] == stored["norm.weight"] == "F32" and "BF16" in stored.values()
     model = load_pretrained(tmp_path / "ckpt", dtype=torch.bfloat16)
     state = model.state_dict()
     for name in ("model.layers.0.hc_attn.fn", "hc_head.scale", "model.layers.1.attn.attn_sink",
-                 "model.layers.1.attn.compressor.ape", "model.layers.2.ffn.gate.e_score_correction_bias"):  # fmt: skip
+                 "model.layers.1.attn.compressor.ape", "model.layers.2.ffn.gate.e_score_correction_bias",
+                 "model.layers.0.attn_norm.weight", "model.layers.1.attn.kv_norm.weight", "model.norm.weight",
+                 "model.layers.1.attn.indexer.compressor.norm.weight",
+                 "model.layers.0.attn.q_norm.weight"):  # fmt: skip
         assert state[name].dtype == torch.float32, name
     assert state["model.layers.0.ffn.gate.tid2eid"].dtype == torch.int64
     assert state["model.layers.0.attn.wq_a.weight"].dtype == torch.bfloat16
     save_pretrained(model, tmp_path / "published")
     assert check_checkpoint(tmp_path / "published") == model.config
+    with safe_open(str(next((tmp_path / "published").glob("*.safetensors"))), "pt") as f:
+        assert {name: f.get_slice(name).get_dtype() for name in f.keys()} == stored
 
 
 # --- expert parallelism ----------------------------------------------------------------------------------------------

@@ -230,9 +230,12 @@ class LocalDispatch:
 # the routers' correction bias (DeepSeek-V3, GLM-4.5, MiniMax-M2), DeepSeek sparse attention's indexer head weights
 # (transformers' DeepseekV32PreTrainedModel._keep_in_fp32_modules) and DeepSeek-V4's (its _keep_in_fp32_modules_strict):
 # the hyper-connections' fn/base/scale (model names hc_attn.fn, release names hc_attn_fn), the attention sinks
-# (attn_sink) and the compressors' gate biases (ape); DeepSeek-V4's release names its router bias gate.bias
-FLOAT32_TENSOR_SUFFIXES = (".e_score_correction_bias", ".indexer.weights_proj.weight", ".attn_sink", ".ape",
-                           ".ffn.gate.bias")  # fmt: skip
+# (attn_sink), the compressors' gate biases (ape) and every norm weight (transformers saves a bf16 DeepSeek-V4 with
+# them in float32), by the release's names; its router bias is gate.bias there
+FLOAT32_TENSOR_SUFFIXES = (".e_score_correction_bias", ".self_attn.indexer.weights_proj.weight", ".attn_sink",
+                           ".ape", ".ffn.gate.bias", ".attn_norm.weight", ".ffn_norm.weight", ".attn.q_norm.weight",
+                           ".attn.kv_norm.weight", ".compressor.norm.weight")  # fmt: skip
+FLOAT32_TENSOR_NAMES = ("norm.weight",)  # DeepSeek-V4's final norm (every other family's is model.norm.weight)
 _HYPER_CONNECTION = re.compile(r"(^|\.)hc_(attn|ffn|head)[._](fn|base|scale)$")
 # Integer tables a model routes by, loaded, held and published as integers (DeepSeek-V4's hash layers: the token ->
 # experts table, a buffer no optimizer step changes)
@@ -240,8 +243,12 @@ INTEGER_TENSOR_SUFFIXES = (".gate.tid2eid",)
 
 
 def kept_in_float32(name: str) -> bool:
-    """Whether tensor `name` (a model or checkpoint name) stays float32 whatever the checkpoint's dtype."""
-    return name.endswith(FLOAT32_TENSOR_SUFFIXES) or _HYPER_CONNECTION.search(name) is not None
+    """Whether checkpoint tensor `name` stays float32 whatever the checkpoint's dtype (loaded, held and written so:
+    the loader, the candidate writer and save_pretrained ask by the checkpoint's names)."""
+    return (
+        name.endswith(FLOAT32_TENSOR_SUFFIXES) or name in FLOAT32_TENSOR_NAMES
+        or _HYPER_CONNECTION.search(name) is not None
+    )  # fmt: skip
 
 
 def kept_as_integers(name: str) -> bool:
