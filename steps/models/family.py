@@ -280,6 +280,9 @@ class ModelFamily:
     # config -> the checkpoint tensors (name -> shape) the family keeps and publishes unchanged without computing
     # with them (a vision-language checkpoint's vision tower, steps/models/carried.py); None: none
     carried: Callable[[Any], dict[str, tuple[int, ...]]] | None = None
+    # the checkpoint tensors it holds and writes in float32 whatever the weights' dtype, beside the shared ones
+    # (steps/models/moe.py stored_dtype), by the ends of their names
+    float32_tensors: tuple[str, ...] = ()
 
     def carried_shapes(self, cfg: Any) -> dict[str, tuple[int, ...]]:
         """The carried checkpoint tensors of `cfg` (name -> shape); {} for a family without any."""

@@ -26,7 +26,7 @@ from steps.errors import MoerlError
 from steps.models.family import dtype_name
 from steps.models.moe import kept_as_integers, kept_in_float32, stored_dtype
 from steps.models.placement import check_placement, is_expert_param
-from steps.models.registry import config_from_hf, family_of
+from steps.models.registry import config_from_hf, family_of, resolve
 
 if TYPE_CHECKING:
     from torch import nn
@@ -228,6 +228,15 @@ def declared_dtype(config: dict[str, Any], source: str) -> torch.dtype | None:
     return CONFIG_DTYPES[next(iter(declared.values()))] if declared else None
 
 
+def float32_tensors(config: Any) -> tuple[str, ...]:
+    """The float32 tensor names of the family of `config` (a config or a config.json dict; ModelFamily.float32_tensors),
+    () for a config no family takes (refused elsewhere)."""
+    try:
+        return (family_of(config) if not isinstance(config, dict) else resolve(config)).float32_tensors
+    except MoerlError:
+        return ()
+
+
 def weights_dtype(config: dict[str, Any], entries: dict[str, TensorEntry], source: str) -> torch.dtype:
     """The one dtype every tensor is stored in, which config.json's dtype (when declared) must name.
 
@@ -235,9 +244,10 @@ def weights_dtype(config: dict[str, Any], entries: dict[str, TensorEntry], sourc
     mixed dtypes, or a config.json that says another dtype than the weights have, are refused, because
     loaders that follow config.json (transformers' dtype="auto", SGLang's dtype auto) would cast them."""
     stored: dict[str, list[str]] = {}
+    own = float32_tensors(config)
     for name, entry in sorted(entries.items()):
         _check_float(name, entry)
-        if kept_in_float32(name) and entry.dtype == "F32" or kept_as_integers(name):
+        if kept_in_float32(name, own) and entry.dtype == "F32" or kept_as_integers(name):
             continue  # float32 or integers beside any weights' dtype (steps/models/moe.py stored_dtype)
         stored.setdefault(entry.dtype, []).append(name)
     if not stored:
@@ -387,11 +397,13 @@ def model_from_state(
     model's names, beside `state`'s checkpoint names (an EP rank's slices of fused expert tensors, read on their
     own: read_expert_rows)."""
 
+    own = float32_tensors(cfg)
+
     # Always a copy into torch's own (64-byte aligned) memory: a tensor as safetensors hands it over may sit at
     # any offset, and CPU kernels round differently on unaligned data, so the same weights would train other bits.
     def copied(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {
-            name: t.to(device=device, dtype=stored_dtype(name, dtype), copy=True)
+            name: t.to(device=device, dtype=stored_dtype(name, dtype, own), copy=True)
             for name, t in tensors.items()
         }
 
@@ -427,7 +439,8 @@ def save_pretrained(
     cfg: Any = model.config
     named = family_of(cfg).state_dict_adapter.to_hf(model.state_dict())
     state = {name: t.detach().to("cpu").contiguous() for name, t in named.items()}
-    dtype = next(t.dtype for name, t in state.items() if not kept_in_float32(name) and not kept_as_integers(name))
+    own = float32_tensors(cfg)
+    dtype = next(t.dtype for name, t in state.items() if not kept_in_float32(name, own) and not kept_as_integers(name))
     written: list[Path] = []
 
     shards: list[dict[str, torch.Tensor]] = [{}]

@@ -4,7 +4,7 @@ its input with weights `pre`; after it its output is spread back over the stream
 streams mixed among themselves by `comb`, a doubly stochastic N x N matrix (Sinkhorn-Knopp). All three come from
 one projection of the token's normalised streams. As transformers 5.23's DeepseekV4HyperConnection and
 DeepseekV4HyperHead compute them, in float32 (their parameters are held in float32 whatever the weights' dtype:
-steps/models/moe.py kept_in_float32):
+ModelFamily.float32_tensors):
 
     flat          = x.flatten(N, H) / rms                                  (no weight)
     [pre | post | comb] = flat @ fn^T                                      fn [(2 + N) N, N H]

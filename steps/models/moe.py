@@ -18,7 +18,6 @@ dispatcher sees contiguous slot ranges per rank (the contract DeepEP needs too),
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -224,31 +223,20 @@ class LocalDispatch:
         return slots.combine(expert_out, topk_weight)
 
 
-# Tensors kept in float32 whatever the checkpoint's dtype (transformers' _keep_in_fp32_modules_strict): the
-# selection-only correction bias, whose small differences between experts bf16 would erase. Loaded, held and
-# published in float32 beside weights of the run's dtype.
-# the routers' correction bias (DeepSeek-V3, GLM-4.5, MiniMax-M2), DeepSeek sparse attention's indexer head weights
-# (transformers' DeepseekV32PreTrainedModel._keep_in_fp32_modules) and DeepSeek-V4's (its _keep_in_fp32_modules_strict):
-# the hyper-connections' fn/base/scale (model names hc_attn.fn, release names hc_attn_fn), the attention sinks
-# (attn_sink), the compressors' gate biases (ape) and every norm weight (transformers saves a bf16 DeepSeek-V4 with
-# them in float32), by the release's names; its router bias is gate.bias there
-FLOAT32_TENSOR_SUFFIXES = (".e_score_correction_bias", ".self_attn.indexer.weights_proj.weight", ".attn_sink",
-                           ".ape", ".ffn.gate.bias", ".attn_norm.weight", ".ffn_norm.weight", ".attn.q_norm.weight",
-                           ".attn.kv_norm.weight", ".compressor.norm.weight")  # fmt: skip
-FLOAT32_TENSOR_NAMES = ("norm.weight",)  # DeepSeek-V4's final norm (every other family's is model.norm.weight)
-_HYPER_CONNECTION = re.compile(r"(^|\.)hc_(attn|ffn|head)[._](fn|base|scale)$")
+# Tensors kept in float32 whatever the checkpoint's dtype (transformers' _keep_in_fp32_modules_strict), by checkpoint
+# name: the routers' selection-only correction bias (DeepSeek-V3, GLM-4.5, MiniMax-M2), whose small differences
+# between experts bf16 would erase. A family adds its own names (ModelFamily.float32_tensors; steps/models/registry.py
+# stored_dtype asks both). Loaded, held and published in float32 beside weights of the run's dtype.
+FLOAT32_TENSOR_SUFFIXES = (".e_score_correction_bias",)
 # Integer tables a model routes by, loaded, held and published as integers (DeepSeek-V4's hash layers: the token ->
 # experts table, a buffer no optimizer step changes)
 INTEGER_TENSOR_SUFFIXES = (".gate.tid2eid",)
 
 
-def kept_in_float32(name: str) -> bool:
-    """Whether checkpoint tensor `name` stays float32 whatever the checkpoint's dtype (loaded, held and written so:
-    the loader, the candidate writer and save_pretrained ask by the checkpoint's names)."""
-    return (
-        name.endswith(FLOAT32_TENSOR_SUFFIXES) or name in FLOAT32_TENSOR_NAMES
-        or _HYPER_CONNECTION.search(name) is not None
-    )  # fmt: skip
+def kept_in_float32(name: str, family_names: tuple[str, ...] = ()) -> bool:
+    """Whether checkpoint tensor `name` stays float32 whatever the checkpoint's dtype: it ends with a shared suffix
+    or one of its family's `family_names` (ModelFamily.float32_tensors)."""
+    return name.endswith(FLOAT32_TENSOR_SUFFIXES + tuple(family_names))
 
 
 def kept_as_integers(name: str) -> bool:
@@ -256,12 +244,12 @@ def kept_as_integers(name: str) -> bool:
     return name.endswith(INTEGER_TENSOR_SUFFIXES)
 
 
-def stored_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
-    """The dtype tensor `name` is held and written in beside weights of `dtype`: float32 for kept_in_float32, int64
-    for the integer tables, else dtype."""
+def stored_dtype(name: str, dtype: torch.dtype, family_names: tuple[str, ...] = ()) -> torch.dtype:
+    """The dtype checkpoint tensor `name` is held and written in beside weights of `dtype`: float32 for
+    kept_in_float32 (with the family's names), int64 for the integer tables, else dtype."""
     if kept_as_integers(name):
         return torch.int64
-    return torch.float32 if kept_in_float32(name) else dtype
+    return torch.float32 if kept_in_float32(name, family_names) else dtype
 
 
 @dataclass(frozen=True)

@@ -68,8 +68,11 @@ def _fused_owner(mesh: Mesh, fused: FusedExperts) -> int:
     return fused.moe_layer % mesh.ep_size
 
 
-def _as_stored(name: str, t: torch.Tensor, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
-    return t.detach().to(device, stored_dtype(name, dtype)).contiguous()
+def _as_stored(
+    name: str, t: torch.Tensor, dtype: torch.dtype, own: tuple[str, ...], device: torch.device | str = "cpu"
+) -> torch.Tensor:
+    """Tensor `name` as stored beside weights of `dtype` (own: the family's float32 tensors)."""
+    return t.detach().to(device, stored_dtype(name, dtype, own)).contiguous()
 
 
 def _gather_fused(
@@ -86,7 +89,7 @@ def _gather_fused(
         return placement.held(fused.moe_layer, ep_rank) if placement is not None else tuple(range(len(fused.experts)))
 
     mine = torch.stack([state[fused.experts[e]].detach() for e in held(mesh.ep_rank)], dim=fused.dim)
-    mine = _as_stored(fused.name, mine, dtype, mine.device)
+    mine = _as_stored(fused.name, mine, dtype, family_of(model).float32_tensors, mine.device)
     owner = _fused_owner(mesh, fused)
     parts: list[torch.Tensor] | None = [mine]
     if mesh.ep_size > 1:
@@ -115,7 +118,8 @@ def _stored(model: MoeCausalLM, mesh: Mesh, dtype: torch.dtype, keep: bool = Tru
         return {}
     slices = {name for f in fused for name in f.experts}
     named = adapter.to_hf({n: t for n, t in state.items() if n not in slices} if fused else state)
-    stored = {n: _as_stored(n, t, dtype) for n, t in named.items() if _written(mesh, n)}
+    own = family_of(model).float32_tensors
+    stored = {n: _as_stored(n, t, dtype, own) for n, t in named.items() if _written(mesh, n)}
     for f in fused:  # one tensor at a time, in the same order on every EP rank
         tensor = _gather_fused(model, state, mesh, f, dtype)
         if tensor is not None:

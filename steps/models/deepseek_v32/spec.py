@@ -22,4 +22,5 @@ DEEPSEEK_V32 = ModelFamily(
     decode=decode_model,
     attention="indexed_kv_cache",
     router="sigmoid_group_topk",
+    float32_tensors=(".indexer.weights_proj.weight",),  # as transformers holds it (_keep_in_fp32_modules)
 )

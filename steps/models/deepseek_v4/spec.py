@@ -23,4 +23,9 @@ DEEPSEEK_V4 = ModelFamily(
     decode=decode_model,
     attention="compressed_kv_cache",
     router="sqrtsoftplus_topk",
+    # as transformers holds them (_keep_in_fp32_modules_strict) and saves a bf16 model: the hyper-connections, the
+    # sinks, the compressors' gate biases, the router bias and every norm (attn_norm, q_norm, kv_norm, ..., norm)
+    float32_tensors=("hc_attn_fn", "hc_attn_base", "hc_attn_scale", "hc_ffn_fn", "hc_ffn_base", "hc_ffn_scale",
+                     "hc_head_fn", "hc_head_base", "hc_head_scale", ".attn_sink", ".ape", ".gate.bias",
+                     "norm.weight"),  # fmt: skip
 )

@@ -22,4 +22,5 @@ GLM_MOE_DSA = ModelFamily(
     decode=decode_model,
     attention="indexed_kv_cache",
     router="sigmoid_group_topk",
+    float32_tensors=(".indexer.weights_proj.weight",),  # as DeepSeek-V3.2's
 )
