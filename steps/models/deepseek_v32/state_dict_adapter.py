@@ -3,7 +3,7 @@ expert, the multi-token-prediction layer model.layers.{num_hidden_layers} droppe
 indexer: self_attn.indexer.wq_b.weight [index_n_heads * index_head_dim, q_lora_rank], self_attn.indexer.wk.weight
 [index_head_dim, hidden_size], self_attn.indexer.k_norm.weight and .bias [index_head_dim],
 self_attn.indexer.weights_proj.weight [index_n_heads, hidden_size] (moerl holds and writes it in float32, as
-transformers holds it after loading, steps/models/moe.py kept_in_float32; a checkpoint may store it in the weights'
+transformers holds it after loading, spec.py float32_tensors; a checkpoint may store it in the weights'
 dtype). What transformers 5.23's save_pretrained writes (its conversion mapping
 "deepseek_v32" -> "qwen2_moe" splits the in-memory fused experts back per expert) and SGLang 0.5.17 loads.
 """
