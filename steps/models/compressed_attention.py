@@ -24,15 +24,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from steps.models.dsa import top_scored
 from steps.models.hyper_connections import unweighted_rms_norm
 from steps.models.layers import Float32RMSNorm, RecordedSelection, sink_attention
-
-SCORE_BLOCK_ELEMENTS = 2**26  # the indexer's per-head products scored at once (fp32: 256 MB)
 
 
 def rotate_trailing(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -177,18 +177,12 @@ class Indexer(nn.Module):
         ones (x [B, T, H] the queries' inputs, queries [B, T, heads, Di], keys [B, W, Di] the index entries). Scored
         a block of queries at a time (the per-head products are [B, T, heads, W])."""
         weights = self.weights_proj(x).float() * self.num_heads**-0.5
-        count = min(self.topk, keys.shape[1])
-        selected = torch.zeros_like(visible)
-        if count == 0:
-            return selected
-        block = max(1, SCORE_BLOCK_ELEMENTS // max(1, x.shape[0] * self.num_heads * keys.shape[1]))
-        for start in range(0, queries.shape[1], block):
-            rows = slice(start, start + block)
-            scores = torch.matmul(queries[:, rows].float(), keys.transpose(-1, -2).float().unsqueeze(1))
-            scores = F.relu(scores) * self.head_dim**-0.5
-            index = (scores * weights[:, rows].unsqueeze(-1)).sum(dim=2).masked_fill(~visible[:, rows], float("-inf"))
-            selected[:, rows].scatter_(-1, index.topk(count, dim=-1).indices, True)
-        return selected & visible
+
+        def scores(rows: slice) -> torch.Tensor:
+            per_head = torch.matmul(queries[:, rows].float(), keys.transpose(-1, -2).float().unsqueeze(1))
+            return (F.relu(per_head) * self.head_dim**-0.5 * weights[:, rows].unsqueeze(-1)).sum(dim=2)
+
+        return top_scored(scores, visible, min(self.topk, keys.shape[1]), x.shape[0] * self.num_heads * keys.shape[1])
 
 
 class CompressedAttention(nn.Module):
@@ -284,23 +278,22 @@ class KeyInputs:
     compressed: tuple[torch.Tensor, torch.Tensor] | None
     indexed: tuple[torch.Tensor, torch.Tensor] | None
 
-    def _map(self, kv: Callable[[torch.Tensor], torch.Tensor], per_slot: Callable[..., torch.Tensor]) -> KeyInputs:
-        def pair(p: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor] | None:
-            return None if p is None else (per_slot(p[0]), per_slot(p[1]))
-
-        return KeyInputs(kv(self.kv), pair(self.compressed), pair(self.indexed))
-
     def select(self, rows: torch.Tensor) -> KeyInputs:
         """Rows `rows` of every tensor."""
-        return self._map(lambda t: t.index_select(0, rows), lambda t: t.index_select(0, rows))
+
+        def pick(p: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+            return None if p is None else (p[0].index_select(0, rows), p[1].index_select(0, rows))
+
+        return KeyInputs(self.kv.index_select(0, rows), pick(self.compressed), pick(self.indexed))
 
     def then(self, later: KeyInputs) -> KeyInputs:
         """These slots followed by `later`'s (same rows)."""
-        pairs = {}
-        for name in ("compressed", "indexed"):
-            a, b = getattr(self, name), getattr(later, name)
-            pairs[name] = None if a is None else (torch.cat([a[0], b[0]], dim=1), torch.cat([a[1], b[1]], dim=1))
-        return KeyInputs(torch.cat([self.kv, later.kv], dim=2), pairs["compressed"], pairs["indexed"])
+
+        def joined(a: tuple[torch.Tensor, torch.Tensor] | None, b: tuple[torch.Tensor, torch.Tensor] | None) -> Any:
+            return None if a is None or b is None else (torch.cat([a[0], b[0]], dim=1), torch.cat([a[1], b[1]], dim=1))
+
+        return KeyInputs(torch.cat([self.kv, later.kv], dim=2), joined(self.compressed, later.compressed),
+                         joined(self.indexed, later.indexed))  # fmt: skip
 
 
 def compressed_attention(

@@ -39,6 +39,7 @@ keys).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -132,14 +133,26 @@ class LightningIndexer(nn.Module):
         if keys is None:
             keys = self.keys(hidden, cos, sin)
         queries, weights = self.queries(q_resid, cos, sin), self.head_weights(hidden)
-        count = min(self.topk, keys.shape[1])
-        selected = torch.zeros_like(visible)
-        block = max(1, SCORE_BLOCK_ELEMENTS // (hidden.shape[0] * self.num_heads * keys.shape[1]))
-        for start in range(0, queries.shape[1], block):
-            rows = slice(start, start + block)
-            index = self.scores(queries[:, rows], weights[:, rows], keys).masked_fill(~visible[:, rows], float("-inf"))
-            selected[:, rows].scatter_(-1, index.topk(count, dim=-1).indices, True)
-        return selected & visible
+        return top_scored(lambda rows: self.scores(queries[:, rows], weights[:, rows], keys), visible,
+                          min(self.topk, keys.shape[1]), hidden.shape[0] * self.num_heads * keys.shape[1])  # fmt: skip
+
+
+def top_scored(
+    scores: Callable[[slice], torch.Tensor], visible: torch.Tensor, count: int, per_query: int
+) -> torch.Tensor:
+    """[B, T, S] bool: each query's `count` best-scored keys among the visible ones (visible [B, T, S]), an
+    indexer's choice (LightningIndexer, and DeepSeek-V4's, steps/models/compressed_attention.py). scores(rows) gives
+    a block of queries' scores [B, rows, S], SCORE_BLOCK_ELEMENTS of their per_query intermediate elements at a
+    time; a query's scores do not depend on the other queries of its block."""
+    selected = torch.zeros_like(visible)
+    if count == 0:
+        return selected
+    block = max(1, SCORE_BLOCK_ELEMENTS // max(1, per_query))
+    for start in range(0, visible.shape[1], block):
+        rows = slice(start, start + block)
+        index = scores(rows).masked_fill(~visible[:, rows], float("-inf"))
+        selected[:, rows].scatter_(-1, index.topk(count, dim=-1).indices, True)
+    return selected & visible
 
 
 def indexer_source(cfg: Any, layer: int) -> int:
