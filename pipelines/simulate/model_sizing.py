@@ -323,6 +323,8 @@ def model_sizing(d: dict[str, Any], source: str = "config.json") -> ModelSizing:
         window = lambda layer: index_topk  # noqa: E731
         source = getattr(cfg, "indexer_source", lambda layer: layer)
         indexed = [layer for layer in range(layers) if source(layer) == layer]
+    if compressed:  # DeepSeek-V4: every layer's own keys within its sliding window, beside the compressed entries
+        window = lambda layer: cfg.sliding_window  # noqa: E731
     linear_layers = [layer for layer in range(layers) if _is_linear_attention(cfg, layer)]
     attention = tuple(
         (cfg.num_attention_heads, dqk, dv, window(layer) if callable(window) else None)
@@ -330,8 +332,6 @@ def model_sizing(d: dict[str, Any], source: str = "config.json") -> ModelSizing:
         if layer not in linear_layers
     )
     linear_attention = tuple(_deltanet_dims(cfg)[1:4] for _ in linear_layers)
-    if compressed:  # DeepSeek-V4: every layer's own keys within its sliding window, beside the compressed entries
-        attention = tuple((cfg.num_attention_heads, dqk, dv, cfg.sliding_window) for _ in range(layers))
     dtype = declared_dtype(d, source)
     dtype_bytes = _DTYPE_BYTES[str(dtype).removeprefix("torch.")] if dtype is not None else 2
     sizes: dict[str, Any] = dict(

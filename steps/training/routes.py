@@ -16,6 +16,11 @@ from steps.experience.tables import Sample
 from steps.models.layers import SelectionShape
 
 
+def fed_tokens(sample: Sample) -> int:
+    """The tokens run through the model for a sample: prompt + response - 1 (the last sampled one never is)."""
+    return len(sample.prompt_ids) + len(sample.response_ids) - 1
+
+
 def sample_routes(sample: Sample, route_shape: tuple[int, int]) -> np.ndarray:
     """The sample's recorded routes as [len(prompt) + len(response) - 1, MoE layers, top_k] (check_routes has
     checked the size)."""
@@ -47,7 +52,7 @@ def check_routes(samples: list[Sample], layers: int, top_k: int, num_experts: in
     for s in samples:
         routes = s.routed_experts
         assert routes is not None
-        positions = len(s.prompt_ids) + len(s.response_ids) - 1
+        positions = fed_tokens(s)
         in_range = not routes.size or -1 <= routes.min() <= routes.max() < num_experts
         if routes.size != positions * per_position or not in_range:
             raise MoerlError(
@@ -61,11 +66,6 @@ def check_routes(samples: list[Sample], layers: int, top_k: int, num_experts: in
 
 # ---------------------------------------------------------------------------------------------------------------
 # The engine's recorded key selections (DeepSeek sparse attention; Generation.selected_keys), replayed with the routes
-
-
-def fed_tokens(sample: Sample) -> int:
-    """The tokens run through the model for a sample: prompt + response - 1 (the last sampled one never is)."""
-    return len(sample.prompt_ids) + len(sample.response_ids) - 1
 
 
 def sample_selection(sample: Sample, shape: SelectionShape) -> np.ndarray:
