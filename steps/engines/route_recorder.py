@@ -14,6 +14,15 @@ from steps.models.layers import SelectionShape
 from steps.models.moe import SparseMoeBlock
 
 
+def drain(taken: list[torch.Tensor], layers: int, what: str) -> list[torch.Tensor]:
+    """One forward's record (a recorder's `taken`, emptied for the next): one tensor a layer, `layers` of them."""
+    out = list(taken)
+    taken.clear()
+    if len(out) != layers:
+        raise RuntimeError(f"recorded {len(out)} {what} in a forward over {layers}")
+    return out
+
+
 class RouteRecorder:
     """Each sample's routed experts (Generation.routed_experts) from the decoder's record of one generate call:
     the decoder appends each MoE layer's chosen experts [rows, k] of every forward to `taken`, in layer order.
@@ -33,11 +42,7 @@ class RouteRecorder:
         self.taken: list[torch.Tensor] = []
 
     def _taken(self) -> list[torch.Tensor]:
-        taken = list(self.taken)
-        self.taken.clear()
-        if len(taken) != len(self.layers):
-            raise RuntimeError(f"recorded {len(taken)} MoE layers' routes in a forward over {len(self.layers)}")
-        return taken
+        return drain(self.taken, len(self.layers), "MoE layers' routes")
 
     def prefilled(self, prompts: int, width: int, prompt_of: torch.Tensor) -> None:
         """After the prefill of `prompts` distinct prompts, `width` columns each; prompt_of [samples]: each one's
@@ -84,11 +89,7 @@ class SelectionRecorder:
         self.responses: list[dict[int, np.ndarray]] = [{} for _ in range(samples)]  # step -> [layers, keys] bool
 
     def _taken(self) -> torch.Tensor:
-        taken = list(self.taken)
-        self.taken.clear()
-        if len(taken) != self.layers:
-            raise RuntimeError(f"recorded {len(taken)} indexer layers' selections in a forward over {self.layers}")
-        return torch.stack(taken, dim=1)  # [rows, layers, queries, columns]
+        return torch.stack(drain(self.taken, self.layers, "indexer layers' selections"), dim=1)  # [rows, layers, ...]
 
     def _keys(self, chosen: np.ndarray, pad: int, seen: int) -> np.ndarray:
         """A row's columns [..., columns] -> the sequence's keys [..., seen]."""
