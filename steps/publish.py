@@ -12,10 +12,12 @@
 2. Assemble a Hugging Face checkpoint dir as transformers writes it: config.json, generation_config.json,
    tokenizer files and model.safetensors (one shard) or model-0000k-of-0000n.safetensors +
    model.safetensors.index.json (one shard per EP rank), loadable by transformers and SGLang.
-3. Store the optimizer state at <run>/optimizer/v(I)/ (the next update resumes AdamW from it); with
-   checkpoint.deltas and rollout.servers, v(I)'s delta against v(I-1) at <run>/deltas/v(I)/ (steps/run/weight_delta.py:
-   what rollout servers fetch instead of the whole checkpoint): the blobs the update's ranks wrote, indexed
-   once they describe the files published, else written here; then publish the dir with
+3. With checkpoint.deltas and rollout.servers, v(I)'s delta against v(I-1) at <run>/deltas/v(I)/
+   (steps/run/weight_delta.py: what rollout servers fetch instead of the whole checkpoint): the update indexed it
+   already (rollout servers may be generating with v(I) from it), and the files published must be exactly those
+   its DELTA.json lists, else publish fails before it writes anything (an indexed version is final); a candidate
+   the update did not index gets its delta here (the ranks' blobs indexed, else written from both versions).
+   Then the optimizer state at <run>/optimizer/v(I)/ (the next update resumes AdamW from it), and the dir with
    steps.run.checkpoint.publish_dir: files, MANIFEST.json last, LATEST moved.
 4. Apply retention (checkpoint.keep_last; v000000 is kept as the KL reference), drop the optimizer state
    and the deltas of deleted versions, and delete the candidate.
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -66,6 +69,7 @@ from steps.run.keys import (
     version_prefix,
 )
 from steps.store.object_store import Store
+from steps.training import publication
 from steps.training.optimizer_state import MASTER_FIELD, OPTIMIZER_FIELDS, store_optimizer_state
 
 
@@ -180,31 +184,48 @@ def assemble_hf_dir(
     if len(model_files) == 1:
         (candidate_dir / model_files[0]).rename(out_dir / SAFE_WEIGHTS_NAME)
         return
-    renamed = candidate.published_weight_names(model_files)
-    total_size, total_parameters = 0, 0
-    for old, new in renamed.items():
+    tensors = []
+    for old, new in candidate.published_weight_names(model_files).items():
         for entry in _headers(candidate_dir / old).values():
-            numel = 1
-            for d in entry.shape:
-                numel *= d
-            total_parameters += numel
-            total_size += numel * SAFETENSORS_DTYPE_BYTES[entry.dtype]
+            numel = math.prod(entry.shape)
+            tensors.append((numel, numel * SAFETENSORS_DTYPE_BYTES[entry.dtype]))
         (candidate_dir / old).rename(out_dir / new)
-    hf_index = {
-        "metadata": {"total_parameters": total_parameters, "total_size": total_size},
-        "weight_map": {name: renamed[f] for name, f in sorted(index["weight_map"].items())},
-    }
-    (out_dir / SAFE_WEIGHTS_INDEX_NAME).write_text(json.dumps(hf_index, indent=2) + "\n")
+    (out_dir / SAFE_WEIGHTS_INDEX_NAME).write_text(publication.hf_index_text(index["weight_map"], model_files, tensors))
 
 
-def published_files(hf_dir: Path, marker: dict[str, Any], model_files: list[str]) -> dict[str, dict[str, Any]]:
-    """The files of the dir about to be published: every file's size, and the weight files' sha256 as the
+def published_files(hf_dir: Path, marker: dict[str, Any], model_files: list[str]) -> weight_delta.FileDigests:
+    """The files of the dir about to be published, with their size and sha256: the weight files' as the
     candidate's marker records them (checked when the candidate was downloaded; the weight files are the
     candidate's, renamed), so that the deltas are checked without hashing the checkpoint once more."""
-    files: dict[str, dict[str, Any]] = {p.name: {"size": p.stat().st_size} for p in hf_dir.iterdir() if p.is_file()}
+    files: weight_delta.FileDigests = {}
+    for path in sorted(p for p in hf_dir.iterdir() if p.is_file()):
+        files[path.name] = {"size": path.stat().st_size, "sha256": ""}
+        if not weight_delta.is_weight_file(path.name):
+            files[path.name]["sha256"] = checkpoint.file_digest(path)[1]  # small files
     for old, new in candidate.published_weight_names(model_files).items():
-        files[new] = dict(marker["files"][old])
+        files[new] = {"size": int(marker["files"][old]["size"]), "sha256": str(marker["files"][old]["sha256"])}
     return files
+
+
+def publish_delta(run: Store, iteration: int, hf_dir: Path, marker: dict[str, Any], model_files: list[str]) -> str:
+    """v(iteration)'s delta, before its MANIFEST.json (module docstring, 3.); returns the line for the log."""
+    files = published_files(hf_dir, marker, model_files)
+    try:
+        existing = weight_delta.read_index(run, iteration)
+    except weight_delta.DeltaUnusable as err:
+        print(f"warning: {err}; writing the delta of {version_name(iteration)} again")
+        existing = None
+    if existing is not None and not existing.describes(iteration, files):
+        raise publication.indexed_differently(run, iteration)
+    if existing is not None and weight_delta.blobs_stored(run, existing):
+        return f"{weight_delta.describe(weight_delta.DeltaSummary.of(existing))} (indexed by the update)"
+    copies = {name: (hf_dir / name).read_bytes() for name in files if not weight_delta.is_weight_file(name)}
+    blobs = weight_delta.file_deltas(marker.get("weight_deltas"))
+    summary = weight_delta.adopt(run, iteration, files, blobs, copies)
+    if summary is not None:
+        return f"{weight_delta.describe(summary)} (written by the update's ranks)"
+    # the update wrote none that describe these files: read both versions here
+    return f"{weight_delta.describe(weight_delta.write_delta(run, iteration, hf_dir))} (written by publish)"
 
 
 def clean_up(run: Store, iteration: int, keep_last: int) -> list[int]:
@@ -264,18 +285,13 @@ def publish(run_uri: str, iteration: int) -> checkpoint.Manifest:
             raise MoerlError(f"{where}: the candidate has no {CONFIG_NAME}; rerun update with --force")
         index, model_files, optimizer_files = verify_candidate(candidate_dir, where, run_dtype(run, iteration - 1))
         keep_parent_config(run, iteration, candidate_dir, where)
-        progress.report(1, 3)
-        store_optimizer_state(run, iteration, candidate_dir, index["optimizer_map"])
-        progress.report(2, 3)
         assemble_hf_dir(candidate_dir, index, model_files, optimizer_files, hf_dir)
         validate_checkpoint_dir(hf_dir)
+        progress.report(1, 3)
         if weight_delta.wanted(cfg):  # before MANIFEST.json: a delta is complete or absent
-            files = published_files(hf_dir, marker, model_files)
-            summary = weight_delta.adopt(run, iteration, files, marker.get("weight_deltas"))
-            source = "written by the update's ranks"
-            if summary is None:  # the update wrote none that describe these files: read both versions here
-                summary, source = weight_delta.write_delta(run, iteration, hf_dir), "written by publish"
-            print(f"{weight_delta.describe(summary)} ({source})")
+            print(publish_delta(run, iteration, hf_dir, marker, model_files))
+        store_optimizer_state(run, iteration, candidate_dir, index["optimizer_map"])
+        progress.report(2, 3)
         manifest = checkpoint.publish_dir(run, hf_dir, iteration, parent=iteration - 1, iteration=iteration)
     doomed = clean_up(run, iteration, keep_last)
     progress.report(3, 3)

@@ -20,7 +20,9 @@ fraction, KL, importance weights, grad norm, entropy, tokens/s, the per-expert r
 expert placement used; a separate file so that score's metrics/iter-I.json is never rewritten). Rank 0 then
 hands the metrics to the run's experiment trackers (steps/tracking/trackers.py; none by default). With rollout servers
 and checkpoint.deltas, each rank that writes a weight shard also writes its delta blob against v(I-1)'s bits
-at <run>/deltas/v(I)/ (steps/run/weight_delta.py), listed in CANDIDATE.json for publish to index.
+at <run>/deltas/v(I)/ (steps/run/weight_delta.py), listed in CANDIDATE.json; after CANDIDATE.json, rank 0
+indexes them (DELTA.json, steps/training/publication.py), and from then on rollout servers may take v(I) while
+publish writes the full checkpoint. An indexed version is final: --force then refuses to train it again.
 
 Expert placement (trainer.expert_placement, default balanced): which E/ep experts each EP rank holds, per
 MoE layer. Update I balances the EP ranks' routed rows with the per-expert row counts that update I-1
@@ -58,7 +60,7 @@ from steps.run import candidate, checkpoint, serving
 from steps.run.config import load_run_config
 from steps.run.keys import TRAINER_SERVER_NAME
 from steps.store.object_store import Store
-from steps.training.update import choose_placement, fetch_checkpoint, run_update
+from steps.training.update import choose_placement, fetch_checkpoint, index_candidate_delta, run_update
 
 __all__ = ["choose_placement", "fetch_checkpoint", "main", "run_update", "serve_update"]
 
@@ -76,6 +78,7 @@ def serve_update(run_uri: str, iteration: int, workflow: str, ep_size: int | Non
     cfg = load_run_config(run)
     progress.report(0, 2)
     if finished(run, iteration) and not force:
+        index_candidate_delta(run, cfg, iteration)  # a retry after the trainer wrote the candidate, not its index
         log(f"update {iteration}: its candidate is complete or v{iteration:06d} published; nothing to do")
         progress.report(2, 2)
         return 0
@@ -96,6 +99,7 @@ def serve_update(run_uri: str, iteration: int, workflow: str, ep_size: int | Non
         progress.report(1, 2)
         if not finished(run, iteration):
             raise serving.ServerLost(f"{trainer.name} answered update {iteration} but its candidate is not complete")
+        index_candidate_delta(run, cfg, iteration)  # the trainer indexed it; this step's end is what rollout awaits
     except serving.ServerLost as err:
         log(f"update {iteration}: trainer lost ({err}); exiting {serving.EXIT_SERVER_LOST} for a retry")
         return serving.EXIT_SERVER_LOST

@@ -28,12 +28,13 @@ from steps.run.keys import RUN_CONFIG, candidate_prefix, optimizer_prefix
 
 pytestmark = pytest.mark.faults
 
-# Where publish is killed, in the order of its writes: the optimizer state (1st), the delta's blob written and
-# not its DELTA.json, some checkpoint files (4th), just before MANIFEST.json, just after it (LATEST not moved
-# yet), and just after LATEST (before clean-up).
+# Where publish is killed, in the order of its writes, all after the update indexed v000001's delta (rollout
+# servers may be generating with it): the optimizer state (1st), the checkpoint's first file, some checkpoint
+# files (4th), just before MANIFEST.json, just after it (LATEST not moved yet), and just after LATEST (before
+# clean-up).
 PUBLISH_KILLS = [
     kill_at("put", r".", nth=1),
-    kill_at("put", r"^deltas/v000001/DELTA\.json$", when="before"),
+    kill_at("put", r"^checkpoints/v000001/", when="before"),
     kill_at("put", r".", nth=4),
     kill_at("put", r"/v000001/MANIFEST\.json$", when="before"),
     kill_at("put", r"/v000001/MANIFEST\.json$"),
@@ -63,9 +64,15 @@ def test_killed_update_and_publish_rerun_to_the_fault_free_checkpoint(fault_free
     retry = start(update, step_env(stop_at_write))
     killed = kill_after(retry, random.Random(3).uniform(0.5, 4.0))
     assert killed.returncode == -9 and not run_store.exists(marker), killed.stderr
+    # update: SIGKILL after CANDIDATE.json, before the delta's DELTA.json: the retry finds the candidate
+    # complete and indexes it (rollout of the next iteration waits for this step, not for publish).
+    killed = run(update, step_env(kill_at("put", r"^deltas/v000001/DELTA\.json$", when="before")))
+    assert killed.returncode != 0 and run_store.exists(marker) and weight_delta.read_index(run_store, 1) is None
     done = run(update, step_env())
     assert done.returncode == 0, done.stderr
     assert run_store.exists(marker)
+    indexed = weight_delta.read_index(run_store, 1)
+    assert indexed is not None and checkpoint.read_manifest(run_store, 1) is None
 
     # publish, killed at each point in turn: every state in between is "v0 only" or "v1 complete".
     for fault in PUBLISH_KILLS:
@@ -89,7 +96,10 @@ def test_killed_update_and_publish_rerun_to_the_fault_free_checkpoint(fault_free
     assert not run_store.list(candidate_prefix(ITERATION))
     assert checkpoint.latest_version(run_store) == 1
     assert_nothing_half_published(run_store)
-    # The delta the retries left rebuilds v000001 exactly (steps/run/weight_delta.py checks every file's sha256).
+    # What rollout servers could take before publish is what got published; the delta rebuilds v000001 exactly
+    # (steps/run/weight_delta.py checks every file's sha256).
+    assert indexed.describes(1, checkpoint.require_manifest(run_store, 1).files)
+    assert weight_delta.read_index(run_store, 1) == indexed
     rebuilt = tmp_path / "rebuilt"
     rebuilt.mkdir()
     weight_delta.apply_delta(run_store, 1, checkpoint.fetch(run_store, 0), rebuilt)

@@ -36,6 +36,22 @@ def test_reclaimed_servers_and_killed_clients_end_in_the_fault_free_weights(faul
     assert_same_result(Store.open(run_uri), fault_free_run.store)
 
 
+# A kill of publish at one of its progress reports: the rollout of the next iteration waits for the update that
+# indexed the version, not for its publish, so the servers may be generating with it while publish is killed.
+PUBLISH_CHAOS = "kill=1@publish,seed=2"  # seed 2 lets no publish pod start pass: publish-1 is hit
+
+
+def test_publish_killed_while_servers_generate_with_its_version_ends_in_the_fault_free_weights(
+    fault_free_run, tmp_path, monkeypatch
+):
+    monkeypatch.setenv("MOERL_LOCAL_TIME_SCALE", "0.05")
+    run_uri = (tmp_path / "run").as_uri()
+    result = run_local(served(fault_free_run, run_uri, servers=2, shards=2), tmp_path / "work", chaos=PUBLISH_CHAOS)
+    assert result.succeeded, result.message
+    assert [(f.template, f.kind) for f in result.faults] == [("publish", "kill")]
+    assert_same_result(Store.open(run_uri), fault_free_run.store)
+
+
 @pytest.mark.parametrize(("servers", "shards"), [(1, 3), (3, 1)])
 def test_any_number_of_servers_and_shards_gives_the_fault_free_weights(fault_free_run, tmp_path, servers, shards):
     run_uri = (tmp_path / "run").as_uri()

@@ -189,28 +189,30 @@ def test_retention_deletes_a_deleted_versions_delta(tmp_path):
     assert sorted({k.split("/")[1] for k in versions.run.list("deltas/")}) == ["v000002", "v000003", "v000004"]
 
 
-def test_the_update_writes_the_blobs_and_publish_indexes_them_or_writes_its_own(tmp_path, monkeypatch):
-    """The update's rank wrote its weight file's blob (and listed it in CANDIDATE.json); publish adopts it
-    without reading v(i-1). A blob lost (or not matching the files published) makes publish write the delta
-    itself, the same bytes."""
+def test_the_update_indexes_its_delta_as_the_version_publish_then_publishes(tmp_path, monkeypatch):
+    """The update's rank wrote its weight file's blob and rank 0 indexed it after CANDIDATE.json: DELTA.json
+    lists every file of v1 exactly as publish then publishes it (MANIFEST.json), and publish keeps it without
+    reading v(i-1). A blob lost makes publish write the delta itself, the same bytes."""
     run_uri, run = updated_run(tmp_path, rollout={"servers": 1})
     marker = run.get_json("candidates/iter-000001/CANDIDATE.json")
     assert set(marker["weight_deltas"]) == {"model.safetensors"}
-    assert run.list(delta_prefix(1)) == [delta_blob_key(1, "model.safetensors")]  # no DELTA.json before publish
+    early = read_index(run, 1)
+    assert early is not None and checkpoint.read_manifest(run, 1) is None  # usable before it is published
+    assert weight_delta.version_files(run, 1) == early.version_files()
     blob = run.get_bytes(delta_blob_key(1, "model.safetensors"))
     wrote = []
     real_write_delta = weight_delta.write_delta
     monkeypatch.setattr(weight_delta, "write_delta", lambda *a, **k: (wrote.append(a[1]), real_write_delta(*a, **k))[1])
 
-    run.delete(delta_blob_key(1, "model.safetensors"))  # as if lost
-    publish(run_uri, 1)
-    assert wrote == [1] and run.get_bytes(delta_blob_key(1, "model.safetensors")) == blob  # written again, the same
-    index = read_index(run, 1)
-    assert index is not None and index.files["model.safetensors"].blob_bytes == len(blob)
+    stored = {key: run.get_bytes(key) for key in run.list(delta_prefix(1))}
+    manifest = publish(run_uri, 1)
+    assert wrote == [] and early.describes(1, manifest.files)  # kept: what servers took is what got published
+    assert {key: run.get_bytes(key) for key in run.list(delta_prefix(1))} == stored
 
     again_uri, again = updated_run(tmp_path / "again", rollout={"servers": 1})
+    again.delete(delta_blob_key(1, "model.safetensors"))  # as if lost
     publish(again_uri, 1)
-    assert wrote == [1]  # adopted: publish did not write this one
-    assert read_index(again, 1) == index
+    assert wrote == [1] and again.get_bytes(delta_blob_key(1, "model.safetensors")) == blob  # written again, the same
+    assert read_index(again, 1) == early
     files = checkpoint.describe_dir(checkpoint.fetch(again, 1))
-    assert weight_delta.adopt(again, 1, files, None) is None  # no blobs listed: not adopted
+    assert weight_delta.adopt(again, 1, files, None, {}) is None  # no blobs listed: not adopted

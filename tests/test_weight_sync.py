@@ -112,8 +112,8 @@ def test_two_syncs_on_one_node_fetch_each_version_once(versions, tmp_path):
     assert all(holds(engine, versions.dirs[1]) for engine in engines)
 
 
-def test_a_version_not_published_is_refused(versions, tmp_path):
-    with pytest.raises(MoerlError, match="v000007 is unfinished"):
+def test_a_version_neither_published_nor_indexed_is_refused(versions, tmp_path):
+    with pytest.raises(MoerlError, match="v000007 is neither published .* nor indexed"):
         WeightSync(versions.run, tmp_path / "cache").bring(RecordingEngine(), None, 7)
 
 

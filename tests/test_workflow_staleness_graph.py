@@ -49,6 +49,47 @@ def test_staleness_1_overlaps_the_next_rollout_with_the_update():
             assert f"publish-{i - 1}" in graph.ancestors(f"rollout-{i + 1}", deps)
 
 
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_with_indexed_versions_rollout_waits_for_the_update_and_publish_runs_beside_it(staleness):
+    """Rollout servers with deltas take v(i) once update-i indexed it: rollout waits for the update that made
+    its version, publish of that version runs beside the rollout, and the next update still waits for it."""
+    deps = graph.dependencies(graph.whole_run(4), staleness, indexed_versions=True)
+    for i in range(1, 5):
+        source = behaviour_version(i, staleness)
+        assert deps[f"rollout-{i}"] == ([f"update-{source}"] if source >= 1 else ["import-sft"])
+        assert deps[f"publish-{i}"] == [f"update-{i}"]
+        if i >= 2:
+            assert f"publish-{i - 1}" in deps[f"update-{i}"]  # trains from the published v(i-1)
+        if source >= 1:
+            assert f"publish-{source}" not in graph.ancestors(f"rollout-{i}", deps)
+            assert f"rollout-{i}" not in graph.ancestors(f"publish-{source}", deps)
+    cfg = validate_config({**BASE, "iterations": 4, "staleness": staleness, "rollout": {"servers": 2}})
+    tasks = dag_of(workflow(cfg).to_dict())
+    steps = lambda task: {d for d in depends(task) if not d.startswith("(rollout-server")}  # noqa: E731 - not servers
+    assert {name: steps(tasks[name]) for name in deps} == {k: set(v) for k, v in deps.items()}
+    unindexed = cfg.model_copy(update={"checkpoint": cfg.checkpoint.model_copy(update={"deltas": False})})
+    assert steps(dag_of(workflow(unindexed).to_dict())["rollout-4"]) == {f"publish-{behaviour_version(4, staleness)}"}
+
+
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_a_trainer_that_holds_its_versions_does_not_wait_for_publish(staleness):
+    """With the trainer that stays up, update-i trains from the v(i-1) it holds: it waits for update-(i-1), and
+    publishes follow one another beside the trainer's path."""
+    deps = graph.dependencies(graph.whole_run(4), staleness, indexed_versions=True, trainer_holds_versions=True)
+    for i in range(2, 5):
+        assert f"update-{i - 1}" in graph.ancestors(f"update-{i}", deps)
+        assert deps[f"publish-{i}"] == [f"update-{i}", f"publish-{i - 1}"]
+        assert f"publish-{i - 1}" not in graph.ancestors(f"update-{i}", deps)  # it may still be publishing
+    if staleness == 1:
+        assert deps["update-3"] == ["score-3", "update-2"]
+    cfg = validate_config({**BASE, "iterations": 4, "staleness": staleness, "rollout": {"servers": 2},
+                           "trainer": {"server": True}})  # fmt: skip
+    assert graph.run_dependencies(graph.whole_run(4), cfg) == deps
+    tasks = dag_of(workflow(cfg).to_dict())
+    steps = lambda task: {d for d in depends(task) if not d.startswith("(")}  # noqa: E731 - not the servers
+    assert {name: steps(tasks[name]) for name in deps} == {k: set(v) for k, v in deps.items()}
+
+
 @pytest.mark.parametrize(("staleness", "expected"), [(0, [0, 1, 2, 3]), (1, [0, 0, 1, 2])])
 def test_rollouts_sample_from_the_policy_the_staleness_allows(staleness, expected):
     assert [behaviour_version(i, staleness) for i in (1, 2, 3, 4)] == expected

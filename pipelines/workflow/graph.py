@@ -12,6 +12,21 @@ publish-(i-1-staleness):
                                       publish-(i-1) ─────┴-> update-i -> publish-i
                   so rollout-(i+1) runs while update-i trains.
 
+With rollout servers and checkpoint deltas (steps/run/weight_delta.py wanted), a version is usable once its
+update has indexed its delta, before publish has written the full checkpoint: rollout-i then waits for
+update-(i-1-staleness) instead of publish-(i-1-staleness), and publish-(i-1) runs beside rollout-i:
+
+    staleness 0:  update-(i-1) -> rollout-i -> score-i ─┐
+                  update-(i-1) -> publish-(i-1) ────────┴-> update-i -> publish-i
+
+With the trainer that stays up as well (trainer.server), the trainer holds v(i-1) and its optimizer state in
+memory, so update-i waits for update-(i-1), not for publish-(i-1) (a restarted trainer that does not hold it is
+answered 503 until publish has written it: steps/training/trainer_server.py), and each publish waits for the
+one before it (publish-i reads v(i-1) as published):
+
+    update-(i-1) -> update-i -> update-(i+1)           the trainer's path: training and candidates only
+    publish-(i-1) -> publish-i                         beside it
+
 A run longer than `segment_size` iterations is split into segments, one Workflow each (Argo keeps a whole
 Workflow, status included, in one etcd object of about 1 MB). Every segment starts with `plan`, which reads
 LATEST; tasks of iterations already published are skipped, so any segment resumes where the run stopped.
@@ -28,6 +43,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from steps.run import weight_delta
+from steps.run.config import RunConfig
 from steps.run.keys import behaviour_version
 
 PLAN = "plan"
@@ -80,8 +97,23 @@ def task_name(step: str, iteration: int) -> str:
     return f"{step}-{iteration}"
 
 
-def dependencies(segment: Segment, staleness: int) -> dict[str, list[str]]:
-    """Task name -> the tasks it waits for, in topological order; only edges not implied by others are kept."""
+def run_dependencies(segment: Segment, cfg: RunConfig, staleness: int | None = None) -> dict[str, list[str]]:
+    """dependencies() for a run's config (its staleness unless given): versions are indexed where the run writes
+    deltas for rollout servers (steps/run/weight_delta.py wanted), and the trainer holds them where it also
+    stays up."""
+    indexed = weight_delta.wanted(cfg)
+    staleness = cfg.staleness if staleness is None else staleness
+    return dependencies(segment, staleness, indexed, trainer_holds_versions=indexed and cfg.trainer.server)
+
+
+def dependencies(
+    segment: Segment, staleness: int, indexed_versions: bool = False, trainer_holds_versions: bool = False
+) -> dict[str, list[str]]:
+    """Task name -> the tasks it waits for, in topological order; only edges not implied by others are kept.
+    indexed_versions: rollout waits for the update that indexed its version, not for its publish;
+    trainer_holds_versions: so does the next update, and publishes follow each other (module docstring)."""
+    made_usable_by = "update" if indexed_versions else "publish"
+    trained_from = "update" if trainer_holds_versions else "publish"
     deps: dict[str, list[str]] = {PLAN: []}
     start = PLAN
     if segment.is_first:
@@ -96,11 +128,11 @@ def dependencies(segment: Segment, staleness: int) -> dict[str, list[str]]:
 
     for i in segment.iterations:
         source = behaviour_version(i, staleness)
-        add(task_name("rollout", i), [task_name("publish", source)] if source >= segment.first else [start])
+        add(task_name("rollout", i), [task_name(made_usable_by, source)] if source >= segment.first else [start])
         add(task_name("score", i), [task_name("rollout", i)])
-        previous = [task_name("publish", i - 1)] if i - 1 >= segment.first else []
-        add(task_name("update", i), [task_name("score", i), *previous])
-        add(task_name("publish", i), [task_name("update", i)])
+        previous = i - 1 >= segment.first
+        add(task_name("update", i), [task_name("score", i), *([task_name(trained_from, i - 1)] if previous else [])])
+        add(task_name("publish", i), [task_name("update", i), *([task_name("publish", i - 1)] if previous else [])])
     if not segment.is_last:
         deps[NEXT_SEGMENT] = [task_name("publish", segment.last)]
     return deps

@@ -5,21 +5,27 @@ the engine's in-place update (issue 21; used by the rollout server, steps/experi
     result = sync.bring(engine, held=3, wanted=5)
     result.path, result.bytes_fetched           # "delta", 41_000_000
 
-The node cache holds reconstructed version dirs, `<cache>/<run hash>/v000005/`, each exactly the published
-checkpoint's files (verified: against MANIFEST.json when fetched whole, tensor by tensor and file by file when
-rebuilt from a delta). A dir appears by a rename once complete, so its presence means it is whole. Building a
+The node cache holds reconstructed version dirs, `<cache>/<run hash>/v000005/`, each exactly the version's files
+(verified: against MANIFEST.json when fetched whole, tensor by tensor and file by file when rebuilt from a
+delta), with the files it was built as beside it (`v000005.files.json`): a dir whose record differs from what
+the run says the version is now (a version indexed, never published, and trained again) is dropped and built
+anew. A dir appears by a rename once complete, so its presence means it is whole. Building a
 dir, and evicting old ones, happens under an exclusive flock of `<cache>/<run hash>/.lock`; reading one (the
 engine's update) under a shared one. So several servers on one node (processes or threads) fetch each version
 once, and no dir is evicted while an engine reads it.
 
-How a version's dir is obtained (SyncResult.path):
+A version is usable once it is published or once its update indexed its delta (steps/run/weight_delta.py):
+a server takes v(i) from v(i-1) and the delta while publish still writes the full checkpoint. How a version's
+dir is obtained (SyncResult.path):
     none    the engine already holds it: nothing is done
     cache   another server of the node made it already: nothing is fetched
-    delta   the newest cached version below it plus the deltas of every version from there up to it, applied
-            in turn (each intermediate dir is cached too), when all of them exist and together are smaller
-            than the checkpoint
+    delta   the newest cached version below it (for a version not published yet and nothing cached below it:
+            its parent, fetched whole first) plus the deltas of every version from there up to it, applied in
+            turn (each intermediate dir is cached too), when all of them exist and together are smaller than
+            the checkpoint (always, for a version not published yet)
     full    otherwise, or when a delta turns out unusable (a warning line says why): the whole checkpoint,
-            verified (steps/run/checkpoint.py)
+            verified (steps/run/checkpoint.py). A version not published yet has none: the bring raises
+            serving.Unavailable (the request is answered 503 and retried, by when publish has written it)
 Eviction: after each bring the cache keeps the two newest versions, and the one just brought.
 """
 
@@ -27,6 +33,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import json
 import os
 import shutil
 import sys
@@ -43,6 +50,7 @@ from steps.engines.interface import Engine
 from steps.errors import MoerlError
 from steps.run import checkpoint, weight_delta
 from steps.run.keys import MANIFEST, parse_version, version_name, version_prefix
+from steps.run.serving import Unavailable
 from steps.store.object_store import Store
 
 E = TypeVar("E", bound=Engine)
@@ -52,6 +60,7 @@ CACHE_ENV = "MOERL_NODE_CACHE"
 KEEP_VERSIONS = 2
 LOCK_NAME = ".lock"
 STAGING_PREFIX = ".staging-"
+FILES_SUFFIX = ".files.json"  # beside a version dir: the files it was built as
 
 
 @dataclass(frozen=True)
@@ -115,29 +124,67 @@ class WeightSync:
         """Make sure the cache holds `wanted`'s dir; returns (how: cache|delta|full, bytes fetched)."""
         with self._locked(fcntl.LOCK_EX):
             self._drop_staging()
-            if self.version_dir(wanted).is_dir():
+            files = weight_delta.version_files(self.run, wanted)
+            if files is None:
+                raise weight_delta.not_usable(self.run, wanted)
+            if self._holds(wanted, files):
                 how, fetched = "cache", 0
             else:
-                manifest = checkpoint.require_manifest(self.run, wanted)
-                how, read = "full", []
-                chain = self._delta_chain(wanted, manifest)
-                if chain is not None:
-                    try:
-                        self._apply_chain(chain, read)
-                        how = "delta"
-                    except weight_delta.DeltaUnusable as err:
-                        self.log(f"warning: {err}; fetching the full checkpoint {version_name(wanted)}")
-                fetched = sum(read)
-                if how == "full":
-                    fetched += self._fetch_full(wanted, manifest)
+                self._drop(wanted)
+                how, fetched = self._build(wanted, checkpoint.read_manifest(self.run, wanted) is not None, files)
             self._evict(keep=wanted)
             return how, fetched
 
     # ------------------------------------------------------------------------------- building dirs
 
-    def _delta_chain(self, wanted: int, manifest: checkpoint.Manifest) -> list[weight_delta.DeltaIndex] | None:
-        """The deltas from the newest cached version below `wanted` up to it, if all exist and are cheaper than
-        the checkpoint; else None."""
+    def _build(self, wanted: int, published: bool, files: weight_delta.FileDigests) -> tuple[str, int]:
+        """Build `wanted`'s dir: (how, bytes fetched) as materialize."""
+        read: list[int] = []
+        chain = self._delta_chain(wanted, files, published)
+        if chain is None and not published:  # from its parent, which is published: its update waited for it
+            parent = wanted - 1
+            manifest = checkpoint.require_manifest(self.run, parent)
+            if not self._holds(parent, manifest.files):
+                read.append(self._fetch_full(parent, manifest))
+            chain = self._delta_chain(wanted, files, published)
+        if chain is not None:
+            try:
+                self._apply_chain(chain, read)
+                return "delta", sum(read)
+            except weight_delta.DeltaUnusable as err:
+                if not published:
+                    raise Unavailable(
+                        f"{err}; {version_name(wanted)} is not published yet, so it cannot be fetched whole: "
+                        "the request is retried"
+                    ) from err
+                self.log(f"warning: {err}; fetching the full checkpoint {version_name(wanted)}")
+        if not published:
+            raise Unavailable(f"{version_name(wanted)}: no usable delta chain and not published yet; retried")
+        return "full", sum(read) + self._fetch_full(wanted, checkpoint.require_manifest(self.run, wanted))
+
+    def _holds(self, version: int, files: weight_delta.FileDigests) -> bool:
+        """Whether the cache holds `version`'s dir built as `files` (what the run says the version is)."""
+        record = self.root / f"{version_name(version)}{FILES_SUFFIX}"
+        if not self.version_dir(version).is_dir() or not record.is_file():
+            return False
+        try:
+            return json.loads(record.read_text()) == files
+        except ValueError:
+            return False
+
+    def _record(self, version: int, files: weight_delta.FileDigests) -> None:
+        record = self.root / f"{version_name(version)}{FILES_SUFFIX}"
+        record.write_text(json.dumps(files, sort_keys=True))
+
+    def _drop(self, version: int) -> None:
+        (self.root / f"{version_name(version)}{FILES_SUFFIX}").unlink(missing_ok=True)
+        shutil.rmtree(self.version_dir(version), ignore_errors=True)
+
+    def _delta_chain(
+        self, wanted: int, files: weight_delta.FileDigests, published: bool
+    ) -> list[weight_delta.DeltaIndex] | None:
+        """The deltas from the newest cached version below `wanted` up to it, if all exist and (for a published
+        version) are cheaper than the checkpoint; else None."""
         below = [v for v in self.cached_versions() if v < wanted]
         if not below:
             return None
@@ -151,7 +198,7 @@ class WeightSync:
             if index is None:
                 return None
             chain.append(index)
-        if sum(index.delta_bytes for index in chain) >= weight_delta.checkpoint_bytes(manifest):
+        if published and sum(index.delta_bytes for index in chain) >= sum(int(m["size"]) for m in files.values()):
             return None
         return chain
 
@@ -161,12 +208,16 @@ class WeightSync:
             with self._staging() as staging:
                 parent = self.version_dir(index.parent)
                 read.append(weight_delta.apply_delta(self.run, index.version, parent, staging, index))
+                self._drop(index.version)
                 staging.rename(self.version_dir(index.version))
+                self._record(index.version, index.version_files())
 
     def _fetch_full(self, version: int, manifest: checkpoint.Manifest) -> int:
         with self._staging() as staging:
             checkpoint.download(self.run, version, staging)
+            self._drop(version)
             staging.rename(self.version_dir(version))
+            self._record(version, manifest.files)
         return weight_delta.checkpoint_bytes(manifest) + self.run.size(f"{version_prefix(version)}/{MANIFEST}")
 
     @contextmanager
@@ -190,7 +241,7 @@ class WeightSync:
         kept = {*versions[-KEEP_VERSIONS:], keep}
         for version in versions:
             if version not in kept:
-                shutil.rmtree(self.version_dir(version), ignore_errors=True)
+                self._drop(version)
 
     @contextmanager
     def _locked(self, mode: int) -> Iterator[None]:

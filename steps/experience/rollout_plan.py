@@ -169,19 +169,21 @@ def heldout_prompts(cfg: RunConfig) -> list[Prompt]:
 
 
 def version_tokenizer(run: Store, version: int) -> CheckpointTokenizer:
-    """The tokenizer of a published version: only its tokenizer and config files are downloaded."""
+    """The tokenizer of a usable version (published, or indexed by its update before publish: rollout servers
+    sample from it then, steps/run/weight_delta.py): only its tokenizer and config files are read."""
     import tempfile
     from pathlib import Path
 
-    from steps.run import checkpoint  # lazily: experience is imported by tools that never touch a version
+    from steps.run import weight_delta  # lazily: experience is imported by tools that never touch a version
 
-    manifest = checkpoint.require_manifest(run, version)
-    prefix = version_prefix(version)
+    files = weight_delta.version_files(run, version)
+    if files is None:
+        raise weight_delta.not_usable(run, version)
     with tempfile.TemporaryDirectory(prefix="moerl-tokenizer-") as tmp:
         for name in TOKENIZER_FILES:
-            if name in manifest.files:
-                run.get_file(f"{prefix}/{name}", Path(tmp) / name)
-        return CheckpointTokenizer.load(tmp, source=run.url(prefix))
+            if name in files:
+                (Path(tmp) / name).write_bytes(weight_delta.read_version_file(run, version, name))
+        return CheckpointTokenizer.load(tmp, source=run.url(version_prefix(version)))
 
 
 def sampling_params(cfg: RunConfig, stop_token_ids: Sequence[int]) -> SamplingParams:

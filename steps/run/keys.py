@@ -10,7 +10,8 @@
     <run>/metrics/iter-000001.update.json               the update step's metrics
     <run>/candidates/iter-000001/                       update's unpublished output (steps/run/candidate.py)
     <run>/optimizer/v000001/                            AdamW state (+ fp32 masters) the next update resumes from
-    <run>/deltas/v000001/                               v000001's compressed delta against its parent (publish)
+    <run>/deltas/v000001/                               v000001's compressed delta against its parent (the update)
+    <run>/deltas/v000001/files/config.json              the version's other files, whole (small)
     <run>/deltas/v000001/DELTA.json                     written LAST: the delta's index (steps/run/weight_delta.py)
     <run>/servers/<workflow>/<server>.json              a live server's address (its registration)
     <run>/launchers/<workflow>/trainer-server.json      the trainer job launcher's heartbeat, rewritten at each poll
@@ -131,6 +132,12 @@ def delta_index_key(version: int) -> str:
 def delta_blob_key(version: int, file_name: str) -> str:
     """The delta of one safetensors file of v(version): its header and every tensor, XORed and compressed."""
     return f"{delta_prefix(version)}/{file_name}.delta"
+
+
+def delta_copy_key(version: int, file_name: str) -> str:
+    """One of v(version)'s files other than its weights (config, tokenizer, shard index), stored whole beside
+    the delta, so that the delta alone with the parent's weights rebuilds the version before it is published."""
+    return f"{delta_prefix(version)}/files/{file_name}"
 
 
 # ------------------------------------------------------------------------------------------ whole run

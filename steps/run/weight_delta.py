@@ -13,24 +13,30 @@ of a fp32 weight and leaves its sign, exponent and high mantissa alone, so those
 at an RL learning rate most bf16 weights do not move at all and their XOR is zero (bench/weight_update.py).
 A tensor its parent lacks, or holds in another dtype or shape, is stored XORed with nothing: as itself.
 
-DELTA.json: the version and its parent; per file its size and sha256 (those of v(i)'s MANIFEST.json: a delta
-that describes other content is stale and ignored), where the header's segment lies and, per tensor, its name,
-dtype, shape, segment (offset, compressed size), the size and sha256 of the bytes it rebuilds; the blobs'
-total size against the whole checkpoint's. The version's other files (config.json, tokenizer, the shard
-index) are not in the delta: a reader copies them from its parent dir when MANIFEST.json says they did not
-change, else reads them from the checkpoint.
+DELTA.json: the version and its parent; per weight file its size and sha256 (those of v(i)'s MANIFEST.json),
+where the header's segment lies and, per tensor, its name, dtype, shape, segment (offset, compressed size), the
+size and sha256 of the bytes it rebuilds; the version's other files (config.json, tokenizer, the shard index:
+small) by size and sha256, each stored whole under deltas/v(i)/files/ (`copies`); the blobs' total size against
+the whole checkpoint's. So the index lists every file v(i)'s MANIFEST.json lists, and the parent's weights with
+the delta rebuild the whole version: before v(i) is published, too.
 
-The update writes the blobs, the writer of each weight file (one of its EP rank's dp replicas:
-steps/training/candidate_writer.py writer_plan) that file's (write_file_delta, against the bits of v(i-1) it started
-from, held in memory: StoredTensors), so the bytes are read and written in
-parallel across the trainer's nodes, off publish's path; the publish step then only checks them against the
-files it publishes and writes DELTA.json (adopt), before v(i)'s MANIFEST.json, so a published version's delta
-is complete or absent. A candidate without them (or whose blobs do not describe its files) gets its delta
-from publish itself (write_delta: reads both versions). Retention deletes a delta with its version. Written
-only where read: runs with rollout servers and checkpoint.deltas (wanted). Readers: no delta
+A version is usable from its delta before it is published. The update writes the blobs, the writer of each
+weight file (one of its EP rank's dp replicas: steps/training/candidate_writer.py writer_plan) that file's
+(write_file_delta, against the bits of v(i-1) it started from, held in memory: StoredTensors), so the bytes are
+read and written in parallel across the trainer's nodes; once CANDIDATE.json is written, the update indexes
+them (steps/run/publication.py index_candidate: the blobs checked against the candidate's marker, the other
+files as publish will publish them, DELTA.json last). Rollout servers may then take v(i) while publish still
+writes the full checkpoint (the workflow's rollout of the next iteration waits for the update, not for publish:
+pipelines/workflow/graph.py). An indexed version is final: publish publishes exactly the files DELTA.json
+lists or fails, and the update refuses to train its iteration again (samples may have been generated with it).
+LATEST, retention and recovery still move only with MANIFEST.json. A candidate without blobs (or whose blobs
+do not describe its files) gets its delta from publish itself (write_delta: reads both versions), before
+MANIFEST.json, so a published version's delta is complete or absent. Retention deletes a delta with its
+version. Written only where read: runs with rollout servers and checkpoint.deltas (wanted). Readers: no delta
 (none written, or an unfinished one without DELTA.json) is not an error, the reader fetches the full
 checkpoint; a corrupt one (a blob the store finds corrupted, a segment that does not rebuild its sha256, a
-file that does not rebuild MANIFEST.json's) raises DeltaUnusable and the reader falls back the same way.
+file that does not rebuild its recorded digest) raises DeltaUnusable and the reader falls back the same way,
+or, for a version not published yet, waits for it (steps/engines/weight_sync.py).
 Nothing is unpickled: a safetensors header is JSON, read here directly.
 """
 
@@ -38,10 +44,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 import tempfile
 from collections.abc import Callable
 from contextlib import ExitStack
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO, Protocol
 
@@ -50,13 +57,13 @@ import pyarrow as pa
 
 from steps.errors import MoerlError
 from steps.run import checkpoint
-from steps.run.keys import delta_blob_key, delta_index_key, delta_prefix, version_name
+from steps.run.keys import delta_blob_key, delta_copy_key, delta_index_key, delta_prefix, version_name, version_prefix
 from steps.store.object_store import Store
 
 if TYPE_CHECKING:
     from steps.run.config import RunConfig
 
-FORMAT = 1
+FORMAT = 2  # 2: the version's other files are stored beside the blobs (copies)
 CODEC = "zstd"
 TRANSFORM = "xor-byteplanes"
 WEIGHTS_SUFFIX = ".safetensors"
@@ -259,16 +266,29 @@ class FileDelta:
         )
 
 
+FileDigests = dict[str, dict[str, int | str]]  # file name -> {"size", "sha256"}, as MANIFEST.json lists them
+
+
+def _digests(files: FileDigests) -> FileDigests:
+    return {str(n): {"size": int(m["size"]), "sha256": str(m["sha256"])} for n, m in sorted(files.items())}
+
+
 @dataclass(frozen=True)
 class DeltaIndex:
     version: int
     parent: int
-    files: dict[str, FileDelta]
+    files: dict[str, FileDelta]  # the weight files' blobs
     delta_bytes: int  # the blobs together
     full_bytes: int  # the whole checkpoint (every file of its MANIFEST.json)
+    copies: FileDigests = field(default_factory=dict)  # the other files, stored whole (delta_copy_key)
     format: int = FORMAT
     codec: str = CODEC
     transform: str = TRANSFORM
+
+    def version_files(self) -> FileDigests:
+        """Every file of the version this delta rebuilds, as its MANIFEST.json lists (or will list) them."""
+        weights = {name: {"size": f.size, "sha256": f.sha256} for name, f in self.files.items()}
+        return _digests({**weights, **self.copies})
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1, sort_keys=True)
@@ -280,17 +300,16 @@ class DeltaIndex:
             if (raw["format"], raw["codec"], raw["transform"]) != (FORMAT, CODEC, TRANSFORM):
                 raise ValueError(f"format {raw['format']} {raw['codec']} {raw['transform']}")
             files = {str(name): FileDelta.from_dict(f) for name, f in raw["files"].items()}
-            return cls(int(raw["version"]), int(raw["parent"]), files, int(raw["delta_bytes"]), int(raw["full_bytes"]))
+            copies = _digests(raw["copies"])
+            return cls(
+                int(raw["version"]), int(raw["parent"]), files, int(raw["delta_bytes"]), int(raw["full_bytes"]), copies
+            )
         except (ValueError, KeyError, TypeError, AttributeError) as err:
             raise DeltaUnusable(f"{where}: unreadable delta index ({err!r})") from err
 
-    def describes(self, version: int, files: dict[str, dict[str, int | str]]) -> bool:
+    def describes(self, version: int, files: FileDigests) -> bool:
         """Whether this delta rebuilds exactly these files (a version's MANIFEST.json files) of `version`."""
-        if (self.version, self.parent) != (version, version - 1):
-            return False
-        if {name for name in files if name.endswith(WEIGHTS_SUFFIX)} != set(self.files):
-            return False
-        return all((files[name]["size"], files[name]["sha256"]) == (f.size, f.sha256) for name, f in self.files.items())
+        return (self.version, self.parent) == (version, version - 1) and self.version_files() == _digests(files)
 
 
 @dataclass(frozen=True)
@@ -375,7 +394,7 @@ def write_delta(
     except DeltaUnusable as err:
         log(f"warning: {err}; rewriting the delta of {version_name(version)}")
         existing = None
-    if existing is not None and existing.describes(version, files):
+    if existing is not None and existing.describes(version, files) and blobs_stored(run, existing):
         return DeltaSummary.of(existing)
     if checkpoint.read_manifest(run, version - 1) is None:
         log(f"no delta for {version_name(version)}: its parent {version_name(version - 1)} is not published")
@@ -385,11 +404,29 @@ def write_delta(
     run.delete_prefix(delta_prefix(version))
     deltas: dict[str, FileDelta] = {}
     with TensorReader(parent_dir) as parent:
-        for name in sorted(n for n in files if n.endswith(WEIGHTS_SUFFIX)):
+        for name in sorted(n for n in files if is_weight_file(n)):
             deltas[name] = write_file_delta(run, version, name, new_dir / name, parent)
             if deltas[name].sha256 != files[name]["sha256"]:
                 raise MoerlError(f"{new_dir / name}: changed while its delta was written; publish again")
-    return write_index(run, version, deltas, files)
+    copies = {name: (new_dir / name).read_bytes() for name in files if not is_weight_file(name)}
+    if write_copies(run, version, copies) != {n: m for n, m in _digests(files).items() if n in copies}:
+        raise MoerlError(f"{new_dir}: a file changed while the delta was written; publish again")
+    return write_index(run, version, deltas, copies, files)
+
+
+def is_weight_file(name: str) -> bool:
+    """A file the delta holds as a blob (a top-level safetensors file); the others are copied whole."""
+    return "/" not in name and name.endswith(WEIGHTS_SUFFIX)
+
+
+def write_copies(run: Store, version: int, copies: dict[str, bytes]) -> FileDigests:
+    """Store v(version)'s other files whole beside its delta; returns their digests as stored."""
+    return {name: {"size": len(data), "sha256": run.put_bytes(delta_copy_key(version, name), data)}
+            for name, data in sorted(copies.items())}  # fmt: skip
+
+
+def copy_digests(copies: dict[str, bytes]) -> FileDigests:
+    return {name: {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()} for name, data in copies.items()}
 
 
 def write_file_delta(run: Store, version: int, name: str, path: Path, parent: ParentTensors) -> FileDelta:
@@ -402,45 +439,61 @@ def write_file_delta(run: Store, version: int, name: str, path: Path, parent: Pa
 
 
 def write_index(
-    run: Store, version: int, deltas: dict[str, FileDelta], files: dict[str, dict[str, int | str]]
+    run: Store, version: int, deltas: dict[str, FileDelta], copies: dict[str, bytes], files: FileDigests
 ) -> DeltaSummary:
-    """DELTA.json, last: the blobs of `deltas` rebuild the weight files of `files` (v(version)'s, as its
+    """DELTA.json, last: the blobs of `deltas` and the stored `copies` rebuild `files` (v(version)'s, as its
     MANIFEST.json will list them)."""
-    index = _index(version, deltas, files)
+    index = _index(version, deltas, copy_digests(copies), files)
+    if not index.describes(version, files):
+        raise MoerlError(f"the delta of {version_name(version)} does not describe its files; publish again")
     run.put_bytes(delta_index_key(version), index.to_json().encode())
     return DeltaSummary.of(index)
 
 
-def _index(version: int, deltas: dict[str, FileDelta], files: dict[str, dict[str, int | str]]) -> DeltaIndex:
+def _index(version: int, deltas: dict[str, FileDelta], copies: FileDigests, files: FileDigests) -> DeltaIndex:
     return DeltaIndex(
         version=version,
         parent=version - 1,
-        files=deltas,
+        files=dict(sorted(deltas.items())),
         delta_bytes=sum(f.blob_bytes for f in deltas.values()),
         full_bytes=sum(int(meta["size"]) for meta in files.values()),
+        copies=_digests(copies),
     )
 
 
-def adopt(
-    run: Store, version: int, files: dict[str, dict[str, int | str]], written: dict[str, dict] | None
-) -> DeltaSummary | None:
-    """The publish side of the deltas an update wrote (a candidate's weight_deltas, by published file name):
-    DELTA.json for them if they describe exactly the weight files of `files` (v(version)'s files as its
-    MANIFEST.json will list them: every file's size, the weight files' sha256) and every blob is stored at
-    its size; else None (the caller writes the delta itself). Nothing is read but the blobs' sizes."""
+def blobs_stored(run: Store, index: DeltaIndex) -> bool:
+    """Whether every blob the index names is in the store at its size (nothing is read)."""
+    for name, delta in index.files.items():
+        key = delta_blob_key(index.version, name)
+        if not run.exists(key) or run.size(key) != delta.blob_bytes:
+            return False
+    return True
+
+
+def file_deltas(written: dict[str, dict] | None) -> dict[str, FileDelta] | None:
+    """The blobs a candidate's marker lists (weight_deltas, JSON), by published file name; None when it lists
+    none or they cannot be read."""
     if not written:
         return None
     try:
-        deltas = {str(name): FileDelta.from_dict(f) for name, f in written.items()}
-    except (KeyError, ValueError, TypeError):
+        return {str(name): FileDelta.from_dict(f) for name, f in written.items()}
+    except (KeyError, ValueError, TypeError, AttributeError):
         return None
-    index = _index(version, deltas, files)
-    if not index.describes(version, files):
+
+
+def adopt(
+    run: Store, version: int, files: FileDigests, deltas: dict[str, FileDelta] | None, copies: dict[str, bytes]
+) -> DeltaSummary | None:
+    """Index the blobs an update wrote (`deltas`, by published file name): the other files (`copies`, by name)
+    stored whole, then DELTA.json, if the blobs and copies describe exactly `files` (v(version)'s files as its
+    MANIFEST.json lists or will list them) and every blob is stored at its size; else None (the caller writes
+    the delta itself). Nothing is read but the blobs' sizes."""
+    if not deltas:
         return None
-    for name, delta in deltas.items():
-        key = delta_blob_key(version, name)
-        if not run.exists(key) or run.size(key) != delta.blob_bytes:
-            return None
+    index = _index(version, deltas, copy_digests(copies), files)
+    if not index.describes(version, files) or not blobs_stored(run, index):
+        return None
+    write_copies(run, version, copies)
     run.put_bytes(delta_index_key(version), index.to_json().encode())
     return DeltaSummary.of(index)
 
@@ -483,34 +536,105 @@ def _rebuild(run: Store, version: int, name: str, delta: FileDelta, parent: Tens
     return delta.blob_bytes
 
 
+def read_copy(run: Store, version: int, name: str, meta: dict[str, int | str]) -> bytes:
+    """One of v(version)'s other files from beside its delta, checked against `meta` (size and sha256)."""
+    key = delta_copy_key(version, name)
+    try:
+        data = run.get_bytes(key)
+    except MoerlError as err:  # missing, or the store's own sha256 check failed
+        raise DeltaUnusable(f"{run.url(key)}: {err}") from err
+    if (len(data), hashlib.sha256(data).hexdigest()) != (meta["size"], meta["sha256"]):
+        raise DeltaUnusable(f"{run.url(key)}: its size or sha256 differs from DELTA.json")
+    return data
+
+
 def apply_delta(run: Store, version: int, parent_dir: Path, out_dir: Path, index: DeltaIndex | None = None) -> int:
-    """Rebuild published version `version` in the empty dir out_dir from parent_dir (a verified dir of
-    v(version-1)) and the version's delta; returns the bytes read from the store. Raises DeltaUnusable when the
+    """Rebuild version `version` in the empty dir out_dir from parent_dir (a verified dir of v(version-1)) and
+    the version's delta: every file DELTA.json lists, each checked against its sha256; a published version's
+    delta must describe its MANIFEST.json. Returns the bytes read from the store. Raises DeltaUnusable when the
     delta is missing, stale or corrupt (out_dir then holds a partial copy: the caller discards it)."""
-    manifest = checkpoint.require_manifest(run, version)
     key = delta_index_key(version)
     index = index if index is not None else read_index(run, version)
     if index is None:
         raise DeltaUnusable(f"{run.url(key)}: no delta")
-    if not index.describes(version, manifest.files):
+    manifest = checkpoint.read_manifest(run, version)
+    if manifest is not None and not index.describes(version, manifest.files):
         raise DeltaUnusable(f"{run.url(key)}: stale: it does not describe {version_name(version)}'s MANIFEST.json")
     fetched = run.size(key)
     out_dir, parent_dir = Path(out_dir), Path(parent_dir)
     with TensorReader(parent_dir) as parent:
-        for name, meta in sorted(manifest.files.items()):
+        for name, meta in index.version_files().items():
             target = out_dir / name
             target.parent.mkdir(parents=True, exist_ok=True)
             if name in index.files:
                 fetched += _rebuild(run, version, name, index.files[name], parent, target)
                 continue
-            same = parent_dir / name
-            if same.is_file() and checkpoint.file_digest(same) == (meta["size"], meta["sha256"]):
-                target.write_bytes(same.read_bytes())  # unchanged since the parent (config.json, tokenizer)
-                continue
-            data = checkpoint.read_file(run, version, name)  # small: the weights are in the delta
+            data = read_copy(run, version, name, meta)
             target.write_bytes(data)
             fetched += len(data)
     return fetched
+
+
+# ------------------------------------------------------------------------------------ a usable version
+
+
+def version_files(run: Store, version: int) -> FileDigests | None:
+    """The files of a version that can be read: its MANIFEST.json's when it is published, else its DELTA.json's
+    when the update indexed it (usable from its delta before it is published); None otherwise (an unreadable
+    DELTA.json included: the version is then usable once it is published)."""
+    manifest = checkpoint.read_manifest(run, version)
+    if manifest is not None:
+        return manifest.files
+    try:
+        index = read_index(run, version)
+    except DeltaUnusable:
+        return None
+    return None if index is None else index.version_files()
+
+
+def not_usable(run: Store, version: int) -> MoerlError:
+    """The error for a version that is neither published nor indexed (version_files is None)."""
+    return MoerlError(
+        f"{run.url(version_prefix(version))}: {version_name(version)} is neither published (no MANIFEST.json) "
+        f"nor indexed ({run.url(delta_index_key(version))}); its update has not finished — run it first"
+    )
+
+
+def read_version_file(run: Store, version: int, name: str) -> bytes:
+    """One file of a usable version (its tokenizer, its config.json): from the published checkpoint, else from
+    beside its delta; checked against the digest its MANIFEST.json or DELTA.json records."""
+    if checkpoint.read_manifest(run, version) is not None:
+        return checkpoint.read_file(run, version, name)
+    index = read_index(run, version)
+    if index is None:
+        raise not_usable(run, version)
+    meta = index.version_files().get(name)
+    if meta is None or name in index.files:
+        raise MoerlError(f"{run.url(delta_index_key(version))}: {version_name(version)} has no small file {name}")
+    return read_copy(run, version, name, meta)
+
+
+def fetch_version(run: Store, version: int) -> Path:
+    """A usable version's dir in the local cache: the published checkpoint (checkpoint.fetch), else rebuilt
+    from its published parent and its delta, every file checked against DELTA.json (a cached rebuild too)."""
+    if checkpoint.read_manifest(run, version) is not None:
+        return checkpoint.fetch(run, version)
+    index = read_index(run, version)
+    if index is None:
+        raise not_usable(run, version)
+    target = checkpoint.cache_dir_for(run, version)
+    if target.is_dir() and checkpoint.describe_dir(target) == index.version_files():
+        return target
+    parent = checkpoint.fetch(run, version - 1)  # an indexed version's parent is published (its update waited)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".moerl-rebuild-", dir=target.parent) as tmp:
+        staging = Path(tmp) / "version"
+        staging.mkdir()
+        apply_delta(run, version, parent, staging, index)
+        if target.exists():
+            shutil.rmtree(target)
+        staging.rename(target)
+    return target
 
 
 def checkpoint_bytes(manifest: checkpoint.Manifest) -> int:

@@ -23,7 +23,7 @@ from steps.engines.interface import Engine, GenerationRequest, SamplingParams, s
 from steps.engines.torch_engine import TorchEngine
 from steps.environments.conversation import EnvironmentSettings, run_conversations
 from steps.experience.rollout_plan import heldout_prompts, prompt_format
-from steps.run import checkpoint
+from steps.run import weight_delta
 from steps.run.config import RunConfig
 from steps.run.keys import version_prefix
 from steps.scoring.rewards import sample_verifier
@@ -89,12 +89,14 @@ def heldout_accuracy(run: Store, cfg: RunConfig, version: int, log: Any) -> floa
     prompts = heldout_prompts(cfg)
     if not prompts:
         return None
-    manifest = checkpoint.require_manifest(run, version)
-    weight_bytes = sum(int(m["size"]) for name, m in manifest.files.items() if name.endswith(".safetensors"))
+    files = weight_delta.version_files(run, version)  # published, or indexed before publish (rollout servers)
+    if files is None:
+        raise weight_delta.not_usable(run, version)
+    weight_bytes = sum(int(m["size"]) for name, m in files.items() if name.endswith(".safetensors"))
     if weight_bytes > HELDOUT_EVAL_MAX_BYTES:
         log(f"held-out accuracy skipped: {weight_bytes / 2**30:.1f} GiB of weights is too big to evaluate on CPU")
         return None
-    model_dir = checkpoint.fetch(run, version)
+    model_dir = weight_delta.fetch_version(run, version)
     tokenizer = load_tokenizer(model_dir, source=run.url(version_prefix(version)))
     engine = TorchEngine.from_checkpoint(model_dir)
     verifiers = {p.task: sample_verifier(p.task, cfg.rewards.verifier, cfg.rewards.answer_pattern) for p in prompts}

@@ -35,7 +35,7 @@ from steps.models.hf_checkpoint import CONFIG_NAME, GENERATION_CONFIG_NAME, SAFE
 from steps.models.moe import stored_dtype
 from steps.models.placement import is_expert_param
 from steps.models.registry import family_of
-from steps.run import candidate, checkpoint, weight_delta
+from steps.run import candidate, weight_delta
 from steps.run.keys import candidate_prefix, update_metrics_key
 from steps.store.object_store import Store
 from steps.training.optim import AnyOptimizer
@@ -293,7 +293,10 @@ def write_candidate_metadata(
     # The parent's other files (generation config, tokenizer files, ...), as its manifest lists them: the
     # local cache may hold files of an earlier run that had the same URI.
     skip = {CONFIG_NAME, SAFE_WEIGHTS_INDEX_NAME}
-    for name in sorted(checkpoint.require_manifest(run, iteration - 1).files):
+    parent_files = weight_delta.version_files(run, iteration - 1)  # published, or indexed (a trainer that stays up)
+    if parent_files is None:
+        raise weight_delta.not_usable(run, iteration - 1)
+    for name in sorted(parent_files):
         if "/" not in name and name not in skip and not name.endswith(".safetensors"):
             put(name, parent_file(name))
     if GENERATION_CONFIG_NAME not in files:

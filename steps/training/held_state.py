@@ -30,7 +30,6 @@ from torch import nn
 from steps.expert_parallel.mesh import Mesh, all_reduce_sum
 from steps.models.placement import ExpertPlacement
 from steps.models.registry import family_of
-from steps.run.checkpoint import Manifest
 from steps.training.optimizer_state import ADAMW_FIELDS
 
 
@@ -43,12 +42,11 @@ class HeldState:
     optimizer: dict[str, torch.Tensor]  # `<param name>.<AdamW field>` of those parameters
     weight_digests: list[tuple[int, str]]  # (size, sha256) of every weight shard of the candidate written
 
-    def matches(self, version: int, manifest: Manifest) -> bool:
-        """Whether this is `version` as published (`manifest`): the same weight files, byte for byte."""
+    def matches(self, version: int, files: dict[str, dict[str, int | str]]) -> bool:
+        """Whether this is `version` as the run has it (`files`: its MANIFEST.json's, or its DELTA.json's before
+        it is published): the same weight files, byte for byte."""
         published = sorted(
-            (int(meta["size"]), str(meta["sha256"]))
-            for name, meta in manifest.files.items()
-            if name.endswith(".safetensors")
+            (int(meta["size"]), str(meta["sha256"])) for name, meta in files.items() if name.endswith(".safetensors")
         )
         return self.version == version and published == sorted(self.weight_digests)
 

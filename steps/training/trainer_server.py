@@ -48,7 +48,7 @@ from steps.experience.tables import read_scored_experience
 from steps.expert_parallel.dispatch import HeldDispatch
 from steps.expert_parallel.mesh import Mesh
 from steps.models.family import FamilyConfig
-from steps.run import checkpoint
+from steps.run import checkpoint, weight_delta
 from steps.run.config import load_run_config
 from steps.run.keys import behaviour_version, scored_key
 from steps.run.serving import JsonServer, Unavailable
@@ -202,9 +202,18 @@ class TrainerService:
         self._broadcast({"op": "stop"})
 
     def _may_train_on(self, iteration: int) -> bool:
-        """Whether the held state is v(iteration-1) as published (else the update reloads it)."""
-        manifest = checkpoint.read_manifest(self.run, iteration - 1)
-        return self.held is not None and manifest is not None and self.held.matches(iteration - 1, manifest)
+        """Whether the held state is v(iteration-1) as the run has it (else the update reloads it). A version
+        indexed and not published yet (the update of `iteration` does not wait for its publish when the trainer
+        stays up: pipelines/workflow/graph.py) can only be trained on from memory: without it the request is
+        answered 503, and the client's retry finds it published."""
+        files = weight_delta.version_files(self.run, iteration - 1)
+        held = self.held is not None and files is not None and self.held.matches(iteration - 1, files)
+        if not held and checkpoint.read_manifest(self.run, iteration - 1) is None:
+            raise Unavailable(
+                f"v{iteration - 1:06d} is not published yet and this trainer does not hold it (started or "
+                "restarted since, or it failed an update): the update is retried once publish has written it"
+            )
+        return held
 
     # ------------------------------------------------------------------------------- every rank
 

@@ -34,12 +34,15 @@ from steps.run.config import RunConfig, load_run_config
 from steps.run.keys import (
     behaviour_version,
     candidate_prefix,
+    delta_index_key,
+    delta_prefix,
     scored_key,
     update_metrics_key,
     version_name,
 )
 from steps.store.object_store import Store
 from steps.tracking import trackers as tracking
+from steps.training import publication
 from steps.training.candidate_writer import (
     stored_bits,
     weight_digests,
@@ -246,12 +249,31 @@ def pending_iteration(run: Store, iteration: int, force: bool = False, rank: int
         _say(rank, f"{version_name(iteration)} is already published; nothing to do")
         return None
     if candidate.read_marker(run, iteration) is not None and not force:
+        if rank == 0:  # a retry after the candidate: its delta indexed too, if the crash came between the two
+            index_candidate_delta(run, cfg, iteration)
         _say(rank, f"candidate of iteration {iteration} is complete; nothing to do (--force retrains it)")
         return None
-    checkpoint.require_manifest(run, iteration - 1)
+    if force and weight_delta.wanted(cfg) and weight_delta.version_files(run, iteration) is not None:
+        raise MoerlError(
+            f"--force: {version_name(iteration)} was indexed from its candidate ({run.url(delta_index_key(iteration))})"
+            f" and rollout servers may have generated with it: an indexed version is final. Publish it "
+            f"(python -m steps.publish --run {run.uri} --iteration {iteration}), or delete the experience sampled "
+            f"from {version_name(iteration)} and {run.url(delta_prefix(iteration))} before training it again"
+        )
+    if weight_delta.version_files(run, iteration - 1) is None:  # published, or indexed for a trainer that holds it
+        raise weight_delta.not_usable(run, iteration - 1)
     version = behaviour_version(iteration, cfg.staleness)
     samples = read_scored_experience(run, iteration, version)
     return IterationWork(run, cfg, iteration, version, samples, TrainSettings.from_run_config(cfg))
+
+
+def index_candidate_delta(run: Store, cfg: RunConfig, iteration: int) -> None:
+    """Index v(iteration)'s delta once its candidate is complete (steps/training/publication.py), where the run
+    writes deltas: rollout servers may take v(iteration) from then on, before publish."""
+    marker = candidate.read_marker(run, iteration)
+    if weight_delta.wanted(cfg) and marker is not None and checkpoint.read_manifest(run, iteration) is None:
+        summary = publication.index_candidate(run, iteration, marker, lambda line: print(line, flush=True))
+        print(f"{weight_delta.describe(summary)}: usable by rollout servers before it is published", flush=True)
 
 
 def run_update(
@@ -401,13 +423,14 @@ def train_iteration(
         if parent_dir is not None:
             local_parent = parent_dir
             parent_file: Callable[[str], bytes] = lambda name: (local_parent / name).read_bytes()  # noqa: E731
-        else:
-            parent_file = lambda name: checkpoint.read_file(run, parent, name)  # noqa: E731
+        else:  # the trainer holds v(I-1), which may be indexed and not published yet
+            parent_file = lambda name: weight_delta.read_version_file(run, parent, name)  # noqa: E731
         marker = agreed(
             mesh,
             lambda: write_candidate_metadata(run, iteration, parent_file, model, shards, info, metrics, dtype)
             if rank == 0 else None,
         )  # fmt: skip
+        agreed(mesh, lambda: index_candidate_delta(run, cfg, iteration) if rank == 0 else None)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     progress.report(metrics["steps"] + 1, metrics["steps"] + 1)
