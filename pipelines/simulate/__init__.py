@@ -6,9 +6,12 @@ buys over synchronous training (staleness 0). Both staleness values are always s
 
 The model, in the order a run meets it:
 
-- The DAG is the workflow's own: `pipelines.workflow.graph.dependencies` per segment (plan, import-sft, then
+- The DAG is the workflow's own: `pipelines.workflow.graph.run_dependencies` per segment (plan, import-sft, then
   rollout-i x shards -> score-i -> update-i -> publish-i, with staleness 1 letting rollout-(i+1) overlap
-  update-i), the report exit handler after each segment, and the next segment's Workflow after that.
+  update-i; with rollout servers and deltas, rollout waiting for the update that indexed its version instead of
+  its publish, and with the trainer that stays up the next update too), the report exit handler after each
+  segment, and the next segment's Workflow after that. Not modelled: a restarted trainer's wait for a version
+  it does not hold to be published (answered 503 and retried; only after a crash).
 - Pools come from the config's placement. Rollout: a Spot GPU pool of one node per shard (one SGLang engine per
   node), `nvidia.com/gpu` GPUs each. Trainer: an on-demand gang of trainer.nodes nodes that one update takes
   whole. CPU: score and the control steps, never short of room. A config without GPUs is this machine: one node
