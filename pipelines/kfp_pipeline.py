@@ -160,7 +160,7 @@ def _iteration_command(cfg: RunConfig, step: str) -> StepCommand:
 
 def build_pipeline(cfg: RunConfig) -> Any:
     """The KFP pipeline function: plan, import-sft, then segment_size iteration slots, then the report."""
-    deps = graph.run_dependencies(slots(cfg), cfg)
+    deps = graph.run_dependencies(slots(cfg), cfg, servers_run=False)  # no daemons on KFP
 
     @dsl.pipeline(
         name=cfg.name,

@@ -280,13 +280,16 @@ def publish(run_uri: str, iteration: int) -> checkpoint.Manifest:
         candidate_dir, hf_dir = Path(tmp) / "candidate", Path(tmp) / "checkpoint"
         candidate_dir.mkdir()
         hf_dir.mkdir()
-        candidate.download(run, iteration, marker, candidate_dir)
-        if not (candidate_dir / CONFIG_NAME).is_file():
-            raise MoerlError(f"{where}: the candidate has no {CONFIG_NAME}; rerun update with --force")
-        index, model_files, optimizer_files = verify_candidate(candidate_dir, where, run_dtype(run, iteration - 1))
-        keep_parent_config(run, iteration, candidate_dir, where)
-        assemble_hf_dir(candidate_dir, index, model_files, optimizer_files, hf_dir)
-        validate_checkpoint_dir(hf_dir)
+        try:
+            candidate.download(run, iteration, marker, candidate_dir)
+            if not (candidate_dir / CONFIG_NAME).is_file():
+                raise MoerlError(f"{where}: the candidate has no {CONFIG_NAME}; rerun update with --force")
+            index, model_files, optimizer_files = verify_candidate(candidate_dir, where, run_dtype(run, iteration - 1))
+            keep_parent_config(run, iteration, candidate_dir, where)
+            assemble_hf_dir(candidate_dir, index, model_files, optimizer_files, hf_dir)
+            validate_checkpoint_dir(hf_dir)
+        except MoerlError as err:  # "rerun update with --force" is refused for a version indexed before publish
+            raise publication.indexed_candidate_refused(run, iteration, err) from err
         progress.report(1, 3)
         if weight_delta.wanted(cfg):  # before MANIFEST.json: a delta is complete or absent
             print(publish_delta(run, iteration, hf_dir, marker, model_files))

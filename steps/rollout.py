@@ -10,7 +10,9 @@ killed shard resumes where it stopped and the union of all shards is exactly pro
 
 With rollout.servers > 0 and --workflow, the step holds no engine: it sends each of its chunks to one of the
 Workflow's rollout servers (steps/rollout_server.py), found through the run store, and checks that the chunk
-is on the store afterwards. A server lost mid-request ends the step with 75 (EX_TEMPFAIL), which the rollout's
+is on the store afterwards; then it verifies the chunk's samples and writes their verdicts beside it
+(steps/scoring/verdicts.py), while its server generates the next chunk, so that score does not verify them
+after the last chunk. A server lost mid-request ends the step with 75 (EX_TEMPFAIL), which the rollout's
 retryStrategy retries like a reclaim; the retry skips the chunks already written.
 
 On SIGTERM (a Spot reclaim) it stops at once — in the middle of generating a chunk, or right after the chunk
@@ -43,6 +45,7 @@ from steps.experience.rollout_chunks import (
 )
 from steps.run import checkpoint, serving
 from steps.run.keys import rollout_server_name
+from steps.scoring.verdicts import write_chunk_verdicts
 from steps.store.object_store import Store
 
 __all__ = ["EXIT_PREEMPTED", "Preempted", "Preemption", "ShardResult", "rollout_shard"]
@@ -163,6 +166,7 @@ def send_to_servers(
         engine = RemoteEngine(server, work.run.uri, work.iteration, work.version)
         for done, chunk in enumerate(todo, start=finished + 1):
             stats = work.generate(engine, chunk, preemption)  # this client writes the chunk: a protected write
+            write_chunk_verdicts(work.run, work.cfg, work.plan, work.tok, chunk)
             _done(result, chunk, done, total, stats.samples, stats.tokens, stats.seconds, log, where,
                   f" with {server.name}")  # fmt: skip
         return
@@ -173,6 +177,7 @@ def send_to_servers(
             raise MoerlError(f"{server.name} answered {answer} to a request for chunk {chunk} of v{work.version:06d}")
         if not work.finished([chunk]):  # read back: the chunk must now be on the store, as this plan's
             raise serving.ServerLost(f"{server.name} answered chunk {chunk} but it is not on the store")
+        write_chunk_verdicts(work.run, work.cfg, work.plan, work.tok, chunk)  # scoring overlaps the rollout
         by = f" by {server.name}"
         _done(result, chunk, done, total, answer.get("samples", 0), answer.get("tokens", 0),
               answer.get("seconds", 0.0), log, where, by)  # fmt: skip

@@ -4,7 +4,9 @@
 
 Reads every rollout chunk of the iteration's plan (each must be there exactly once and match the plan; a
 missing or mismatched one is named with the shard that writes it), in canonical order (prompt_id,
-sample_index); scores each sample (steps/scoring/rewards.py); writes
+sample_index); scores each sample (steps/scoring/rewards.py; the verifier's verdicts that rollout clients of
+rollout servers wrote as their chunks landed are read instead of verifying those samples again,
+steps/scoring/verdicts.py); writes
 
     <run>/experience/iter-I/scored.parquet   the rollout columns + correct, well_formed, rm_score, reward,
                                              advantage (with rollout.dynamic_sampling: the groups the update
@@ -54,9 +56,9 @@ from steps.scoring.rewards import (
     last_turns,
     reward_model_texts,
     select_groups,
-    verify_samples,
 )
 from steps.scoring.user_reward import RewardFunction
+from steps.scoring.verdicts import sample_verdicts
 from steps.store.object_store import Store, json_text
 from steps.tracking import trackers as tracking
 
@@ -119,10 +121,10 @@ def score_iteration(
     prompt_ids = table.column("prompt_id").to_pylist()
     where = [f"prompt {p!r} sample {k}" for p, k in zip(prompt_ids, table.column("sample_index").to_pylist(),
                                                         strict=True)]  # fmt: skip
-    correct, well_formed = verify_samples(
-        tok, table.column("task").to_pylist(), table.column("answer").to_pylist(), responses,
-        cfg.rewards.verifier, cfg.rewards.answer_pattern,
-    )  # fmt: skip
+    # the verifier's verdicts the rollout clients wrote as their chunks landed, the rest verified here
+    correct, well_formed, verdicts_read = sample_verdicts(run, cfg, plan, tok, table)
+    if verdicts_read:
+        log(f"score {iteration}: {verdicts_read} of {table.num_rows} samples verified by the rollout clients")
     by_id = {p.prompt_id: p for p in plan.prompts}
     fn_rewards, fn_metrics = None, {}
     if cfg.rewards.reward_fn or cfg.rewards.reward_model:

@@ -38,9 +38,15 @@ def executor_args(spec: dict, task: dict) -> list[str]:
     return spec["deploymentSpec"]["executors"][component["executorLabel"]]["container"]["args"]
 
 
+# KFP runs no daemons: with rollout.servers and trainer.server set (Argo's), its steps open engines and trainers of
+# their own and read published versions, so rollout and update wait for publish as without them.
+SERVED = {"rollout": {"servers": 2}, "trainer": {"server": True}}
+
+
+@pytest.mark.parametrize("served", [{}, SERVED], ids=["plain", "servers-set"])
 @pytest.mark.parametrize("staleness", [0, 1])
-def test_the_pipeline_has_the_runs_dag(tmp_path, staleness):
-    cfg = validate_config({**BASE, "iterations": 3, "staleness": staleness})
+def test_the_pipeline_has_the_runs_dag(tmp_path, staleness, served):
+    cfg = validate_config({**BASE, "iterations": 3, "staleness": staleness, **served})
     spec, _ = compiled(cfg, tmp_path)
     tasks = tasks_by_display_name(spec)
     # A task's dependencies name tasks by their IR keys; map those to display names.

@@ -94,10 +94,11 @@ def test_a_config_without_an_environment_is_modelled_as_before():
         steps = derived_step_model(cfg, base)
         ignored = base.override({"turns": 3, "environment_step_s": 7.0, "observation_tokens": 500.0})
         assert derived_step_model(cfg, ignored) == steps
-        assert steps.environment_s == 0.0 and steps.served_chunk_s == steps.rollout_chunk_s
+        # the client's own work on a chunk is its verdicts alone (rollout servers: steps/scoring/verdicts.py)
+        assert steps.environment_s == 0.0 and steps.served_chunk_s == steps.rollout_chunk_s - steps.verdicts_s
         devices = max(int(cfg.placement["rollout"].resources.limits.get("nvidia.com/gpu", 0)), 1)
         chunk_tokens = cfg.rollout.chunk_size * cfg.group_size * cfg.sampling.max_new_tokens * base.response_fill
-        assert steps.rollout_chunk_s == chunk_tokens / (base.rollout_tokens_per_gpu_s * devices)  # the old formula
+        assert steps.served_chunk_s == pytest.approx(chunk_tokens / (base.rollout_tokens_per_gpu_s * devices))
         assert tokens_per_iteration(cfg, ignored) == (
             cfg.prompts_per_iteration * cfg.group_size * cfg.sampling.max_new_tokens * base.response_fill
         )
@@ -111,7 +112,7 @@ def test_rollout_servers_serve_other_clients_while_a_client_steps_its_environmen
     a = GPU_ASSUMPTIONS.override({"environment_step_s": 0.5})
     steps = derived_step_model(cfg, a)
     assert steps.environment_s == pytest.approx(3 * 32 * 0.5)  # 512 conversations over 16 workers, 3 turns
-    assert steps.served_chunk_s == pytest.approx(steps.rollout_chunk_s - steps.environment_s)
+    assert steps.served_chunk_s == pytest.approx(steps.rollout_chunk_s - steps.environment_s - steps.verdicts_s)
     result = simulate(cfg, steps, cluster_for(cfg, a), a, staleness=0)
     work = [s for s in result.segments if s.step == "rollout-server" and s.phase == "work"]
     assert len(work) == 32 and all(s.end - s.start == pytest.approx(steps.served_chunk_s) for s in work)
@@ -122,11 +123,11 @@ def test_rollout_servers_serve_other_clients_while_a_client_steps_its_environmen
     def rollout_end(r) -> float:
         return max(s.end for s in r.segments if s.step == "rollout")
 
-    assert rollout_end(result) - rollout_end(without) == pytest.approx(steps.environment_s)
-    # Without servers the rollout step's clock holds both, as the shard's pod does.
+    assert rollout_end(result) - rollout_end(without) == pytest.approx(steps.environment_s)  # verdicts in both
+    # Without servers the rollout step's clock holds both, as the shard's pod does (and no verdicts: score verifies).
     today = with_environment(EKS, max_total_tokens=16384, workers=16, **{"rollout.servers": 0, "trainer.server": False})
     shard = derived_step_model(today, a)
-    assert shard.rollout_chunk_s == pytest.approx(steps.rollout_chunk_s)
+    assert shard.rollout_chunk_s == pytest.approx(steps.rollout_chunk_s - steps.verdicts_s)
 
 
 def write_run(root, metrics: dict) -> str:

@@ -1,13 +1,16 @@
 """A version is usable from its delta before it is published (steps/run/weight_delta.py, steps/training/
 publication.py): once the update indexed v(i), a rollout server brings its engine to v(i) from v(i-1) and the
 delta, bit for bit the checkpoint publish then writes; the version's tokenizer and held-out evaluation read it
-too. An indexed version is final: publish refuses another candidate and update --force refuses to retrain it;
-a crash between the candidate and its index is mended by the retry; a node cache built as another version than
-the run's now is rebuilt; a corrupt delta of a version not published yet is retried, never fetched whole."""
+too, also when its parent is only indexed. An indexed version is final: publish refuses another candidate (and
+says how to start over when it refuses the candidate itself), the update refuses to train it again; a crash
+between the candidate and its index is mended by the retry; a node cache built as another version than the
+run's now is rebuilt; a corrupt delta of a version not published yet is retried, never fetched whole; a
+trainer that stays up trains from the indexed version it holds and otherwise waits for its publish."""
 
 from __future__ import annotations
 
 import json
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -24,6 +27,8 @@ from steps.publish import publish
 from steps.run import checkpoint, weight_delta
 from steps.run.keys import delta_copy_key, delta_index_key, delta_prefix
 from steps.run.serving import Unavailable
+from steps.store.object_store import Store
+from steps.training import trainer_server
 from steps.training.held_state import HeldState
 from steps.training.trainer_server import TrainerService
 from steps.training.update import run_update
@@ -112,19 +117,68 @@ def test_a_corrupt_delta_of_a_version_not_published_yet_is_retried_not_fetched_w
     assert sync.cached_versions() == [0]
 
 
-def test_a_trainer_that_stays_up_trains_on_the_indexed_version_it_holds_and_else_answers_503(tmp_path):
+def trainer(run: Store, held: HeldState | None, stopping: bool = False) -> SimpleNamespace:
+    """What TrainerService._may_train_on reads of the trainer (rank 0, one rank: the broadcast is a no-op)."""
+    service = SimpleNamespace(run=run, held=held, stopping=threading.Event(), log=print, _broadcast=lambda c: c)
+    service._wait_for_publish = lambda version: TrainerService._wait_for_publish(service, version)
+    if stopping:
+        service.stopping.set()
+    return service
+
+
+def test_a_trainer_that_stays_up_trains_on_the_indexed_version_it_holds_and_else_waits_for_its_publish(
+    tmp_path, monkeypatch
+):
     """update-(i+1) does not wait for publish-i when the trainer stays up (pipelines/workflow/graph.py): the
-    trainer trains from the v(i) it holds as the run indexed it; one that does not hold it (restarted) is
-    answered 503 until publish has written v(i), then reloads it from the store."""
+    trainer trains from the v(i) it holds as the run indexed it; one that does not hold it (restarted) waits for
+    publish to write v(i), then reloads it from the store; told to stop meanwhile, it answers 503."""
+    monkeypatch.setattr(trainer_server, "PUBLISH_POLL_S", 0.01)
     run_uri, run = updated_run(tmp_path, rollout={"servers": 1}, trainer={"server": True})
     files = weight_delta.version_files(run, 1)
     digests = sorted((int(m["size"]), str(m["sha256"])) for n, m in files.items() if n.endswith(".safetensors"))
     held = HeldState(1, torch.float32, None, {}, {}, digests)  # type: ignore[arg-type]
     may_train_on = TrainerService._may_train_on
-    assert may_train_on(SimpleNamespace(run=run, held=held), 2) is True  # from memory, v1 not published
-    for restarted in (None, HeldState(1, torch.float32, None, {}, {}, [(1, "0" * 64)])):  # type: ignore[arg-type]
-        with pytest.raises(Unavailable, match="v000001 is not published yet and this trainer does not hold it"):
-            may_train_on(SimpleNamespace(run=run, held=restarted), 2)
+    assert may_train_on(trainer(run, held), 2) is True  # from memory, v1 not published
+    other = HeldState(1, torch.float32, None, {}, {}, [(1, "0" * 64)])  # type: ignore[arg-type]
+    for restarted in (None, other):
+        with pytest.raises(Unavailable, match="stopped while waiting for v000001's publish"):
+            may_train_on(trainer(run, restarted, stopping=True), 2)
+    answers = []
+    waiting = threading.Thread(target=lambda: answers.append(may_train_on(trainer(run, None), 2)))
+    waiting.start()
     publish(run_uri, 1)
-    assert may_train_on(SimpleNamespace(run=run, held=None), 2) is False  # reloaded from the store
-    assert may_train_on(SimpleNamespace(run=run, held=held), 2) is True
+    waiting.join(timeout=120)
+    assert answers == [False]  # reloaded from the store, now published
+    assert may_train_on(trainer(run, held), 2) is True
+
+
+def test_a_version_whose_parent_is_only_indexed_too_is_rebuilt_from_the_nearest_published_one(tmp_path):
+    """With the trainer that stays up, v(i) can be indexed while v(i-1) still is only indexed: the held-out
+    evaluation and a server with nothing cached build v(i) from the nearest published version and both deltas."""
+    versions = VersionedRun(tmp_path)
+    versions.publish_next()
+    versions.publish_next()
+    for version in (1, 2):  # published with their deltas, then as if their publish had not happened yet
+        versions.run.delete(f"checkpoints/v{version:06d}/MANIFEST.json")
+    assert weight_delta.version_files(versions.run, 2) is not None
+    assert same_files(weight_delta.fetch_version(versions.run, 2), versions.dirs[2])
+    sync, engine = WeightSync(versions.run, tmp_path / "cold"), RecordingEngine()
+    result = sync.bring(engine, None, 2)
+    assert result.path == "delta" and holds(engine, versions.dirs[2])
+    assert sync.cached_versions() == [1, 2]  # v0 fetched whole, then both deltas; the two newest kept
+
+
+def test_the_update_never_trains_an_indexed_version_again_even_with_its_candidate_deleted(tmp_path):
+    run_uri, run = updated_run(tmp_path, rollout={"servers": 1})
+    run.delete_prefix("candidates/iter-000001/")
+    with pytest.raises(MoerlError, match="^.*v000001 was indexed from its candidate .* an indexed version is final"):
+        run_update(run_uri, 1)
+
+
+def test_publish_refusing_an_indexed_candidate_says_how_to_start_over(tmp_path):
+    run_uri, run = updated_run(tmp_path, rollout={"servers": 1})
+    shard = next(k for k in run.list("candidates/iter-000001/") if "/optimizer-rank" in k)
+    run.delete(shard)
+    with pytest.raises(MoerlError, match="missing.*v000001 was indexed before publish.*are deleted"):
+        publish(run_uri, 1)
+    assert_nothing_published(run)

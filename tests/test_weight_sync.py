@@ -13,9 +13,9 @@ from delta_helpers import VersionedRun, same_files
 from test_weight_delta import forge_segment
 
 from steps.engines.weight_sync import CACHE_ENV, WeightSync, default_cache_dir
-from steps.errors import MoerlError
 from steps.run import checkpoint
 from steps.run.keys import delta_index_key, delta_prefix
+from steps.run.serving import Unavailable
 
 
 class RecordingEngine:
@@ -112,8 +112,9 @@ def test_two_syncs_on_one_node_fetch_each_version_once(versions, tmp_path):
     assert all(holds(engine, versions.dirs[1]) for engine in engines)
 
 
-def test_a_version_neither_published_nor_indexed_is_refused(versions, tmp_path):
-    with pytest.raises(MoerlError, match="v000007 is neither published .* nor indexed"):
+def test_a_version_neither_published_nor_indexed_is_answered_503(versions, tmp_path):
+    """Asked for only after the update that indexes it, such a version is a moment's gap or damage: retried."""
+    with pytest.raises(Unavailable, match="v000007 is neither published .* nor indexed .* absent.*retried"):
         WeightSync(versions.run, tmp_path / "cache").bring(RecordingEngine(), None, 7)
 
 

@@ -125,7 +125,7 @@ class Simulation(ServedSteps):
     # -- the DAG
     def start_segment(self, index: int) -> None:
         segment = self.workflow_segments[index]
-        deps = graph.run_dependencies(segment, self.cfg, self.staleness)
+        deps = graph.run_dependencies(segment, self.cfg, servers_run=True, staleness=self.staleness)
         for name, parents in deps.items():
             step, _, number = name.rpartition("-")
             iteration = int(number) if step in graph.STEPS else None

@@ -5,15 +5,17 @@ tasks) and the per-iteration steps that are their clients.
   the trainer gang), waits there for v000000 in the first segment (import-sft runs meanwhile), pays the
   start-up of today's per-step engine once (rollout_startup_s; trainer_startup_s), and is stopped when the
   segment's DAG is done.
-- A rollout server opens the newest published version. It serves one request at a time (a request is a
+- A rollout server opens the version the next iteration samples from (behaviour_version(LATEST + 1)); with
+  versions indexed before publish that often trails the newest usable one, and a move of several versions is
+  priced as a whole fetch (the real server applies the chain of deltas). It serves one request at a time (a request is a
   whole chunk at the node's throughput), in arrival order; before a chunk of a version it does not hold, it
   brings its weights there: weight_sync_s for the next version (a delta, or the whole checkpoint without
   checkpoint.deltas), full_sync_s for any other (the whole checkpoint).
-- With an environment (multi-turn rollouts) a chunk's generation is the server's (served_chunk_s) and its
-  environment's steps the client's (environment_s, on the CPU pool): after each answer the client steps its
-  conversations, and only then counts the chunk and sends its next request, while the server serves other
-  clients. The chunk is one request (its turns' generate calls together), its steps after it; a server lost
-  meanwhile loses the chunk, as one lost mid-conversation would.
+- A chunk's generation is the server's (served_chunk_s) and the client's own work on it is the client's
+  (client_chunk_s, on the CPU pool: the verifier's verdicts of its samples, and with an environment its steps):
+  after each answer the client does it, and only then counts the chunk and sends its next request, while the
+  server serves other clients. With an environment the chunk is one request (its turns' generate calls
+  together), its steps after it; a server lost meanwhile loses the chunk, as one lost mid-conversation would.
 - The trainer server serves one update at a time: train_s (train, write the candidate).
 - A client step (a rollout shard, on the CPU pool; the update, likewise) starts in client_s, then sends its
   requests one after the other to its server: shard K to rollout-server-(K mod servers) when it is ready, else
@@ -197,7 +199,7 @@ class ServedSteps:
         self.record(server.job, server.current_start, sync_end, "sync", client.task.iteration)
         self.record(server.job, sync_end, self.now, "work", client.task.iteration)
         server.current = None
-        stepping = self.steps.environment_s if server.kind == ROLLOUT_SERVER else 0.0
+        stepping = self.steps.client_chunk_s if server.kind == ROLLOUT_SERVER else 0.0
         if stepping > 0:  # the client steps its chunk's conversations, the server goes on without it
             client_token = client.token
             self.at(self.now + stepping, lambda: self.environment_done(server, client, client_token))

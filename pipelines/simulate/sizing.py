@@ -398,11 +398,19 @@ class StepModel:
     # With an environment: the part of rollout_chunk_s that is the environment's steps (the rollout client's, CPU).
     # A rollout server is busy for the rest of it (served_chunk_s) and serves other clients while a client steps.
     environment_s: float = 0.0
+    # With rollout servers: the part of rollout_chunk_s that is the client verifying the chunk's samples once it
+    # landed (steps/scoring/verdicts.py), which score then does not do; the server serves others meanwhile.
+    verdicts_s: float = 0.0
+
+    @property
+    def client_chunk_s(self) -> float:
+        """A rollout client's own work on a chunk after its server's answer: the environment's steps, the verdicts."""
+        return self.environment_s + self.verdicts_s
 
     @property
     def served_chunk_s(self) -> float:
-        """A rollout server's busy time for one chunk: the chunk's generation, without its environment's steps."""
-        return max(self.rollout_chunk_s - self.environment_s, 0.0)
+        """A rollout server's busy time for one chunk: the chunk's generation, without the client's own work."""
+        return max(self.rollout_chunk_s - self.client_chunk_s, 0.0)
 
     def fixed(self, step: str) -> float:
         return {
@@ -450,6 +458,11 @@ def derived_step_model(cfg: RunConfig, a: Assumptions) -> StepModel:
     # environment's steps of that turn over the rollout client's workers (environment_s), on the rollout step's clock.
     chunk_environment_s = environment_s(cfg, a, conversations)
     samples = cfg.prompts_per_iteration * cfg.group_size
+    # With rollout servers each client verifies its chunks as they land (steps/scoring/verdicts.py); score then
+    # verifies none, but still runs a reward function or reward model over every sample (priced at the same rate).
+    verdicts_s = conversations / a.score_samples_per_s if rollout_served(cfg) else 0.0
+    scored_in_score = samples if not verdicts_s or cfg.rewards.reward_fn or cfg.rewards.reward_model else 0
+    chunk_decode_s = chunk_tokens / (a.rollout_tokens_per_gpu_s * rollout_devices)
     train_s = cfg.trainer.epochs * trained_tokens_per_iteration(cfg, a) / (a.trainer_tokens_per_gpu_s * trainer_devices)
     if cfg.trainer.activation_checkpointing:  # one more forward (1/3 of forward + backward's FLOPs) per step
         train_s *= 4 / 3
@@ -465,9 +478,10 @@ def derived_step_model(cfg: RunConfig, a: Assumptions) -> StepModel:
         plan_s=python_step,
         import_sft_s=python_step + a.import_sft_s,
         rollout_startup_s=a.pod_start_s + a.engine_startup_s,
-        rollout_chunk_s=chunk_tokens / (a.rollout_tokens_per_gpu_s * rollout_devices) + chunk_environment_s,
+        rollout_chunk_s=chunk_decode_s + chunk_environment_s + verdicts_s,
         environment_s=chunk_environment_s,
-        score_s=python_step + samples / a.score_samples_per_s + heldout_s,
+        verdicts_s=verdicts_s,
+        score_s=python_step + scored_in_score / a.score_samples_per_s + heldout_s,
         update_s=a.pod_start_s + a.trainer_startup_s + train_s + candidate_write_s(cfg, a),
         publish_s=python_step + a.publish_s,
         report_s=python_step + a.report_s,
@@ -624,4 +638,5 @@ def measured_step_model(cfg: RunConfig, a: Assumptions, measured: dict[str, floa
         trainer_startup_s=derived.trainer_startup_s,
         train_s=train_s,
         environment_s=min(derived.environment_s, chunk),  # a measured chunk holds its environment's steps
+        verdicts_s=min(derived.verdicts_s, max(chunk - derived.environment_s, 0.0)),  # and its verdicts
     )

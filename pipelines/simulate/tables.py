@@ -96,10 +96,9 @@ def describe(cfg: RunConfig, cluster: Cluster, steps: StepModel, a: Assumptions)
     chunks_text = f"{per_shard:g} chunk{'' if per_shard == 1 else 's'} x {steps.rollout_chunk_s:.2f} s"
     rollout = f"rollout {shard_s:.1f} s a shard = start-up {steps.rollout_startup_s:.1f} s + {chunks_text}"
     if rollout_served(cfg):
-        rollout = f"rollout a client of a server: {chunks_text} on the server"
-        if cfg.environment is not None:
-            rollout = (f"rollout a client of a server: {chunks_text}, {steps.served_chunk_s:.2f} s of each on the "
-                       f"server")  # fmt: skip
+        rollout = (f"rollout a client of a server: {chunks_text}, {steps.served_chunk_s:.2f} s of each on the "
+                   f"server and {steps.verdicts_s:.2f} s verifying its samples on the client (score reads the "
+                   "verdicts)")  # fmt: skip
     if cfg.environment is not None:
         env = cfg.environment
         where = ("the client's (CPU) clock, the server meanwhile serving others" if rollout_served(cfg)

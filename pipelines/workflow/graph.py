@@ -20,12 +20,13 @@ update-(i-1-staleness) instead of publish-(i-1-staleness), and publish-(i-1) run
                   update-(i-1) -> publish-(i-1) ────────┴-> update-i -> publish-i
 
 With the trainer that stays up as well (trainer.server), the trainer holds v(i-1) and its optimizer state in
-memory, so update-i waits for update-(i-1), not for publish-(i-1) (a restarted trainer that does not hold it is
-answered 503 until publish has written it: steps/training/trainer_server.py), and each publish waits for the
-one before it (publish-i reads v(i-1) as published):
+memory, so update-i waits for update-(i-1), not for publish-(i-1) (a trainer restarted meanwhile, which does
+not hold it, waits for that publish: steps/training/trainer_server.py); each publish waits for the one before
+it (publish-i reads v(i-1) as published), and update-i for publish-(i-2), so publishing never falls more than
+one version behind the trainer and an indexed version's nearest published ancestor is at most two back:
 
     update-(i-1) -> update-i -> update-(i+1)           the trainer's path: training and candidates only
-    publish-(i-1) -> publish-i                         beside it
+    publish-(i-2) ──────────────┘                      publishes beside it, at most one version behind
 
 A run longer than `segment_size` iterations is split into segments, one Workflow each (Argo keeps a whole
 Workflow, status included, in one etcd object of about 1 MB). Every segment starts with `plan`, which reads
@@ -97,11 +98,14 @@ def task_name(step: str, iteration: int) -> str:
     return f"{step}-{iteration}"
 
 
-def run_dependencies(segment: Segment, cfg: RunConfig, staleness: int | None = None) -> dict[str, list[str]]:
-    """dependencies() for a run's config (its staleness unless given): versions are indexed where the run writes
-    deltas for rollout servers (steps/run/weight_delta.py wanted), and the trainer holds them where it also
-    stays up."""
-    indexed = weight_delta.wanted(cfg)
+def run_dependencies(
+    segment: Segment, cfg: RunConfig, servers_run: bool, staleness: int | None = None
+) -> dict[str, list[str]]:
+    """dependencies() for a run's config (its staleness unless given): where the orchestrator runs long-lived
+    servers (`servers_run`: Argo's daemons; KFP has none, its steps open engines and trainers of their own),
+    versions are read before publish where the run writes deltas for rollout servers (steps/run/weight_delta.py
+    wanted), and the trainer holds them where it also stays up."""
+    indexed = servers_run and weight_delta.wanted(cfg)
     staleness = cfg.staleness if staleness is None else staleness
     return dependencies(segment, staleness, indexed, trainer_holds_versions=indexed and cfg.trainer.server)
 
@@ -131,7 +135,11 @@ def dependencies(
         add(task_name("rollout", i), [task_name(made_usable_by, source)] if source >= segment.first else [start])
         add(task_name("score", i), [task_name("rollout", i)])
         previous = i - 1 >= segment.first
-        add(task_name("update", i), [task_name("score", i), *([task_name(trained_from, i - 1)] if previous else [])])
+        behind = [task_name("publish", i - 2)] if trainer_holds_versions and i - 2 >= segment.first else []
+        add(
+            task_name("update", i),
+            [task_name("score", i), *([task_name(trained_from, i - 1)] if previous else []), *behind],
+        )
         add(task_name("publish", i), [task_name("update", i), *([task_name("publish", i - 1)] if previous else [])])
     if not segment.is_last:
         deps[NEXT_SEGMENT] = [task_name("publish", segment.last)]

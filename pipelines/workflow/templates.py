@@ -436,7 +436,7 @@ def main_dag(cfg: RunConfig, numbering: Numbering) -> DAG:
     the run's end."""
     latest = f"{{{{tasks.{graph.PLAN}.outputs.parameters.latest}}}}"
     tasks = []
-    for name, deps in graph.run_dependencies(numbering.segment, cfg).items():
+    for name, deps in graph.run_dependencies(numbering.segment, cfg, servers_run=True).items():
         step, _, number = name.rpartition("-")
         depends = " && ".join(deps) or None
         if step not in graph.STEPS:  # plan, import-sft (only before the first LATEST), next-segment

@@ -125,8 +125,8 @@ class WeightSync:
         with self._locked(fcntl.LOCK_EX):
             self._drop_staging()
             files = weight_delta.version_files(self.run, wanted)
-            if files is None:
-                raise weight_delta.not_usable(self.run, wanted)
+            if files is None:  # the request came after the update that indexes it: a moment's gap, or a damage
+                raise Unavailable(f"{weight_delta.not_usable(self.run, wanted)}; the request is retried")
             if self._holds(wanted, files):
                 how, fetched = "cache", 0
             else:
@@ -141,11 +141,14 @@ class WeightSync:
         """Build `wanted`'s dir: (how, bytes fetched) as materialize."""
         read: list[int] = []
         chain = self._delta_chain(wanted, files, published)
-        if chain is None and not published:  # from its parent, which is published: its update waited for it
-            parent = wanted - 1
-            manifest = checkpoint.require_manifest(self.run, parent)
-            if not self._holds(parent, manifest.files):
-                read.append(self._fetch_full(parent, manifest))
+        if chain is None and not published:  # from the nearest published version below it, fetched whole
+            base = next((v for v in range(wanted - 1, -1, -1) if checkpoint.read_manifest(self.run, v)), None)
+            if base is None:
+                raise Unavailable(f"{version_name(wanted)} is not published and no version below it is; retried")
+            manifest = checkpoint.require_manifest(self.run, base)
+            if not self._holds(base, manifest.files):
+                self._drop(base)
+                read.append(self._fetch_full(base, manifest))
             chain = self._delta_chain(wanted, files, published)
         if chain is not None:
             try:
@@ -159,7 +162,10 @@ class WeightSync:
                     ) from err
                 self.log(f"warning: {err}; fetching the full checkpoint {version_name(wanted)}")
         if not published:
-            raise Unavailable(f"{version_name(wanted)}: no usable delta chain and not published yet; retried")
+            raise Unavailable(
+                f"{self.run.url(version_prefix(wanted))}: {version_name(wanted)} is not published yet and the deltas "
+                f"from the nearest cached or published version up to it are not all indexed; the request is retried"
+            )
         return "full", sum(read) + self._fetch_full(wanted, checkpoint.require_manifest(self.run, wanted))
 
     def _holds(self, version: int, files: weight_delta.FileDigests) -> bool:
@@ -183,13 +189,18 @@ class WeightSync:
     def _delta_chain(
         self, wanted: int, files: weight_delta.FileDigests, published: bool
     ) -> list[weight_delta.DeltaIndex] | None:
-        """The deltas from the newest cached version below `wanted` up to it, if all exist and (for a published
-        version) are cheaper than the checkpoint; else None."""
-        below = [v for v in self.cached_versions() if v < wanted]
-        if not below:
+        """The deltas from the newest cached version below `wanted` that is still what the run says it is, up to
+        it, if all exist and (for a published version) are cheaper than the checkpoint; else None."""
+        base = None
+        for version in reversed([v for v in self.cached_versions() if v < wanted]):
+            held = weight_delta.version_files(self.run, version)
+            if held is not None and self._holds(version, held):
+                base = version
+                break
+        if base is None:
             return None
         chain = []
-        for version in range(below[-1] + 1, wanted + 1):
+        for version in range(base + 1, wanted + 1):
             try:
                 index = weight_delta.read_index(self.run, version)
             except weight_delta.DeltaUnusable as err:

@@ -5,6 +5,7 @@
     <run>/checkpoints/v000003/MANIFEST.json             written LAST: every file with size + sha256
     <run>/checkpoints/LATEST                            the newest complete version's name, moved after its MANIFEST
     <run>/experience/iter-000001/rollout/chunk-000003.parquet    one finished rollout chunk
+    <run>/experience/iter-000001/verdicts/chunk-000003.json    the verifier's verdicts of a chunk's samples
     <run>/experience/iter-000001/scored.parquet         all chunks, canonical order, with rewards
     <run>/metrics/iter-000001.json                      the score step's metrics
     <run>/metrics/iter-000001.update.json               the update step's metrics
@@ -78,6 +79,11 @@ def rollout_prefix(iteration: int) -> str:
 
 def chunk_key(iteration: int, chunk: int) -> str:
     return f"{rollout_prefix(iteration)}/chunk-{chunk:06d}.parquet"
+
+
+def verdicts_key(iteration: int, chunk: int) -> str:
+    """The verifier's verdicts of one chunk's samples, written as the chunk lands (steps/scoring/verdicts.py)."""
+    return f"{experience_prefix(iteration)}/verdicts/chunk-{chunk:06d}.json"
 
 
 def scored_key(iteration: int) -> str:

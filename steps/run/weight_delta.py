@@ -24,7 +24,7 @@ A version is usable from its delta before it is published. The update writes the
 weight file (one of its EP rank's dp replicas: steps/training/candidate_writer.py writer_plan) that file's
 (write_file_delta, against the bits of v(i-1) it started from, held in memory: StoredTensors), so the bytes are
 read and written in parallel across the trainer's nodes; once CANDIDATE.json is written, the update indexes
-them (steps/run/publication.py index_candidate: the blobs checked against the candidate's marker, the other
+them (steps/training/publication.py index_candidate: the blobs checked against the candidate's marker, the other
 files as publish will publish them, DELTA.json last). Rollout servers may then take v(i) while publish still
 writes the full checkpoint (the workflow's rollout of the next iteration waits for the update, not for publish:
 pipelines/workflow/graph.py). An indexed version is final: publish publishes exactly the files DELTA.json
@@ -594,9 +594,12 @@ def version_files(run: Store, version: int) -> FileDigests | None:
 
 def not_usable(run: Store, version: int) -> MoerlError:
     """The error for a version that is neither published nor indexed (version_files is None)."""
+    key = delta_index_key(version)
+    why = "unreadable" if run.exists(key) else "absent"
     return MoerlError(
         f"{run.url(version_prefix(version))}: {version_name(version)} is neither published (no MANIFEST.json) "
-        f"nor indexed ({run.url(delta_index_key(version))}); its update has not finished — run it first"
+        f"nor indexed ({run.url(key)} {why}); run its update (which indexes a complete candidate again), or its "
+        "publish"
     )
 
 
@@ -625,7 +628,9 @@ def fetch_version(run: Store, version: int) -> Path:
     target = checkpoint.cache_dir_for(run, version)
     if target.is_dir() and checkpoint.describe_dir(target) == index.version_files():
         return target
-    parent = checkpoint.fetch(run, version - 1)  # an indexed version's parent is published (its update waited)
+    # the parent is published, or indexed in turn (a trainer that stays up trains on before publish): from the
+    # nearest published ancestor, at most two versions back (pipelines/workflow/graph.py)
+    parent = fetch_version(run, version - 1)
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".moerl-rebuild-", dir=target.parent) as tmp:
         staging = Path(tmp) / "version"

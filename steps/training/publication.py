@@ -41,7 +41,7 @@ from steps.models.hf_checkpoint import (
 )
 from steps.models.registry import config_from_hf
 from steps.run import candidate, weight_delta
-from steps.run.keys import candidate_prefix, delta_index_key, version_name, version_prefix
+from steps.run.keys import candidate_prefix, delta_index_key, delta_prefix, version_name, version_prefix
 from steps.store.object_store import Store
 
 
@@ -119,7 +119,10 @@ def _check_tensors(run: Store, iteration: int, blobs: dict[str, weight_delta.Fil
     check_tensors(config_from_hf(parent_config, source=parent_source), entries, where)
     run_dtype = declared_dtype(parent_config, parent_source) or torch.float32
     if weights_dtype(parent_config, entries, where) != run_dtype:
-        raise MoerlError(f"{where}: the weights are not in the run's dtype; rerun update with --force")
+        raise MoerlError(
+            f"{where}: the weights' delta blobs hold another dtype than the run's "
+            f"({declared_dtype(parent_config, parent_source) or 'float32'}); rerun update with --force"
+        )
 
 
 def index_candidate(
@@ -153,6 +156,18 @@ def index_candidate(
             f"files (or are missing); rerun update for iteration {iteration} with --force"
         )
     return summary
+
+
+def indexed_candidate_refused(run: Store, iteration: int, err: MoerlError) -> MoerlError:
+    """Publish's refusal of candidate `iteration`, with the way out when the update indexed v(iteration) before
+    (rollout servers may have generated with it, so the update refuses to train it again as it is)."""
+    if not run.exists(delta_index_key(iteration)):
+        return err
+    return MoerlError(
+        f"{err}. {version_name(iteration)} was indexed before publish ({run.url(delta_index_key(iteration))}) and "
+        f"rollout servers may have generated with it, so the update refuses to train it again until the "
+        f"experience sampled from {version_name(iteration)} and {run.url(delta_prefix(iteration))} are deleted"
+    )
 
 
 def indexed_differently(run: Store, iteration: int) -> MoerlError:

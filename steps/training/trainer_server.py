@@ -60,6 +60,7 @@ from steps.training.update import IterationWork, agreed, check_token_ids, pendin
 # Rank 0 broadcasts a no-op this often while idle: the other ranks wait in a broadcast, whose group timeout
 # (update.COLLECTIVE_TIMEOUT_SECONDS) must never run out between two updates.
 HEARTBEAT_S = 60.0
+PUBLISH_POLL_S = 2.0  # how often a trainer that waits for a version's publish looks for its MANIFEST.json
 EXIT_RANK_FAILED = 1  # a rank that failed outside an agreed step: torchrun's exit code for a failed worker
 
 
@@ -204,16 +205,28 @@ class TrainerService:
     def _may_train_on(self, iteration: int) -> bool:
         """Whether the held state is v(iteration-1) as the run has it (else the update reloads it). A version
         indexed and not published yet (the update of `iteration` does not wait for its publish when the trainer
-        stays up: pipelines/workflow/graph.py) can only be trained on from memory: without it the request is
-        answered 503, and the client's retry finds it published."""
+        stays up: pipelines/workflow/graph.py) can only be trained on from memory: without it (a trainer started
+        or restarted since, or one whose last update failed) the update waits for that publish, which runs beside
+        it and is at most one version behind."""
         files = weight_delta.version_files(self.run, iteration - 1)
         held = self.held is not None and files is not None and self.held.matches(iteration - 1, files)
-        if not held and checkpoint.read_manifest(self.run, iteration - 1) is None:
-            raise Unavailable(
-                f"v{iteration - 1:06d} is not published yet and this trainer does not hold it (started or "
-                "restarted since, or it failed an update): the update is retried once publish has written it"
-            )
+        if not held:
+            self._wait_for_publish(iteration - 1)
         return held
+
+    def _wait_for_publish(self, version: int) -> None:
+        """Until v(version) is published, with the other ranks kept from their group's timeout (a no-op broadcast
+        every HEARTBEAT_S); Unavailable (the client retries) if the trainer is told to stop first."""
+        said, beat = False, time.monotonic()
+        while checkpoint.read_manifest(self.run, version) is None:
+            if not said:
+                self.log(f"trainer: v{version:06d} is not published yet and not held here: waiting for its publish")
+                said = True
+            if self.stopping.wait(PUBLISH_POLL_S):
+                raise Unavailable(f"the trainer stopped while waiting for v{version:06d}'s publish")
+            if time.monotonic() - beat >= HEARTBEAT_S:
+                self._broadcast({"op": "noop"})
+                beat = time.monotonic()
 
     # ------------------------------------------------------------------------------- every rank
 

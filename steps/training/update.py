@@ -253,12 +253,13 @@ def pending_iteration(run: Store, iteration: int, force: bool = False, rank: int
             index_candidate_delta(run, cfg, iteration)
         _say(rank, f"candidate of iteration {iteration} is complete; nothing to do (--force retrains it)")
         return None
-    if force and weight_delta.wanted(cfg) and weight_delta.version_files(run, iteration) is not None:
+    if weight_delta.wanted(cfg) and run.exists(delta_index_key(iteration)):  # --force, or a candidate deleted
         raise MoerlError(
-            f"--force: {version_name(iteration)} was indexed from its candidate ({run.url(delta_index_key(iteration))})"
-            f" and rollout servers may have generated with it: an indexed version is final. Publish it "
-            f"(python -m steps.publish --run {run.uri} --iteration {iteration}), or delete the experience sampled "
-            f"from {version_name(iteration)} and {run.url(delta_prefix(iteration))} before training it again"
+            f"{'--force: ' if force else ''}{version_name(iteration)} was indexed from its candidate "
+            f"({run.url(delta_index_key(iteration))}) and rollout servers may have generated with it: an indexed "
+            f"version is final. Publish it (python -m steps.publish --run {run.uri} --iteration {iteration}), or "
+            f"delete the experience sampled from {version_name(iteration)} and {run.url(delta_prefix(iteration))} "
+            "before training it again"
         )
     if weight_delta.version_files(run, iteration - 1) is None:  # published, or indexed for a trainer that holds it
         raise weight_delta.not_usable(run, iteration - 1)
