@@ -285,3 +285,18 @@ def test_a_server_is_bounded_by_its_retry_limit_not_by_max_duration():
     cfg, cluster = one_server(nodes=2, **{"retries.rollout": spent})
     result = run_with(cfg, cluster, [(3 + 22, "interrupt")])
     assert result.servers_out_of_retries == 1
+
+
+def test_a_server_several_versions_behind_moves_by_the_chain_of_deltas_while_it_is_cheaper():
+    """As steps/engines/weight_sync.py chooses: with deltas, k versions on cost k deltas up to the whole fetch."""
+    from types import SimpleNamespace
+
+    from pipelines.simulate.servers import ServedSteps
+
+    def move(cfg: RunConfig, held: int | None, wanted: int) -> float:
+        return ServedSteps.sync_seconds(SimpleNamespace(cfg=cfg, steps=STEPS), held, wanted)  # type: ignore[arg-type]
+
+    with_deltas, without = eks(**{"checkpoint.deltas": True}), eks(**{"checkpoint.deltas": False})
+    assert [move(with_deltas, 3, w) for w in (3, 4, 5, 6)] == [0.0, 2.0, 3.0, 3.0]  # full_sync_s 3.0 caps it
+    assert move(with_deltas, None, 4) == move(without, 3, 5) == STEPS.full_sync_s
+    assert move(without, 3, 4) == STEPS.weight_sync_s

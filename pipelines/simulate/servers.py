@@ -5,12 +5,12 @@ tasks) and the per-iteration steps that are their clients.
   the trainer gang), waits there for v000000 in the first segment (import-sft runs meanwhile), pays the
   start-up of today's per-step engine once (rollout_startup_s; trainer_startup_s), and is stopped when the
   segment's DAG is done.
-- A rollout server opens the version the next iteration samples from (behaviour_version(LATEST + 1)); with
-  versions indexed before publish that often trails the newest usable one, and a move of several versions is
-  priced as a whole fetch (the real server applies the chain of deltas). It serves one request at a time (a request is a
-  whole chunk at the node's throughput), in arrival order; before a chunk of a version it does not hold, it
-  brings its weights there: weight_sync_s for the next version (a delta, or the whole checkpoint without
-  checkpoint.deltas), full_sync_s for any other (the whole checkpoint).
+- A rollout server opens the version the next iteration samples from (behaviour_version(LATEST + 1); with
+  versions indexed before publish that often trails the newest usable one). It serves one request at a time (a
+  request is a whole chunk at the node's throughput), in arrival order; before a chunk of a version it does not
+  hold, it brings its weights there: weight_sync_s a version on (a delta, or the whole checkpoint without
+  checkpoint.deltas), with deltas a chain of them while it is cheaper than full_sync_s (the whole checkpoint),
+  as the real server chooses; full_sync_s for any other move.
 - A chunk's generation is the server's (served_chunk_s) and the client's own work on it is the client's
   (client_chunk_s, on the CPU pool: the verifier's verdicts of its samples, and with an environment its steps):
   after each answer the client does it, and only then counts the chunk and sends its next request, while the
@@ -188,8 +188,11 @@ class ServedSteps:
         """A rollout server's move from the version it holds to the one a request names."""
         if held == wanted:
             return 0.0
+        if held is not None and wanted > held and self.cfg.checkpoint.deltas:
+            # versions on: the chain of their deltas while it is cheaper (steps/engines/weight_sync.py)
+            return min((wanted - held) * self.steps.weight_sync_s, self.steps.full_sync_s)
         if held is not None and wanted == held + 1:
-            return self.steps.weight_sync_s  # one version on: its delta (or the whole checkpoint without deltas)
+            return self.steps.weight_sync_s  # one version on, without deltas: the whole checkpoint
         return self.steps.full_sync_s
 
     def request_done(self, server: Server, client: Job, token: int) -> None:
