@@ -289,7 +289,7 @@ def publish(run_uri: str, iteration: int) -> checkpoint.Manifest:
             assemble_hf_dir(candidate_dir, index, model_files, optimizer_files, hf_dir)
             validate_checkpoint_dir(hf_dir)
         except MoerlError as err:  # "rerun update with --force" is refused for a version indexed before publish
-            raise publication.indexed_candidate_refused(run, iteration, err) from err
+            raise publication.indexed_candidate_refused(run, cfg, iteration, err) from err
         progress.report(1, 3)
         if weight_delta.wanted(cfg):  # before MANIFEST.json: a delta is complete or absent
             print(publish_delta(run, iteration, hf_dir, marker, model_files))

@@ -11,9 +11,9 @@ killed shard resumes where it stopped and the union of all shards is exactly pro
 With rollout.servers > 0 and --workflow, the step holds no engine: it sends each of its chunks to one of the
 Workflow's rollout servers (steps/rollout_server.py), found through the run store, and checks that the chunk
 is on the store afterwards; then it verifies the chunk's samples and writes their verdicts beside it
-(steps/scoring/verdicts.py), while its server generates the next chunk, so that score does not verify them
-after the last chunk. A server lost mid-request ends the step with 75 (EX_TEMPFAIL), which the rollout's
-retryStrategy retries like a reclaim; the retry skips the chunks already written.
+(steps/scoring/verdicts.py) before its next request, so that score does not verify them after the last
+chunk. A server lost mid-request ends the step with 75 (EX_TEMPFAIL), which the rollout's retryStrategy
+retries like a reclaim; the retry skips the chunks already written.
 
 On SIGTERM (a Spot reclaim) it stops at once — in the middle of generating a chunk, or right after the chunk
 it is writing — keeps every finished chunk and exits with 143.
@@ -140,6 +140,22 @@ def generate_here(
         engine.close()
 
 
+def verdicts(
+    work: IterationRollout, chunk: int, preemption: Preemption | None, log: Callable[[str], None], where: str
+) -> None:
+    """The verifier's verdicts of a chunk this client's server wrote (steps/scoring/verdicts.py): an optimisation,
+    so a failure is said and the chunk left to score; a SIGTERM during it writes none and stops the step."""
+    interrupted = (lambda: preemption.requested) if preemption is not None else (lambda: False)
+    try:
+        write_chunk_verdicts(work.run, work.cfg, work.plan, work.tok, chunk, interrupted)
+    except Preempted:
+        raise
+    except Exception as err:  # noqa: BLE001 - score verifies the chunk itself, and says what fails there
+        log(f"{where}: chunk {chunk:06d}: verdicts not written ({type(err).__name__}: {err}); score verifies it")
+    if preemption is not None:
+        preemption.check()
+
+
 def send_to_servers(
     work: IterationRollout, workflow: str, shard: int, todo: list[int], finished: int, total: int,
     result: ShardResult, log: Callable[[str], None], where: str, preemption: Preemption | None = None,
@@ -166,7 +182,7 @@ def send_to_servers(
         engine = RemoteEngine(server, work.run.uri, work.iteration, work.version)
         for done, chunk in enumerate(todo, start=finished + 1):
             stats = work.generate(engine, chunk, preemption)  # this client writes the chunk: a protected write
-            write_chunk_verdicts(work.run, work.cfg, work.plan, work.tok, chunk)
+            verdicts(work, chunk, preemption, log, where)
             _done(result, chunk, done, total, stats.samples, stats.tokens, stats.seconds, log, where,
                   f" with {server.name}")  # fmt: skip
         return
@@ -177,7 +193,7 @@ def send_to_servers(
             raise MoerlError(f"{server.name} answered {answer} to a request for chunk {chunk} of v{work.version:06d}")
         if not work.finished([chunk]):  # read back: the chunk must now be on the store, as this plan's
             raise serving.ServerLost(f"{server.name} answered chunk {chunk} but it is not on the store")
-        write_chunk_verdicts(work.run, work.cfg, work.plan, work.tok, chunk)  # scoring overlaps the rollout
+        verdicts(work, chunk, preemption, log, where)  # score reads them instead of verifying the chunk
         by = f" by {server.name}"
         _done(result, chunk, done, total, answer.get("samples", 0), answer.get("tokens", 0),
               answer.get("seconds", 0.0), log, where, by)  # fmt: skip

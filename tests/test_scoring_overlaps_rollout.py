@@ -9,6 +9,9 @@ import pytest
 from experience_helpers import make_run, tiny_model, write_checkpoint
 from test_score import CONFIG, EXPECTED_CORRECT, write_hand_made_rollout
 
+import steps.rollout as rollout_step
+import steps.scoring.verdicts as verdicts_module
+from steps.experience.rollout_chunks import IterationRollout, Preempted, Preemption
 from steps.experience.rollout_plan import read_rollout, version_tokenizer
 from steps.run.config import load_run_config
 from steps.run.keys import scored_key, verdicts_key
@@ -83,3 +86,35 @@ def test_score_uses_a_chunks_verdicts_only_while_they_describe_that_chunk(tmp_pa
         assert correct_now() == (verified, 8), stale
     run.put_bytes(verdicts_key(1, 0), b"{not json")
     assert correct_now() == (verified, 8)
+
+
+def test_a_client_interrupted_or_failing_while_verifying_leaves_the_chunk_to_score(
+    tmp_path, checkpoint_dir, monkeypatch
+):
+    """A SIGTERM during verification (which a verifier's own `except Exception` may swallow) writes no verdicts
+    and stops the step; any other failure is said and the step goes on: score verifies that chunk."""
+
+    run_uri = make_run(tmp_path / "run", checkpoint_dir, **CONFIG)
+    run = Store.open(run_uri)
+    write_hand_made_rollout(run_uri)
+    work = IterationRollout.open(run, 1)
+    preemption = Preemption()
+
+    real_verify = verdicts_module.verify_table
+
+    def swallowed_sigterm(*args):
+        preemption.requested = True  # the handler ran; the verifier caught Preempted and returned its default
+        return real_verify(*args)
+
+    monkeypatch.setattr(verdicts_module, "verify_table", swallowed_sigterm)
+    with pytest.raises(Preempted):
+        rollout_step.verdicts(work, 0, preemption, print, "shard 0")
+    assert not run.exists(verdicts_key(1, 0))
+
+    lines = []
+    monkeypatch.setattr(verdicts_module, "verify_table", lambda *a: 1 / 0)
+    rollout_step.verdicts(work, 1, Preemption(), lines.append, "shard 1")
+    assert not run.exists(verdicts_key(1, 1))
+    assert lines == [
+        "shard 1: chunk 000001: verdicts not written (ZeroDivisionError: division by zero); score verifies it"
+    ]

@@ -119,7 +119,9 @@ def test_a_corrupt_delta_of_a_version_not_published_yet_is_retried_not_fetched_w
 
 def trainer(run: Store, held: HeldState | None, stopping: bool = False) -> SimpleNamespace:
     """What TrainerService._may_train_on reads of the trainer (rank 0, one rank: the broadcast is a no-op)."""
-    service = SimpleNamespace(run=run, held=held, stopping=threading.Event(), log=print, _broadcast=lambda c: c)
+    service = SimpleNamespace(
+        run=run, held=held, stopping=threading.Event(), log=print, _broadcast=lambda c: c, launcher=None
+    )
     service._wait_for_publish = lambda version: TrainerService._wait_for_publish(service, version)
     if stopping:
         service.stopping.set()
@@ -152,6 +154,13 @@ def test_a_trainer_that_stays_up_trains_on_the_indexed_version_it_holds_and_else
     assert may_train_on(trainer(run, held), 2) is True
 
 
+def test_a_trainer_waits_for_a_publish_at_most_trainer_publish_wait_s_then_names_it(tmp_path):
+    run_uri, run = updated_run(tmp_path, rollout={"servers": 1}, trainer={"server": True, "publish_wait_s": 0})
+    refused = r"v000001 is not published after 0 s \(trainer.publish_wait_s\).*steps.publish"
+    with pytest.raises(MoerlError, match=refused):
+        TrainerService._may_train_on(trainer(run, None), 2)
+
+
 def test_a_version_whose_parent_is_only_indexed_too_is_rebuilt_from_the_nearest_published_one(tmp_path):
     """With the trainer that stays up, v(i) can be indexed while v(i-1) still is only indexed: the held-out
     evaluation and a server with nothing cached build v(i) from the nearest published version and both deltas."""
@@ -179,6 +188,6 @@ def test_publish_refusing_an_indexed_candidate_says_how_to_start_over(tmp_path):
     run_uri, run = updated_run(tmp_path, rollout={"servers": 1})
     shard = next(k for k in run.list("candidates/iter-000001/") if "/optimizer-rank" in k)
     run.delete(shard)
-    with pytest.raises(MoerlError, match="missing.*v000001 was indexed before publish.*are deleted"):
+    with pytest.raises(MoerlError, match="missing.*v000001 was indexed before publish.*iter-000002/ .*are deleted"):
         publish(run_uri, 1)
     assert_nothing_published(run)

@@ -459,7 +459,8 @@ def derived_step_model(cfg: RunConfig, a: Assumptions) -> StepModel:
     chunk_environment_s = environment_s(cfg, a, conversations)
     samples = cfg.prompts_per_iteration * cfg.group_size
     # With rollout servers each client verifies its chunks as they land (steps/scoring/verdicts.py); score then
-    # verifies none, but still runs a reward function or reward model over every sample (priced at the same rate).
+    # verifies none, but still runs a reward function or reward model over every sample, priced at the same rate
+    # (which also covers the verifier: an upper bound there).
     verdicts_s = conversations / a.score_samples_per_s if rollout_served(cfg) else 0.0
     scored_in_score = samples if not verdicts_s or cfg.rewards.reward_fn or cfg.rewards.reward_model else 0
     chunk_decode_s = chunk_tokens / (a.rollout_tokens_per_gpu_s * rollout_devices)
@@ -603,7 +604,9 @@ def measured_step_model(cfg: RunConfig, a: Assumptions, measured: dict[str, floa
     if "rollout" in values:
         shard_s = values["rollout"]
         startup = min(measured.get(ENGINE_STARTUP, startup), shard_s)
-        chunk = (shard_s - startup) / chunks_per_shard
+        # measured in today's shape, whose chunks carry no verdicts: a served chunk adds its client's (a measured
+        # score keeps the verification it did: an upper bound)
+        chunk = (shard_s - startup) / chunks_per_shard + derived.verdicts_s
     elif ENGINE_STARTUP in measured:
         startup = measured[ENGINE_STARTUP]
     train_s = derived.train_s

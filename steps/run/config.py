@@ -53,7 +53,7 @@ OPERATIONAL_FIELDS = frozenset(
 )
 OPERATIONAL_SECTION_FIELDS = {
     "rollout": frozenset({"num_shards", "servers", "server_wait_s"}),
-    "trainer": frozenset({"server", "server_wait_s", "server_idle_exit_s"}),
+    "trainer": frozenset({"server", "server_wait_s", "server_idle_exit_s", "publish_wait_s"}),
     "checkpoint": frozenset({"deltas"}),
 }
 
@@ -345,6 +345,13 @@ class TrainerConfig(_Section):
         600.0,
         "with trainer.server: how long an update step waits for its Workflow's trainer to be ready before it "
         "exits 75 to be retried (it runs on a CPU node: it has no GPU to train on)",
+        ge=0,
+    )
+    publish_wait_s: float = _field(
+        1800.0,
+        "with trainer.server, rollout servers and deltas: how long a trainer that does not hold the version an "
+        "update starts from (restarted since it trained it) waits for that version's publish, which runs beside "
+        "it, before it refuses the update naming the publish (it failed, or is not running)",
         ge=0,
     )
     server_idle_exit_s: float = _field(

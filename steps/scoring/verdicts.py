@@ -4,9 +4,11 @@
                                                        prompt_id, sample_index, correct, well_formed}
 
 With rollout servers, a rollout step is a client on the CPU pool whose server generates its chunks: once a chunk
-is on the store, the client verifies its samples (write_chunk_verdicts) while its server generates the next
-chunk or serves other clients, so the verifier's work is spread over the iteration's clients and done by the
-time the last chunk lands, instead of running over every sample in score afterwards. Only the verifier's
+is on the store, the client verifies its samples (write_chunk_verdicts) before it sends its next request (its
+server serves other clients meanwhile, if it has any), so the verifier's work is spread over the iteration's
+clients and done by the time the last chunk lands, instead of running over every sample in one score pod
+afterwards. The verdicts are an optimisation: a client that cannot write them says so and goes on, and score
+verifies that chunk. Only the verifier's
 verdicts are written here; a reward function and a reward model run in score, once, over every sample.
 
 score reads them (sample_verdicts): a chunk's verdicts count when they describe that chunk as it is on the
@@ -18,11 +20,13 @@ model turn), so the scored experience is the same bytes with and without them.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 import pyarrow as pa
 
 from steps.data.tokenizer import CheckpointTokenizer
+from steps.errors import MoerlError
 from steps.experience.rollout_plan import RolloutPlan, with_conversation_columns
 from steps.experience.tables import read_table
 from steps.run.config import RunConfig
@@ -47,12 +51,26 @@ def _settings(cfg: RunConfig) -> dict[str, Any]:
     return {"verifier": cfg.rewards.verifier, "answer_pattern": cfg.rewards.answer_pattern}
 
 
-def write_chunk_verdicts(run: Store, cfg: RunConfig, plan: RolloutPlan, tok: CheckpointTokenizer, chunk: int) -> int:
-    """Verify chunk `chunk` of the plan, as it is on the store, and write its verdicts; returns its samples."""
+def write_chunk_verdicts(
+    run: Store,
+    cfg: RunConfig,
+    plan: RolloutPlan,
+    tok: CheckpointTokenizer,
+    chunk: int,
+    interrupted: Callable[[], bool] = lambda: False,
+) -> int:
+    """Verify chunk `chunk` of the plan, as it is on the store, and write its verdicts; returns the samples
+    verified. Nothing is written when `interrupted()` says the verification was (a SIGTERM that a verifier's own
+    `except Exception` swallowed would leave wrong verdicts) or the store keeps no digest: score then verifies
+    the chunk."""
     key = chunk_key(plan.iteration, chunk)
     sha = run.sha256(key)
+    if sha is None:
+        return 0
     table = read_table(run, key)
     correct, well_formed = verify_table(tok, table, cfg)
+    if interrupted():
+        return 0
     record = {
         "chunk": chunk,
         "chunk_sha256": sha,
@@ -79,12 +97,14 @@ def stored_verdicts(run: Store, cfg: RunConfig, plan: RolloutPlan) -> Verdicts:
                 continue  # another chunk than the one verified (or no digest to tell): verified again in score
             if {name: record[name] for name in _settings(cfg)} != _settings(cfg):
                 continue
-            rows = zip(
-                record["prompt_id"], record["sample_index"], record["correct"], record["well_formed"], strict=True
+            rows = list(
+                zip(record["prompt_id"], record["sample_index"], record["correct"], record["well_formed"], strict=True)
             )
-            found.update({(str(p), int(k)): (bool(c), bool(w)) for p, k, c, w in rows})
-        except (ValueError, KeyError, TypeError):
-            continue  # unreadable: the chunk is verified in score
+            if not all(type(c) is bool and type(w) is bool for _, _, c, w in rows):
+                continue
+            found.update({(str(p), int(k)): (c, w) for p, k, c, w in rows})
+        except (ValueError, KeyError, TypeError, MoerlError):
+            continue  # unreadable (or the store's digest check failed): the chunk is verified in score
     return found
 
 

@@ -41,7 +41,15 @@ from steps.models.hf_checkpoint import (
 )
 from steps.models.registry import config_from_hf
 from steps.run import candidate, weight_delta
-from steps.run.keys import candidate_prefix, delta_index_key, delta_prefix, version_name, version_prefix
+from steps.run.config import RunConfig
+from steps.run.keys import (
+    candidate_prefix,
+    delta_index_key,
+    delta_prefix,
+    experience_prefix,
+    version_name,
+    version_prefix,
+)
 from steps.store.object_store import Store
 
 
@@ -158,15 +166,23 @@ def index_candidate(
     return summary
 
 
-def indexed_candidate_refused(run: Store, iteration: int, err: MoerlError) -> MoerlError:
+def indexed_candidate_refused(run: Store, cfg: RunConfig, iteration: int, err: MoerlError) -> MoerlError:
     """Publish's refusal of candidate `iteration`, with the way out when the update indexed v(iteration) before
     (rollout servers may have generated with it, so the update refuses to train it again as it is)."""
     if not run.exists(delta_index_key(iteration)):
         return err
+    sampled = iteration + 1 + cfg.staleness  # the iteration whose rollout samples from v(iteration)
+    later = (
+        f", and what was trained from it meanwhile ({run.url(candidate_prefix(iteration + 1))}, "
+        f"{run.url(delta_prefix(iteration + 1))} and the experience sampled from that)"
+        if cfg.trainer.server
+        else ""
+    )
     return MoerlError(
-        f"{err}. {version_name(iteration)} was indexed before publish ({run.url(delta_index_key(iteration))}) and "
-        f"rollout servers may have generated with it, so the update refuses to train it again until the "
-        f"experience sampled from {version_name(iteration)} and {run.url(delta_prefix(iteration))} are deleted"
+        f"{err}. (If that is the store's or the local disk's error, rerun publish.) {version_name(iteration)} was "
+        f"indexed before publish ({run.url(delta_index_key(iteration))}) and rollout servers may have generated with "
+        f"it, so the update refuses to train it again until {run.url(experience_prefix(sampled))}/ (sampled from "
+        f"it), {run.url(delta_prefix(iteration))}{later} are deleted"
     )
 
 

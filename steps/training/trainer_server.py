@@ -50,7 +50,7 @@ from steps.expert_parallel.mesh import Mesh
 from steps.models.family import FamilyConfig
 from steps.run import checkpoint, weight_delta
 from steps.run.config import load_run_config
-from steps.run.keys import behaviour_version, scored_key
+from steps.run.keys import behaviour_version, scored_key, version_prefix
 from steps.run.serving import JsonServer, Unavailable
 from steps.store.object_store import Store
 from steps.training.held_state import HeldReference, HeldState
@@ -138,6 +138,7 @@ class TrainerService:
         self.reference = HeldReference()  # the KL reference read once, not per update
         self.instance = ""  # set by the step once registered
         self.stopping = threading.Event()
+        self.launcher: LauncherWatch | None = None  # serve's, also checked while an update waits for a publish
         self.abort: Callable[[int], NoReturn] = end_now  # a failure outside an agreed step (the module docstring)
         self._done = 0
 
@@ -199,6 +200,7 @@ class TrainerService:
                 return
             self._broadcast({"op": "noop"})
 
+        self.launcher = launcher
         server.run_operations(self.stopping, idle=idle, idle_every_s=HEARTBEAT_S)
         self._broadcast({"op": "stop"})
 
@@ -216,14 +218,24 @@ class TrainerService:
 
     def _wait_for_publish(self, version: int) -> None:
         """Until v(version) is published, with the other ranks kept from their group's timeout (a no-op broadcast
-        every HEARTBEAT_S); Unavailable (the client retries) if the trainer is told to stop first."""
-        said, beat = False, time.monotonic()
+        every HEARTBEAT_S), for at most trainer.publish_wait_s: then the update is refused (a MoerlError naming
+        the publish). Unavailable (the client retries) if the trainer stops meanwhile: told to, or its launcher
+        gone (as serve's idle check would find)."""
+        wait_s = load_run_config(self.run).trainer.publish_wait_s
+        started = beat = time.monotonic()
+        self.log(f"trainer: v{version:06d} is not published yet and not held here: waiting for its publish")
         while checkpoint.read_manifest(self.run, version) is None:
-            if not said:
-                self.log(f"trainer: v{version:06d} is not published yet and not held here: waiting for its publish")
-                said = True
+            if self.launcher is not None and self.launcher.gone():
+                self.stopping.set()
             if self.stopping.wait(PUBLISH_POLL_S):
                 raise Unavailable(f"the trainer stopped while waiting for v{version:06d}'s publish")
+            if time.monotonic() - started >= wait_s:
+                raise MoerlError(
+                    f"{self.run.url(version_prefix(version))}: v{version:06d} is not published after {wait_s:.0f} s "
+                    f"(trainer.publish_wait_s) and this trainer, restarted since it trained it, does not hold it: the "
+                    f"publish of iteration {version} failed or is not running; publish it (python -m steps.publish "
+                    f"--run {self.run.uri} --iteration {version}), then retry this update"
+                )
             if time.monotonic() - beat >= HEARTBEAT_S:
                 self._broadcast({"op": "noop"})
                 beat = time.monotonic()
