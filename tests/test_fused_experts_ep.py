@@ -162,8 +162,8 @@ def gpt_oss_run(tmp_path: Path) -> str:
 
 def test_a_dp2_ep2_update_of_gpt_oss_publishes_with_the_ranks_deltas(tmp_path, capsys):
     """World 4 (ep 2, dp 2, two ranks a node): the weight files come from one dp row (the EP ranks gather the
-    fused tensors), the optimizer files from either; publish verifies the candidate and adopts the deltas the
-    ranks wrote, which rebuild v000001 from v000000."""
+    fused tensors), the optimizer files from either; the update indexes the deltas the ranks wrote (v000001
+    usable before publish), publish keeps that index, and it rebuilds v000001 from v000000."""
     run_uri = gpt_oss_run(tmp_path)
     write_experience(run_uri, 1, experience_table(policy_version=0, prompts=4, group=4))
     run_gloo(update_worker, 4, tmp_path, run_uri, 2, 2, True, timeout=300.0)
@@ -173,7 +173,7 @@ def test_a_dp2_ep2_update_of_gpt_oss_publishes_with_the_ranks_deltas(tmp_path, c
     assert sum(len(keys) for keys in wrote.values()) == 6  # 2 weight + 2 optimizer files, 2 delta blobs
     capsys.readouterr()
     publish(run_uri, 1)
-    assert "written by the update's ranks" in capsys.readouterr().out
+    assert "(indexed by the update)" in capsys.readouterr().out
     run = Store.open(run_uri)
     v1 = checkpoint.fetch(run, 1)
     rebuilt = tmp_path / "rebuilt"

@@ -107,7 +107,7 @@ def test_bad_versions_and_shards_are_clear_errors(tmp_path, checkpoint_dir):
     run = new_run(tmp_path, checkpoint_dir, "errors")
     with pytest.raises(MoerlError, match=r"--policy-version 1: iteration 1 with staleness 0 samples from v000000"):
         rollout_shard(run, 1, 0, 1, policy_version=1)
-    with pytest.raises(MoerlError, match="checkpoint v000002 is unfinished"):
+    with pytest.raises(MoerlError, match="v000002 is neither published .* nor indexed"):
         rollout_shard(run, 3, 0, 1)  # v2 was never published
     with pytest.raises(MoerlError, match="need 0 <= shard < num-shards"):
         rollout_shard(run, 1, 3, 3)

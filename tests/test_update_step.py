@@ -138,7 +138,7 @@ def test_experience_of_an_unexpected_policy_version_is_refused(tmp_path):
 def test_missing_parent_checkpoint_is_refused(tmp_path):
     run_uri = make_run(tmp_path)
     write_experience(run_uri, 2, experience_table(policy_version=1))
-    with pytest.raises(MoerlError, match=r"v000001 is unfinished \(no MANIFEST.json\)"):
+    with pytest.raises(MoerlError, match=r"v000001 is neither published \(no MANIFEST.json\) nor indexed"):
         run_update(run_uri, 2)
     with pytest.raises(MoerlError, match="iterations start at 1"):
         run_update(run_uri, 0)

@@ -38,7 +38,8 @@ if __name__ == "__main__":
     if sys.argv[1:2] in (["--behave"], ["--end"]):
         behaviour = sys.argv[2]
     if behaviour == "sleep" or (behaviour == "rank-fail" and rank == "0"):
-        print(os.getpid(), file=sys.stderr, flush=True)
+        sys.stderr.write(f"{os.getpid()}\n")  # one write: print's text and newline could interleave with the other
+        sys.stderr.flush()  # rank's and make one number of two pids
         time.sleep(60)
     if behaviour == "rank-fail" and rank == "1":
         sys.exit(5)
