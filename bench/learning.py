@@ -74,6 +74,7 @@ TRAINER_NOT_MAPPED = {
     "server": "one process that trains in place (a trainer that stays up changes where moerl trains, not what)",
     "server_wait_s": "one process, no trainer server to wait for",
     "server_idle_exit_s": "one process, no trainer job to end",
+    "publish_wait_s": "no trainer that stays up, so none waits for a publish",
     "activation_checkpointing": "memory, not arithmetic: the same update bit for bit (TRL: gradient_checkpointing)",
     "grouped_gemm": "how the experts' matmuls run, not what they compute (the same bits on the CPU)",
     "fsdp": "one process, nothing to shard over",
