@@ -138,7 +138,7 @@ def verify_candidate(
                 f"{where}: the optimizer state lacks the fp32 masters of {len(missing)} {dtype_name(dtype)} "
                 f"weights (e.g. {missing[0]}.{MASTER_FIELD}); rerun update with --force"
             )
-    return index, sorted(set(weight_map.values())), sorted(set(optimizer_map.values()))
+    return index, *publication.candidate_files(index)
 
 
 def run_dtype(run: Store, version: int) -> torch.dtype:
@@ -193,23 +193,13 @@ def assemble_hf_dir(
     (out_dir / SAFE_WEIGHTS_INDEX_NAME).write_text(publication.hf_index_text(index["weight_map"], model_files, tensors))
 
 
-def published_files(hf_dir: Path, marker: dict[str, Any], model_files: list[str]) -> weight_delta.FileDigests:
-    """The files of the dir about to be published, with their size and sha256: the weight files' as the
-    candidate's marker records them (checked when the candidate was downloaded; the weight files are the
-    candidate's, renamed), so that the deltas are checked without hashing the checkpoint once more."""
-    files: weight_delta.FileDigests = {}
-    for path in sorted(p for p in hf_dir.iterdir() if p.is_file()):
-        files[path.name] = {"size": path.stat().st_size, "sha256": ""}
-        if not weight_delta.is_weight_file(path.name):
-            files[path.name]["sha256"] = checkpoint.file_digest(path)[1]  # small files
-    for old, new in candidate.published_weight_names(model_files).items():
-        files[new] = {"size": int(marker["files"][old]["size"]), "sha256": str(marker["files"][old]["sha256"])}
-    return files
-
-
 def publish_delta(run: Store, iteration: int, hf_dir: Path, marker: dict[str, Any], model_files: list[str]) -> str:
-    """v(iteration)'s delta, before its MANIFEST.json (module docstring, 3.); returns the line for the log."""
-    files = published_files(hf_dir, marker, model_files)
+    """v(iteration)'s delta, before its MANIFEST.json (module docstring, 3.); returns the line for the log. The
+    files about to be published are described without hashing the weights again: the candidate's, renamed,
+    checked against the marker when they were downloaded."""
+    small = [p for p in hf_dir.iterdir() if p.is_file() and not weight_delta.is_weight_file(p.name)]
+    copies = {p.name: p.read_bytes() for p in small}
+    files = publication.published_files(marker, model_files, copies)
     try:
         existing = weight_delta.read_index(run, iteration)
     except weight_delta.DeltaUnusable as err:
@@ -219,7 +209,6 @@ def publish_delta(run: Store, iteration: int, hf_dir: Path, marker: dict[str, An
         raise publication.indexed_differently(run, iteration)
     if existing is not None and weight_delta.blobs_stored(run, existing):
         return f"{weight_delta.describe(weight_delta.DeltaSummary.of(existing))} (indexed by the update)"
-    copies = {name: (hf_dir / name).read_bytes() for name in files if not weight_delta.is_weight_file(name)}
     blobs = weight_delta.file_deltas(marker.get("weight_deltas"))
     summary = weight_delta.adopt(run, iteration, files, blobs, copies)
     if summary is not None:

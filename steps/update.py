@@ -22,7 +22,7 @@ hands the metrics to the run's experiment trackers (steps/tracking/trackers.py; 
 and checkpoint.deltas, each rank that writes a weight shard also writes its delta blob against v(I-1)'s bits
 at <run>/deltas/v(I)/ (steps/run/weight_delta.py), listed in CANDIDATE.json; after CANDIDATE.json, rank 0
 indexes them (DELTA.json, steps/training/publication.py), and from then on rollout servers may take v(I) while
-publish writes the full checkpoint. An indexed version is final: --force then refuses to train it again.
+publish writes the full checkpoint. An indexed version is final: the update refuses to train it again.
 
 Expert placement (trainer.expert_placement, default balanced): which E/ep experts each EP rank holds, per
 MoE layer. Update I balances the EP ranks' routed rows with the per-expert row counts that update I-1

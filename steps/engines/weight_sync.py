@@ -209,7 +209,7 @@ class WeightSync:
             if index is None:
                 return None
             chain.append(index)
-        if published and sum(index.delta_bytes for index in chain) >= sum(int(m["size"]) for m in files.values()):
+        if published and sum(index.delta_bytes for index in chain) >= weight_delta.checkpoint_bytes(files):
             return None
         return chain
 
@@ -229,7 +229,7 @@ class WeightSync:
             self._drop(version)
             staging.rename(self.version_dir(version))
             self._record(version, manifest.files)
-        return weight_delta.checkpoint_bytes(manifest) + self.run.size(f"{version_prefix(version)}/{MANIFEST}")
+        return weight_delta.checkpoint_bytes(manifest.files) + self.run.size(f"{version_prefix(version)}/{MANIFEST}")
 
     @contextmanager
     def _staging(self) -> Iterator[Path]:

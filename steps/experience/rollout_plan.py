@@ -176,9 +176,7 @@ def version_tokenizer(run: Store, version: int) -> CheckpointTokenizer:
 
     from steps.run import weight_delta  # lazily: experience is imported by tools that never touch a version
 
-    files = weight_delta.version_files(run, version)
-    if files is None:
-        raise weight_delta.not_usable(run, version)
+    files = weight_delta.require_version_files(run, version)
     with tempfile.TemporaryDirectory(prefix="moerl-tokenizer-") as tmp:
         for name in TOKENIZER_FILES:
             if name in files:

@@ -67,6 +67,11 @@ def file_digest(path: Path) -> tuple[int, str]:
     return path.stat().st_size, digest.hexdigest()
 
 
+def bytes_digest(data: bytes) -> tuple[int, str]:
+    """(size, sha256) of bytes in memory, as file_digest gives them for a file."""
+    return len(data), hashlib.sha256(data).hexdigest()
+
+
 def describe_dir(local_dir: Path) -> dict[str, dict[str, int | str]]:
     """Size and sha256 of every file under local_dir, keyed by its '/'-separated relative name."""
     files: dict[str, dict[str, int | str]] = {}
@@ -187,7 +192,7 @@ def read_file(run: Store, version: int, name: str) -> bytes:
     if meta is None:
         raise MoerlError(f"{run.url(key)}: checkpoint {version_name(version)} has no {name}; republish it")
     data = run.get_bytes(key) if run.exists(key) else b""
-    if (len(data), hashlib.sha256(data).hexdigest()) != (meta["size"], meta["sha256"]):
+    if bytes_digest(data) != (meta["size"], meta["sha256"]):
         raise MoerlError(
             f"{run.url(key)}: missing, or its size or sha256 differs from MANIFEST.json; the checkpoint is "
             "corrupted — republish it or restore the file"

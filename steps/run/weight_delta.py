@@ -426,7 +426,12 @@ def write_copies(run: Store, version: int, copies: dict[str, bytes]) -> FileDige
 
 
 def copy_digests(copies: dict[str, bytes]) -> FileDigests:
-    return {name: {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()} for name, data in copies.items()}
+    """Size and sha256 of each file kept whole, as MANIFEST.json lists them."""
+    digests: FileDigests = {}
+    for name, data in copies.items():
+        size, sha = checkpoint.bytes_digest(data)
+        digests[name] = {"size": size, "sha256": sha}
+    return digests
 
 
 def write_file_delta(run: Store, version: int, name: str, path: Path, parent: ParentTensors) -> FileDelta:
@@ -456,7 +461,7 @@ def _index(version: int, deltas: dict[str, FileDelta], copies: FileDigests, file
         parent=version - 1,
         files=dict(sorted(deltas.items())),
         delta_bytes=sum(f.blob_bytes for f in deltas.values()),
-        full_bytes=sum(int(meta["size"]) for meta in files.values()),
+        full_bytes=checkpoint_bytes(files),
         copies=_digests(copies),
     )
 
@@ -543,7 +548,7 @@ def read_copy(run: Store, version: int, name: str, meta: dict[str, int | str]) -
         data = run.get_bytes(key)
     except MoerlError as err:  # missing, or the store's own sha256 check failed
         raise DeltaUnusable(f"{run.url(key)}: {err}") from err
-    if (len(data), hashlib.sha256(data).hexdigest()) != (meta["size"], meta["sha256"]):
+    if checkpoint.bytes_digest(data) != (meta["size"], meta["sha256"]):
         raise DeltaUnusable(f"{run.url(key)}: its size or sha256 differs from DELTA.json")
     return data
 
@@ -590,6 +595,14 @@ def version_files(run: Store, version: int) -> FileDigests | None:
     except DeltaUnusable:
         return None
     return None if index is None else index.version_files()
+
+
+def require_version_files(run: Store, version: int) -> FileDigests:
+    """version_files, or the error that says the version is neither published nor indexed."""
+    files = version_files(run, version)
+    if files is None:
+        raise not_usable(run, version)
+    return files
 
 
 def not_usable(run: Store, version: int) -> MoerlError:
@@ -642,8 +655,9 @@ def fetch_version(run: Store, version: int) -> Path:
     return target
 
 
-def checkpoint_bytes(manifest: checkpoint.Manifest) -> int:
-    return sum(int(meta["size"]) for meta in manifest.files.values())
+def checkpoint_bytes(files: FileDigests) -> int:
+    """The bytes of a version's files (its MANIFEST.json's or DELTA.json's)."""
+    return sum(int(meta["size"]) for meta in files.values())
 
 
 def describe(summary: DeltaSummary | None) -> str:

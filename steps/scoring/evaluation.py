@@ -89,9 +89,7 @@ def heldout_accuracy(run: Store, cfg: RunConfig, version: int, log: Any) -> floa
     prompts = heldout_prompts(cfg)
     if not prompts:
         return None
-    files = weight_delta.version_files(run, version)  # published, or indexed before publish (rollout servers)
-    if files is None:
-        raise weight_delta.not_usable(run, version)
+    files = weight_delta.require_version_files(run, version)  # published, or indexed before publish
     weight_bytes = sum(int(m["size"]) for name, m in files.items() if name.endswith(".safetensors"))
     if weight_bytes > HELDOUT_EVAL_MAX_BYTES:
         log(f"held-out accuracy skipped: {weight_bytes / 2**30:.1f} GiB of weights is too big to evaluate on CPU")

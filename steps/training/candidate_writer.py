@@ -293,10 +293,8 @@ def write_candidate_metadata(
     # The parent's other files (generation config, tokenizer files, ...), as its manifest lists them: the
     # local cache may hold files of an earlier run that had the same URI.
     skip = {CONFIG_NAME, SAFE_WEIGHTS_INDEX_NAME}
-    parent_files = weight_delta.version_files(run, iteration - 1)  # published, or indexed (a trainer that stays up)
-    if parent_files is None:
-        raise weight_delta.not_usable(run, iteration - 1)
-    for name in sorted(parent_files):
+    # published, or indexed (a trainer that stays up trains on before publish)
+    for name in sorted(weight_delta.require_version_files(run, iteration - 1)):
         if "/" not in name and name not in skip and not name.endswith(".safetensors"):
             put(name, parent_file(name))
     if GENERATION_CONFIG_NAME not in files:

@@ -20,7 +20,6 @@ before it is published").
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 from collections.abc import Callable, Iterable
@@ -40,7 +39,7 @@ from steps.models.hf_checkpoint import (
     weights_dtype,
 )
 from steps.models.registry import config_from_hf
-from steps.run import candidate, weight_delta
+from steps.run import candidate, checkpoint, weight_delta
 from steps.run.config import RunConfig
 from steps.run.keys import (
     candidate_prefix,
@@ -77,7 +76,7 @@ def _candidate_bytes(run: Store, iteration: int, marker: dict[str, Any], name: s
     key = f"{candidate_prefix(iteration)}/{name}"
     meta = marker["files"].get(name)
     data = run.get_bytes(key) if meta is not None and run.exists(key) else None
-    if data is None or (len(data), hashlib.sha256(data).hexdigest()) != (meta["size"], meta["sha256"]):
+    if data is None or checkpoint.bytes_digest(data) != (meta["size"], meta["sha256"]):
         raise MoerlError(
             f"{run.url(key)}: missing, or its size or sha256 differs from {candidate.MARKER}; the candidate is "
             f"damaged — rerun update for iteration {iteration} with --force"
@@ -110,11 +109,19 @@ def publication(
     if len(model_files) > 1:
         tensors = [(math.prod(t.shape), t.size) for f in blobs.values() for t in f.tensors]
         small[SAFE_WEIGHTS_INDEX_NAME] = hf_index_text(index["weight_map"], model_files, tensors).encode()
+    return Publication(published_files(marker, model_files, small), small)
+
+
+def published_files(
+    marker: dict[str, Any], model_files: list[str], small: dict[str, bytes]
+) -> weight_delta.FileDigests:
+    """Every file v(I) is published with: the candidate's weight files under their published names, with the
+    digests the marker records (so nothing is hashed again), and the small files'."""
     files: weight_delta.FileDigests = {}
     for old, new in candidate.published_weight_names(model_files).items():
         files[new] = {"size": int(marker["files"][old]["size"]), "sha256": str(marker["files"][old]["sha256"])}
     files.update(weight_delta.copy_digests(small))
-    return Publication(dict(sorted(files.items())), small)
+    return dict(sorted(files.items()))
 
 
 def _check_tensors(run: Store, iteration: int, blobs: dict[str, weight_delta.FileDelta]) -> None:

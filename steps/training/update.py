@@ -261,8 +261,7 @@ def pending_iteration(run: Store, iteration: int, force: bool = False, rank: int
             f"delete the experience sampled from {version_name(iteration)} and {run.url(delta_prefix(iteration))} "
             "before training it again"
         )
-    if weight_delta.version_files(run, iteration - 1) is None:  # published, or indexed for a trainer that holds it
-        raise weight_delta.not_usable(run, iteration - 1)
+    weight_delta.require_version_files(run, iteration - 1)  # published, or indexed for a trainer that holds it
     version = behaviour_version(iteration, cfg.staleness)
     samples = read_scored_experience(run, iteration, version)
     return IterationWork(run, cfg, iteration, version, samples, TrainSettings.from_run_config(cfg))
