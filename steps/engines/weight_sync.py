@@ -124,31 +124,36 @@ class WeightSync:
         """Make sure the cache holds `wanted`'s dir; returns (how: cache|delta|full, bytes fetched)."""
         with self._locked(fcntl.LOCK_EX):
             self._drop_staging()
-            files = weight_delta.version_files(self.run, wanted)
+            manifest = checkpoint.read_manifest(self.run, wanted)
+            files = manifest.files if manifest is not None else weight_delta.version_files(self.run, wanted)
             if files is None:  # the request came after the update that indexes it: a moment's gap, or a damage
                 raise Unavailable(f"{weight_delta.not_usable(self.run, wanted)}; the request is retried")
             if self._holds(wanted, files):
                 how, fetched = "cache", 0
             else:
                 self._drop(wanted)
-                how, fetched = self._build(wanted, checkpoint.read_manifest(self.run, wanted) is not None, files)
+                how, fetched = self._build(wanted, manifest, files)
             self._evict(keep=wanted)
             return how, fetched
 
     # ------------------------------------------------------------------------------- building dirs
 
-    def _build(self, wanted: int, published: bool, files: weight_delta.FileDigests) -> tuple[str, int]:
-        """Build `wanted`'s dir: (how, bytes fetched) as materialize."""
+    def _build(
+        self, wanted: int, manifest: checkpoint.Manifest | None, files: weight_delta.FileDigests
+    ) -> tuple[str, int]:
+        """Build `wanted`'s dir (`manifest`: its MANIFEST.json, None before publish): (how, bytes fetched) as
+        materialize."""
         read: list[int] = []
+        published = manifest is not None
         chain = self._delta_chain(wanted, files, published)
         if chain is None and not published:  # from the nearest published version below it, fetched whole
-            base = next((v for v in range(wanted - 1, -1, -1) if checkpoint.read_manifest(self.run, v)), None)
-            if base is None:
+            below = ((v, checkpoint.read_manifest(self.run, v)) for v in range(wanted - 1, -1, -1))
+            base, base_manifest = next(((v, m) for v, m in below if m is not None), (None, None))
+            if base is None or base_manifest is None:
                 raise Unavailable(f"{version_name(wanted)} is not published and no version below it is; retried")
-            manifest = checkpoint.require_manifest(self.run, base)
-            if not self._holds(base, manifest.files):
+            if not self._holds(base, base_manifest.files):
                 self._drop(base)
-                read.append(self._fetch_full(base, manifest))
+                read.append(self._fetch_full(base, base_manifest))
             chain = self._delta_chain(wanted, files, published)
         if chain is not None:
             try:
@@ -161,12 +166,12 @@ class WeightSync:
                         "the request is retried"
                     ) from err
                 self.log(f"warning: {err}; fetching the full checkpoint {version_name(wanted)}")
-        if not published:
+        if manifest is None:
             raise Unavailable(
                 f"{self.run.url(version_prefix(wanted))}: {version_name(wanted)} is not published yet and the deltas "
                 f"from the nearest cached or published version up to it are not all indexed; the request is retried"
             )
-        return "full", sum(read) + self._fetch_full(wanted, checkpoint.require_manifest(self.run, wanted))
+        return "full", sum(read) + self._fetch_full(wanted, manifest)
 
     def _holds(self, version: int, files: weight_delta.FileDigests) -> bool:
         """Whether the cache holds `version`'s dir built as `files` (what the run says the version is)."""
