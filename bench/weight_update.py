@@ -20,11 +20,12 @@ pessimistic for the delta. Weights start at realistic magnitudes (matrices N(0, 
 
 Printed per version: the checkpoint's bytes, the delta's (steps/run/weight_delta.py: XOR, byte planes, zstd) and
 for reference the XOR compressed without byte planes, the share of elements whose stored bits changed, and the
-time publish spends writing the delta. Then, per dtype, on a local run store and a node cache on local disk:
-`WeightSync.bring` of a live TorchEngine from v(i-1) to v(i) (delta fetch and apply, update_weights in place)
-against the baseline, a new engine: the full checkpoint downloaded (verified) and TorchEngine.from_checkpoint on
-it, and whether the two engines then generate bit-identical samples. Local disk means the fetch times here are
-copies through the page cache; on S3 the bytes column is what counts.
+time publish spends writing the delta; then the encoder alone on one thread and on this machine's cores (the
+update's writers encode on their share of a node's cores). Then, per dtype, on a local run store and a node
+cache on local disk: `WeightSync.bring` of a live TorchEngine from v(i-1) to v(i) (delta fetch and apply,
+update_weights in place) against the baseline, a new engine: the full checkpoint downloaded (verified) and
+TorchEngine.from_checkpoint on it, and whether the two engines then generate bit-identical samples. Local disk
+means the fetch times here are copies through the page cache; on S3 the bytes column is what counts.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import torch
+from safetensors.torch import save_file
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -50,9 +52,18 @@ from steps.models.hf_checkpoint import save_pretrained  # noqa: E402
 from steps.models.qwen3_moe.config import MoeConfig  # noqa: E402
 from steps.models.qwen3_moe.model import MoeForCausalLM  # noqa: E402
 from steps.run import checkpoint  # noqa: E402
-from steps.run.weight_delta import LANES, read_layout, write_delta  # noqa: E402
+from steps.run.weight_delta import (  # noqa: E402
+    LANES,
+    Layout,
+    TensorReader,
+    _write_blob,
+    encode_threads,
+    read_layout,
+    write_delta,
+)
 from steps.store.object_store import Store  # noqa: E402
 
+ENCODER_TENSORS, ENCODER_SHAPE = 48, (768, 2048)  # one expert projection a layer of Qwen3-30B-A3B
 REGIMES = {"eks": (1e-6, 4, 0.01), "demo": (1.5e-4, 16, 0.0)}  # lr, AdamW steps a version, weight decay
 SYNTHETIC = dict(
     vocab_size=32000, hidden_size=512, intermediate_size=1024, moe_intermediate_size=256, num_hidden_layers=4,
@@ -139,7 +150,49 @@ def make_versions(args: argparse.Namespace, regime: str, root: Path) -> dict[tor
                 f"{summary.delta_bytes / 1e6:11.1f} {summary.delta_bytes / summary.full_bytes:11.1%} "
                 f"{plain / summary.full_bytes:14.1%} {changed:8.1%} {written:16.2f}"
             )
+    time_encoder(root, regime)
     return stores
+
+
+def time_encoder(root: Path, regime: str) -> None:
+    """The delta encoder (weight_delta._write_blob, the parent's tensors from disk, the file's digest given as the
+    update gives it) on one thread and on every thread this machine gives a process (encode_threads): GB/s and the
+    speed-up, best of 3. The file holds ENCODER_TENSORS expert projections of Qwen3-30B-A3B's shape (bf16), moved
+    by the regime's AdamW steps: the tensor sizes a writer of a real checkpoint encodes (the synthetic model's
+    are far smaller, and per-tensor overheads would decide)."""
+    lr, steps, weight_decay = REGIMES[regime]
+    gen = torch.Generator().manual_seed(2)
+    params = [torch.nn.Parameter(torch.randn(*ENCODER_SHAPE, generator=gen) * 0.02) for _ in range(ENCODER_TENSORS)]
+    before = {f"expert.{i}": p.detach().to(torch.bfloat16) for i, p in enumerate(params)}
+    optimizer = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.999), weight_decay=weight_decay)
+    for _ in range(steps):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen) * 1e-3
+        optimizer.step()
+    after = {f"expert.{i}": p.detach().to(torch.bfloat16) for i, p in enumerate(params)}
+    parent_dir, weights = root / "encoder-parent", root / "encoder-new.safetensors"
+    parent_dir.mkdir()
+    save_file(before, str(parent_dir / "model.safetensors"))
+    save_file(after, str(weights))
+    del params, optimizer, before, after
+    layout, size, sha = read_layout(weights), weights.stat().st_size, checkpoint.file_digest(weights)[1]
+    counts = sorted({1, encode_threads()})
+    rates = {}
+    with TensorReader(parent_dir) as parent:
+        for threads in counts:
+            best = min(_timed(layout, parent, root / "blob", sha, threads) for _ in range(3))
+            rates[threads] = size / best / 1e9
+    line = ", ".join(f"{t} thread(s) {rates[t]:.2f} GB/s" for t in counts)
+    print(
+        f"delta encoder, {ENCODER_TENSORS} bf16 tensors of {ENCODER_SHAPE[0]}x{ENCODER_SHAPE[1]} ({size / 1e6:.0f} MB, "
+        f"regime {regime}): {line}; {rates[counts[-1]] / rates[1]:.2f}x on {counts[-1]} threads"
+    )
+
+
+def _timed(layout: Layout, parent: TensorReader, out: Path, sha: str, threads: int) -> float:
+    started = time.perf_counter()
+    _write_blob(layout, parent, out, sha, threads=threads)
+    return time.perf_counter() - started
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -2,9 +2,11 @@
 
     python -m steps.publish --run URI --iteration I
 
-1. Verify <run>/candidates/iter-I/: CANDIDATE.json present (the update finished), every file it lists
-   present with its size and sha256, candidate.index.json consistent with the shards' headers, every tensor
-   of the model exactly once with the shape config.json implies, the optimizer state matching the weights.
+1. Verify <run>/candidates/iter-I/: CANDIDATE.json present (the update finished; while WEIGHTS.json alone
+   is, a trainer that stays up still stores the optimizer shards: waited for, at most trainer.publish_wait_s),
+   every file it lists present with its size and sha256, candidate.index.json consistent with the shards'
+   headers, every tensor of the model exactly once with the shape config.json implies, the optimizer state
+   matching the weights.
    The weights must be stored in the run's dtype (the parent's, so v000000's) and, when that is narrower
    than fp32, the optimizer state must hold every parameter's fp32 master (what the next update resumes from).
    config.json is the parent's (so v000000's: the user's own, plus its dtype), never the one the update
@@ -252,7 +254,7 @@ def publish(run_uri: str, iteration: int) -> checkpoint.Manifest:
         return existing
 
     where = run.url(candidate_prefix(iteration))
-    marker = candidate.read_marker(run, iteration)
+    marker = candidate.wait_for_marker(run, iteration, cfg.trainer.publish_wait_s)
     if marker is None:
         raise MoerlError(
             f"{where}: no complete candidate ({MARKER} missing); the update of iteration {iteration} did not "

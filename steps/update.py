@@ -14,15 +14,16 @@ Precision: the policy trains in fp32 and is published in the run's checkpoint dt
 bf16). When that dtype is narrower than fp32, the optimizer state also holds each parameter's fp32 master
 (`<name>.master`), and the next update starts from the masters, not from the rounded published weights.
 
-Output: the candidate <run>/candidates/iter-I/ (its format: steps/run/candidate.py), one weight shard and one
-optimizer-state shard per EP rank, CANDIDATE.json last; and <run>/metrics/iter-I.update.json (loss, clip
-fraction, KL, importance weights, grad norm, entropy, tokens/s, the per-expert routed row counts and the
-expert placement used; a separate file so that score's metrics/iter-I.json is never rewritten). Rank 0 then
-hands the metrics to the run's experiment trackers (steps/tracking/trackers.py; none by default). With rollout servers
-and checkpoint.deltas, each rank that writes a weight shard also writes its delta blob against v(I-1)'s bits
-at <run>/deltas/v(I)/ (steps/run/weight_delta.py), listed in CANDIDATE.json; after CANDIDATE.json, rank 0
-indexes them (DELTA.json, steps/training/publication.py), and from then on rollout servers may take v(I) while
-publish writes the full checkpoint. An indexed version is final: the update refuses to train it again.
+Output: the candidate <run>/candidates/iter-I/ (its format: steps/run/candidate.py), one weight shard per EP
+rank, WEIGHTS.json once they and the small files are stored, one optimizer-state shard per EP rank and
+CANDIDATE.json last; and <run>/metrics/iter-I.update.json (loss, clip fraction, KL, importance weights, grad
+norm, entropy, tokens/s, the per-expert routed row counts and the expert placement used; a separate file so
+that score's metrics/iter-I.json is never rewritten). Rank 0 then hands the metrics to the run's experiment
+trackers (steps/tracking/trackers.py; none by default). With rollout servers and checkpoint.deltas, each rank
+that writes a weight shard also writes its delta blob against v(I-1)'s bits at <run>/deltas/v(I)/
+(steps/run/weight_delta.py), listed in WEIGHTS.json; after CANDIDATE.json, rank 0 indexes them (DELTA.json,
+steps/training/publication.py), and from then on rollout servers may take v(I) while publish writes the full
+checkpoint. An indexed version is final: the update refuses to train it again, except to replay it (below).
 
 Expert placement (trainer.expert_placement, default balanced): which E/ep experts each EP rank holds, per
 MoE layer. Update I balances the EP ranks' routed rows with the per-expert row counts that update I-1
@@ -32,15 +33,20 @@ the log and the metrics). The placement is a pure function of published inputs, 
 same one. Tensors keep their global names, so weights and optimizer state of v(I-1) are read by name
 whichever rank's file of the previous iteration holds them.
 
-Each EP rank of the first dp row uploads its own shards; nothing is gathered to rank 0 but the file names
+Each EP rank's files are uploaded by one of its dp replicas; nothing is gathered to rank 0 but the file names
 and digests. A crash leaves no CANDIDATE.json, and a restart deletes the partial candidate and trains again
 from the same published inputs: same plan, same arithmetic, same bits. A complete candidate, or an already
-published version I, makes the step a no-op (--force retrains a complete candidate).
+published version I, makes the step a no-op (--force retrains a complete candidate). A candidate with
+WEIGHTS.json and an indexed delta but no CANDIDATE.json (a trainer that stays up lost after it answered,
+before it stored the optimizer shards) is replayed: trained again from the same inputs, its weights checked bit
+for bit against WEIGHTS.json, and only the optimizer shards and CANDIDATE.json written.
 
 With trainer.server and --workflow (the Workflow's name, `{{workflow.name}}`), the step is a client of its
 Workflow's trainer that stays up (steps/trainer_server.py): it waits up to trainer.server_wait_s for the
-server registered as "trainer" to be ready, sends it `update` {run, iteration} and checks that the
-candidate is complete. The client runs on a CPU node (it holds no GPU: the trainer's nodes are the trainer
+server registered as "trainer" to be ready, sends it `update` {run, iteration, optimizer_later} and checks
+that the candidate's weights are complete (WEIGHTS.json): the trainer stores the optimizer shards after it
+answered, while it trains the next update, except after the segment's last update (optimizer_later false).
+The client runs on a CPU node (it holds no GPU: the trainer's nodes are the trainer
 server's), so with no trainer ready within that time, or a trainer lost mid-request, it ends with
 steps/run/serving.py EXIT_SERVER_LOST (75), which its retryStrategy retries: the retry reaches the restarted
 trainer, which reloads v(I-1) from the store and trains the same bits.
@@ -70,6 +76,14 @@ def finished(run: Store, iteration: int) -> bool:
     return checkpoint.read_manifest(run, iteration) is not None or candidate.read_marker(run, iteration) is not None
 
 
+def answered(run: Store, iteration: int) -> bool:
+    """Whether the trainer's answer to update `iteration` holds: the candidate's weights are complete (it stores
+    the optimizer shards after it answered) or v(I) is published."""
+    return checkpoint.read_manifest(run, iteration) is not None or (
+        candidate.read_weights_marker(run, iteration) is not None
+    )
+
+
 
 def serve_update(run_uri: str, iteration: int, workflow: str, ep_size: int | None, force: bool) -> int:
     """The update as a client of the Workflow's trainer (see the module docstring); the step's exit code."""
@@ -93,12 +107,15 @@ def serve_update(run_uri: str, iteration: int, workflow: str, ep_size: int | Non
         return serving.EXIT_SERVER_LOST
     trainer = servers[0]
     log(f"update {iteration}: sent to {trainer.name} at {trainer.address}")
-    request = {"run": run.uri, "iteration": iteration, "ep_size": ep_size, "force": force}
+    # The trainer stores the optimizer shards after it answers, while it trains the next update, except after the
+    # last update of the segment: the Workflow's end stops the trainer (steps/training/optimizer_write.py).
+    later = cfg.segment_last(iteration) != iteration
+    request = {"run": run.uri, "iteration": iteration, "ep_size": ep_size, "force": force, "optimizer_later": later}
     try:
         answer = serving.call(trainer, "update", request)
         progress.report(1, 2)
-        if not finished(run, iteration):
-            raise serving.ServerLost(f"{trainer.name} answered update {iteration} but its candidate is not complete")
+        if not answered(run, iteration):
+            raise serving.ServerLost(f"{trainer.name} answered update {iteration} but its candidate's weights are not")
         index_candidate_delta(run, cfg, iteration)  # the trainer indexed it; this step's end is what rollout awaits
     except serving.ServerLost as err:
         log(f"update {iteration}: trainer lost ({err}); exiting {serving.EXIT_SERVER_LOST} for a retry")

@@ -25,7 +25,15 @@ from pipelines.simulate.sizing import (
 )
 from steps.expert_parallel.mesh import Mesh, build_mesh
 from steps.models.hf_checkpoint import load_config as load_model_config
-from steps.run.candidate import MARKER, OPTIMIZER, SHARD_KINDS, WEIGHTS, node_write_loads, shard_writers
+from steps.run.candidate import (
+    MARKER,
+    OPTIMIZER,
+    SHARD_KINDS,
+    WEIGHTS,
+    WEIGHTS_MARKER,
+    node_write_loads,
+    shard_writers,
+)
 from steps.run.keys import candidate_prefix
 from steps.store.object_store import Store
 
@@ -110,14 +118,15 @@ def run_update(tmp_path: Path, spread: bool) -> tuple[Path, dict[int, list[str]]
 
 
 def run_files(run_dir: Path) -> dict[str, bytes]:
-    """Every object of the candidate and of the deltas, by key (CANDIDATE.json without its created_at)."""
+    """Every object of the candidate and of the deltas, by key (CANDIDATE.json and WEIGHTS.json without their
+    created_at)."""
     files = {}
     for path in sorted(p for p in run_dir.rglob("*") if p.is_file()):
         key = path.relative_to(run_dir).as_posix()
-        # (not the store's own digest records: CANDIDATE.json's differs by its created_at)
+        # (not the store's own digest records: the markers' differ by their created_at)
         if key.startswith((candidate_prefix(1), "deltas/")) and not path.name.startswith(".moerl-"):
             data = path.read_bytes()
-            if path.name == MARKER:
+            if path.name in (MARKER, WEIGHTS_MARKER):
                 marker = json.loads(data)
                 marker.pop("created_at")
                 data = json.dumps(marker, sort_keys=True).encode()

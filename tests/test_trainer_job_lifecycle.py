@@ -61,7 +61,7 @@ def follower(monkeypatch, commands: list[dict], train) -> tuple[trainer_server.T
         raise AssertionError("a rank other than 0 decided whether to train")
 
     monkeypatch.setattr(trainer_server, "pending_iteration", decided)
-    monkeypatch.setattr(trainer_server, "iteration_inputs", lambda run, iteration: f"inputs of {iteration}")
+    monkeypatch.setattr(trainer_server, "iteration_inputs", lambda run, iteration, replay: f"inputs of {iteration}")
     monkeypatch.setattr(trainer_server, "train_iteration", train)
     return service, ended
 
@@ -113,7 +113,8 @@ def test_rank_0_decides_and_broadcasts_only_work_to_do(monkeypatch, tmp_path):
     sent: list[dict] = []
     monkeypatch.setattr(service, "_broadcast", lambda command: sent.append(command) or command)
     monkeypatch.setattr(service, "_may_train_on", lambda iteration: False)
-    work = SimpleNamespace(samples=[SimpleNamespace(prompt_ids=[1], response_ids=[2], prompt_id="p", sample_index=0)])
+    sample = SimpleNamespace(prompt_ids=[1], response_ids=[2], prompt_id="p", sample_index=0)
+    work = SimpleNamespace(samples=[sample], replay=False)
     decisions = {4: None, 5: work}
     monkeypatch.setattr(trainer_server, "pending_iteration", lambda r, iteration, force, rank: decisions[iteration])
     trained = []
@@ -123,9 +124,12 @@ def test_rank_0_decides_and_broadcasts_only_work_to_do(monkeypatch, tmp_path):
     assert service.update({"run": run.uri, "iteration": 4})["outcome"] == "nothing to do"
     assert sent == []  # nothing to do: the other ranks are not asked
     assert service.update({"run": run.uri, "iteration": 5})["outcome"] == "trained"
-    assert sent == [{"op": "update", "iteration": 5, "from_memory": False}] and trained == [work]
+    update_5 = {"op": "update", "iteration": 5, "from_memory": False, "replay": False, "optimizer_later": False}
+    assert sent == [update_5] and trained == [work]
     # inputs that cannot train are refused before any rank starts
-    bad = SimpleNamespace(samples=[SimpleNamespace(prompt_ids=[99], response_ids=[], prompt_id="p", sample_index=0)])
+    bad = SimpleNamespace(
+        samples=[SimpleNamespace(prompt_ids=[99], response_ids=[], prompt_id="p", sample_index=0)], replay=False
+    )
     decisions[6] = bad
     with pytest.raises(trainer_server.MoerlError, match="outside the policy's vocabulary"):
         service.update({"run": run.uri, "iteration": 6})

@@ -24,7 +24,7 @@ from steps.import_sft import import_sft
 from steps.models.hf_checkpoint import save_pretrained
 from steps.publish import publish
 from steps.run import checkpoint, serving, weight_delta
-from steps.run.candidate import MARKER
+from steps.run.candidate import MARKER, OPTIMIZER_RECEIPTS, WEIGHTS_MARKER
 from steps.run.config import RunConfig
 from steps.run.keys import TRAINER_SERVER_NAME, candidate_prefix, optimizer_prefix, update_metrics_key
 from steps.store.object_store import Store
@@ -83,7 +83,21 @@ def wait_for(condition, what: str, timeout: float = 300) -> None:
 
 
 def candidate_files(run_uri: str, iteration: int) -> dict:
-    return Store.open(run_uri).get_json(f"{candidate_prefix(iteration)}/{MARKER}")["files"]
+    """The files of the complete candidate, once the trainer stored its optimizer shards (after it answered)."""
+    store = Store.open(run_uri)
+    wait_for(lambda: store.exists(f"{candidate_prefix(iteration)}/{MARKER}"), f"no {MARKER} of iteration {iteration}")
+    return store.get_json(f"{candidate_prefix(iteration)}/{MARKER}")["files"]
+
+
+def lose_optimizer_shards(run_uri: str, iteration: int) -> None:
+    """What a trainer lost after it answered update `iteration` leaves: WEIGHTS.json and the indexed delta, no
+    optimizer shard, receipt or CANDIDATE.json."""
+    store, prefix = Store.open(run_uri), candidate_prefix(iteration)
+    store.delete_prefix(f"{prefix}/{OPTIMIZER_RECEIPTS}/")
+    for key in store.list(f"{prefix}/"):
+        if key.rsplit("/", 1)[-1] == MARKER or key.rsplit("/", 1)[-1].startswith("optimizer-rank"):
+            store.delete(key)
+    assert store.exists(f"{candidate_prefix(iteration)}/{WEIGHTS_MARKER}")
 
 
 def published_bytes(run_uri: str, version: int) -> dict[str, bytes]:
@@ -125,10 +139,12 @@ def test_a_trainer_that_stays_up_trains_the_bytes_of_plain_updates(tmp_path, dty
         publish(plain, i)
 
     # Served: iteration 1 from the store; iteration 2 killed while rank 0 holds (SIGSTOP) right after writing
-    # its optimizer shard, the client exits 75, a new trainer reloads v000001 and trains it; iteration 3 on
-    # from memory.
+    # its weight shard, the client exits 75, a new trainer reloads v000001 and trains it; that trainer is lost
+    # after it answered, before it stored the optimizer shards (they are deleted here), and the next trainer
+    # trains iteration 2 again (the weights bit for bit, the optimizer shards written) before it trains
+    # iteration 3 from memory.
     served, log = runs["served"], tmp_path / "trainer.log"
-    stop_at_write = '[{"kill": "STOP", "on": "put", "match": "^candidates/iter-000002/optimizer-rank00000"}]'
+    stop_at_write = '[{"kill": "STOP", "on": "put", "match": "^candidates/iter-000002/model-rank00000"}]'
     first = start_trainer(served, log, fault=stop_at_write)
     try:
         done = client(served, 1)
@@ -141,12 +157,12 @@ def test_a_trainer_that_stays_up_trains_the_bytes_of_plain_updates(tmp_path, dty
             cwd=REPO, env=step_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )  # fmt: skip
         store = Store.open(served)
-        wait_for(lambda: any("optimizer-rank00000" in k for k in store.list(f"{candidate_prefix(2)}/")),
-                 "the trainer never wrote its iteration-2 optimizer shard\n" + log.read_text()[-3000:])  # fmt: skip
+        wait_for(lambda: any("model-rank00000" in k for k in store.list(f"{candidate_prefix(2)}/")),
+                 "the trainer never wrote its iteration-2 weight shard\n" + log.read_text()[-3000:])  # fmt: skip
         kill_tree(first)
         out, err = second.communicate(timeout=120)
         assert second.returncode == serving.EXIT_SERVER_LOST, out + err
-        assert not store.exists(f"{candidate_prefix(2)}/{MARKER}")
+        assert not store.exists(f"{candidate_prefix(2)}/{WEIGHTS_MARKER}")
     finally:
         if first.poll() is None:
             kill_tree(first)
@@ -157,25 +173,33 @@ def test_a_trainer_that_stays_up_trains_the_bytes_of_plain_updates(tmp_path, dty
         assert retried.returncode == 0, retried.stdout[-3000:] + log.read_text()[-3000:]
         assert "update 2: trained by trainer (store)" in retried.stdout
         candidates["served"][2] = candidate_files(served, 2)
-        publish(served, 2)
+    finally:
+        kill_tree(restarted)
+    lose_optimizer_shards(served, 2)
+
+    restarted = start_trainer(served, log)
+    try:
         done = client(served, 3)
         assert done.returncode == 0, done.stdout[-3000:] + log.read_text()[-3000:]
         assert "update 3: trained by trainer (memory)" in done.stdout
+        assert "the candidate of iteration 2 lacks its optimizer shards: training it again" in log.read_text()
+        assert candidate_files(served, 2) == candidates["served"][2]  # the same weights, the same optimizer shards
+        publish(served, 2)
         moved = placement(served, 2) != placement(served, 3)  # then the ranks swapped experts in memory
         assert ("0 expert(s) changed EP rank" not in log.read_text()) == moved, log.read_text()[-2000:]
         again = client(served, 3)  # a retried client finds the candidate complete
         assert again.returncode == 0 and "nothing to do" in again.stdout
         (trainer,) = serving.live_servers(store, WORKFLOW, TRAINER_SERVER_NAME, exact=True)
         health = serving.health(trainer)
-        assert health["dispatches_made"] == 1  # updates 2 and 3 with one dispatcher
+        assert health["dispatches_made"] == 1  # updates 2 (again) and 3 with one dispatcher
         assert health["reference_loads"] == (1 if extra else 0)  # and, with the KL penalty, one read of v000000
         answer = serving.call(trainer, "update", {"run": store.uri, "iteration": 3})  # and so does the trainer
         assert answer["outcome"] == "nothing to do"
         with pytest.raises(MoerlError, match="not 'file:///elsewhere'"):
             serving.call(trainer, "update", {"run": "file:///elsewhere", "iteration": 3})
+        candidates["served"][3] = candidate_files(served, 3)  # before the trainer goes: stored after it answered
     finally:
         kill_tree(restarted)
-    candidates["served"][3] = candidate_files(served, 3)
     publish(served, 3)
 
     monkeypatch.undo()

@@ -120,9 +120,10 @@ def test_a_corrupt_delta_of_a_version_not_published_yet_is_retried_not_fetched_w
 def trainer(run: Store, held: HeldState | None, stopping: bool = False) -> SimpleNamespace:
     """What TrainerService._may_train_on reads of the trainer (rank 0, one rank: the broadcast is a no-op)."""
     service = SimpleNamespace(
-        run=run, held=held, stopping=threading.Event(), log=print, _broadcast=lambda c: c, launcher=None
+        run=run, held=held, stopping=threading.Event(), log=print, _broadcast=lambda c: c, launcher=None, pending=None
     )
-    service._wait_for_publish = lambda version: TrainerService._wait_for_publish(service, version)
+    for method in ("_wait_for_publish", "_trains_on_from_memory", "_optimizer_lost"):
+        setattr(service, method, getattr(TrainerService, method).__get__(service))
     if stopping:
         service.stopping.set()
     return service

@@ -55,6 +55,27 @@ def test_segments_roundtrip_any_bits():
         weight_delta.decode(b"not zstd", 8, None, "F32")
 
 
+def test_the_blob_is_the_same_on_one_thread_or_many_with_any_window(tmp_path, monkeypatch):
+    """The tensors encode on encode_threads() threads, their segments written in the file's order: the blob, its
+    tensor entries and the file's digest do not depend on the thread count or on how many bytes are in flight."""
+    versions = VersionedRun(tmp_path, torch.bfloat16)
+    new_dir = versions.next_dir()
+    (weights,) = [p for p in new_dir.iterdir() if p.suffix == ".safetensors"]
+    layout = weight_delta.read_layout(weights)
+    blobs = {}
+    with weight_delta.TensorReader(versions.dirs[0]) as parent:
+        for threads, window in ((1, 1 << 30), (4, 1 << 30), (3, 1)):  # window 1: one tensor in flight at a time
+            monkeypatch.setattr(weight_delta, "ENCODE_WINDOW_BYTES", window)
+            out = tmp_path / f"blob-{threads}-{window}"
+            written = weight_delta._write_blob(layout, parent, out, threads=threads)
+            blobs[(threads, window)] = (out.read_bytes(), written)
+        given = weight_delta._write_blob(layout, parent, tmp_path / "given", checkpoint.file_digest(weights)[1])
+    assert len({blob for blob, _ in blobs.values()}) == 1
+    assert len({repr(written) for _, written in blobs.values()}) == 1
+    assert repr(given) == repr(blobs[(1, 1 << 30)][1])  # the caller's digest is the one hashed here
+    assert weight_delta.encode_threads() >= 1
+
+
 def test_an_unchanged_bf16_tensor_costs_almost_nothing(tmp_path):
     versions = VersionedRun(tmp_path, torch.bfloat16)
     summary = write_delta(versions.run, 1, versions.dirs[0])  # v1 == v0: every XOR is zero

@@ -221,7 +221,13 @@ class Simulation(ServedSteps):
     def job_seconds(self, job: Job) -> float:
         if job.step == "rollout":
             return self.steps.rollout_startup_s + job.chunks_left * self.steps.rollout_chunk_s
+        if job.step == "publish" and job.task.iteration is not None:  # it waits for the candidate's optimizer shards
+            return max(self.candidate_complete.get(job.task.iteration, 0.0) - self.now, 0.0) + job.duration
         return job.duration
+
+    def segment_of(self, iteration: int) -> graph.Segment:
+        """The Workflow segment that runs `iteration`."""
+        return next(s for s in self.workflow_segments if iteration in s.iterations)
 
     def leave_node(self, job: Job) -> None:
         node = job.node

@@ -16,7 +16,10 @@ tasks) and the per-iteration steps that are their clients.
   after each answer the client does it, and only then counts the chunk and sends its next request, while the
   server serves other clients. With an environment the chunk is one request (its turns' generate calls
   together), its steps after it; a server lost meanwhile loses the chunk, as one lost mid-conversation would.
-- The trainer server serves one update at a time: train_s (train, write the candidate).
+- The trainer server serves one update at a time: train_s (train, write the weights), answers, then writes the
+  optimizer shards (optimizer_write_s) while it waits for and trains the next update, which joins that write
+  before it writes its own weights; the segment's last update writes them before it answers. Publish of an
+  iteration waits for its optimizer shards.
 - A client step (a rollout shard, on the CPU pool; the update, likewise) starts in client_s, then sends its
   requests one after the other to its server: shard K to rollout-server-(K mod servers) when it is ready, else
   to any ready one, else to the first ready within rollout.server_wait_s; the update to the trainer.
@@ -32,7 +35,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from pipelines.simulate.state import TRAINER_SERVER, Job, Server, Task
-from pipelines.workflow.graph import ROLLOUT_SERVER
+from pipelines.workflow.graph import ROLLOUT_SERVER, Segment
 from steps.run.keys import behaviour_version
 
 if TYPE_CHECKING:
@@ -62,12 +65,14 @@ class ServedSteps:
         def record(self, job: Job, start: float, end: float, phase: str, iteration: int | None = None) -> None: ...
         def retry(self, job: Job, role: str) -> None: ...
         def task_done(self, task: Task) -> None: ...
+        def segment_of(self, iteration: int) -> Segment: ...
 
     def init_servers(self) -> None:
         self.rollout_served = self.cfg.rollout.servers > 0
         self.trainer_served = self.cfg.trainer.server
         self.servers: dict[int, list[Server]] = {}  # per segment: its rollout servers, then the trainer
         self.server_starts = {ROLLOUT_SERVER: 0, TRAINER_SERVER: 0}
+        self.candidate_complete: dict[int, float] = {}  # iteration -> when the trainer stored its optimizer shards
 
     # -- the servers' lives
     def start_servers(self, segment: int) -> None:
@@ -179,10 +184,25 @@ class ServedSteps:
             server.version = wanted
             work = self.steps.served_chunk_s  # the environment's steps are the client's (request_done)
         else:
-            sync, work = 0.0, self.steps.train_s
+            sync, work = 0.0, self.update_seconds(server, client.task.iteration or 0)
         server.current, server.current_start, server.current_sync = client, self.now, sync
         token = server.token
         self.at(self.now + sync + work, lambda: self.request_done(server, client, token))
+
+    def update_seconds(self, server: Server, iteration: int) -> float:
+        """The trainer's update `iteration` until it answers: train, join the previous update's optimizer write
+        (if it is still going), write the weights; the optimizer shards after the answer, except for the segment's
+        last update (steps/training/optimizer_write.py). Records when candidate `iteration` is complete (publish
+        waits for it)."""
+        steps = self.steps
+        trained = self.now + steps.train_s - steps.weights_write_s
+        answered = max(trained, server.optimizer_until) + steps.weights_write_s
+        later = self.segment_of(iteration).last != iteration
+        if not later:
+            answered += steps.optimizer_write_s
+        server.optimizer_until = answered + (steps.optimizer_write_s if later else 0.0)
+        self.candidate_complete[iteration] = server.optimizer_until
+        return answered - self.now
 
     def sync_seconds(self, held: int | None, wanted: int) -> float:
         """A rollout server's move from the version it holds to the one a request names."""

@@ -70,9 +70,12 @@ class Assumptions:
     nvme_gb_per_s: float = 4.0  # one node's local-disk read (one NVMe drive; a RAID0 of p5en's 8 reads faster)
     engine_update_s: float = 10.0  # the engine's in-place weight update beyond reading the files
     delta_fraction: float = DELTA_FRACTION  # a version's delta as a share of checkpoint_gb
-    # One trainer rank encoding its stored weights into a delta (XOR, byte planes, zstd, sha256s): what
-    # bench/weight_update.py's "delta write" gives on one core (173 MB of bf16 in 0.85 s).
+    # One thread of a trainer rank encoding its stored weights into a delta (XOR, byte planes, zstd, sha256s):
+    # what bench/weight_update.py's "delta write" gives on one core (173 MB of bf16 in 0.85 s; the GPU config: its
+    # encoder alone on Qwen3-30B-A3B-shaped tensors), and how much faster the writer's threads make it
+    # (steps/run/weight_delta.py encode_threads: its share of the node's cores).
     delta_encode_gb_per_s: float = 0.2
+    delta_encode_speedup: float = 1.0
     # The share of the weights outside the experts (embeddings, attention, routers, norms): every EP rank holds
     # them and EP rank 0's files carry them (steps/run/candidate.py). Qwen3-30B-A3B: ~1.5B of ~30.5B parameters.
     replicated_fraction: float = 0.05
@@ -130,6 +133,11 @@ GPU_ASSUMPTIONS = Assumptions(
     # SGLang's update_weights_from_disk: pause, load the safetensors into the existing parameters (the read is
     # counted above), flush the cache. Peers' in-place updates of this model take 0.7-7 s (issue 21).
     engine_update_s=10.0,
+    # bench/weight_update.py's encoder on one thread, 48 bf16 tensors of 768 x 2048 (the file's digest given, as
+    # the update gives it): 0.48 GB/s; 0.81 on 2 threads (1.67x). A p5en writer encodes on 192 vCPUs / 8 ranks =
+    # 24 threads over 12 cores: 12 cores at the 84% a core measured there.
+    delta_encode_gb_per_s=0.48,
+    delta_encode_speedup=10.0,
 )
 
 # This machine (2 CPU cores, the demo model), measured on it while other jobs shared the cores: a step's
@@ -394,7 +402,12 @@ class StepModel:
     weight_sync_s: float = 0.0  # a rollout server's move to the next version: fetch (delta or whole) + apply
     full_sync_s: float = 0.0  # a rollout server's move to any other version: the whole checkpoint + apply
     trainer_startup_s: float = 0.0  # the trainer server's start: pod, rendezvous, comm init, weights + AdamW
-    train_s: float = 0.0  # the trainer server's work per update: train, then write the candidate
+    train_s: float = 0.0  # the trainer server's work per update before it answers: train, write the weights
+    # Of train_s, the weights' write (with the delta); the optimizer shards follow after the answer, off the path
+    # (steps/training/optimizer_write.py), and the next update joins them before it writes its own; the segment's
+    # last update writes them before it answers.
+    weights_write_s: float = 0.0
+    optimizer_write_s: float = 0.0
     # With an environment: the part of rollout_chunk_s that is the environment's steps (the rollout client's, CPU).
     # A rollout server is busy for the rest of it (served_chunk_s) and serves other clients while a client steps.
     environment_s: float = 0.0
@@ -527,25 +540,32 @@ def shard_gb(cfg: RunConfig, a: Assumptions) -> list[dict[str, float]]:
     return [{WEIGHTS: a.checkpoint_gb * share(r), OPTIMIZER: a.optimizer_gb * share(r)} for r in range(ep)]
 
 
-def node_write_s(cfg: RunConfig, a: Assumptions, deltas: bool | None = None) -> dict[int, float]:
-    """Seconds each trainer node spends writing the candidate, as the update writes it
+def node_write_s(
+    cfg: RunConfig, a: Assumptions, deltas: bool | None = None, kinds: tuple[str, ...] = (WEIGHTS, OPTIMIZER)
+) -> dict[int, float]:
+    """Seconds each trainer node spends writing the candidate's files of `kinds`, as the update writes them
     (steps/training/candidate_writer.py writer_plan, steps/run/candidate.py shard_writers): each EP rank's weight
     and optimizer files, each written by one of its dp replicas, spread over the nodes; a node uploads its files at
-    s3_gb_per_s. With the delta (deltas_written), the writer of a weight file also encodes that file's delta (one
-    core, delta_encode_gb_per_s; a node's writers encode at once) and uploads it."""
-    deltas = deltas_written(cfg) if deltas is None else deltas
+    s3_gb_per_s. With the delta (deltas_written), the writer of a weight file also encodes that file's delta (on its
+    threads: delta_encode_gb_per_s x delta_encode_speedup; a node's writers encode at once) and uploads it."""
+    deltas = (deltas_written(cfg) if deltas is None else deltas) and WEIGHTS in kinds
     ranks, ep = trainer_ranks(cfg), trainer_ep_size(cfg, a)
     per_node = max(ranks // cfg.trainer.nodes, 1)
     sizes = shard_gb(cfg, a)
     writers = shard_writers(sizes, ranks // ep, per_node)
-    written = [{**s, WEIGHTS: s[WEIGHTS] * (1 + (a.delta_fraction if deltas else 0.0))} for s in sizes]
+    written = [
+        {kind: gb * (1 + (a.delta_fraction if deltas and kind == WEIGHTS else 0.0)) if kind in kinds else 0.0
+         for kind, gb in s.items()}
+        for s in sizes
+    ]  # fmt: skip
     seconds = {node: gb / a.s3_gb_per_s for node, gb in node_write_loads(written, writers, per_node).items()}
     if deltas:  # the encoding counted after the node's uploads (as if serial), its slowest writer's
         encode_s: dict[int, float] = {}
         for (r, kind), rank in writers.items():
             if kind == WEIGHTS:
                 node = rank // per_node
-                encode_s[node] = max(encode_s.get(node, 0.0), sizes[r][WEIGHTS] / a.delta_encode_gb_per_s)
+                rate = a.delta_encode_gb_per_s * a.delta_encode_speedup
+                encode_s[node] = max(encode_s.get(node, 0.0), sizes[r][WEIGHTS] / rate)
         seconds = {node: s + encode_s.get(node, 0.0) for node, s in seconds.items()}
     return seconds
 
@@ -554,6 +574,17 @@ def candidate_write_s(cfg: RunConfig, a: Assumptions) -> float:
     """The update writing its candidate (weights, AdamW state and, where wanted, the delta): every node its
     files at once; the node that writes the most decides (node_write_s)."""
     return max(node_write_s(cfg, a).values())
+
+
+def weights_write_s(cfg: RunConfig, a: Assumptions) -> float:
+    """The weights' part of the candidate's write (with the delta): what a trainer that stays up writes before it
+    answers the update."""
+    return max(node_write_s(cfg, a, kinds=(WEIGHTS,)).values())
+
+
+def optimizer_write_s(cfg: RunConfig, a: Assumptions) -> float:
+    """The optimizer shards' part: what a trainer that stays up writes after it answered."""
+    return max(node_write_s(cfg, a, kinds=(OPTIMIZER,)).values())
 
 
 def busiest_write_gb(cfg: RunConfig, a: Assumptions) -> float:
@@ -574,7 +605,8 @@ def served_step_times(cfg: RunConfig, a: Assumptions, train_s: float) -> dict[st
 
     A rollout server's next version: its node fetches the delta once (or the whole checkpoint without
     checkpoint.deltas) from S3, reads the reconstructed version from its local disk and updates the engine
-    in place. The trainer server pays its start-up once, then per update trains and writes the candidate."""
+    in place. The trainer server pays its start-up once, then per update trains and writes the weights before it
+    answers, the optimizer shards after (a step of the segment's last update: servers.py)."""
     apply_s = a.checkpoint_gb / a.nvme_gb_per_s + a.engine_update_s
     fetched_gb = delta_gb(a) if cfg.checkpoint.deltas else a.checkpoint_gb
     return {
@@ -582,7 +614,9 @@ def served_step_times(cfg: RunConfig, a: Assumptions, train_s: float) -> dict[st
         "weight_sync_s": fetched_gb / a.s3_gb_per_s + apply_s,
         "full_sync_s": a.checkpoint_gb / a.s3_gb_per_s + apply_s,
         "trainer_startup_s": a.pod_start_s + a.trainer_startup_s,
-        "train_s": train_s + candidate_write_s(cfg, a),
+        "train_s": train_s + weights_write_s(cfg, a),
+        "weights_write_s": weights_write_s(cfg, a),
+        "optimizer_write_s": optimizer_write_s(cfg, a),
     }
 
 
@@ -610,8 +644,9 @@ def measured_step_model(cfg: RunConfig, a: Assumptions, measured: dict[str, floa
     elif ENGINE_STARTUP in measured:
         startup = measured[ENGINE_STARTUP]
     train_s = derived.train_s
-    if "update" in values:  # a whole update: a start-up, then the training and the candidate's write
-        train_s = max(values["update"] - derived.trainer_startup_s, 0.0)
+    if "update" in values:  # a whole update: a start-up, the training and the candidate's write, the optimizer
+        # shards' part of which a trainer that stays up writes after it answered
+        train_s = max(values["update"] - derived.trainer_startup_s - derived.optimizer_write_s, 0.0)
     client_s = derived.client_s
     if any(kind in measured for kind in CLIENT_KINDS):
         client_s = 0.0
@@ -640,6 +675,8 @@ def measured_step_model(cfg: RunConfig, a: Assumptions, measured: dict[str, floa
         full_sync_s=derived.full_sync_s,
         trainer_startup_s=derived.trainer_startup_s,
         train_s=train_s,
+        weights_write_s=min(derived.weights_write_s, train_s),
+        optimizer_write_s=derived.optimizer_write_s,
         environment_s=min(derived.environment_s, chunk),  # a measured chunk holds its environment's steps
         verdicts_s=min(derived.verdicts_s, max(chunk - derived.environment_s, 0.0)),  # and its verdicts
     )

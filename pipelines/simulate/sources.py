@@ -15,8 +15,11 @@ The published figures cited (their conditions in bench/README.md, "Where the sim
   SLIME-SYNC   "Efficient RL Training - Optimizing Weight Sync in slime": Qwen3-30B-A3B update_weights_from_tensor
                60 s -> 7 s on 8 H100; THUDM/slime PR #67: Qwen3-235B 8 min -> 1 min
   NEMO-REFIT   NeMo-RL blog 2025-08-12 "refit performance": DeepSeek-V3 refit 692.5 s -> 47.2 s (vLLM)
-  S3-PERF      AWS S3 user guide, "Optimizing performance": up to 100 Gb/s (12.5 GB/s) on a single instance with
-               many parallel requests
+  MB-BF16      NVIDIA-NeMo/Megatron-Bridge examples/model_verification_cards/qwen3-30b-a3b/card.yaml @067f987:
+               Qwen3-30B-A3B on 16 H100 in BF16 (EP16, seq 4096, real data, natural routing): 199 model TFLOP/s,
+               8,655 tokens/s a GPU
+  S3-PERF      AWS S3 user guide, "Performance design patterns for Amazon S3": one concurrent request for each
+               85-90 MB/s wanted, about 15 to saturate a 10 Gb/s NIC, more for 25 or 100 Gb/s ones
 """
 
 from __future__ import annotations
@@ -31,9 +34,9 @@ GPU_SOURCES: dict[str, str] = {
     "rollout_tokens_per_gpu_s": f"{ASSUMPTION}: SGLang decode of a ~3B-active MoE a GPU at hundreds of sequences "
     "(no bf16 figure for Qwen3-30B-A3B on H100/H200 is published; LMSYS-EP: DeepSeek-V3 in FP8 decodes 2,785 a "
     "H100 over EP72)",
-    "trainer_tokens_per_gpu_s": f"{ASSUMPTION}: ~100 model TFLOP/s a GPU over ~2.6e10 FLOPs a token (MB-PERF: "
-    "Qwen3-30B-A3B reaches 203 TFLOP/s on H100 in FP8 with Megatron-Core; moerl's bf16 trainer is not measured on "
-    "a GPU yet)",
+    "trainer_tokens_per_gpu_s": f"{ASSUMPTION}: ~100 model TFLOP/s a GPU over ~2.6e10 FLOPs a token (MB-BF16: "
+    "Megatron-Bridge reaches 199 TFLOP/s, 8,655 tokens/s a GPU, for Qwen3-30B-A3B on H100 in BF16; MB-PERF: 203 in "
+    "FP8; moerl's bf16 trainer is not measured on a GPU yet)",
     "engine_startup_s": f"{ASSUMPTION}: the checkpoint from S3 at s3_gb_per_s, SGLang start-up, DeepEP buffers, "
     "CUDA graphs",
     "trainer_startup_s": f"{ASSUMPTION}: rendezvous, NCCL/DeepEP init, weights and AdamW state per rank",
@@ -49,13 +52,16 @@ GPU_SOURCES: dict[str, str] = {
     "rollout_nodes": "the config: one node a rollout shard",
     "checkpoint_gb": "arithmetic: the model's tensors in its dtype (Qwen3-30B-A3B without a readable config.json)",
     "optimizer_gb": "arithmetic: 12 bytes a parameter (fp32 masters and two AdamW moments)",
-    "s3_gb_per_s": f"{ASSUMPTION}: 1 GB/s a node, read or write (S3-PERF: up to 12.5 GB/s on one instance with many "
-    "parallel requests)",
+    "s3_gb_per_s": f"{ASSUMPTION}: 1 GB/s a node, read or write (S3-PERF: 85-90 MB/s a concurrent request; the run "
+    "store's uploads send 10 parts of a file at once, its downloads one request an object)",
     "nvme_gb_per_s": f"{ASSUMPTION}: one NVMe drive's sequential read",
     "engine_update_s": f"{ASSUMPTION}: SGLang's update_weights_from_disk beyond reading the files (SLIME-SYNC: 7 s "
     "for Qwen3-30B-A3B from tensors; NEMO-REFIT: 47 s for DeepSeek-V3)",
     "delta_fraction": "measured: bench/weight_update.py on the demo's versions",
-    "delta_encode_gb_per_s": "measured: bench/weight_update.py's delta write on one core (173 MB of bf16 in 0.85 s)",
+    "delta_encode_gb_per_s": "measured: bench/weight_update.py's delta encoder on one thread, 48 bf16 tensors of "
+    "768 x 2048 (Qwen3-30B-A3B's expert projections)",
+    "delta_encode_speedup": f"{ASSUMPTION}: a p5en writer's 24 threads (192 vCPUs / 8 ranks: encode_threads) on 12 "
+    "cores, at the 84% a core bench/weight_update.py measures on this machine's 2 (1.67x)",
     "replicated_fraction": "arithmetic: the model's parameters outside the routed experts",
     "num_experts": "the model's config.json",
     "prompt_tokens": f"{ASSUMPTION}: a prompt's tokens beside its response (--from-run takes a run's)",

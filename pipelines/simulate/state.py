@@ -133,6 +133,7 @@ class Server:
     waiting: list[Job] = field(default_factory=list)  # clients waiting for it to be ready
     clients: list[Job] = field(default_factory=list)  # clients with a request sent or queued
     token: int = 0  # bumped when the server is lost: its pending events are void
+    optimizer_until: float = 0.0  # the trainer: when the optimizer shards of its last update are stored
 
     @property
     def name(self) -> str:

@@ -178,14 +178,16 @@ def served_lines(cfg: RunConfig, steps: StepModel, a: Assumptions) -> list[str]:
         if deltas_written(cfg):
             largest = max(s["weights"] for s in shard_gb(cfg, a))
             lines.append(
-                f"  the writer of each weight file writes its delta against the v(i-1) bits it holds (one core at "
-                f"{a.delta_encode_gb_per_s:g} GB/s, the largest file {largest:.1f} GB; {delta_gb(a):g} GB in all): "
-                f"+{delta_write_s(cfg, a):.1f} s on the candidate's write; publish indexes it"
+                f"  the writer of each weight file writes its delta against the v(i-1) bits it holds (its threads at "
+                f"{a.delta_encode_gb_per_s:g} GB/s x {a.delta_encode_speedup:g}, the largest file {largest:.1f} GB; "
+                f"{delta_gb(a):g} GB in all): +{delta_write_s(cfg, a):.1f} s on the candidate's write; the update "
+                "indexes it"
             )
     if cfg.trainer.server:
         lines.append(
             f"trainer server: start-up {steps.trainer_startup_s:.1f} s once a segment and once a restart; per "
-            f"update {steps.train_s:.1f} s (train, write the candidate: {candidate_write_s(cfg, a):.1f} s), "
-            f"its update step a client ({steps.client_s:.1f} s to start)"
+            f"update {steps.train_s:.1f} s until it answers (train, write the weights: {steps.weights_write_s:.1f} s), "
+            f"then the optimizer shards {steps.optimizer_write_s:.1f} s beside the next update (the segment's last "
+            f"update writes them before it answers); its update step a client ({steps.client_s:.1f} s to start)"
         )
     return lines

@@ -5,16 +5,29 @@
     optimizer-rank0000r-of-0000n.safetensors   AdamW state of the same parameters (+ their fp32 masters)
     config.json, generation_config.json, tokenizer files
     candidate.index.json                       {"metadata", "weight_map", "optimizer_map"}: tensor name -> file
-    CANDIDATE.json                             written LAST: iteration, parent, every file with size + sha256,
-                                               and the weight delta blobs the ranks wrote (weight_deltas)
+    WEIGHTS.json                               written once the weights are: iteration, parent, every file but
+                                               the optimizer shards with size + sha256, and the weight delta
+                                               blobs the ranks wrote (weight_deltas)
+    optimizer-receipts/<optimizer shard>.json  {size, sha256} of one optimizer shard, by its writer (a trainer
+                                               that stays up writes them after answering: see below)
+    CANDIDATE.json                             written LAST: WEIGHTS.json's content with the optimizer shards
+                                               added to its files
 
-A candidate without CANDIDATE.json is unfinished: update deletes it and trains again, publish refuses it.
+A candidate without CANDIDATE.json is unfinished: publish waits for it while WEIGHTS.json says the weights are
+complete (a trainer that stays up writes the optimizer shards after it answered the update, off the path to
+the next rollout and the next update: steps/training/optimizer_write.py), and refuses it otherwise. An update
+that finds no WEIGHTS.json deletes what is there and trains again; one that finds WEIGHTS.json alone trains
+again too, unless the version was indexed (rollout servers may have generated with it): then it trains the
+same inputs again, checks that the weights come out bit for bit as WEIGHTS.json records them, and writes only
+the optimizer shards and CANDIDATE.json (steps/training/update.py, the replay).
 """
 
 from __future__ import annotations
 
 import datetime
 import json
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +37,9 @@ from steps.run.keys import candidate_prefix
 from steps.store.object_store import Store
 
 MARKER = "CANDIDATE.json"
+WEIGHTS_MARKER = "WEIGHTS.json"
 CANDIDATE_INDEX = "candidate.index.json"
+OPTIMIZER_RECEIPTS = "optimizer-receipts"
 
 
 def model_shard_name(ep_rank: int, ep_size: int) -> str:
@@ -102,15 +117,16 @@ def index_text(iteration: int, info: dict[str, Any], weight_map: dict[str, str],
     return json.dumps(index, indent=2) + "\n"
 
 
-def write_marker(
+def write_weights_marker(
     run: Store,
     iteration: int,
     info: dict[str, Any],
     files: dict[str, dict[str, Any]],
     weight_deltas: dict[str, dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """CANDIDATE.json, the last object of a candidate: its presence says every file it lists is there.
-    `weight_deltas`: the delta blobs the update wrote, by published file name (steps/run/weight_delta.py)."""
+    """WEIGHTS.json: every file of the candidate but its optimizer shards is there (`files`, with size and
+    sha256). `weight_deltas`: the delta blobs the update wrote, by published file name
+    (steps/run/weight_delta.py)."""
     marker = {
         "iteration": iteration,
         "parent": iteration - 1,
@@ -119,6 +135,19 @@ def write_marker(
         **({"weight_deltas": dict(sorted(weight_deltas.items()))} if weight_deltas else {}),
         "created_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     }
+    run.put_json(f"{candidate_prefix(iteration)}/{WEIGHTS_MARKER}", marker)
+    return marker
+
+
+def write_marker(
+    run: Store, iteration: int, weights_marker: dict[str, Any], optimizer_files: dict[str, dict[str, Any]]
+) -> dict[str, Any]:
+    """CANDIDATE.json, the last object of a candidate: WEIGHTS.json's content (`weights_marker`) with the
+    optimizer shards (`optimizer_files`: name -> size, sha256) added; its presence says every file it lists
+    is there."""
+    marker = dict(weights_marker)
+    marker["files"] = dict(sorted({**weights_marker["files"], **optimizer_files}.items()))
+    marker["created_at"] = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     run.put_json(f"{candidate_prefix(iteration)}/{MARKER}", marker)
     return marker
 
@@ -127,6 +156,48 @@ def read_marker(run: Store, iteration: int) -> dict[str, Any] | None:
     """The complete candidate's CANDIDATE.json, or None while there is none (absent or unfinished)."""
     key = f"{candidate_prefix(iteration)}/{MARKER}"
     return run.get_json(key) if run.exists(key) else None
+
+
+def read_weights_marker(run: Store, iteration: int) -> dict[str, Any] | None:
+    """What describes the candidate's weights: CANDIDATE.json when it is complete, else WEIGHTS.json while its
+    optimizer shards are still to come, else None (no complete weights)."""
+    marker = read_marker(run, iteration)
+    if marker is not None:
+        return marker
+    key = f"{candidate_prefix(iteration)}/{WEIGHTS_MARKER}"
+    return run.get_json(key) if run.exists(key) else None
+
+
+MARKER_POLL_S = 2.0  # how often a publish that waits for the optimizer shards looks for CANDIDATE.json
+
+
+def wait_for_marker(
+    run: Store, iteration: int, wait_s: float, log: Callable[[str], None] = print, poll_s: float = MARKER_POLL_S
+) -> dict[str, Any] | None:
+    """CANDIDATE.json of candidate `iteration`: at once when it is there; None when not even WEIGHTS.json is
+    (the update did not finish); else, the weights complete and the optimizer shards still being written by a
+    trainer that stays up, waited for at most `wait_s` (trainer.publish_wait_s), then refused naming the way out."""
+    marker = read_marker(run, iteration)
+    if marker is not None or read_weights_marker(run, iteration) is None:
+        return marker
+    log(f"candidate of iteration {iteration}: weights complete, waiting for its optimizer shards ({MARKER})")
+    started = time.monotonic()
+    while (marker := read_marker(run, iteration)) is None:
+        if time.monotonic() - started >= wait_s:
+            raise MoerlError(
+                f"{run.url(candidate_prefix(iteration))}: the weights are complete ({WEIGHTS_MARKER}) but the "
+                f"optimizer shards did not come within {wait_s:.0f} s (trainer.publish_wait_s): the trainer that "
+                f"answered update {iteration} was lost before it stored them. The next update trains iteration "
+                f"{iteration} again and stores them (or run python -m steps.update --run {run.uri} --iteration "
+                f"{iteration}); then rerun this publish"
+            )
+        time.sleep(poll_s)
+    return marker
+
+
+def receipt_key(iteration: int, file_name: str) -> str:
+    """Where the writer of optimizer shard `file_name` records its size and sha256 once it is stored."""
+    return f"{candidate_prefix(iteration)}/{OPTIMIZER_RECEIPTS}/{file_name}.json"
 
 
 def download(run: Store, iteration: int, marker: dict[str, Any], local_dir: Path) -> None:

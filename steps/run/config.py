@@ -349,9 +349,10 @@ class TrainerConfig(_Section):
     )
     publish_wait_s: float = _field(
         1800.0,
-        "with trainer.server, rollout servers and deltas: how long a trainer that does not hold the version an "
-        "update starts from (restarted since it trained it) waits for that version's publish, which runs beside "
-        "it, before it refuses the update naming the publish (it failed, or is not running)",
+        "with trainer.server: how long a trainer that does not hold the version an update starts from (restarted "
+        "since it trained it) waits for that version's publish, which runs beside it, before it refuses the update "
+        "naming the publish (it failed, or is not running); and how long a publish waits for the optimizer shards "
+        "a trainer that stays up writes after it answered the update",
         ge=0,
     )
     server_idle_exit_s: float = _field(
@@ -593,6 +594,11 @@ class RunConfig(_Section):
 
     def role(self, role: str) -> Placement:
         return self.placement[role]
+
+    def segment_last(self, iteration: int) -> int:
+        """The last iteration of the segment (one Workflow: segment_size iterations) that runs `iteration`:
+        the Workflow's daemons, a trainer that stays up among them, end after it."""
+        return min(-(-iteration // self.segment_size) * self.segment_size, self.iterations)
 
     @property
     def records_routes(self) -> bool:

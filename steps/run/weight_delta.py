@@ -23,8 +23,9 @@ the delta rebuild the whole version: before v(i) is published, too.
 A version is usable from its delta before it is published. The update writes the blobs, the writer of each
 weight file (one of its EP rank's dp replicas: steps/training/candidate_writer.py writer_plan) that file's
 (write_file_delta, against the bits of v(i-1) it started from, held in memory: StoredTensors), so the bytes are
-read and written in parallel across the trainer's nodes; once CANDIDATE.json is written, the update indexes
-them (steps/training/publication.py index_candidate: the blobs checked against the candidate's marker, the other
+read and written in parallel across the trainer's nodes, and each file's tensors encoded on the writer's share
+of its node's cores (encode_threads); once WEIGHTS.json is written, the update indexes them
+(steps/training/publication.py index_candidate: the blobs checked against the candidate's marker, the other
 files as publish will publish them, DELTA.json last). Rollout servers may then take v(i) while publish still
 writes the full checkpoint (the workflow's rollout of the next iteration waits for the update, not for publish:
 pipelines/workflow/graph.py). An indexed version is final: publish publishes exactly the files DELTA.json
@@ -44,9 +45,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import tempfile
+from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -343,12 +347,36 @@ def read_index(run: Store, version: int) -> DeltaIndex | None:
 # ------------------------------------------------------------------------------------ writing
 
 
+# At most this many bytes of a file's tensors between being read and their segments being written, so that the
+# encoder's threads never hold more than about twice it (the new bytes and the parent's).
+ENCODE_WINDOW_BYTES = 1 << 30
+
+
+def encode_threads() -> int:
+    """The encoder's threads: this process's share of the machine's cores (the LOCAL_WORLD_SIZE ranks torchrun
+    starts on a node share them). numpy's XOR and transpose, zstd and sha256 release the GIL, so tensors encode
+    in parallel; the blob is the same whatever the count (segments are written in the file's order)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)))
+
+
+def _encoded(new: bytes, old: bytes | None, dtype: str) -> tuple[bytes, str]:
+    return encode(new, old, dtype), hashlib.sha256(new).hexdigest()
+
+
 def _write_blob(
-    layout: Layout, parent: ParentTensors, out: Path
+    layout: Layout, parent: ParentTensors, out: Path, file_sha256: str | None = None, threads: int | None = None
 ) -> tuple[tuple[int, int, int], list[TensorDelta], str]:
-    """Write one safetensors file's blob; returns (header segment, tensor entries, sha256 of the file's bytes)."""
-    digest, tensors, offset = hashlib.sha256(), [], 0
-    with open(out, "wb") as blob, open(layout.path, "rb") as src:
+    """Write one safetensors file's blob; returns (header segment, tensor entries, sha256 of the file's bytes).
+    The tensors are read here in order and encoded on `threads` threads (encode_threads), their segments
+    written in order. file_sha256: the file's digest when the caller has it (its upload hashed it), else hashed
+    here on the way."""
+    digest = hashlib.sha256() if file_sha256 is None else None
+    tensors: list[TensorDelta] = []
+    offset, in_flight = 0, 0
+    threads = threads or encode_threads()
+    pending: deque[tuple[TensorSpan, bool, Future[tuple[bytes, str]]]] = deque()
+    with open(out, "wb") as blob, open(layout.path, "rb") as src, ThreadPoolExecutor(threads) as pool:
 
         def segment(data: bytes) -> tuple[int, int]:
             nonlocal offset
@@ -356,19 +384,31 @@ def _write_blob(
             offset += len(data)
             return offset - len(data), len(data)
 
-        digest.update(layout.header)
+        def write_oldest() -> None:
+            nonlocal in_flight
+            span, xor, future = pending.popleft()
+            data, sha = future.result()
+            start, length = segment(data)
+            size = span.end - span.start
+            in_flight -= size
+            tensors.append(TensorDelta(span.name, span.dtype, span.shape, start, length, size, xor, sha))
+
+        if digest is not None:
+            digest.update(layout.header)
         header = (*segment(encode(layout.header, None, "")), len(layout.header))
         for span in layout.tensors:
             src.seek(span.start)
             new = src.read(span.end - span.start)
-            digest.update(new)
+            if digest is not None:
+                digest.update(new)
             old = parent.read(span.name, span.dtype, span.shape)
-            start, length = segment(encode(new, old, span.dtype))
-            sha = hashlib.sha256(new).hexdigest()
-            tensors.append(
-                TensorDelta(span.name, span.dtype, span.shape, start, length, len(new), old is not None, sha)
-            )
-    return header, tensors, digest.hexdigest()
+            pending.append((span, old is not None, pool.submit(_encoded, new, old, span.dtype)))
+            in_flight += len(new)
+            while pending and (in_flight > ENCODE_WINDOW_BYTES or len(pending) > 4 * threads):
+                write_oldest()
+        while pending:
+            write_oldest()
+    return header, tensors, digest.hexdigest() if digest is not None else str(file_sha256)
 
 
 def write_delta(
@@ -434,11 +474,14 @@ def copy_digests(copies: dict[str, bytes]) -> FileDigests:
     return digests
 
 
-def write_file_delta(run: Store, version: int, name: str, path: Path, parent: ParentTensors) -> FileDelta:
-    """Write the blob of v(version)'s weight file `name` (the local file `path`) against `parent`'s tensors."""
+def write_file_delta(
+    run: Store, version: int, name: str, path: Path, parent: ParentTensors, file_sha256: str | None = None
+) -> FileDelta:
+    """Write the blob of v(version)'s weight file `name` (the local file `path`) against `parent`'s tensors;
+    file_sha256: the file's sha256 when the caller has it (else hashed here)."""
     with tempfile.TemporaryDirectory(prefix="moerl-delta-") as tmp:
         blob = Path(tmp) / "blob"
-        header, tensors, sha = _write_blob(read_layout(path), parent, blob)
+        header, tensors, sha = _write_blob(read_layout(path), parent, blob, file_sha256)
         run.put_file(delta_blob_key(version, name), blob)
         return FileDelta(path.stat().st_size, sha, blob.stat().st_size, header, tuple(tensors))
 

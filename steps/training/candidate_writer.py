@@ -1,7 +1,8 @@
 """Writing candidate I, the update's output (its format: steps/run/candidate.py): which rank writes each file of
 the candidate's shards (writer_plan: spread over each EP rank's dp replicas and over the nodes, from the shard byte
-estimates), the shards themselves with their weight deltas (write_shards), then on rank 0 the config, generation
-config, tokenizer files, index and metrics, and CANDIDATE.json last (write_candidate_metadata). The iteration that
+estimates), the weight shards with their deltas (write_weight_shard), then on rank 0 the config, generation
+config, tokenizer files, index and metrics and WEIGHTS.json (write_weights_metadata), then the optimizer shards
+(optimizer_shard, write_optimizer_shard) and CANDIDATE.json (steps/run/candidate.py write_marker). The iteration that
 calls them: steps/training/update.py.
 
 EP rank r's weight file holds its experts' tensors (and, on EP rank 0, every replicated one), under the
@@ -10,7 +11,7 @@ fused_experts, steps/models/family.py FusedExperts) cannot write it from one EP 
 is written by one EP rank (the MoE layers dealt round-robin over the EP ranks: _fused_owner), which gathers its
 slices from the EP ranks of its dp replica, one tensor at a time, into global expert order (any placement). Those
 gathers are collectives of the EP group, so every EP rank of one dp row writes its weight file (writer_plan), and
-both callers of _stored (write_shards, stored_bits) run on all of them. Families with one tensor per expert write
+both callers of _stored (write_weight_shard, stored_bits) run on all of them. Families with one tensor per expert write
 each EP rank's experts on their own, without any collective.
 """
 
@@ -36,6 +37,7 @@ from steps.models.moe import stored_dtype
 from steps.models.placement import is_expert_param
 from steps.models.registry import family_of
 from steps.run import candidate, weight_delta
+from steps.run.checkpoint import file_digest
 from steps.run.keys import candidate_prefix, update_metrics_key
 from steps.store.object_store import Store
 from steps.training.optim import AnyOptimizer
@@ -210,57 +212,91 @@ def stored_bits(
     )
 
 
-def write_shards(
+def write_weight_shard(
     run: Store,
     iteration: int,
     mesh: Mesh,
     model: MoeCausalLM,
-    optimizer: AnyOptimizer,
     workdir: Path,
     dtype: torch.dtype = torch.float32,
     delta_parent: weight_delta.StoredTensors | None = None,
     writers: dict[tuple[int, str], int] | None = None,
+    upload: bool = True,
 ) -> dict[str, Any]:
-    """Upload the files of this rank's EP rank that `writers` (writer_plan; default: the first dp row writes
-    them all) gives this rank: the weights rounded to `dtype`, the run's checkpoint dtype (the fp32 masters
-    then go with the optimizer state), and the optimizer state. With `delta_parent` (stored_bits before
-    training), the writer of the weight file also writes its delta blob against it (steps/run/weight_delta.py).
-    The files are the same whichever replica writes them. Returns {"files": {name: {size, sha256}},
-    "weights": {tensor: file}, "optimizer": {..}, "deltas": {published file name: FileDelta as JSON}} of what
-    this rank wrote (nothing when it wrote nothing)."""
-    out: dict[str, Any] = {"files": {}, "weights": {}, "optimizer": {}, "deltas": {}}
+    """Upload this rank's EP rank's weight file when `writers` (writer_plan; default: the first dp row writes
+    them all) gives it to this rank: the weights rounded to `dtype`, the run's checkpoint dtype. With
+    `delta_parent` (stored_bits before training) its delta blob against it too (steps/run/weight_delta.py).
+    The file is the same whichever replica writes it. upload=False (a replay: the candidate's weights are
+    stored already) writes and hashes it locally and stores nothing. Returns {"files": {name: {size, sha256}},
+    "weights": {tensor: file}, "deltas": {published file name: FileDelta as JSON}} of what this rank wrote
+    (nothing when it wrote nothing)."""
+    out: dict[str, Any] = {"files": {}, "weights": {}, "deltas": {}}
     writers = writers or _first_row(mesh)
     _check_fused_writers(model, mesh, writers)
-    prefix = candidate_prefix(iteration)
-    for kind, file_name in (
-        (candidate.WEIGHTS, candidate.model_shard_name(mesh.ep_rank, mesh.ep_size)),
-        (candidate.OPTIMIZER, candidate.optimizer_shard_name(mesh.ep_rank, mesh.ep_size)),
-    ):
-        if not writes(mesh, writers, kind):
-            if any_sharded(model) and kind == candidate.WEIGHTS:  # every rank takes part in the gathers
-                _stored(model, mesh, dtype, keep=False)
-            elif any_sharded(model):
-                optimizer_state_tensors(model, optimizer, dtype)
-            continue
-        if kind == candidate.WEIGHTS:
-            tensors = _stored(model, mesh, dtype)
-        else:
-            opt_state = optimizer_state_tensors(model, optimizer, dtype)
-            tensors = {n: t for n, t in opt_state.items() if _written(mesh, n.rsplit(".", 1)[0])}
-        local = workdir / file_name
-        _save(tensors, local)
-        sha = run.put_file(f"{prefix}/{file_name}", local)
-        out["files"][file_name] = {"size": local.stat().st_size, "sha256": sha}
-        out[kind] = dict.fromkeys(tensors, file_name)
-        del tensors
-        if kind == candidate.WEIGHTS and delta_parent is not None:
-            name = candidate.published_weight_name(mesh.ep_rank, mesh.ep_size)
-            out["deltas"][name] = asdict(weight_delta.write_file_delta(run, iteration, name, local, delta_parent))
-        local.unlink()
+    if not writes(mesh, writers, candidate.WEIGHTS):
+        if any_sharded(model):  # every rank takes part in the gathers
+            _stored(model, mesh, dtype, keep=False)
+        return out
+    file_name = candidate.model_shard_name(mesh.ep_rank, mesh.ep_size)
+    tensors = _stored(model, mesh, dtype)
+    local = workdir / file_name
+    _save(tensors, local)
+    if upload:
+        sha = run.put_file(f"{candidate_prefix(iteration)}/{file_name}", local)
+    else:
+        sha = file_digest(local)[1]
+    out["files"][file_name] = {"size": local.stat().st_size, "sha256": sha}
+    out["weights"] = dict.fromkeys(tensors, file_name)
+    del tensors
+    if upload and delta_parent is not None:
+        name = candidate.published_weight_name(mesh.ep_rank, mesh.ep_size)
+        out["deltas"][name] = asdict(weight_delta.write_file_delta(run, iteration, name, local, delta_parent, sha))
+    local.unlink()
     return out
 
 
-def write_candidate_metadata(
+def optimizer_shard(
+    model: MoeCausalLM,
+    optimizer: AnyOptimizer,
+    mesh: Mesh,
+    writers: dict[tuple[int, str], int] | None = None,
+    dtype: torch.dtype = torch.float32,
+    copy: bool = False,
+) -> tuple[str, dict[str, torch.Tensor]] | None:
+    """(file name, tensors) of the optimizer shard this rank writes under `writers` (its EP rank's AdamW state,
+    and the fp32 masters when `dtype` is narrower than the parameters), None when it writes none. With
+    trainer.fsdp a collective that every rank calls. copy: the tensors share no memory with the model or the
+    optimizer (they are written while a trainer that stays up trains on: steps/training/optimizer_write.py)."""
+    writers = writers or _first_row(mesh)
+    if not writes(mesh, writers, candidate.OPTIMIZER):
+        if any_sharded(model):
+            optimizer_state_tensors(model, optimizer, dtype)
+        return None
+    state = optimizer_state_tensors(model, optimizer, dtype)
+    tensors = {n: t for n, t in state.items() if _written(mesh, n.rsplit(".", 1)[0])}
+    if copy:
+        tensors = {n: t.clone() for n, t in tensors.items()}
+    return candidate.optimizer_shard_name(mesh.ep_rank, mesh.ep_size), tensors
+
+
+def write_optimizer_shard(
+    run: Store, iteration: int, shard: tuple[str, dict[str, torch.Tensor]] | None, workdir: Path
+) -> dict[str, dict[str, Any]]:
+    """Store optimizer shard `shard` (optimizer_shard's) in candidate `iteration`; its {name: {size, sha256}}
+    ({} for None)."""
+    if shard is None:
+        return {}
+    file_name, tensors = shard
+    local = workdir / file_name
+    _save(tensors, local)
+    try:
+        sha = run.put_file(f"{candidate_prefix(iteration)}/{file_name}", local)
+        return {file_name: {"size": local.stat().st_size, "sha256": sha}}
+    finally:
+        local.unlink()
+
+
+def write_weights_metadata(
     run: Store,
     iteration: int,
     parent_file: Callable[[str], bytes],
@@ -270,8 +306,9 @@ def write_candidate_metadata(
     metrics: dict[str, Any],
     dtype: torch.dtype = torch.float32,
 ) -> dict[str, Any]:
-    """Rank 0: config (saying the weights' `dtype`), tokenizer, the index, the metrics, then CANDIDATE.json
-    last. parent_file(name): the bytes of the parent version's file `name` (as its manifest has them)."""
+    """Rank 0: config (saying the weights' `dtype`), tokenizer, the index (every rank's weight and optimizer
+    maps in `shards`), the metrics, then WEIGHTS.json: the weights of the candidate are complete.
+    parent_file(name): the bytes of the parent version's file `name` (as its manifest has them)."""
     prefix = candidate_prefix(iteration)
     files: dict[str, dict[str, Any]] = {}
     weight_map: dict[str, str] = {}
@@ -301,11 +338,16 @@ def write_candidate_metadata(
         put_text(GENERATION_CONFIG_NAME, json.dumps({"_from_model_config": True}, indent=2) + "\n")
     put_text(candidate.CANDIDATE_INDEX, candidate.index_text(iteration, info, weight_map, optimizer_map))
     run.put_json(update_metrics_key(iteration), {"update": metrics, "iteration": iteration})
-    return candidate.write_marker(run, iteration, info, files, deltas)
+    return candidate.write_weights_marker(run, iteration, info, files, deltas)
+
+
+def optimizer_files(shards: list[dict[str, Any]]) -> list[str]:
+    """The optimizer shard files the candidate has (every rank's optimizer map in `shards`)."""
+    return sorted({name for shard in shards for name in shard["optimizer"].values()})
 
 
 def weight_digests(shards: list[dict[str, Any]]) -> list[tuple[int, str]]:
-    """(size, sha256) of the candidate's weight shards, from every rank's write_shards answer."""
+    """(size, sha256) of the candidate's weight shards, from every rank's write_weight_shard answer."""
     files: dict[str, dict[str, Any]] = {}
     for shard in shards:
         files.update(shard["files"])

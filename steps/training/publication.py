@@ -9,14 +9,14 @@ v000000's config: steps/publish.py keep_parent_config) and, when there are sever
 transformers writes (hf_index_text). Publish assembles the same files from the downloaded candidate and refuses
 to publish anything else once the update has indexed them.
 
-index_candidate is the update's last act (rank 0, after CANDIDATE.json; again on a retry that finds the
-candidate complete): the blobs are checked against the marker (each rebuilds a weight file's size and sha256
-as the marker records them, and is stored at its size), the tensors they rebuild against the model's config
-(names, shapes, the run's dtype: what publish checks on the downloaded files), the small files stored beside
-them, DELTA.json last. From then on a rollout server can bring its engine to v(I) from v(I-1) and the delta
-while publish still writes the full checkpoint (steps/run/weight_delta.py, "A version is usable from its delta
-before it is published").
-"""
+index_candidate is the update's last act (rank 0, after CANDIDATE.json; again on a retry that finds the candidate
+complete; a trainer that stays up indexes after WEIGHTS.json, before it answers and stores the optimizer shards:
+steps/training/optimizer_write.py): the blobs are checked against the marker (WEIGHTS.json's content; each rebuilds
+a weight file's size and sha256 as the marker records them, and is stored at its size), the tensors they rebuild
+against the model's config (names, shapes, the run's dtype: what publish checks on the downloaded files), the small
+files stored beside them, DELTA.json last. From then on a rollout server can bring its engine to v(I) from v(I-1)
+and the delta while publish still writes the full checkpoint (steps/run/weight_delta.py, "A version is usable from
+its delta before it is published"). """
 
 from __future__ import annotations
 

@@ -48,12 +48,13 @@ from steps.experience.tables import read_scored_experience
 from steps.expert_parallel.dispatch import HeldDispatch
 from steps.expert_parallel.mesh import Mesh
 from steps.models.family import FamilyConfig
-from steps.run import checkpoint, weight_delta
+from steps.run import candidate, checkpoint, weight_delta
 from steps.run.config import load_run_config
 from steps.run.keys import behaviour_version, scored_key, version_prefix
 from steps.run.serving import JsonServer, Unavailable
 from steps.store.object_store import Store
 from steps.training.held_state import HeldReference, HeldState
+from steps.training.optimizer_write import OptimizerWrite
 from steps.training.trainer import TrainSettings
 from steps.training.update import IterationWork, agreed, check_token_ids, pending_iteration, train_iteration
 
@@ -81,13 +82,13 @@ def end_now(code: int) -> NoReturn:
     os._exit(code)
 
 
-def iteration_inputs(run: Store, iteration: int) -> IterationWork:
+def iteration_inputs(run: Store, iteration: int, replay: bool = False) -> IterationWork:
     """Update `iteration`'s inputs (what update.pending_iteration reads once it found work to do), for
-    the ranks that follow rank 0's decision."""
+    the ranks that follow rank 0's decision (`replay`: rank 0's, IterationWork.replay)."""
     cfg = load_run_config(run)
     version = behaviour_version(iteration, cfg.staleness)
     samples = read_scored_experience(run, iteration, version)
-    return IterationWork(run, cfg, iteration, version, samples, TrainSettings.from_run_config(cfg))
+    return IterationWork(run, cfg, iteration, version, samples, TrainSettings.from_run_config(cfg), replay)
 
 
 class LauncherWatch:
@@ -134,6 +135,7 @@ class TrainerService:
         self.command_group = command_group  # gloo, all ranks; None for one rank
         self.log = log
         self.held: HeldState | None = None
+        self.pending: OptimizerWrite | None = None  # the last update's optimizer shards, being written
         self.dispatches = HeldDispatch()  # its DeepEP buffer made once, not per update
         self.reference = HeldReference()  # the KL reference read once, not per update
         self.instance = ""  # set by the step once registered
@@ -150,6 +152,7 @@ class TrainerService:
             "instance": self.instance,
             "ready": bool(self.instance) and not self.stopping.is_set(),
             "held": None if self.held is None else self.held.version,
+            "optimizer_pending": None if self.pending is None else self.pending.iteration,
             "dispatches_made": self.dispatches.made,
             "reference_loads": self.reference.loads,
             "requests": self._done,
@@ -171,13 +174,26 @@ class TrainerService:
             )
         if self.stopping.is_set():
             raise Unavailable("the trainer is stopping")
+        force = bool(body.get("force"))
         try:
+            if self.pending is not None and self.pending.iteration == iteration and not force:
+                # a retried client of the update this trainer answered last: its optimizer shards are on their way
+                return {"outcome": "nothing to do", "source": "memory", "iteration": iteration}
+            if self.pending is not None and not self._trains_on_from_memory(iteration):
+                self._broadcast({"op": "join"})  # the store says what it holds before anything is decided from it
+                self._finish_pending()
             # Rank 0 decides for every rank, and refuses inputs that cannot train before any rank starts.
-            work = pending_iteration(self.run, iteration, bool(body.get("force")), 0)
+            work = pending_iteration(self.run, iteration, force, 0)
             if work is None:
                 return {"outcome": "nothing to do", "source": "store", "iteration": iteration}
             check_token_ids(work.samples, self.model_config.vocab_size, self.run.url(scored_key(iteration)))
-            command = {"op": "update", "iteration": iteration, "from_memory": self._may_train_on(iteration)}
+            command = {
+                "op": "update",
+                "iteration": iteration,
+                "from_memory": self._may_train_on(iteration),
+                "replay": work.replay,
+                "optimizer_later": bool(body.get("optimizer_later")) and not work.replay,
+            }
             self._broadcast(command)
             return self.execute(command, work)
         finally:
@@ -203,18 +219,57 @@ class TrainerService:
         self.launcher = launcher
         server.run_operations(self.stopping, idle=idle, idle_every_s=HEARTBEAT_S)
         self._broadcast({"op": "stop"})
+        self._finish_pending()
+
+    def _trains_on_from_memory(self, iteration: int) -> bool:
+        """Whether the held state is v(iteration-1) as the run has it (HeldState.matches)."""
+        files = weight_delta.version_files(self.run, iteration - 1)
+        return self.held is not None and files is not None and self.held.matches(iteration - 1, files)
 
     def _may_train_on(self, iteration: int) -> bool:
         """Whether the held state is v(iteration-1) as the run has it (else the update reloads it). A version
         indexed and not published yet (the update of `iteration` does not wait for its publish when the trainer
         stays up: pipelines/workflow/graph.py) can only be trained on from memory: without it (a trainer started
         or restarted since, or one whose last update failed) the update waits for that publish, which runs beside
-        it and is at most one version behind."""
-        files = weight_delta.version_files(self.run, iteration - 1)
-        held = self.held is not None and files is not None and self.held.matches(iteration - 1, files)
-        if not held:
-            self._wait_for_publish(iteration - 1)
-        return held
+        it and is at most one version behind; and when the candidate of v(iteration-1) lacks its optimizer
+        shards (the trainer that wrote its weights was lost before it stored them: they are what the publish
+        waits for), this trainer trains that update again first (_train_again) and holds it."""
+        if self._trains_on_from_memory(iteration):
+            return True
+        parent = iteration - 1
+        if self._optimizer_lost(parent):
+            self._train_again(parent)
+            if self._trains_on_from_memory(iteration):
+                return True
+        self._wait_for_publish(parent)
+        return False
+
+    def _optimizer_lost(self, version: int) -> bool:
+        """Whether v(version)'s candidate has its weights (WEIGHTS.json) but will never get its optimizer shards
+        (no CANDIDATE.json, no publish, and this trainer writes none of it)."""
+        if version < 1 or self.pending is not None or checkpoint.read_manifest(self.run, version) is not None:
+            return False
+        return candidate.read_marker(self.run, version) is None and (
+            candidate.read_weights_marker(self.run, version) is not None
+        )
+
+    def _train_again(self, version: int) -> None:
+        """Update `version` again on every rank (its candidate's optimizer shards were lost: a replay of the
+        indexed weights, or a plain retrain when they were not indexed), so that this trainer holds v(version)
+        and CANDIDATE.json is written."""
+        work = pending_iteration(self.run, version, False, 0)
+        if work is None:
+            return
+        self.log(f"trainer: the candidate of iteration {version} lacks its optimizer shards: training it again")
+        command = {
+            "op": "update",
+            "iteration": version,
+            "from_memory": self._may_train_on(version),
+            "replay": work.replay,
+            "optimizer_later": False,
+        }
+        self._broadcast(command)
+        self.execute(command, work)
 
     def _wait_for_publish(self, version: int) -> None:
         """Until v(version) is published, with the other ranks kept from their group's timeout (a no-op broadcast
@@ -247,7 +302,10 @@ class TrainerService:
         while True:
             command = self._broadcast(None)
             if command["op"] == "stop":
+                self._finish_pending()
                 return
+            if command["op"] == "join":
+                self._finish_pending()
             if command["op"] == "update":
                 try:
                     self.execute(command)
@@ -273,8 +331,10 @@ class TrainerService:
     def _train(self, command: dict[str, Any], work: IterationWork | None) -> dict[str, Any]:
         iteration = command["iteration"]
         rank = self.mesh.rank
-        inputs = work
-        work = agreed(self.mesh, lambda: inputs if inputs is not None else iteration_inputs(self.run, iteration))
+        inputs, replay = work, bool(command.get("replay"))
+        work = agreed(
+            self.mesh, lambda: inputs if inputs is not None else iteration_inputs(self.run, iteration, replay)
+        )
         held = self.held
         from_memory = bool(command["from_memory"])
 
@@ -286,7 +346,11 @@ class TrainerService:
         self.held = None  # consumed by the update: its tensors become the model's; a failure reloads
         source = "memory" if from_memory else "store"
         if rank == 0:
-            self.log(f"update {iteration}: v{iteration - 1:06d} from {source}")
+            self.log(f"update {iteration}: v{iteration - 1:06d} from {source}" + (" (a replay)" if replay else ""))
+
+        def hand_over(write: OptimizerWrite) -> None:
+            self.pending = write
+
         _, self.held = train_iteration(
             work,
             self.mesh,
@@ -295,8 +359,34 @@ class TrainerService:
             held=held if from_memory else None,
             dispatches=self.dispatches,
             reference=self.reference,
+            before_write=self._join_pending,
+            write_optimizer_later=hand_over if command.get("optimizer_later") else None,
         )
-        return {"outcome": "trained", "source": source, "iteration": iteration}
+        answer = {"outcome": "trained", "source": source, "iteration": iteration}
+        if self.pending is not None:
+            answer["optimizer"] = "being written"
+        return answer
+
+    def _join_pending(self) -> None:
+        """The previous update's optimizer shards stored (rank 0: CANDIDATE.json written), raising what stopped
+        them: run by train_iteration before it writes anything (agreed by every rank)."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return
+        try:
+            pending.join()
+        except BaseException:
+            pending.cancel()
+            raise
+
+    def _finish_pending(self) -> None:
+        """Every rank: the pending optimizer write joined (agreed); a failure is said, not raised (the update
+        that next needs that version trains it again: _may_train_on)."""
+        version = None if self.pending is None else self.pending.iteration
+        try:
+            agreed(self.mesh, self._join_pending)
+        except Exception as err:  # noqa: BLE001 - every rank agreed on it; said below
+            self.log(f"rank {self.mesh.rank}: {err}; the next update from v{version:06d} trains it again")
 
     def _broadcast(self, command: dict[str, Any] | None) -> dict[str, Any]:
         """Rank 0's command to every rank, as JSON bytes (never pickled)."""

@@ -44,10 +44,13 @@ from steps.store.object_store import Store
 from steps.tracking import trackers as tracking
 from steps.training import publication
 from steps.training.candidate_writer import (
+    optimizer_files,
+    optimizer_shard,
     stored_bits,
     weight_digests,
-    write_candidate_metadata,
-    write_shards,
+    write_optimizer_shard,
+    write_weight_shard,
+    write_weights_metadata,
     writer_plan,
     writes,
 )
@@ -59,6 +62,7 @@ from steps.training.optimizer_state import (
     read_optimizer_state,
     restore_optimizer_state,
 )
+from steps.training.optimizer_write import OptimizerWrite
 from steps.training.sharding import any_sharded, full_state_dict, shard_experts, shard_non_experts
 from steps.training.trainer import PolicyTrainer, TrainSettings, new_adamw, prompt_groups
 
@@ -237,11 +241,15 @@ class IterationWork:
     version: int  # the behaviour policy that generated the samples
     samples: list[Sample]
     settings: TrainSettings
+    # the candidate's weights are stored and indexed, its optimizer shards are not (a trainer lost after it
+    # answered: steps/training/optimizer_write.py): train again, check the weights' bits, write the rest
+    replay: bool = False
 
 
 def pending_iteration(run: Store, iteration: int, force: bool = False, rank: int = 0) -> IterationWork | None:
     """Update `iteration`'s inputs, or None when there is nothing to do (v(I) published, or its candidate
-    complete and not `force`)."""
+    complete and not `force`). A candidate whose weights were indexed and whose optimizer shards never came
+    (WEIGHTS.json and DELTA.json without CANDIDATE.json) is replayed (IterationWork.replay)."""
     if iteration < 1:
         raise MoerlError(f"--iteration {iteration}: iterations start at 1 (v000000 is the SFT checkpoint)")
     cfg = load_run_config(run)
@@ -253,7 +261,9 @@ def pending_iteration(run: Store, iteration: int, force: bool = False, rank: int
             index_candidate_delta(run, cfg, iteration)
         _say(rank, f"candidate of iteration {iteration} is complete; nothing to do (--force retrains it)")
         return None
-    if weight_delta.wanted(cfg) and run.exists(delta_index_key(iteration)):  # --force, or a candidate deleted
+    indexed = weight_delta.wanted(cfg) and run.exists(delta_index_key(iteration))
+    weights = candidate.read_weights_marker(run, iteration) if indexed else None
+    if indexed and (force or weights is None):  # --force, or a candidate deleted
         raise MoerlError(
             f"{'--force: ' if force else ''}{version_name(iteration)} was indexed from its candidate "
             f"({run.url(delta_index_key(iteration))}) and rollout servers may have generated with it: an indexed "
@@ -264,13 +274,43 @@ def pending_iteration(run: Store, iteration: int, force: bool = False, rank: int
     weight_delta.require_version_files(run, iteration - 1)  # published, or indexed for a trainer that holds it
     version = behaviour_version(iteration, cfg.staleness)
     samples = read_scored_experience(run, iteration, version)
-    return IterationWork(run, cfg, iteration, version, samples, TrainSettings.from_run_config(cfg))
+    if indexed:
+        _say(
+            rank,
+            f"{version_name(iteration)} is indexed ({run.url(delta_index_key(iteration))}) but its candidate has no "
+            f"optimizer shards ({candidate.MARKER} missing): training iteration {iteration} again from the same "
+            f"inputs; its weights must come out as {candidate.WEIGHTS_MARKER} records them",
+        )
+    settings = TrainSettings.from_run_config(cfg)
+    return IterationWork(run, cfg, iteration, version, samples, settings, replay=indexed)
+
+
+def check_replayed(run: Store, iteration: int, shards: list[dict[str, Any]]) -> dict[str, Any]:
+    """Rank 0 of a replay: the weight files the ranks wrote locally against the stored candidate's
+    WEIGHTS.json (every file, size and sha256); returns that marker. A difference is refused: the version was
+    indexed, so its weights are final, and the optimizer state of other weights would not belong to them."""
+    marker = candidate.read_weights_marker(run, iteration)
+    where = run.url(candidate_prefix(iteration))
+    if marker is None:
+        raise MoerlError(f"{where}: {candidate.WEIGHTS_MARKER} disappeared while iteration {iteration} was replayed")
+    replayed = {name: meta for shard in shards for name, meta in shard["files"].items()}
+    for name, meta in sorted(replayed.items()):
+        stored = marker["files"].get(name)
+        if stored is None or (int(stored["size"]), str(stored["sha256"])) != (int(meta["size"]), str(meta["sha256"])):
+            raise MoerlError(
+                f"{where}/{name}: training iteration {iteration} again did not reproduce the weights "
+                f"{candidate.WEIGHTS_MARKER} records (the trainer's arithmetic is not deterministic here: another "
+                f"world size, EP size, device or kernel than the update that wrote it), so the optimizer state it "
+                f"lost cannot be rebuilt; {version_name(iteration)} is indexed and final: start a new run from "
+                f"{version_name(iteration - 1)} (sft_checkpoint: its published directory)"
+            )
+    return marker
 
 
 def index_candidate_delta(run: Store, cfg: RunConfig, iteration: int) -> None:
-    """Index v(iteration)'s delta once its candidate is complete (steps/training/publication.py), where the run
-    writes deltas: rollout servers may take v(iteration) from then on, before publish."""
-    marker = candidate.read_marker(run, iteration)
+    """Index v(iteration)'s delta once its candidate's weights are complete (steps/training/publication.py),
+    where the run writes deltas: rollout servers may take v(iteration) from then on, before publish."""
+    marker = candidate.read_weights_marker(run, iteration)
     if weight_delta.wanted(cfg) and marker is not None and checkpoint.read_manifest(run, iteration) is None:
         summary = publication.index_candidate(run, iteration, marker, lambda line: print(line, flush=True))
         print(f"{weight_delta.describe(summary)}: usable by rollout servers before it is published", flush=True)
@@ -316,13 +356,20 @@ def train_iteration(
     timer: CommTimer | None = None,
     dispatches: HeldDispatch | None = None,
     reference: HeldReference | None = None,
+    before_write: Callable[[], None] | None = None,
+    write_optimizer_later: Callable[[OptimizerWrite], None] | None = None,
 ) -> tuple[dict[str, Any] | None, HeldState]:
     """Train `work` on `mesh` from v(I-1) and write candidate I; returns the marker (rank 0; None on the
     others) and what this rank holds of the version trained (HeldState). v(I-1) comes from `held`, when
     the caller found it to be that version as published (HeldState.matches; every rank must agree), else
     from the store (parent_dir: the version's local copy when the caller already fetched it). `dispatches`:
     the expert dispatcher a trainer that stays up keeps across updates (else one is made for this one);
-    `reference`: the KL reference it keeps (loaded by its first update with kl_coef > 0)."""
+    `reference`: the KL reference it keeps (loaded by its first update with kl_coef > 0). `before_write`: run
+    (agreed) once trained, before anything is written (a trainer that stays up joins the previous update's
+    optimizer write there); `write_optimizer_later`: given, the optimizer shards are not written here but handed
+    to it as a started OptimizerWrite once WEIGHTS.json is written and the delta indexed, and the marker
+    returned is WEIGHTS.json's (steps/training/optimizer_write.py). A replay (work.replay) writes no weights:
+    it checks them against the stored ones and writes the optimizer shards and CANDIDATE.json."""
     run, cfg, iteration = work.run, work.cfg, work.iteration
     parent, rank, world, device = iteration - 1, mesh.rank, mesh.world_size, mesh.device
     samples, settings = work.samples, work.settings
@@ -392,16 +439,18 @@ def train_iteration(
             state = agreed(mesh, lambda: read_optimizer_state(run, parent, names, workdir))
             agreed(mesh, lambda: restore_optimizer_state(run, parent, model, optimizer, state, dtype))
         held = None  # its tensors are the model's and the optimizer's now
-        # A crashed attempt may have left part of a candidate: remove it before anything new is written.
-        agreed(mesh, lambda: run.delete_prefix(candidate_prefix(iteration)) if rank == 0 else None)
+        replay = work.replay
+        if not replay:  # a crashed attempt may have left part of a candidate: removed before anything is written
+            agreed(mesh, lambda: run.delete_prefix(candidate_prefix(iteration)) if rank == 0 else None)
 
         # Who writes which file of the candidate: every EP rank's files spread over its dp replicas and nodes.
         writers = writer_plan(model, mesh, dtype)
         # v(I-1)'s bits, the parent of the delta of this rank's weight file if it writes that file (its weights
         # now are those v(I-1) was stored from)
-        wants_delta = weight_delta.wanted(cfg) and writes(mesh, writers, candidate.WEIGHTS)
+        deltas = weight_delta.wanted(cfg) and not replay
+        wants_delta = deltas and writes(mesh, writers, candidate.WEIGHTS)
         delta_parent = None
-        if wants_delta or (weight_delta.wanted(cfg) and any_sharded(model)):  # sharded: every rank gathers
+        if wants_delta or (deltas and any_sharded(model)):  # sharded: every rank gathers
             delta_parent = stored_bits(model, mesh, dtype, keep=wants_delta)
         trainer = PolicyTrainer(model, mesh, settings, optimizer, ref_model, pad_id=cfg_model.pad_token_id or 0)
         # progress: the optimizer steps, then the candidate's write as one more unit
@@ -412,25 +461,43 @@ def train_iteration(
         metrics.update(placement_metrics(placement, placement_reason, all_reduce_sum(model.routed_rows(), mesh)))
         if timer is not None and timer.enabled:
             metrics["dispatch_seconds"] = timer.seconds
+        if before_write is not None:
+            agreed(mesh, before_write)
 
+        later = write_optimizer_later is not None and not replay
         shard = agreed(
-            mesh, lambda: write_shards(run, iteration, mesh, model, optimizer, workdir, dtype, delta_parent, writers)
-        )  # every rank's part is written before rank 0 writes CANDIDATE.json (agreed: all ranks wait for all)
-        shards = [shard]
-        if world > 1:
-            shards = [None] * world  # type: ignore[list-item]
-            dist.all_gather_object(shards, shard)  # names and digests only, never tensors
+            mesh,
+            lambda: write_weight_shard(run, iteration, mesh, model, workdir, dtype, delta_parent, writers, not replay),
+        )  # every rank's part is written before rank 0 writes WEIGHTS.json (agreed: all ranks wait for all)
+        opt_shard = agreed(mesh, lambda: optimizer_shard(model, optimizer, mesh, writers, dtype, copy=later))
+        shard["optimizer"] = dict.fromkeys(opt_shard[1], opt_shard[0]) if opt_shard is not None else {}
+        shards = _gathered(mesh, shard)  # names and digests only, never tensors
         if parent_dir is not None:
             local_parent = parent_dir
             parent_file: Callable[[str], bytes] = lambda name: (local_parent / name).read_bytes()  # noqa: E731
         else:  # the trainer holds v(I-1), which may be indexed and not published yet
             parent_file = lambda name: weight_delta.read_version_file(run, parent, name)  # noqa: E731
-        marker = agreed(
-            mesh,
-            lambda: write_candidate_metadata(run, iteration, parent_file, model, shards, info, metrics, dtype)
-            if rank == 0 else None,
-        )  # fmt: skip
-        agreed(mesh, lambda: index_candidate_delta(run, cfg, iteration) if rank == 0 else None)
+        if replay:
+            weights_marker = agreed(mesh, lambda: check_replayed(run, iteration, shards) if rank == 0 else None)
+        else:
+            weights_marker = agreed(
+                mesh,
+                lambda: write_weights_metadata(run, iteration, parent_file, model, shards, info, metrics, dtype)
+                if rank == 0 else None,
+            )  # fmt: skip
+        if later:
+            agreed(mesh, lambda: index_candidate_delta(run, cfg, iteration) if rank == 0 else None)
+            expected = optimizer_files(shards) if rank == 0 else None
+            assert write_optimizer_later is not None
+            write_optimizer_later(OptimizerWrite(run, iteration, opt_shard, rank, expected, weights_marker).start())
+            marker = weights_marker
+        else:
+            written = _gathered(mesh, agreed(mesh, lambda: write_optimizer_shard(run, iteration, opt_shard, workdir)))
+            files = {name: meta for part in written for name, meta in part.items()}
+            marker = agreed(
+                mesh, lambda: candidate.write_marker(run, iteration, weights_marker, files) if rank == 0 else None
+            )
+            agreed(mesh, lambda: index_candidate_delta(run, cfg, iteration) if rank == 0 else None)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     progress.report(metrics["steps"] + 1, metrics["steps"] + 1)
@@ -440,7 +507,7 @@ def train_iteration(
         f"grad norm {metrics['grad_norm']:.4f}, {metrics['tokens_per_s']:.0f} tokens/s on {world} rank(s) "
         f"(ep {mesh.ep_size}); candidate {run.url(candidate_prefix(iteration))}",
     )
-    if rank == 0:  # the metrics are in the store (the candidate's metadata): now the trackers' copy
+    if rank == 0 and not work.replay:  # the metrics are in the store (the candidate's metadata): the trackers' copy
         tracking.log_iteration(run, cfg, "update", iteration, metrics, lambda line: print(line, flush=True))
     if reference is not None and ref_model is not None:
         reference.give_back(ref_state, ref_model, placement)
@@ -453,6 +520,15 @@ def train_iteration(
         weight_digests=weight_digests(shards),
     )
     return marker, trained
+
+
+def _gathered(mesh: Mesh, part: T) -> list[T]:
+    """Every rank's `part` (small JSON-like values: names and digests), in rank order."""
+    if mesh.world_size == 1:
+        return [part]
+    parts: list[Any] = [None] * mesh.world_size
+    dist.all_gather_object(parts, part)
+    return parts
 
 
 def _say(rank: int, text: str) -> None:

@@ -1,0 +1,184 @@
+"""The optimizer state off the update's path (steps/training/optimizer_write.py): a trainer that stays up
+answers an update once the weights are stored and indexed and stores the optimizer shards afterwards; the
+writers' receipts make CANDIDATE.json without any collective, and a failed writer ends rank 0's wait; publish
+waits for CANDIDATE.json while WEIGHTS.json says the weights are complete, at most trainer.publish_wait_s; a
+candidate whose optimizer shards were lost after its weights were indexed is replayed: trained again, the
+weights checked bit for bit against WEIGHTS.json, only the optimizer shards and CANDIDATE.json written; a
+replay that does not reproduce them is refused. (The trainer that stays up end to end, its loss after it
+answered included: tests/test_trainer_server.py.)"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from test_publish_step import assert_nothing_published, updated_run
+
+from pipelines.workflow.graph import segments
+from steps.errors import MoerlError
+from steps.publish import publish
+from steps.run import candidate, checkpoint
+from steps.run.candidate import MARKER, OPTIMIZER_RECEIPTS, WEIGHTS_MARKER
+from steps.run.config import RunConfig
+from steps.run.keys import candidate_prefix, delta_index_key
+from steps.store.object_store import Store
+from steps.training import optimizer_write
+from steps.training.optimizer_write import OptimizerWrite
+from steps.training.update import pending_iteration, run_update
+
+SERVED = {"rollout": {"servers": 1}}  # the update's ranks write deltas and index v(I) after its weights
+
+
+def lose_optimizer_shards(run: Store, iteration: int) -> dict:
+    """Leave candidate `iteration` as a trainer lost after it answered does: WEIGHTS.json (and the indexed delta),
+    no optimizer shard, receipt or CANDIDATE.json. Returns the CANDIDATE.json it had."""
+    prefix = candidate_prefix(iteration)
+    complete = run.get_json(f"{prefix}/{MARKER}")
+    run.delete(f"{prefix}/{MARKER}")
+    run.delete_prefix(f"{prefix}/{OPTIMIZER_RECEIPTS}/")
+    for key in run.list(f"{prefix}/"):
+        if key.rsplit("/", 1)[-1].startswith("optimizer-rank"):
+            run.delete(key)
+    return complete
+
+
+def test_the_update_writes_weights_then_optimizer_and_candidate_json_lists_both(tmp_path):
+    _, run = updated_run(tmp_path, **SERVED)
+    prefix = candidate_prefix(1)
+    weights, complete = run.get_json(f"{prefix}/{WEIGHTS_MARKER}"), run.get_json(f"{prefix}/{MARKER}")
+    optimizer = {name for name in complete["files"] if name.startswith("optimizer-rank")}
+    assert optimizer and not optimizer & set(weights["files"])
+    assert set(complete["files"]) == set(weights["files"]) | optimizer
+    assert complete["weight_deltas"] == weights["weight_deltas"]
+    assert candidate.read_weights_marker(run, 1) == complete
+
+
+def test_a_candidate_whose_optimizer_shards_were_lost_after_its_index_is_replayed_to_the_same_bytes(tmp_path):
+    run_uri, run = updated_run(tmp_path, **SERVED)
+    complete = lose_optimizer_shards(run, 1)
+    assert run.exists(delta_index_key(1)) and candidate.read_marker(run, 1) is None
+    work = pending_iteration(run, 1)
+    assert work is not None and work.replay
+    weights_before = run.get_bytes(f"{candidate_prefix(1)}/{WEIGHTS_MARKER}")
+    run_update(run_uri, 1)
+    assert run.get_bytes(f"{candidate_prefix(1)}/{WEIGHTS_MARKER}") == weights_before  # the weights not rewritten
+    replayed = run.get_json(f"{candidate_prefix(1)}/{MARKER}")
+    assert replayed["files"] == complete["files"]  # the optimizer shards as the first update wrote them
+    publish(run_uri, 1)
+    assert checkpoint.read_manifest(run, 1) is not None
+
+
+def test_a_replay_that_does_not_reproduce_the_weights_is_refused(tmp_path):
+    run_uri, run = updated_run(tmp_path, **SERVED)
+    lose_optimizer_shards(run, 1)
+    key = f"{candidate_prefix(1)}/{WEIGHTS_MARKER}"
+    weights = run.get_json(key)
+    name = next(n for n in weights["files"] if n.startswith("model-rank"))
+    weights["files"][name]["sha256"] = "0" * 64  # as if the first update's arithmetic had differed
+    run.put_json(key, weights)
+    with pytest.raises(MoerlError, match=f"{name}: training iteration 1 again did not reproduce the weights"):
+        run_update(run_uri, 1)
+    assert candidate.read_marker(run, 1) is None
+
+
+def test_weights_without_an_index_are_trained_again_from_scratch(tmp_path):
+    run_uri, run = updated_run(tmp_path)  # no rollout servers: nothing indexed, nothing final
+    lose_optimizer_shards(run, 1)
+    work = pending_iteration(run, 1)
+    assert work is not None and not work.replay
+    run_update(run_uri, 1)
+    assert candidate.read_marker(run, 1) is not None
+
+
+def test_publish_waits_for_the_optimizer_shards_then_publishes(tmp_path):
+    run_uri, run = updated_run(tmp_path, **SERVED)
+    complete = lose_optimizer_shards(run, 1)
+    stored = {}
+
+    def trainer_stores_them():  # what OptimizerWrite's threads do after the trainer answered
+        run_update(run_uri, 1)
+        stored["marker"] = candidate.read_marker(run, 1)
+
+    later = threading.Thread(target=trainer_stores_them)
+    published = []
+    waiting = threading.Thread(target=lambda: published.append(publish(run_uri, 1)))
+    waiting.start()
+    later.start()
+    later.join(timeout=300)
+    waiting.join(timeout=300)
+    assert stored["marker"]["files"] == complete["files"]
+    assert published and checkpoint.read_manifest(run, 1) is not None
+
+
+def test_publish_waits_at_most_publish_wait_s_and_names_the_way_out(tmp_path):
+    _, run = updated_run(tmp_path, trainer={"publish_wait_s": 0}, **SERVED)
+    lose_optimizer_shards(run, 1)
+    with pytest.raises(MoerlError, match=r"WEIGHTS.json\) but the optimizer shards did not come within 0 s"):
+        publish(run.uri, 1)
+    assert_nothing_published(run)
+
+
+def test_publish_without_weights_is_refused_at_once(tmp_path):
+    _, run = updated_run(tmp_path, **SERVED)
+    run.delete_prefix(f"{candidate_prefix(1)}/")
+    with pytest.raises(MoerlError, match="no complete candidate"):
+        publish(run.uri, 1)
+
+
+def weights_marker(iteration: int) -> dict:
+    return {"iteration": iteration, "parent": iteration - 1, "files": {"model.safetensors": {"size": 1, "sha256": "a"}}}
+
+
+def test_the_writers_receipts_make_candidate_json_without_a_collective(tmp_path):
+    run = Store.open(tmp_path.as_uri())
+    names = ["optimizer-rank00000-of-00002.safetensors", "optimizer-rank00001-of-00002.safetensors"]
+    shards = [(name, {"w.exp_avg": torch.full((3,), float(r))}) for r, name in enumerate(names)]
+    rank0 = OptimizerWrite(run, 4, shards[0], 0, names, weights_marker(4)).start()
+    rank1 = OptimizerWrite(run, 4, shards[1], 1).start()  # another process's thread, in truth
+    rank1.join()
+    rank0.join()
+    marker = candidate.read_marker(run, 4)
+    assert set(marker["files"]) == {"model.safetensors", *names}
+    for name in names:
+        assert marker["files"][name]["sha256"] == run.sha256(f"{candidate_prefix(4)}/{name}")
+        assert run.exists(candidate.receipt_key(4, name))
+
+
+def test_a_failed_writer_ends_rank_0s_wait_with_its_error(tmp_path, monkeypatch):
+    run = Store.open(tmp_path.as_uri())
+    names = ["optimizer-rank00000-of-00002.safetensors", "optimizer-rank00001-of-00002.safetensors"]
+    real_put = Store.put_file
+
+    def failing_put(self, key, local):
+        if key.endswith(names[1]):
+            raise OSError("the store refused the part")
+        return real_put(self, key, local)
+
+    monkeypatch.setattr(Store, "put_file", failing_put)
+    shards = [(name, {"w.exp_avg": torch.zeros(2)}) for name in names]
+    rank1 = OptimizerWrite(run, 2, shards[1], 1).start()
+    rank0 = OptimizerWrite(run, 2, shards[0], 0, names, weights_marker(2)).start()
+    with pytest.raises(MoerlError, match="the store refused the part"):
+        rank1.join()
+    with pytest.raises(MoerlError, match=f"the writer of {names[1]} failed: OSError: the store refused the part"):
+        rank0.join()
+    assert candidate.read_marker(run, 2) is None
+
+
+def test_rank_0_stops_waiting_when_cancelled(tmp_path, monkeypatch):
+    monkeypatch.setattr(optimizer_write, "RECEIPT_POLL_S", 0.01)
+    run = Store.open(tmp_path.as_uri())
+    names = ["optimizer-rank00000-of-00002.safetensors", "optimizer-rank00001-of-00002.safetensors"]
+    rank0 = OptimizerWrite(run, 3, (names[0], {"w.step": torch.zeros(())}), 0, names, weights_marker(3)).start()
+    rank0.cancel()  # a peer's receipt never comes: its process is gone
+    with pytest.raises(MoerlError, match="cancelled before every optimizer shard was stored"):
+        rank0.join()
+    assert candidate.read_marker(run, 3) is None
+
+
+def test_segment_last_is_the_last_iteration_of_the_workflow_that_runs_it():
+    for iterations, size in ((7, 3), (6, 3), (1, 25), (50, 25)):
+        cfg = RunConfig(sft_checkpoint="file:///sft", run_store="file:///run", iterations=iterations, segment_size=size)
+        for segment in segments(iterations, size):
+            assert [cfg.segment_last(i) for i in segment.iterations] == [segment.last] * len(segment.iterations)
