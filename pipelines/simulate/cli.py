@@ -45,6 +45,8 @@ from pipelines.simulate.sources import (
     MOVED_TO_THE_MODEL,
     TURNS_FROM_CONFIG,
     explain_lines,
+    read_stated,
+    stated_path,
 )
 from pipelines.simulate.tables import describe, table
 from pipelines.simulate.timeline import plot_timeline
@@ -117,7 +119,13 @@ def main(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, parse_overrides(args.set))
     base = CPU_ASSUMPTIONS if is_local(cfg) else GPU_ASSUMPTIONS
     sources = dict(CPU_SOURCES if is_local(cfg) else GPU_SOURCES)  # --explain: each value's source, as it moves
-    run_line = None
+    run_line = stated_line = None
+    stated = args.assumptions if args.assumptions is not None else stated_path(args.config)
+    if args.assumptions is not None or stated.is_file():  # the config's own, with their sources
+        values, stated_sources = read_stated(stated)
+        base = base.override(values)
+        sources.update(stated_sources)
+        stated_line = f"stated in {stated}: " + ", ".join(f"{name} {value:g}" for name, value in values.items())
     if args.from_run:  # what the run measured, before the model moves the rates (they depend on the lengths)
         measured, run_line = measured_assumptions(args.from_run, cfg)
         base = base.override(measured)
@@ -154,6 +162,8 @@ def main(args: argparse.Namespace) -> int:
         + (f"{rate:g} Spot interruptions per rollout node-hour" if rate else "no Spot interruptions")
     )
     print(model_line)
+    if stated_line:
+        print(stated_line)
     if run_line:
         print(run_line)
     if not is_local(cfg):
@@ -234,6 +244,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--from-run", metavar="RUN_STORE",
         help="take the mean response and prompt lengths and the tied share (with an environment: the turns, a turn's "
         "fill and an observation's tokens) from a run's score metrics (file://, s3://)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--assumptions", type=Path, metavar="FILE.yaml",
+        help="the workload's stated assumptions, {name: {value, source}} (default: the config's own beside it, "
+        "CONFIG.assumptions.yaml, when there is one); --from-run and --assume go over them",
     )  # fmt: skip
     parser.add_argument(
         "--explain", action="store_true", help="print every assumption with its value and where it comes from",

@@ -25,8 +25,13 @@ The published figures cited (their conditions in bench/README.md, "Where the sim
 from __future__ import annotations
 
 import dataclasses
+import math
+from pathlib import Path
+
+import yaml
 
 from pipelines.simulate.sizing import Assumptions
+from steps.errors import MoerlError
 
 ASSUMPTION = "assumption"
 
@@ -115,3 +120,46 @@ def explain_lines(a: Assumptions, sources: dict[str, str]) -> list[str]:
         shown = f"{value:,.4g}" if isinstance(value, float) else f"{value:,}"
         lines.append(f"  {field.name:<26} {shown:>10}  {sources.get(field.name, ASSUMPTION)}")
     return lines
+
+
+# ----------------------------------------------------------------------------------------------- stated
+
+STATED_SUFFIX = ".assumptions.yaml"  # beside a config: configs/eks-p5en.yaml -> configs/eks-p5en.assumptions.yaml
+STATED_KINDS = ("published", "measured", "arithmetic", ASSUMPTION)
+
+
+def stated_path(config: Path) -> Path:
+    """Where a config's own assumptions live: beside it, the same name ending in .assumptions.yaml."""
+    return config.with_name(config.name.removesuffix(".yaml").removesuffix(".yml") + STATED_SUFFIX)
+
+
+def read_stated(path: Path) -> tuple[dict[str, float], dict[str, str]]:
+    """A config's stated assumptions ({name: {value, source}}): what its workload is known to be (for example the
+    mean response length a peer published for the same model and cap), each with its source, which must start
+    with what kind it is (published, measured, arithmetic or assumption). Returns (values, sources); refuses an
+    unknown name, a value that is not a number >= 0, or a source that does not say its kind."""
+    names = {f.name for f in dataclasses.fields(Assumptions)}
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as err:
+        raise MoerlError(f"{path}: not readable as YAML ({err})") from None
+    if not isinstance(data, dict) or not data:
+        raise MoerlError(f"{path}: expected a mapping of assumption names to {{value, source}}")
+    values: dict[str, float] = {}
+    sources: dict[str, str] = {}
+    for name, entry in data.items():
+        if name not in names:
+            raise MoerlError(f"{path}: {name!r} is not an assumption (known: {', '.join(sorted(names))})")
+        if not isinstance(entry, dict) or set(entry) != {"value", "source"}:
+            raise MoerlError(f"{path}: {name}: expected {{value: NUMBER, source: TEXT}}, got {entry!r}")
+        value, source = entry["value"], entry["source"]
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+            raise MoerlError(f"{path}: {name}: value {value!r} is not a finite number >= 0")
+        if not isinstance(source, str) or not source.strip().startswith(STATED_KINDS):
+            raise MoerlError(
+                f"{path}: {name}: the source must start with what it is ({', '.join(STATED_KINDS)}: ...), "
+                f"got {source!r}"
+            )
+        values[name] = int(value) if name == "rollout_nodes" else float(value)
+        sources[name] = f"{' '.join(source.split())} ({path.name})"
+    return values, sources
