@@ -75,6 +75,7 @@ TRAINER_NOT_MAPPED = {
     "server_wait_s": "one process, no trainer server to wait for",
     "server_idle_exit_s": "one process, no trainer job to end",
     "publish_wait_s": "no trainer that stays up, so none waits for a publish",
+    "optimizer_after_answer": "no trainer that stays up there (when the optimizer state is stored, not what it is)",
     "activation_checkpointing": "memory, not arithmetic: the same update bit for bit (TRL: gradient_checkpointing)",
     "grouped_gemm": "how the experts' matmuls run, not what they compute (the same bits on the CPU)",
     "fsdp": "one process, nothing to shard over",

@@ -14,16 +14,17 @@ Precision: the policy trains in fp32 and is published in the run's checkpoint dt
 bf16). When that dtype is narrower than fp32, the optimizer state also holds each parameter's fp32 master
 (`<name>.master`), and the next update starts from the masters, not from the rounded published weights.
 
-Output: the candidate <run>/candidates/iter-I/ (its format: steps/run/candidate.py), one weight shard per EP
-rank, WEIGHTS.json once they and the small files are stored, one optimizer-state shard per EP rank and
-CANDIDATE.json last; and <run>/metrics/iter-I.update.json (loss, clip fraction, KL, importance weights, grad
-norm, entropy, tokens/s, the per-expert routed row counts and the expert placement used; a separate file so
-that score's metrics/iter-I.json is never rewritten). Rank 0 then hands the metrics to the run's experiment
-trackers (steps/tracking/trackers.py; none by default). With rollout servers and checkpoint.deltas, each rank
-that writes a weight shard also writes its delta blob against v(I-1)'s bits at <run>/deltas/v(I)/
-(steps/run/weight_delta.py), listed in WEIGHTS.json; after CANDIDATE.json, rank 0 indexes them (DELTA.json,
-steps/training/publication.py), and from then on rollout servers may take v(I) while publish writes the full
-checkpoint. An indexed version is final: the update refuses to train it again, except to replay it (below).
+Output: the candidate <run>/candidates/iter-I/ (its format: steps/run/candidate.py), one weight shard per EP rank,
+WEIGHTS.json once they and the small files are stored, one optimizer-state shard per EP rank and CANDIDATE.json
+last; and <run>/metrics/iter-I.update.json (loss, clip fraction, KL, importance weights, grad norm, entropy,
+tokens/s, the per-expert routed row counts and the expert placement used; a separate file so that score's
+metrics/iter-I.json is never rewritten). Rank 0 then hands the metrics to the run's experiment trackers
+(steps/tracking/trackers.py; none by default). With rollout servers and checkpoint.deltas, each rank that writes a
+weight shard also writes its delta blob against v(I-1)'s bits at <run>/deltas/v(I)/ (steps/run/weight_delta.py),
+listed in WEIGHTS.json; after CANDIDATE.json (a trainer that stays up: after WEIGHTS.json), rank 0 indexes them
+(DELTA.json, steps/training/publication.py), and from then on rollout servers may take v(I) while publish writes
+the full checkpoint. An indexed version is final: the update refuses to train it again, except to replay it
+(below).
 
 Expert placement (trainer.expert_placement, default balanced): which E/ep experts each EP rank holds, per
 MoE layer. Update I balances the EP ranks' routed rows with the per-expert row counts that update I-1
@@ -109,7 +110,7 @@ def serve_update(run_uri: str, iteration: int, workflow: str, ep_size: int | Non
     log(f"update {iteration}: sent to {trainer.name} at {trainer.address}")
     # The trainer stores the optimizer shards after it answers, while it trains the next update, except after the
     # last update of the segment: the Workflow's end stops the trainer (steps/training/optimizer_write.py).
-    later = cfg.segment_last(iteration) != iteration
+    later = candidate.optimizer_after_answer(cfg, iteration)
     request = {"run": run.uri, "iteration": iteration, "ep_size": ep_size, "force": force, "optimizer_later": later}
     try:
         answer = serving.call(trainer, "update", request)

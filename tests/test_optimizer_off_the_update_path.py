@@ -182,3 +182,99 @@ def test_segment_last_is_the_last_iteration_of_the_workflow_that_runs_it():
         cfg = RunConfig(sft_checkpoint="file:///sft", run_store="file:///run", iterations=iterations, segment_size=size)
         for segment in segments(iterations, size):
             assert [cfg.segment_last(i) for i in segment.iterations] == [segment.last] * len(segment.iterations)
+
+
+def test_a_writer_that_cannot_even_leave_a_receipt_is_found_when_the_ranks_agree(tmp_path, monkeypatch):
+    """Two-phase join: every rank waits for its own part only; rank 0's wait for CANDIDATE.json is cancelled when
+    a rank failed, so no rank waits for a receipt that never comes."""
+    monkeypatch.setattr(optimizer_write, "RECEIPT_POLL_S", 0.01)
+    run = Store.open(tmp_path.as_uri())
+    names = ["optimizer-rank00000-of-00002.safetensors", "optimizer-rank00001-of-00002.safetensors"]
+
+    real_file, real_json = Store.put_file, Store.put_json
+    monkeypatch.setattr(Store, "put_file", lambda s, k, p: store_down_file(s, k, p))
+    monkeypatch.setattr(Store, "put_json", lambda s, k, o: store_down_json(s, k, o))
+
+    def store_down_file(store, key, path):
+        if names[1] in key:
+            raise OSError("the store is down")
+        return real_file(store, key, path)
+
+    def store_down_json(store, key, obj):
+        if names[1] in key:
+            raise OSError("the store is down")
+        return real_json(store, key, obj)
+
+    shards = [(name, {"w.exp_avg": torch.zeros(2)}) for name in names]
+    rank0 = OptimizerWrite(run, 5, shards[0], 0, names, weights_marker(5)).start()
+    rank1 = OptimizerWrite(run, 5, shards[1], 1).start()
+    rank0.own_part()  # its own shard is stored
+    with pytest.raises(MoerlError, match="the store is down"):
+        rank1.own_part()  # no receipt, not even the error's
+    rank0.cancel()  # what the ranks' agreement does on rank 0
+    with pytest.raises(MoerlError, match="cancelled before every optimizer shard was stored"):
+        rank0.join()
+    assert candidate.read_marker(run, 5) is None
+
+
+def test_the_trainer_answers_a_failed_write_503_so_that_the_retry_trains_it_again(tmp_path):
+    from types import SimpleNamespace
+
+    from steps.run.serving import Unavailable
+    from steps.training.trainer_server import TrainerService
+
+    run = Store.open(tmp_path.as_uri())
+    mesh = SimpleNamespace(rank=0, world_group=None, world_size=1, ep_size=1, device=torch.device("cpu"))
+    service = TrainerService(run, mesh, 0, None, None, print)
+    failed = OptimizerWrite(run, 7, None, 0, ["optimizer-rank00000-of-00001.safetensors"], weights_marker(7))
+    failed._own_error = OSError("disk full")  # its own part failed (the thread is never started)
+    failed._own_done.set()
+    service.pending = failed
+    with pytest.raises(Unavailable, match="disk full.*the next update trains iteration 7 again"):
+        service._join_pending()
+    assert service.pending is None and failed._cancel.is_set()
+
+
+def test_a_starting_trainer_replays_what_its_predecessor_lost_before_it_serves(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from steps.training.trainer_server import TrainerService
+
+    _, run = updated_run(tmp_path, trainer={"server": True}, **SERVED)
+    lose_optimizer_shards(run, 1)
+    run.put_json(f"{candidate_prefix(3)}/{WEIGHTS_MARKER}", weights_marker(3))  # not indexed: nothing final
+    mesh = SimpleNamespace(rank=0, world_group=None, world_size=1, ep_size=1, device=torch.device("cpu"))
+    service = TrainerService(run, mesh, 0, None, None, print)
+    replayed = []
+    monkeypatch.setattr(service, "_train_again", replayed.append)
+    service.recover()
+    assert replayed == [1]
+
+
+def test_only_a_trainer_that_holds_versions_defers_and_never_for_the_segments_last_update():
+    def cfg(**overrides):
+        fields = {"sft_checkpoint": "file:///sft", "run_store": "file:///run", "iterations": 6, "segment_size": 3}
+        fields |= {"rollout": {"servers": 2}, "trainer": {"server": True}} | overrides
+        return RunConfig(**fields)
+
+    served = cfg()
+    assert [candidate.optimizer_after_answer(served, i) for i in range(1, 7)] == [True, True, False] * 2
+    assert not candidate.defers_optimizer(cfg(checkpoint={"deltas": False}))  # the next update waits for publish
+    assert not candidate.defers_optimizer(cfg(rollout={"servers": 0}))
+    assert not candidate.defers_optimizer(cfg(trainer={"server": False}))
+    assert not candidate.defers_optimizer(cfg(trainer={"server": True, "optimizer_after_answer": False}))
+
+
+def test_the_encoder_takes_its_ranks_share_of_the_cores(monkeypatch):
+    from steps.run import weight_delta
+
+    monkeypatch.setattr(weight_delta.os, "cpu_count", lambda: 16)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    monkeypatch.setattr(weight_delta, "_cpu_quota", lambda: None)
+    monkeypatch.setattr(weight_delta.os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    assert weight_delta.encode_threads() == 2  # 16 cores over 8 ranks
+    monkeypatch.setattr(weight_delta.os, "sched_getaffinity", lambda pid: {4, 5, 6}, raising=False)
+    assert weight_delta.encode_threads() == 3  # pinned to cores of its own
+    monkeypatch.setattr(weight_delta.os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    monkeypatch.setattr(weight_delta, "_cpu_quota", lambda: 4)
+    assert weight_delta.encode_threads() == 1  # the container's quota of 4, over 8 ranks

@@ -225,10 +225,6 @@ class Simulation(ServedSteps):
             return max(self.candidate_complete.get(job.task.iteration, 0.0) - self.now, 0.0) + job.duration
         return job.duration
 
-    def segment_of(self, iteration: int) -> graph.Segment:
-        """The Workflow segment that runs `iteration`."""
-        return next(s for s in self.workflow_segments if iteration in s.iterations)
-
     def leave_node(self, job: Job) -> None:
         node = job.node
         assert node is not None

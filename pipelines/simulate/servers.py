@@ -35,7 +35,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from pipelines.simulate.state import TRAINER_SERVER, Job, Server, Task
-from pipelines.workflow.graph import ROLLOUT_SERVER, Segment
+from pipelines.workflow.graph import ROLLOUT_SERVER
+from steps.run.candidate import optimizer_after_answer
 from steps.run.keys import behaviour_version
 
 if TYPE_CHECKING:
@@ -65,7 +66,6 @@ class ServedSteps:
         def record(self, job: Job, start: float, end: float, phase: str, iteration: int | None = None) -> None: ...
         def retry(self, job: Job, role: str) -> None: ...
         def task_done(self, task: Task) -> None: ...
-        def segment_of(self, iteration: int) -> Segment: ...
 
     def init_servers(self) -> None:
         self.rollout_served = self.cfg.rollout.servers > 0
@@ -135,6 +135,9 @@ class ServedSteps:
         self.end_idle(server)
         server.ready, server.current, server.queue, server.awaiting_v0 = False, None, [], False
         server.token += 1
+        # a trainer's optimizer write in flight is lost with it (its replacement's replay of that update before it
+        # serves is not modelled: the publish waiting for it finishes as if the write had gone on)
+        server.optimizer_until = 0.0
         clients, server.clients = server.clients, []
         for client in clients:
             self.client_fails(client)
@@ -197,7 +200,7 @@ class ServedSteps:
         steps = self.steps
         trained = self.now + steps.train_s - steps.weights_write_s
         answered = max(trained, server.optimizer_until) + steps.weights_write_s
-        later = self.segment_of(iteration).last != iteration
+        later = optimizer_after_answer(self.cfg, iteration)  # what the update's client asks (steps/update.py)
         if not later:
             answered += steps.optimizer_write_s
         server.optimizer_until = answered + (steps.optimizer_write_s if later else 0.0)

@@ -29,12 +29,16 @@ import json
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from steps.errors import MoerlError
+from steps.run import weight_delta
 from steps.run.checkpoint import file_digest
 from steps.run.keys import candidate_prefix
 from steps.store.object_store import Store
+
+if TYPE_CHECKING:
+    from steps.run.config import RunConfig
 
 MARKER = "CANDIDATE.json"
 WEIGHTS_MARKER = "WEIGHTS.json"
@@ -168,6 +172,19 @@ def read_weights_marker(run: Store, iteration: int) -> dict[str, Any] | None:
     return run.get_json(key) if run.exists(key) else None
 
 
+def defers_optimizer(cfg: RunConfig) -> bool:
+    """Whether the run's trainer stores the optimizer shards after it answered: one that stays up and holds
+    versions (rollout servers and deltas: the next update waits for it, not for publish), unless
+    trainer.optimizer_after_answer is off."""
+    return cfg.trainer.server and weight_delta.wanted(cfg) and cfg.trainer.optimizer_after_answer
+
+
+def optimizer_after_answer(cfg: RunConfig, iteration: int) -> bool:
+    """What the client of update `iteration` asks: after the answer, except for the segment's last update (the
+    Workflow's end stops the trainer)."""
+    return defers_optimizer(cfg) and cfg.segment_last(iteration) != iteration
+
+
 MARKER_POLL_S = 2.0  # how often a publish that waits for the optimizer shards looks for CANDIDATE.json
 
 
@@ -187,9 +204,9 @@ def wait_for_marker(
             raise MoerlError(
                 f"{run.url(candidate_prefix(iteration))}: the weights are complete ({WEIGHTS_MARKER}) but the "
                 f"optimizer shards did not come within {wait_s:.0f} s (trainer.publish_wait_s): the trainer that "
-                f"answered update {iteration} was lost before it stored them. The next update trains iteration "
-                f"{iteration} again and stores them (or run python -m steps.update --run {run.uri} --iteration "
-                f"{iteration}); then rerun this publish"
+                f"answered update {iteration} was lost, or its write failed, before it stored them. A trainer that "
+                f"stays up trains iteration {iteration} again when it starts and when the next update needs it (or "
+                f"run python -m steps.update --run {run.uri} --iteration {iteration}); then rerun this publish"
             )
         time.sleep(poll_s)
     return marker

@@ -53,7 +53,7 @@ OPERATIONAL_FIELDS = frozenset(
 )
 OPERATIONAL_SECTION_FIELDS = {
     "rollout": frozenset({"num_shards", "servers", "server_wait_s"}),
-    "trainer": frozenset({"server", "server_wait_s", "server_idle_exit_s", "publish_wait_s"}),
+    "trainer": frozenset({"server", "server_wait_s", "server_idle_exit_s", "publish_wait_s", "optimizer_after_answer"}),
     "checkpoint": frozenset({"deltas"}),
 }
 
@@ -354,6 +354,13 @@ class TrainerConfig(_Section):
         "naming the publish (it failed, or is not running); and how long a publish waits for the optimizer shards "
         "a trainer that stays up writes after it answered the update",
         ge=0,
+    )
+    optimizer_after_answer: bool = _field(
+        True,
+        "with trainer.server, rollout servers and deltas: the trainer answers an update once the weights are stored "
+        "and indexed, and stores the optimizer shards (six times the weights' bytes) after it, off the path to the "
+        "next rollout and update (a trainer lost meanwhile is replaced by one that trains that update again and "
+        "checks its weights bit for bit); false: before it answers",
     )
     server_idle_exit_s: float = _field(
         3600.0,

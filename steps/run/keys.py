@@ -69,6 +69,12 @@ def _iteration(iteration: int) -> str:
     return f"iter-{iteration:06d}"
 
 
+def parse_iteration(name: str) -> int | None:
+    """The iteration an `iter-NNNNNN` key segment names; None for any other name."""
+    digits = name.removeprefix("iter-")
+    return int(digits) if name.startswith("iter-") and len(digits) == 6 and digits.isdigit() else None
+
+
 def experience_prefix(iteration: int) -> str:
     return f"experience/{_iteration(iteration)}"
 

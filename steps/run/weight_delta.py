@@ -24,7 +24,8 @@ A version is usable from its delta before it is published. The update writes the
 weight file (one of its EP rank's dp replicas: steps/training/candidate_writer.py writer_plan) that file's
 (write_file_delta, against the bits of v(i-1) it started from, held in memory: StoredTensors), so the bytes are
 read and written in parallel across the trainer's nodes, and each file's tensors encoded on the writer's share
-of its node's cores (encode_threads); once WEIGHTS.json is written, the update indexes them
+of its node's cores (encode_threads); once the weights are complete (after CANDIDATE.json; a trainer that stays
+up: after WEIGHTS.json, before it answers), the update indexes them
 (steps/training/publication.py index_candidate: the blobs checked against the candidate's marker, the other
 files as publish will publish them, DELTA.json last). Rollout servers may then take v(i) while publish still
 writes the full checkpoint (the workflow's rollout of the next iteration waits for the update, not for publish:
@@ -353,11 +354,28 @@ ENCODE_WINDOW_BYTES = 1 << 30
 
 
 def encode_threads() -> int:
-    """The encoder's threads: this process's share of the machine's cores (the LOCAL_WORLD_SIZE ranks torchrun
-    starts on a node share them). numpy's XOR and transpose, zstd and sha256 release the GIL, so tensors encode
-    in parallel; the blob is the same whatever the count (segments are written in the file's order)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, cores // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)))
+    """The encoder's threads: this process's share of the machine's cores: the cores it may run on (its CPU
+    affinity, at most the container's CPU quota), shared with the other LOCAL_WORLD_SIZE ranks torchrun starts on
+    the node unless its affinity already pins it to its own. numpy's XOR and transpose, zstd and sha256 release
+    the GIL, so tensors encode in parallel; the blob is the same whatever the count (segments are written in the
+    file's order)."""
+    machine = os.cpu_count() or 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else machine
+    quota = _cpu_quota()
+    if quota is not None:
+        cores = min(cores, quota)
+    if cores >= machine or quota is not None:  # not pinned to cores of its own: shared with the node's ranks
+        cores //= max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+    return max(1, cores)
+
+
+def _cpu_quota() -> int | None:
+    """The container's CPU quota in whole cores (cgroup v2 cpu.max), None when unlimited or unknown."""
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
+    except (OSError, ValueError):
+        return None
+    return None if quota == "max" else max(1, int(quota) // max(1, int(period)))
 
 
 def _encoded(new: bytes, old: bytes | None, dtype: str) -> tuple[bytes, str]:
@@ -396,18 +414,24 @@ def _write_blob(
         if digest is not None:
             digest.update(layout.header)
         header = (*segment(encode(layout.header, None, "")), len(layout.header))
-        for span in layout.tensors:
-            src.seek(span.start)
-            new = src.read(span.end - span.start)
-            if digest is not None:
-                digest.update(new)
-            old = parent.read(span.name, span.dtype, span.shape)
-            pending.append((span, old is not None, pool.submit(_encoded, new, old, span.dtype)))
-            in_flight += len(new)
-            while pending and (in_flight > ENCODE_WINDOW_BYTES or len(pending) > 4 * threads):
+        try:
+            for span in layout.tensors:
+                src.seek(span.start)
+                new = src.read(span.end - span.start)
+                if len(new) != span.end - span.start:
+                    raise MoerlError(f"{layout.path}: {span.name} is cut short ({len(new)} bytes read); write it again")
+                if digest is not None:
+                    digest.update(new)
+                old = parent.read(span.name, span.dtype, span.shape)
+                pending.append((span, old is not None, pool.submit(_encoded, new, old, span.dtype)))
+                in_flight += len(new)
+                while pending and (in_flight > ENCODE_WINDOW_BYTES or len(pending) > 4 * threads):
+                    write_oldest()
+            while pending:
                 write_oldest()
-        while pending:
-            write_oldest()
+        except BaseException:
+            pool.shutdown(cancel_futures=True)  # the queued tensors are not encoded for nothing
+            raise
     return header, tensors, digest.hexdigest() if digest is not None else str(file_sha256)
 
 

@@ -274,8 +274,10 @@ def optimizer_shard(
         return None
     state = optimizer_state_tensors(model, optimizer, dtype)
     tensors = {n: t for n, t in state.items() if _written(mesh, n.rsplit(".", 1)[0])}
-    if copy:
-        tensors = {n: t.clone() for n, t in tensors.items()}
+    del state
+    if copy:  # a GPU's tensors were copied to the CPU already; a CPU's are the live ones, and so is AdamW's step
+        on_cpu = next(model.parameters()).device.type == "cpu"
+        tensors = {n: t.clone() if on_cpu or n.endswith(".step") else t for n, t in tensors.items()}
     return candidate.optimizer_shard_name(mesh.ep_rank, mesh.ep_size), tensors
 
 

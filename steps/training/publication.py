@@ -78,7 +78,7 @@ def _candidate_bytes(run: Store, iteration: int, marker: dict[str, Any], name: s
     data = run.get_bytes(key) if meta is not None and run.exists(key) else None
     if data is None or checkpoint.bytes_digest(data) != (meta["size"], meta["sha256"]):
         raise MoerlError(
-            f"{run.url(key)}: missing, or its size or sha256 differs from {candidate.MARKER}; the candidate is "
+            f"{run.url(key)}: missing, or its size or sha256 differs from the candidate's marker; the candidate is "
             f"damaged — rerun update for iteration {iteration} with --force"
         )
     return data
@@ -149,7 +149,7 @@ def index_candidate(
     blobs = weight_delta.file_deltas(marker.get("weight_deltas"))
     if blobs is None:
         raise MoerlError(
-            f"{run.url(candidate_prefix(iteration))}/{candidate.MARKER}: lists no delta blobs, which a run with "
+            f"{run.url(candidate_prefix(iteration))}: its marker lists no delta blobs, which a run with "
             f"rollout servers and checkpoint.deltas reads; rerun update for iteration {iteration} with --force"
         )
     planned = publication(run, iteration, marker, blobs)

@@ -5,8 +5,10 @@ Rank 0 serves steps/run/serving.py's JsonServer, whose operations run on rank 0'
 operation {run, iteration[, force, ep_size]} is broadcast from there to every rank as JSON (a gloo group of
 its own, so that an idle wait is never an NCCL collective; a heartbeat every HEARTBEAT_S keeps that wait
 under the group's timeout). Every rank then runs steps/training/update.py's train_iteration, the update step's
-own code,
-and rank 0 answers once the candidate is complete.
+own code, and rank 0 answers once the candidate is complete; where the run's trainer holds versions (rollout
+servers and deltas), once its weights are (WEIGHTS.json, the delta indexed), the optimizer shards following
+on each rank's thread (steps/training/optimizer_write.py; joined before the next update writes, or a stop). A
+trainer starting replays first any update whose shards its predecessor lost (recover).
 
 Rank 0 alone decides whether there is anything to train (update.pending_iteration: v(I) published or
 its candidate complete, a retried client, is answered at once without the other ranks) and checks the
@@ -50,7 +52,14 @@ from steps.expert_parallel.mesh import Mesh
 from steps.models.family import FamilyConfig
 from steps.run import candidate, checkpoint, weight_delta
 from steps.run.config import load_run_config
-from steps.run.keys import behaviour_version, scored_key, version_prefix
+from steps.run.keys import (
+    CANDIDATES_PREFIX,
+    behaviour_version,
+    delta_index_key,
+    parse_iteration,
+    scored_key,
+    version_prefix,
+)
 from steps.run.serving import JsonServer, Unavailable
 from steps.store.object_store import Store
 from steps.training.held_state import HeldReference, HeldState
@@ -147,12 +156,13 @@ class TrainerService:
     # ------------------------------------------------------------------------------- rank 0: the face
 
     def health(self) -> dict[str, Any]:
+        pending = self.pending  # read once: the main thread may clear it meanwhile
         return {
             "run": self.run.uri,
             "instance": self.instance,
             "ready": bool(self.instance) and not self.stopping.is_set(),
             "held": None if self.held is None else self.held.version,
-            "optimizer_pending": None if self.pending is None else self.pending.iteration,
+            "optimizer_pending": None if pending is None else pending.iteration,
             "dispatches_made": self.dispatches.made,
             "reference_loads": self.reference.loads,
             "requests": self._done,
@@ -187,12 +197,15 @@ class TrainerService:
             if work is None:
                 return {"outcome": "nothing to do", "source": "store", "iteration": iteration}
             check_token_ids(work.samples, self.model_config.vocab_size, self.run.url(scored_key(iteration)))
+            # the optimizer shards after the answer only where the next update does not wait for this one's publish
+            # (the trainer holds versions: pipelines/workflow/graph.py), and as the run's trainer says
+            later = bool(body.get("optimizer_later")) and not work.replay and candidate.defers_optimizer(work.cfg)
             command = {
                 "op": "update",
                 "iteration": iteration,
                 "from_memory": self._may_train_on(iteration),
                 "replay": work.replay,
-                "optimizer_later": bool(body.get("optimizer_later")) and not work.replay,
+                "optimizer_later": later,
             }
             self._broadcast(command)
             return self.execute(command, work)
@@ -217,6 +230,7 @@ class TrainerService:
             self._broadcast({"op": "noop"})
 
         self.launcher = launcher
+        self.recover()  # the calls that come meanwhile wait in the server's queue
         server.run_operations(self.stopping, idle=idle, idle_every_s=HEARTBEAT_S)
         self._broadcast({"op": "stop"})
         self._finish_pending()
@@ -368,25 +382,54 @@ class TrainerService:
         return answer
 
     def _join_pending(self) -> None:
-        """The previous update's optimizer shards stored (rank 0: CANDIDATE.json written), raising what stopped
-        them: run by train_iteration before it writes anything (agreed by every rank)."""
+        """The previous update's optimizer shards stored (rank 0: CANDIDATE.json written): every rank waits for its
+        own shard, the ranks agree, then rank 0 waits for CANDIDATE.json (optimizer_write.py). Run by
+        train_iteration before it writes anything, and by a stop, on every rank. A failure is Unavailable (503):
+        the client's retry finds this trainer holding nothing and trains that update again (_may_train_on)."""
         pending, self.pending = self.pending, None
         if pending is None:
             return
         try:
+            agreed(self.mesh, pending.own_part)
             pending.join()
-        except BaseException:
+        except Exception as err:
             pending.cancel()
-            raise
+            raise Unavailable(
+                f"{err}; the next update trains iteration {pending.iteration} again to store them"
+            ) from err
 
     def _finish_pending(self) -> None:
         """Every rank: the pending optimizer write joined (agreed); a failure is said, not raised (the update
         that next needs that version trains it again: _may_train_on)."""
-        version = None if self.pending is None else self.pending.iteration
         try:
             agreed(self.mesh, self._join_pending)
-        except Exception as err:  # noqa: BLE001 - every rank agreed on it; said below
-            self.log(f"rank {self.mesh.rank}: {err}; the next update from v{version:06d} trains it again")
+        except Exception as err:  # noqa: BLE001 - every rank agreed on it; said here
+            self.log(f"rank {self.mesh.rank}: {err}")
+
+    def recover(self) -> None:
+        """Rank 0, before it serves: a candidate whose weights were indexed and whose optimizer shards never came
+        (the trainer this one replaces was lost after it answered) is trained again now, so that its publish,
+        which waits for them, is not left to wait for the next update (optimizer_write.py)."""
+        for version in self._lost_optimizer_versions():
+            try:
+                self._train_again(version)
+            except Exception as err:  # noqa: BLE001 - said; the next update that needs it tries again
+                self.log(f"trainer: training iteration {version} again failed ({err}); the next update retries it")
+                return
+
+    def _lost_optimizer_versions(self) -> list[int]:
+        """The iterations whose candidate has WEIGHTS.json and an indexed delta but no CANDIDATE.json and that are
+        not published, oldest first."""
+        iterations = set()
+        for key in self.run.list(f"{CANDIDATES_PREFIX}/"):
+            parts = key.split("/")
+            iteration = parse_iteration(parts[1]) if len(parts) == 3 else None
+            if iteration is not None and parts[2] == candidate.WEIGHTS_MARKER:
+                iterations.add(iteration)
+        return sorted(
+            i for i in iterations
+            if self.run.exists(delta_index_key(i)) and self._optimizer_lost(i)
+        )  # fmt: skip
 
     def _broadcast(self, command: dict[str, Any] | None) -> dict[str, Any]:
         """Rank 0's command to every rank, as JSON bytes (never pickled)."""
