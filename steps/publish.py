@@ -254,7 +254,10 @@ def publish(run_uri: str, iteration: int) -> checkpoint.Manifest:
         return existing
 
     where = run.url(candidate_prefix(iteration))
-    marker = candidate.wait_for_marker(run, iteration, cfg.trainer.publish_wait_s)
+    if candidate.defers_optimizer(cfg):  # the trainer may still be storing the optimizer shards
+        marker = candidate.wait_for_marker(run, iteration, cfg.trainer.publish_wait_s)
+    else:
+        marker = candidate.read_marker(run, iteration)
     if marker is None:
         raise MoerlError(
             f"{where}: no complete candidate ({MARKER} missing); the update of iteration {iteration} did not "

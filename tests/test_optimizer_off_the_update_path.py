@@ -91,14 +91,24 @@ def test_weights_without_an_index_are_trained_again_from_scratch(tmp_path):
     assert candidate.read_marker(run, 1) is not None
 
 
-def test_publish_waits_for_the_optimizer_shards_then_publishes(tmp_path):
-    run_uri, run = updated_run(tmp_path, **SERVED)
+def test_publish_waits_for_the_optimizer_shards_then_publishes(tmp_path, monkeypatch):
+    run_uri, run = updated_run(tmp_path, trainer={"server": True}, **SERVED)
     complete = lose_optimizer_shards(run, 1)
+    looked, real_read = threading.Event(), candidate.read_marker
+
+    def read_marker(store, iteration):  # publish found no CANDIDATE.json at least once: it is waiting
+        marker = real_read(store, iteration)
+        if marker is None:
+            looked.set()
+        return marker
+
+    monkeypatch.setattr(candidate, "read_marker", read_marker)
     stored = {}
 
     def trainer_stores_them():  # what OptimizerWrite's threads do after the trainer answered
+        assert looked.wait(timeout=120)
         run_update(run_uri, 1)
-        stored["marker"] = candidate.read_marker(run, 1)
+        stored["marker"] = real_read(run, 1)
 
     later = threading.Thread(target=trainer_stores_them)
     published = []
@@ -112,9 +122,17 @@ def test_publish_waits_for_the_optimizer_shards_then_publishes(tmp_path):
 
 
 def test_publish_waits_at_most_publish_wait_s_and_names_the_way_out(tmp_path):
-    _, run = updated_run(tmp_path, trainer={"publish_wait_s": 0}, **SERVED)
+    _, run = updated_run(tmp_path, trainer={"server": True, "publish_wait_s": 0}, **SERVED)
     lose_optimizer_shards(run, 1)
     with pytest.raises(MoerlError, match=r"WEIGHTS.json\) but the optimizer shards did not come within 0 s"):
+        publish(run.uri, 1)
+    assert_nothing_published(run)
+
+
+def test_publish_waits_only_where_a_trainer_stores_the_shards_after_it_answered(tmp_path):
+    _, run = updated_run(tmp_path, **SERVED)  # update steps of their own: the candidate is complete or unfinished
+    lose_optimizer_shards(run, 1)
+    with pytest.raises(MoerlError, match="no complete candidate"):
         publish(run.uri, 1)
     assert_nothing_published(run)
 
