@@ -254,7 +254,9 @@ def publish(run_uri: str, iteration: int) -> checkpoint.Manifest:
         return existing
 
     where = run.url(candidate_prefix(iteration))
-    if candidate.defers_optimizer(cfg):  # the trainer may still be storing the optimizer shards
+    # the trainer may still be storing the optimizer shards (or its replacement replaying them): where the run's
+    # trainer defers them, and wherever the weights were indexed before (whatever the config says now)
+    if candidate.defers_optimizer(cfg) or run.exists(delta_index_key(iteration)):
         marker = candidate.wait_for_marker(run, iteration, cfg.trainer.publish_wait_s)
     else:
         marker = candidate.read_marker(run, iteration)

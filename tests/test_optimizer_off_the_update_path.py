@@ -130,7 +130,8 @@ def test_publish_waits_at_most_publish_wait_s_and_names_the_way_out(tmp_path):
 
 
 def test_publish_waits_only_where_a_trainer_stores_the_shards_after_it_answered(tmp_path):
-    _, run = updated_run(tmp_path, **SERVED)  # update steps of their own: the candidate is complete or unfinished
+    # update steps of their own, no deltas: a candidate without CANDIDATE.json is unfinished, trained again
+    _, run = updated_run(tmp_path)
     lose_optimizer_shards(run, 1)
     with pytest.raises(MoerlError, match="no complete candidate"):
         publish(run.uri, 1)
@@ -286,13 +287,15 @@ def test_only_a_trainer_that_holds_versions_defers_and_never_for_the_segments_la
 def test_the_encoder_takes_its_ranks_share_of_the_cores(monkeypatch):
     from steps.run import weight_delta
 
+    def threads(affinity: set[int], quota: int | None = None) -> int:
+        monkeypatch.setattr(weight_delta.os, "sched_getaffinity", lambda pid: affinity, raising=False)
+        monkeypatch.setattr(weight_delta, "_cpu_quota", lambda: quota)
+        return weight_delta.encode_threads()
+
     monkeypatch.setattr(weight_delta.os, "cpu_count", lambda: 16)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
-    monkeypatch.setattr(weight_delta, "_cpu_quota", lambda: None)
-    monkeypatch.setattr(weight_delta.os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
-    assert weight_delta.encode_threads() == 2  # 16 cores over 8 ranks
-    monkeypatch.setattr(weight_delta.os, "sched_getaffinity", lambda pid: {4, 5, 6}, raising=False)
-    assert weight_delta.encode_threads() == 3  # pinned to cores of its own
-    monkeypatch.setattr(weight_delta.os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
-    monkeypatch.setattr(weight_delta, "_cpu_quota", lambda: 4)
-    assert weight_delta.encode_threads() == 1  # the container's quota of 4, over 8 ranks
+    assert threads(set(range(16))) == 2  # the node's 16 cores over its 8 ranks
+    assert threads({4, 5}) == 2  # pinned to cores of its own
+    assert threads(set(range(8))) == 1  # a cpuset all 8 ranks share
+    assert threads(set(range(16)), quota=4) == 1  # the container's quota of 4, over 8 ranks
+    assert threads({4, 5}, quota=16) == 2  # pinned, under a quota for all the ranks

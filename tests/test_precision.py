@@ -160,7 +160,9 @@ def test_a_bf16_run_trains_exactly_the_weights_of_the_run_kept_in_fp32(runs, tmp
 def test_a_killed_update_restarts_from_the_masters_to_the_same_bits(runs):
     assert runs["killed"].returncode == -9, runs["killed"].stderr[-2000:]
     partial = {Path(k).name for k in runs["partial"]}
-    assert partial == {candidate.model_shard_name(0, 1), candidate.optimizer_shard_name(0, 1)}  # no marker
+    # killed after its optimizer shard: the weights' marker is there, CANDIDATE.json is not (trained again)
+    assert {candidate.model_shard_name(0, 1), candidate.optimizer_shard_name(0, 1), candidate.WEIGHTS_MARKER} <= partial
+    assert candidate.MARKER not in partial
     assert runs["restarted"] == runs["uninterrupted"]  # every file bit-identical
 
 

@@ -141,7 +141,7 @@ def test_a_trainer_that_stays_up_trains_the_bytes_of_plain_updates(tmp_path, dty
     # Served: iteration 1 from the store; iteration 2 killed while rank 0 holds (SIGSTOP) right after writing
     # its weight shard, the client exits 75, a new trainer reloads v000001 and trains it; that trainer is lost
     # after it answered, before it stored the optimizer shards (they are deleted here), and the next trainer
-    # trains iteration 2 again (the weights bit for bit, the optimizer shards written) before it trains
+    # trains iteration 2 again before it serves (the weights bit for bit, the optimizer shards written), then
     # iteration 3 from memory.
     served, log = runs["served"], tmp_path / "trainer.log"
     stop_at_write = '[{"kill": "STOP", "on": "put", "match": "^candidates/iter-000002/model-rank00000"}]'
@@ -179,11 +179,12 @@ def test_a_trainer_that_stays_up_trains_the_bytes_of_plain_updates(tmp_path, dty
 
     restarted = start_trainer(served, log)
     try:
+        # before it serves, the replacement trains iteration 2 again: the same weights, the same optimizer shards
+        assert candidate_files(served, 2) == candidates["served"][2]
         done = client(served, 3)
         assert done.returncode == 0, done.stdout[-3000:] + log.read_text()[-3000:]
         assert "update 3: trained by trainer (memory)" in done.stdout
         assert "the candidate of iteration 2 lacks its optimizer shards: training it again" in log.read_text()
-        assert candidate_files(served, 2) == candidates["served"][2]  # the same weights, the same optimizer shards
         publish(served, 2)
         moved = placement(served, 2) != placement(served, 3)  # then the ranks swapped experts in memory
         assert ("0 expert(s) changed EP rank" not in log.read_text()) == moved, log.read_text()[-2000:]

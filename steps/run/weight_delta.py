@@ -360,22 +360,29 @@ def encode_threads() -> int:
     the GIL, so tensors encode in parallel; the blob is the same whatever the count (segments are written in the
     file's order)."""
     machine = os.cpu_count() or 1
+    ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else machine
     quota = _cpu_quota()
-    if quota is not None:
+    pinned = cores <= machine // ranks  # cores of its own, not the cpuset every rank of the node shares
+    if quota is not None:  # the container's, over all its ranks
         cores = min(cores, quota)
-    if cores >= machine or quota is not None:  # not pinned to cores of its own: shared with the node's ranks
-        cores //= max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
-    return max(1, cores)
+    return max(1, cores if pinned else cores // ranks)
 
 
 def _cpu_quota() -> int | None:
-    """The container's CPU quota in whole cores (cgroup v2 cpu.max), None when unlimited or unknown."""
+    """The container's CPU quota in whole cores (cgroup v2 cpu.max, else v1 cpu.cfs_quota_us), None when unlimited
+    or unknown."""
     try:
         quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
     except (OSError, ValueError):
+        try:
+            quota = Path("/sys/fs/cgroup/cpu/cpu.cfs_quota_us").read_text().strip()
+            period = Path("/sys/fs/cgroup/cpu/cpu.cfs_period_us").read_text().strip()
+        except OSError:
+            return None
+    if quota in ("max", "-1") or not quota.lstrip("-").isdigit() or not period.isdigit():
         return None
-    return None if quota == "max" else max(1, int(quota) // max(1, int(period)))
+    return max(1, int(quota) // max(1, int(period)))
 
 
 def _encoded(new: bytes, old: bytes | None, dtype: str) -> tuple[bytes, str]:

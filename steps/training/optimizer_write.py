@@ -103,9 +103,12 @@ class OptimizerWrite:
         if error is not None:
             raise self._failure(error)
 
-    def cancel(self) -> None:
-        """End rank 0's wait for receipts: a writer failed (the ranks agreed so in own_part)."""
+    def cancel(self, wait_s: float = 10 * RECEIPT_POLL_S) -> None:
+        """End rank 0's wait for receipts (a writer failed: the ranks agreed so in own_part), and wait a moment for
+        the thread to end, so that a replay of the same candidate does not run beside it."""
         self._cancel.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=wait_s)
 
     def _failure(self, error: BaseException) -> MoerlError:
         return MoerlError(

@@ -145,6 +145,7 @@ class TrainerService:
         self.log = log
         self.held: HeldState | None = None
         self.pending: OptimizerWrite | None = None  # the last update's optimizer shards, being written
+        self.recovering: int | None = None  # the update recover() trains again before serving (calls queue meanwhile)
         self.dispatches = HeldDispatch()  # its DeepEP buffer made once, not per update
         self.reference = HeldReference()  # the KL reference read once, not per update
         self.instance = ""  # set by the step once registered
@@ -163,6 +164,7 @@ class TrainerService:
             "ready": bool(self.instance) and not self.stopping.is_set(),
             "held": None if self.held is None else self.held.version,
             "optimizer_pending": None if pending is None else pending.iteration,
+            "recovering": self.recovering,
             "dispatches_made": self.dispatches.made,
             "reference_loads": self.reference.loads,
             "requests": self._done,
@@ -400,7 +402,10 @@ class TrainerService:
 
     def _finish_pending(self) -> None:
         """Every rank: the pending optimizer write joined (agreed); a failure is said, not raised (the update
-        that next needs that version trains it again: _may_train_on)."""
+        that next needs that version trains it again: _may_train_on). Nothing pending is nothing to join, on every
+        rank alike (each rank's pending is set and cleared by the same commands)."""
+        if self.pending is None:
+            return
         try:
             agreed(self.mesh, self._join_pending)
         except Exception as err:  # noqa: BLE001 - every rank agreed on it; said here
@@ -410,12 +415,14 @@ class TrainerService:
         """Rank 0, before it serves: a candidate whose weights were indexed and whose optimizer shards never came
         (the trainer this one replaces was lost after it answered) is trained again now, so that its publish,
         which waits for them, is not left to wait for the next update (optimizer_write.py)."""
-        for version in self._lost_optimizer_versions():
-            try:
+        try:
+            for version in self._lost_optimizer_versions():
+                self.recovering = version
                 self._train_again(version)
-            except Exception as err:  # noqa: BLE001 - said; the next update that needs it tries again
-                self.log(f"trainer: training iteration {version} again failed ({err}); the next update retries it")
-                return
+        except Exception as err:  # noqa: BLE001 - said; the next update that needs it tries again
+            self.log(f"trainer: recovering lost optimizer shards failed ({err}); the next update needing them retries")
+        finally:
+            self.recovering = None
 
     def _lost_optimizer_versions(self) -> list[int]:
         """The iterations whose candidate has WEIGHTS.json and an indexed delta but no CANDIDATE.json and that are

@@ -261,7 +261,7 @@ def pending_iteration(run: Store, iteration: int, force: bool = False, rank: int
             index_candidate_delta(run, cfg, iteration)
         _say(rank, f"candidate of iteration {iteration} is complete; nothing to do (--force retrains it)")
         return None
-    indexed = weight_delta.wanted(cfg) and run.exists(delta_index_key(iteration))
+    indexed = run.exists(delta_index_key(iteration))  # from the store: the config's deltas may have changed since
     weights = candidate.read_weights_marker(run, iteration) if indexed else None
     if indexed and (force or weights is None):  # --force, or a candidate deleted
         raise MoerlError(
