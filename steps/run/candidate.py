@@ -139,7 +139,7 @@ def write_weights_marker(
         **({"weight_deltas": dict(sorted(weight_deltas.items()))} if weight_deltas else {}),
         "created_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     }
-    run.put_json(f"{candidate_prefix(iteration)}/{WEIGHTS_MARKER}", marker)
+    run.put_json(_weights_key(iteration), marker)
     return marker
 
 
@@ -162,14 +162,24 @@ def read_marker(run: Store, iteration: int) -> dict[str, Any] | None:
     return run.get_json(key) if run.exists(key) else None
 
 
+def _weights_key(iteration: int) -> str:
+    return f"{candidate_prefix(iteration)}/{WEIGHTS_MARKER}"
+
+
 def read_weights_marker(run: Store, iteration: int) -> dict[str, Any] | None:
     """What describes the candidate's weights: CANDIDATE.json when it is complete, else WEIGHTS.json while its
     optimizer shards are still to come, else None (no complete weights)."""
     marker = read_marker(run, iteration)
     if marker is not None:
         return marker
-    key = f"{candidate_prefix(iteration)}/{WEIGHTS_MARKER}"
+    key = _weights_key(iteration)
     return run.get_json(key) if run.exists(key) else None
+
+
+def awaits_optimizer(run: Store, iteration: int) -> bool:
+    """Whether candidate `iteration` has its weights (WEIGHTS.json) and not yet its optimizer shards (no
+    CANDIDATE.json)."""
+    return run.exists(_weights_key(iteration)) and read_marker(run, iteration) is None
 
 
 def defers_optimizer(cfg: RunConfig) -> bool:
@@ -194,9 +204,8 @@ def wait_for_marker(
     """CANDIDATE.json of candidate `iteration`: at once when it is there; None when not even WEIGHTS.json is
     (the update did not finish); else, the weights complete and the optimizer shards still being written by a
     trainer that stays up, waited for at most `wait_s` (trainer.publish_wait_s), then refused naming the way out."""
-    marker = read_marker(run, iteration)
-    if marker is not None or read_weights_marker(run, iteration) is None:
-        return marker
+    if not awaits_optimizer(run, iteration):
+        return read_marker(run, iteration)
     log(f"candidate of iteration {iteration}: weights complete, waiting for its optimizer shards ({MARKER})")
     started = time.monotonic()
     while (marker := read_marker(run, iteration)) is None:
@@ -212,9 +221,13 @@ def wait_for_marker(
     return marker
 
 
+def receipts_prefix(iteration: int) -> str:
+    return f"{candidate_prefix(iteration)}/{OPTIMIZER_RECEIPTS}/"
+
+
 def receipt_key(iteration: int, file_name: str) -> str:
     """Where the writer of optimizer shard `file_name` records its size and sha256 once it is stored."""
-    return f"{candidate_prefix(iteration)}/{OPTIMIZER_RECEIPTS}/{file_name}.json"
+    return f"{receipts_prefix(iteration)}{file_name}.json"
 
 
 def download(run: Store, iteration: int, marker: dict[str, Any], local_dir: Path) -> None:

@@ -154,9 +154,10 @@ class OptimizerWrite:
     def _write_marker(self, own: dict[str, dict[str, Any]]) -> None:
         files: dict[str, dict[str, Any]] = dict(own)
         while True:
+            stored = set(self.run.list(candidate.receipts_prefix(self.iteration)))  # one listing a look
             for name in self.expected:
                 key = candidate.receipt_key(self.iteration, name)
-                if name not in files and self.run.exists(key):
+                if name not in files and key in stored:
                     receipt = self.run.get_json(key)
                     if "error" in receipt:
                         raise MoerlError(f"the writer of {name} failed: {receipt['error']}")

@@ -265,9 +265,7 @@ class TrainerService:
         (no CANDIDATE.json, no publish, and this trainer writes none of it)."""
         if version < 1 or self.pending is not None or checkpoint.read_manifest(self.run, version) is not None:
             return False
-        return candidate.read_marker(self.run, version) is None and (
-            candidate.read_weights_marker(self.run, version) is not None
-        )
+        return candidate.awaits_optimizer(self.run, version)
 
     def _train_again(self, version: int) -> None:
         """Update `version` again on every rank (its candidate's optimizer shards were lost: a replay of the
